@@ -1,0 +1,17 @@
+//! Compiles `podsim/v1/*.proto` with protox (a pure-Rust protobuf compiler) and generates the
+//! prost messages and tonic services from the resulting descriptor set: no system `protoc`.
+
+use std::path::Path;
+
+const PROTOS: &[&str] = &["podsim/v1/link.proto"];
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for proto in PROTOS {
+        println!("cargo:rerun-if-changed={}", root.join(proto).display());
+    }
+    println!("cargo:rerun-if-changed=build.rs");
+    let descriptors = protox::compile(PROTOS, [root])?;
+    tonic_prost_build::configure().compile_fds(descriptors)?;
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! Placement of chips onto worker processes: each worker gets a contiguous block (a box of the
+//! torus, or whole slices), chosen to minimise the links whose ends sit on different workers,
+//! because those links leave the process and cost real network traffic.
+
+use serde::{Deserialize, Serialize};
+
+use crate::pod::{ChipId, Pod};
+use crate::TopologyError;
+
+/// Which worker hosts each chip.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    workers: u32,
+    owner: Vec<u32>,
+    crossing_links: u64,
+}
+
+impl Placement {
+    /// Places the chips of `pod` onto `workers` processes.
+    pub fn new(pod: &Pod, workers: u32) -> Result<Placement, TopologyError> {
+        let chips = pod.chips();
+        let err = |reason: &str| TopologyError::Placement {
+            chips: chips.into(),
+            workers: workers.into(),
+            reason: reason.to_string(),
+        };
+        if workers == 0 {
+            return Err(err("at least one worker is needed"));
+        }
+        if workers > chips {
+            return Err(err("more workers than chips"));
+        }
+        let candidates = box_splits(pod, workers);
+        let best = candidates
+            .into_iter()
+            .map(|owner| Placement::from_owner(pod, workers, owner))
+            .min_by_key(|p| p.crossing_links);
+        Ok(best.unwrap_or_else(|| {
+            // No box split exists (e.g. a prime number of workers that divides no axis):
+            // contiguous rank ranges of near-equal size.
+            let owner = (0..chips)
+                .map(|c| (u64::from(c) * u64::from(workers) / u64::from(chips)) as u32)
+                .collect();
+            Placement::from_owner(pod, workers, owner)
+        }))
+    }
+
+    fn from_owner(pod: &Pod, workers: u32, owner: Vec<u32>) -> Placement {
+        let crossing_links = (0..pod.chips())
+            .flat_map(|c| pod.links(c).into_iter().map(move |l| (c, l)))
+            .filter(|&(c, l)| pod.peer(c, l).is_some_and(|p| owner[p as usize] != owner[c as usize]))
+            .count() as u64;
+        Placement { workers, owner, crossing_links }
+    }
+
+    pub fn workers(&self) -> u32 {
+        self.workers
+    }
+
+    /// The worker hosting `chip`.
+    pub fn worker_of(&self, chip: ChipId) -> u32 {
+        self.owner[chip as usize]
+    }
+
+    /// The chips of `worker`, ascending.
+    pub fn chips_of(&self, worker: u32) -> Vec<ChipId> {
+        (0..self.owner.len() as u32).filter(|&c| self.owner[c as usize] == worker).collect()
+    }
+
+    /// Directed links (ICI and DCN) whose two ends are on different workers.
+    pub fn crossing_links(&self) -> u64 {
+        self.crossing_links
+    }
+}
+
+/// Every way to cut the pod into `workers` equal boxes: whole groups of slices, or each slice
+/// cut by a factor along each torus axis.
+fn box_splits(pod: &Pod, workers: u32) -> Vec<Vec<u32>> {
+    let slices = pod.slices();
+    let mut out = Vec::new();
+    if workers <= slices && slices % workers == 0 {
+        let per = slices / workers;
+        out.push((0..pod.chips()).map(|c| pod.slice_of(c) / per).collect());
+    }
+    if workers % slices == 0 {
+        let per_slice = workers / slices;
+        let dims = pod.torus().dims().to_vec();
+        for cuts in factorizations(per_slice, &dims) {
+            let owner = (0..pod.chips())
+                .map(|c| {
+                    let coord = pod.coord(c);
+                    let mut w = 0;
+                    for axis in (0..dims.len()).rev() {
+                        let block = dims[axis] / cuts[axis];
+                        w = w * cuts[axis] + coord[axis] / block;
+                    }
+                    pod.slice_of(c) * per_slice + w
+                })
+                .collect();
+            out.push(owner);
+        }
+    }
+    out
+}
+
+/// Ways to write `n` as a product of per-axis factors, each dividing its axis.
+fn factorizations(n: u32, dims: &[u32]) -> Vec<Vec<u32>> {
+    let Some((&first, rest)) = dims.split_first() else {
+        return if n == 1 { vec![vec![]] } else { vec![] };
+    };
+    let mut out = Vec::new();
+    for f in (1..=first.min(n)).filter(|f| first % f == 0 && n % f == 0) {
+        for mut tail in factorizations(n / f, rest) {
+            tail.insert(0, f);
+            out.push(tail);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Torus;
+
+    #[test]
+    fn splits_the_slowest_axis_of_a_cube() {
+        let pod = Pod::single("4x4x4".parse::<Torus>().unwrap());
+        let p = Placement::new(&pod, 4).unwrap();
+        // Four 4x4x1 planes cross 2 * 16 links each way per cut, 4 cuts on the ring: 128 directed.
+        // A 2x2 split of two axes would cross 4 cuts of 16 links in each of two directions too:
+        // the placement must pick a minimum, and its blocks must be equal.
+        assert!(p.crossing_links() <= 128);
+        for w in 0..4 {
+            assert_eq!(p.chips_of(w).len(), 16);
+        }
+    }
+
+    #[test]
+    fn rejects_more_workers_than_chips() {
+        let pod = Pod::single("2x2".parse::<Torus>().unwrap());
+        assert!(Placement::new(&pod, 5).is_err());
+        assert!(Placement::new(&pod, 0).is_err());
+        // 3 workers on 4 chips: no box split, falls back to ranges.
+        assert_eq!(Placement::new(&pod, 3).unwrap().workers(), 3);
+    }
+}

@@ -1,0 +1,154 @@
+//! A pod: `slices` copies of one torus, joined by DCN. Chips are numbered globally as
+//! `slice * chips_per_slice + rank_in_slice`; links are named from the sending chip's side.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::torus::{Coord, Dir, MAX_CHIPS, Torus};
+use crate::TopologyError;
+
+/// Global chip number across all slices.
+pub type ChipId = u32;
+
+/// A directed link as seen from the chip that uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Link {
+    /// ICI link to the torus neighbour along `axis` in direction `dir`.
+    Ici { axis: u8, dir: Dir },
+    /// DCN link to the chip with the same rank in slice `peer_slice`.
+    Dcn { peer_slice: u32 },
+}
+
+impl Link {
+    pub fn ici(axis: usize, dir: Dir) -> Link {
+        // Axis indices are below MAX_AXES (3), so the narrowing is lossless.
+        Link::Ici { axis: axis as u8, dir }
+    }
+
+    /// The same wire seen from the other end: what the receiver calls the link to the sender.
+    pub fn reverse(self, sender_slice: u32) -> Link {
+        match self {
+            Link::Ici { axis, dir } => Link::Ici { axis, dir: dir.flip() },
+            Link::Dcn { .. } => Link::Dcn { peer_slice: sender_slice },
+        }
+    }
+
+    pub fn is_dcn(self) -> bool {
+        matches!(self, Link::Dcn { .. })
+    }
+}
+
+impl fmt::Display for Link {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const AXES: [char; 3] = ['x', 'y', 'z'];
+        match self {
+            Link::Ici { axis, dir } => {
+                let name = AXES.get(usize::from(*axis)).copied().unwrap_or('?');
+                write!(f, "ici{}{name}", dir.sign())
+            }
+            Link::Dcn { peer_slice } => write!(f, "dcn->slice{peer_slice}"),
+        }
+    }
+}
+
+/// The whole fabric: the torus of each slice and how many slices there are.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Pod {
+    torus: Torus,
+    slices: u32,
+}
+
+impl Pod {
+    pub fn new(torus: Torus, slices: u32) -> Result<Pod, TopologyError> {
+        if slices == 0 {
+            return Err(TopologyError::ZeroSlices(slices));
+        }
+        let chips = u64::from(torus.chips()) * u64::from(slices);
+        if chips > MAX_CHIPS {
+            return Err(TopologyError::TooManyChips { chips, max: MAX_CHIPS });
+        }
+        Ok(Pod { torus, slices })
+    }
+
+    /// A single-slice pod.
+    pub fn single(torus: Torus) -> Pod {
+        Pod { torus, slices: 1 }
+    }
+
+    pub fn torus(&self) -> &Torus {
+        &self.torus
+    }
+    pub fn slices(&self) -> u32 {
+        self.slices
+    }
+    pub fn chips_per_slice(&self) -> u32 {
+        self.torus.chips()
+    }
+    pub fn chips(&self) -> u32 {
+        self.torus.chips() * self.slices
+    }
+
+    pub fn check(&self, chip: ChipId) -> Result<(), TopologyError> {
+        if chip < self.chips() {
+            Ok(())
+        } else {
+            Err(TopologyError::NoSuchChip { chip: chip.into(), chips: self.chips().into() })
+        }
+    }
+
+    pub fn slice_of(&self, chip: ChipId) -> u32 {
+        chip / self.chips_per_slice()
+    }
+    pub fn rank_in_slice(&self, chip: ChipId) -> u32 {
+        chip % self.chips_per_slice()
+    }
+    pub fn coord(&self, chip: ChipId) -> Coord {
+        self.torus.coord(self.rank_in_slice(chip))
+    }
+    pub fn chip_at(&self, slice: u32, coord: &Coord) -> ChipId {
+        slice * self.chips_per_slice() + self.torus.rank(coord)
+    }
+
+    /// The chip at the far end of `link` from `chip`, if that link exists.
+    pub fn peer(&self, chip: ChipId, link: Link) -> Option<ChipId> {
+        let slice = self.slice_of(chip);
+        let base = slice * self.chips_per_slice();
+        match link {
+            Link::Ici { axis, dir } => self
+                .torus
+                .neighbor(self.rank_in_slice(chip), usize::from(axis), dir)
+                .map(|r| base + r),
+            Link::Dcn { peer_slice } if peer_slice != slice && peer_slice < self.slices => {
+                Some(peer_slice * self.chips_per_slice() + self.rank_in_slice(chip))
+            }
+            Link::Dcn { .. } => None,
+        }
+    }
+
+    /// Every outgoing link of `chip` that exists, ICI first then DCN.
+    pub fn links(&self, chip: ChipId) -> Vec<Link> {
+        let mut links = Vec::new();
+        for axis in 0..self.torus.ndims() {
+            for dir in [Dir::Plus, Dir::Minus] {
+                let link = Link::ici(axis, dir);
+                if self.peer(chip, link).is_some() {
+                    links.push(link);
+                }
+            }
+        }
+        let slice = self.slice_of(chip);
+        links.extend((0..self.slices).filter(|&s| s != slice).map(|s| Link::Dcn { peer_slice: s }));
+        links
+    }
+}
+
+impl fmt::Display for Pod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.slices > 1 {
+            write!(f, "{} x {} slices", self.torus, self.slices)
+        } else {
+            write!(f, "{}", self.torus)
+        }
+    }
+}
