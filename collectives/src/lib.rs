@@ -1,1 +1,43 @@
-//! placeholder
+//! podsim's collectives: the fabric abstraction, the virtual-time link model, the collective
+//! algorithms and an in-memory fabric that runs any number of chips in one process.
+//!
+//! Nothing here opens a socket or starts a process: the multi-process fabric plugs in through
+//! [`Router`] and [`Inbox`].
+//!
+//! ```
+//! use podsim_collectives::{Algo, Comm, LocalFabric, Payload, ReduceOp, run_chips};
+//! use podsim_topology::{Group, Hardware, Pod};
+//!
+//! let pod = Pod::single("2x2".parse().unwrap());
+//! let fabric = LocalFabric::new(pod.clone(), Hardware::preset("v5e").unwrap());
+//! let comm = Comm::new(Group::world(&pod), Algo::Torus);
+//! let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+//! let sums = rt.block_on(run_chips(fabric.chips(), move |mut chip| async move {
+//!     let mine = Payload::from_vec(vec![chip.id() as f32; 3]);
+//!     let sum = chip.all_reduce(&comm, &mine, ReduceOp::Sum).await?;
+//!     Ok((sum.to_vec().unwrap(), chip.clock()))
+//! })).unwrap();
+//! assert_eq!(sums[0].0, vec![6.0; 3]);
+//! assert!(sums[0].1 > 0.0); // virtual nanoseconds on the modelled v5e
+//! ```
+
+mod algo;
+mod chip;
+mod collective;
+mod error;
+mod fabric;
+mod fingerprint;
+mod local;
+mod payload;
+mod reduce;
+pub mod reference;
+
+pub use algo::Algo;
+pub use chip::{Chip, ChipStats, Nanos};
+pub use collective::Comm;
+pub use error::CollectiveError;
+pub use fabric::{Inbox, Message, Router, Tag};
+pub use fingerprint::{DType, Fingerprint, OpKind};
+pub use local::{LocalFabric, LocalRouter, run_chips};
+pub use payload::{Payload, Rope};
+pub use reduce::ReduceOp;

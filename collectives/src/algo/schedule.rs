@@ -1,0 +1,276 @@
+//! Whole collectives as sequences of phases over the group's axes.
+//!
+//! Buffers of `N` blocks (one per group rank, each `L` elements) are kept in canonical order
+//! over the axes not yet processed (axis x fastest). Reduce-scatter along an axis picks out the
+//! blocks bound for each position with an interleaved split (no copy); all-gather puts them
+//! back with the inverse merge. With the `torus` algorithm, each block is cut into one part per
+//! ICI axis and part `j` visits the axes starting at axis `j`, so every axis carries one part
+//! at any time.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+
+use futures_util::future::try_join_all;
+use podsim_topology::{Group, PodAxis};
+
+use super::phase::{self, PhaseId};
+use super::{Algo, AxisPath, PhaseKind};
+use crate::chip::{Call, Nanos};
+use crate::error::CollectiveError;
+use crate::payload::Payload;
+use crate::reduce::ReduceOp;
+
+/// The group's axes as one chip sees them, and how its buffer is cut into parts.
+#[derive(Debug, Clone)]
+pub(crate) struct Schedule {
+    /// Axes with more than one chip, canonical order (x, y, z, dcn).
+    pub axes: Vec<AxisPath>,
+    pub algo: Algo,
+    /// Reduce-scatter axis order of each part (indices into `axes`).
+    orders: Vec<Vec<usize>>,
+}
+
+impl Schedule {
+    pub fn new(call: &Call<'_>, group: Group, algo: Algo) -> Schedule {
+        let pod = call.pod();
+        let me = call.me();
+        let axes: Vec<AxisPath> = group
+            .axes(pod)
+            .into_iter()
+            .map(|axis| AxisPath {
+                axis,
+                n: axis.size(pod) as usize,
+                pos: Group::coord_on(pod, me, axis) as usize,
+                wrap: match axis {
+                    PodAxis::Torus(a) => pod.torus().wraps(usize::from(a)),
+                    PodAxis::Slices => true,
+                },
+            })
+            .collect();
+        let ici: Vec<usize> =
+            (0..axes.len()).filter(|&i| axes[i].axis != PodAxis::Slices).collect();
+        let dcn: Vec<usize> =
+            (0..axes.len()).filter(|&i| axes[i].axis == PodAxis::Slices).collect();
+        let parts = if algo == Algo::Torus { ici.len().max(1) } else { 1 };
+        let orders = (0..parts)
+            .map(|j| {
+                let mut order: Vec<usize> =
+                    (0..ici.len()).map(|k| ici[(j + k) % ici.len()]).collect();
+                order.extend(&dcn);
+                order
+            })
+            .collect();
+        Schedule { axes, algo, orders }
+    }
+
+    /// Chips in the group.
+    pub fn size(&self) -> usize {
+        self.axes.iter().map(|a| a.n).product()
+    }
+
+    /// This chip's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.axes.iter().rev().fold(0, |acc, a| acc * a.n + a.pos)
+    }
+
+    /// Phases one reduce-scatter (or all-gather) takes; tags of a following all-gather start here.
+    pub fn phases(&self) -> u16 {
+        self.axes.len() as u16
+    }
+
+    /// Element ranges (offset, len) of the parts of an `l`-element block; empty parts are skipped.
+    fn parts(&self, l: usize) -> Vec<(usize, usize, usize)> {
+        let p = self.orders.len();
+        let mut off = 0;
+        let mut out = Vec::new();
+        for j in 0..p {
+            let len = l / p + usize::from(j < l % p);
+            if len > 0 {
+                out.push((j, off, len));
+            }
+            off += len;
+        }
+        out
+    }
+
+    fn kind(&self, axis: usize) -> PhaseKind {
+        PhaseKind::of(&self.axes[axis], self.algo)
+    }
+
+    /// Blocks per element-chunk when splitting `remaining` (canonical) along `axis`.
+    fn stride(&self, remaining: &[usize], axis: usize) -> usize {
+        remaining.iter().take_while(|&&a| a != axis).map(|&a| self.axes[a].n).product()
+    }
+
+    /// Runs phase `k` of every part. Parts whose phase `k` is on different axes run
+    /// concurrently; parts on the same axis (the shared DCN egress) run one after another in
+    /// part order. No two concurrent lanes ever share a link, so each link's traffic is issued
+    /// in an order fixed by the program, never by host scheduling: virtual time is
+    /// deterministic.
+    async fn phase_of_parts<S, F, Fut>(
+        &self,
+        axis_of: impl Fn(usize) -> usize,
+        states: Vec<(usize, S)>,
+        run: F,
+    ) -> Result<Vec<(usize, S)>, CollectiveError>
+    where
+        F: Fn(usize, usize, S) -> Fut,
+        Fut: Future<Output = Result<S, CollectiveError>>,
+    {
+        let mut by_axis: BTreeMap<usize, Vec<(usize, S)>> = BTreeMap::new();
+        for (j, st) in states {
+            by_axis.entry(axis_of(j)).or_default().push((j, st));
+        }
+        let run = &run;
+        let buckets = by_axis.into_iter().map(|(axis, members)| async move {
+            let mut done = Vec::with_capacity(members.len());
+            for (j, st) in members {
+                done.push((j, run(j, axis, st).await?));
+            }
+            Ok::<_, CollectiveError>(done)
+        });
+        let mut out: Vec<(usize, S)> = try_join_all(buckets).await?.into_iter().flatten().collect();
+        out.sort_by_key(|(j, _)| *j);
+        Ok(out)
+    }
+
+    /// Reduce-scatter of `buf` (`N` blocks of `l`, canonical group-rank order): returns this
+    /// chip's block reduced over the group.
+    pub async fn reduce_scatter(
+        &self,
+        call: Call<'_>,
+        buf: &Payload,
+        l: usize,
+        op: ReduceOp,
+        phase0: u16,
+        t0: Nanos,
+    ) -> Result<(Payload, Nanos), CollectiveError> {
+        let parts = self.parts(l);
+        if parts.is_empty() {
+            return Ok((buf.slice(0, 0), t0));
+        }
+        let single = parts.len() == 1 && parts[0].2 == l;
+        // Per part: (element count per block, buffer, clock, axes not yet reduced).
+        let mut states: Vec<(usize, (usize, Payload, Nanos, Vec<usize>))> = parts
+            .iter()
+            .map(|&(j, off, len)| {
+                let part = if single { buf.clone() } else { blocks_part(buf, l, off, len) };
+                (j, (len, part, t0, (0..self.axes.len()).collect()))
+            })
+            .collect();
+        for k in 0..self.axes.len() {
+            states = self
+                .phase_of_parts(
+                    |j| self.orders[j][k],
+                    states,
+                    |j, a, (len, part, t, mut remaining): (usize, Payload, Nanos, Vec<usize>)| async move {
+                        let chunk = self.stride(&remaining, a) * len;
+                        let groups = part.split_interleaved(chunk, self.axes[a].n);
+                        let id = PhaseId { part: j as u16, phase: phase0 + k as u16 };
+                        let kind = self.kind(a);
+                        let (own, t) =
+                            phase::reduce_scatter(call, &self.axes[a], kind, id, groups, op, t)
+                                .await?;
+                        remaining.retain(|&r| r != a);
+                        Ok((len, own, t, remaining))
+                    },
+                )
+                .await?;
+        }
+        let t = states.iter().fold(t0, |t, (_, st)| t.max(st.2));
+        Ok((Payload::concat(states.into_iter().map(|(_, st)| st.1)), t))
+    }
+
+    /// All-gather of this chip's `l`-element block: returns `N` blocks in group-rank order.
+    pub async fn all_gather(
+        &self,
+        call: Call<'_>,
+        own: &Payload,
+        l: usize,
+        phase0: u16,
+        t0: Nanos,
+    ) -> Result<(Payload, Nanos), CollectiveError> {
+        let parts = self.parts(l);
+        if parts.is_empty() {
+            return Ok((own.zeros_like(0), t0));
+        }
+        let phases = self.axes.len();
+        // Per part: (element count per block, gathered buffer, clock, axes gathered so far).
+        let mut states: Vec<(usize, (usize, Payload, Nanos, Vec<usize>))> = parts
+            .iter()
+            .map(|&(j, off, len)| (j, (len, own.slice(off, len), t0, Vec::new())))
+            .collect();
+        for k in 0..phases {
+            states = self
+                .phase_of_parts(
+                    |j| self.orders[j][phases - 1 - k],
+                    states,
+                    |j, a, (len, buf, t, mut gathered): (usize, Payload, Nanos, Vec<usize>)| async move {
+                        let id = PhaseId { part: j as u16, phase: phase0 + k as u16 };
+                        let kind = self.kind(a);
+                        let (groups, t) =
+                            phase::all_gather(call, &self.axes[a], kind, id, buf, t).await?;
+                        let at = gathered.partition_point(|&g| g < a);
+                        gathered.insert(at, a);
+                        let merged =
+                            Payload::merge_interleaved(groups, self.stride(&gathered, a) * len);
+                        Ok((len, merged, t, gathered))
+                    },
+                )
+                .await?;
+        }
+        let t = states.iter().fold(t0, |t, (_, st)| t.max(st.2));
+        let lens: Vec<usize> = states.iter().map(|(_, st)| st.0).collect();
+        let gathered: Vec<Payload> = states.into_iter().map(|(_, st)| st.1).collect();
+        Ok((zip_parts(&gathered, &lens, self.size()), t))
+    }
+
+    /// All-to-all of `N` blocks of `l` (block `r` bound for group rank `r`): returns the blocks
+    /// every rank sent to this chip, in source-rank order. Axes are processed in canonical order;
+    /// after each, the digit of that axis indexes the source instead of the destination.
+    pub async fn all_to_all(
+        &self,
+        call: Call<'_>,
+        buf: &Payload,
+        l: usize,
+        t0: Nanos,
+    ) -> Result<(Payload, Nanos), CollectiveError> {
+        let all: Vec<usize> = (0..self.axes.len()).collect();
+        let mut buf = buf.clone();
+        let mut t = t0;
+        for (k, &a) in all.iter().enumerate() {
+            let chunk = self.stride(&all, a) * l;
+            let groups = buf.split_interleaved(chunk, self.axes[a].n);
+            let id = PhaseId { part: 0, phase: k as u16 };
+            let received;
+            (received, t) =
+                phase::all_to_all(call, &self.axes[a], self.kind(a), id, groups, t).await?;
+            buf = Payload::merge_interleaved(received, chunk);
+        }
+        Ok((buf, t))
+    }
+}
+
+/// Elements `[off, off + len)` of every `l`-element block of `buf`.
+fn blocks_part(buf: &Payload, l: usize, off: usize, len: usize) -> Payload {
+    if let Payload::Meta(total) = buf {
+        return Payload::Meta(total.checked_div(l).unwrap_or(0) * len);
+    }
+    let blocks = buf.len().checked_div(l).unwrap_or(0);
+    let mut lens = Vec::with_capacity(blocks * 3);
+    for _ in 0..blocks {
+        lens.extend([off, len, l - off - len]);
+    }
+    let pieces = buf.split_lengths(&lens);
+    Payload::concat(pieces.into_iter().skip(1).step_by(3))
+}
+
+/// Re-forms `n` blocks from per-part buffers: block `r` is part 0's `r`-th piece, then part 1's...
+fn zip_parts(parts: &[Payload], lens: &[usize], n: usize) -> Payload {
+    if parts.iter().any(Payload::is_meta) {
+        return Payload::Meta(parts.iter().map(Payload::len).sum());
+    }
+    let split: Vec<Vec<Payload>> =
+        parts.iter().zip(lens).map(|(p, &len)| p.split_lengths(&vec![len; n])).collect();
+    Payload::concat((0..n).flat_map(|r| split.iter().map(move |s| s[r].clone())))
+}

@@ -1,0 +1,233 @@
+//! One emulated chip as the collectives see it: its identity, its virtual clock, the
+//! `busy_until` of each outgoing link, its inbox, and the per-group sequence numbers that
+//! make fingerprints.
+//!
+//! The virtual-time rules (DESIGN.md) live here and nowhere else:
+//! - send of `S` bytes at `t`: `depart = max(t, busy_until)`, `busy_until = depart + S/bw`,
+//!   the message carries `arrive = busy_until + latency`; the sender does not wait;
+//! - receive: `t = max(t, arrive)`.
+//!
+//! ICI links each have their own `busy_until`; all DCN traffic of a chip shares one egress.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use podsim_topology::{ChipId, Coord, Group, Hardware, Link, MAX_AXES, Pod};
+
+use crate::error::CollectiveError;
+use crate::fabric::{Expect, Inbox, Message, Router, Tag};
+use crate::fingerprint::{DType, Fingerprint, OpKind};
+use crate::payload::Payload;
+use crate::reduce::ReduceOp;
+
+/// Virtual time in nanoseconds of modelled hardware.
+pub type Nanos = f64;
+
+/// When each outgoing link of a chip is next free.
+#[derive(Debug, Default, Clone)]
+struct LinkClocks {
+    ici: [[Nanos; 2]; MAX_AXES],
+    dcn_egress: Nanos,
+}
+
+impl LinkClocks {
+    fn slot(&mut self, link: Link) -> &mut Nanos {
+        match link {
+            Link::Ici { axis, dir } => &mut self.ici[usize::from(axis)][dir.index()],
+            Link::Dcn { .. } => &mut self.dcn_egress,
+        }
+    }
+}
+
+/// Traffic counters of one chip.
+#[derive(Debug, Default)]
+pub struct ChipStats {
+    pub messages_sent: AtomicU64,
+    pub bytes_sent: AtomicU64,
+}
+
+/// The parts of a chip that the concurrent lanes of one collective share.
+#[derive(Debug)]
+pub struct ChipCore {
+    id: ChipId,
+    pod: Arc<Pod>,
+    hardware: Arc<Hardware>,
+    inbox: Arc<Inbox>,
+    router: Arc<dyn Router>,
+    links: Mutex<LinkClocks>,
+    stats: ChipStats,
+}
+
+/// An emulated chip: a rank with torus coordinates, a virtual clock and a fabric endpoint.
+#[derive(Debug)]
+pub struct Chip {
+    core: ChipCore,
+    clock: Nanos,
+    seqs: HashMap<u64, u64>,
+}
+
+impl Chip {
+    pub fn new(
+        id: ChipId,
+        pod: Arc<Pod>,
+        hardware: Arc<Hardware>,
+        inbox: Arc<Inbox>,
+        router: Arc<dyn Router>,
+    ) -> Chip {
+        Chip {
+            core: ChipCore {
+                id,
+                pod,
+                hardware,
+                inbox,
+                router,
+                links: Mutex::new(LinkClocks::default()),
+                stats: ChipStats::default(),
+            },
+            clock: 0.0,
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn id(&self) -> ChipId {
+        self.core.id
+    }
+    pub fn pod(&self) -> &Pod {
+        &self.core.pod
+    }
+    pub fn hardware(&self) -> &Hardware {
+        &self.core.hardware
+    }
+    pub fn coord(&self) -> Coord {
+        self.core.pod.coord(self.core.id)
+    }
+    pub fn slice(&self) -> u32 {
+        self.core.pod.slice_of(self.core.id)
+    }
+    pub fn stats(&self) -> &ChipStats {
+        &self.core.stats
+    }
+
+    /// The chip's virtual clock, ns.
+    pub fn clock(&self) -> Nanos {
+        self.clock
+    }
+
+    /// Moves the clock forward to `t` (never backwards).
+    pub fn advance_to(&mut self, t: Nanos) {
+        self.clock = self.clock.max(t);
+    }
+
+    /// Charges a compute op of `flops` touching `bytes` of HBM: `t += max(F/peak, B/hbm_bw)`.
+    pub fn compute(&mut self, flops: f64, bytes: f64) -> Nanos {
+        let hw = &self.core.hardware;
+        let dt = (flops / hw.peak_flops).max(bytes / hw.hbm_bandwidth) * 1e9;
+        self.clock += dt;
+        dt
+    }
+
+    /// Restarts virtual time at zero with idle links (between independent measurements).
+    pub fn reset_time(&mut self) {
+        self.clock = 0.0;
+        *self.core.links.lock().unwrap_or_else(|e| e.into_inner()) = LinkClocks::default();
+    }
+
+    /// Starts the next collective on `group`: its fingerprint and the shared per-call context.
+    pub(crate) fn begin(
+        &mut self,
+        group: Group,
+        op: OpKind,
+        dtype: DType,
+        count: usize,
+        reduce: Option<ReduceOp>,
+    ) -> Fingerprint {
+        let seq = self.seqs.entry(group.id()).or_insert(0);
+        let fp = Fingerprint { group: group.id(), seq: *seq, op, dtype, count: count as u64, reduce };
+        *seq += 1;
+        fp
+    }
+
+    pub(crate) fn core(&self) -> &ChipCore {
+        &self.core
+    }
+
+    pub(crate) fn set_clock(&mut self, t: Nanos) {
+        self.clock = t;
+    }
+}
+
+/// One collective call in progress: what its lanes need to send and receive.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call<'a> {
+    pub chip: &'a ChipCore,
+    pub fingerprint: Fingerprint,
+    pub elem_bytes: f64,
+}
+
+impl<'a> Call<'a> {
+    pub fn new(chip: &'a Chip, fingerprint: Fingerprint) -> Call<'a> {
+        Call { chip: chip.core(), fingerprint, elem_bytes: fingerprint.dtype.size() as f64 }
+    }
+
+    pub fn pod(&self) -> &'a Pod {
+        &self.chip.pod
+    }
+
+    pub fn me(&self) -> ChipId {
+        self.chip.id
+    }
+
+    fn peer(&self, link: Link) -> Result<ChipId, CollectiveError> {
+        self.chip.pod.peer(self.chip.id, link).ok_or(CollectiveError::NoLink { chip: self.chip.id, link })
+    }
+
+    /// Sends `payload` on `link`; `t` is when the lane has the data ready.
+    pub fn send(&self, t: Nanos, link: Link, tag: Tag, payload: Payload) -> Result<(), CollectiveError> {
+        let dst = self.peer(link)?;
+        let hw = &self.chip.hardware;
+        let bytes = payload.len() as f64 * self.elem_bytes;
+        let (bandwidth, latency) = if link.is_dcn() {
+            (hw.dcn_bandwidth, hw.dcn_latency_ns)
+        } else {
+            (hw.ici_bandwidth, hw.ici_latency_ns)
+        };
+        let arrive_ns = {
+            let mut links = self.chip.links.lock().unwrap_or_else(|e| e.into_inner());
+            let busy = links.slot(link);
+            let depart = t.max(*busy);
+            *busy = depart + bytes / bandwidth * 1e9;
+            *busy + latency
+        };
+        self.chip.stats.messages_sent.fetch_add(1, Ordering::Relaxed);
+        self.chip.stats.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.chip.router.deliver(Message {
+            src: self.chip.id,
+            dst,
+            link,
+            fingerprint: self.fingerprint,
+            tag,
+            arrive_ns,
+            payload,
+        })
+    }
+
+    /// Receives the message with `tag` from the peer across `link` (named from this chip's
+    /// side); `t` moves to `max(t, arrive)`.
+    pub async fn recv(&self, t: &mut Nanos, link: Link, tag: Tag) -> Result<Payload, CollectiveError> {
+        let src = self.peer(link)?;
+        let pod = &self.chip.pod;
+        let want = Expect {
+            me: self.chip.id,
+            src,
+            sender_link: link.reverse(pod.slice_of(self.chip.id)),
+            my_link: link,
+            fingerprint: self.fingerprint,
+            tag,
+            chips_per_slice: pod.chips_per_slice(),
+        };
+        let msg = self.chip.inbox.receive(&want).await?;
+        *t = t.max(msg.arrive_ns);
+        Ok(msg.payload)
+    }
+}

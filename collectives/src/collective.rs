@@ -1,0 +1,179 @@
+//! The collective operations a chip calls. Semantics (what each chip gets back):
+//!
+//! | op | input per chip | output |
+//! |---|---|---|
+//! | all-reduce | `C` | `C`, reduced over the group |
+//! | reduce-scatter | `C` | block `r` of the reduced buffer, `torch.chunk` rules: blocks of `ceil(C/N)`, the last ones shorter or empty |
+//! | all-gather | `C` | `N * C`, rank order |
+//! | broadcast | `C` | the root's `C` values |
+//! | all-to-all | `C`, cut into `N` `torch.chunk` blocks | block `r` of every rank, rank order |
+//! | barrier | none | returns once every member has entered |
+//!
+//! Counts that do not divide by the group size are zero-padded to whole blocks (padding travels
+//! and is charged to virtual time, as on real hardware) and cut off afterwards.
+
+use podsim_topology::Group;
+
+use crate::algo::Algo;
+use crate::algo::schedule::Schedule;
+use crate::chip::{Call, Chip};
+use crate::error::CollectiveError;
+use crate::fingerprint::{DType, Fingerprint, OpKind};
+use crate::payload::Payload;
+use crate::reduce::ReduceOp;
+
+/// Which chips take part, with which algorithm, on which element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Comm {
+    pub group: Group,
+    pub algo: Algo,
+    pub dtype: DType,
+}
+
+impl Comm {
+    pub fn new(group: Group, algo: Algo) -> Comm {
+        Comm { group, algo, dtype: DType::F32 }
+    }
+}
+
+/// Real length of block `r` when `c` elements are cut into blocks of `l` (`torch.chunk`).
+fn chunk_len(c: usize, l: usize, r: usize) -> usize {
+    c.saturating_sub(r * l).min(l)
+}
+
+impl Chip {
+    fn check_input(&self, comm: &Comm, input: &Payload) -> Result<(), CollectiveError> {
+        if !input.is_meta() && comm.dtype != DType::F32 {
+            return Err(CollectiveError::Invalid(format!(
+                "data mode moves f32 values; {} is only supported in meta mode",
+                comm.dtype.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter then all-gather of `input` under fingerprint `fp`.
+    async fn reduce_then_gather(
+        &mut self,
+        comm: &Comm,
+        fp: Fingerprint,
+        input: Payload,
+        op: ReduceOp,
+    ) -> Result<Payload, CollectiveError> {
+        let call = Call::new(self, fp);
+        let sched = Schedule::new(&call, comm.group, comm.algo);
+        let n = sched.size();
+        let c = input.len();
+        let l = c.div_ceil(n);
+        let padded = input.pad(n * l - c);
+        let (mut own, t) = sched.reduce_scatter(call, &padded, l, op, 0, self.clock()).await?;
+        if op == ReduceOp::Avg {
+            own = own.divide(n as f32);
+        }
+        let (all, t) = sched.all_gather(call, &own, l, sched.phases(), t).await?;
+        self.set_clock(t);
+        Ok(all.truncate(c))
+    }
+
+    /// Every chip gets the element-wise reduction of all members' inputs.
+    pub async fn all_reduce(
+        &mut self,
+        comm: &Comm,
+        input: &Payload,
+        op: ReduceOp,
+    ) -> Result<Payload, CollectiveError> {
+        self.check_input(comm, input)?;
+        let fp = self.begin(comm.group, OpKind::AllReduce, comm.dtype, input.len(), Some(op));
+        self.reduce_then_gather(comm, fp, input.clone(), op).await
+    }
+
+    /// Chip of group rank `r` gets block `r` (`ceil(C/N)` elements, fewer at the end) of the
+    /// element-wise reduction.
+    pub async fn reduce_scatter(
+        &mut self,
+        comm: &Comm,
+        input: &Payload,
+        op: ReduceOp,
+    ) -> Result<Payload, CollectiveError> {
+        self.check_input(comm, input)?;
+        let fp = self.begin(comm.group, OpKind::ReduceScatter, comm.dtype, input.len(), Some(op));
+        let call = Call::new(self, fp);
+        let sched = Schedule::new(&call, comm.group, comm.algo);
+        let (n, r) = (sched.size(), sched.rank());
+        let c = input.len();
+        let l = c.div_ceil(n);
+        let padded = input.clone().pad(n * l - c);
+        let (mut own, t) = sched.reduce_scatter(call, &padded, l, op, 0, self.clock()).await?;
+        if op == ReduceOp::Avg {
+            own = own.divide(n as f32);
+        }
+        self.set_clock(t);
+        Ok(own.truncate(chunk_len(c, l, r)))
+    }
+
+    /// Every chip gets all members' inputs concatenated in group-rank order.
+    pub async fn all_gather(
+        &mut self,
+        comm: &Comm,
+        input: &Payload,
+    ) -> Result<Payload, CollectiveError> {
+        self.check_input(comm, input)?;
+        let fp = self.begin(comm.group, OpKind::AllGather, comm.dtype, input.len(), None);
+        let call = Call::new(self, fp);
+        let sched = Schedule::new(&call, comm.group, comm.algo);
+        let (all, t) = sched.all_gather(call, input, input.len(), 0, self.clock()).await?;
+        self.set_clock(t);
+        Ok(all)
+    }
+
+    /// Every chip gets the input of the member with group rank `root` (scatter, then
+    /// all-gather: the root's blocks travel the reduce-scatter paths with nothing added).
+    pub async fn broadcast(
+        &mut self,
+        comm: &Comm,
+        input: &Payload,
+        root: u32,
+    ) -> Result<Payload, CollectiveError> {
+        self.check_input(comm, input)?;
+        let n = comm.group.size(self.pod());
+        if root >= n {
+            return Err(CollectiveError::Invalid(format!(
+                "broadcast root {root} is outside a group of {n} chips"
+            )));
+        }
+        let fp = self.begin(comm.group, OpKind::Broadcast, comm.dtype, input.len(), None);
+        let mine = comm.group.rank_of(self.pod(), self.id()) == root;
+        let contribution = if mine { input.clone() } else { input.zeros_like(input.len()) };
+        self.reduce_then_gather(comm, fp, contribution, ReduceOp::Sum).await
+    }
+
+    /// Block `j` of this chip's input goes to group rank `j`; every chip gets the block bound
+    /// for it from each member, in source-rank order. Blocks travel hop by hop.
+    pub async fn all_to_all(
+        &mut self,
+        comm: &Comm,
+        input: &Payload,
+    ) -> Result<Payload, CollectiveError> {
+        self.check_input(comm, input)?;
+        let fp = self.begin(comm.group, OpKind::AllToAll, comm.dtype, input.len(), None);
+        let call = Call::new(self, fp);
+        let sched = Schedule::new(&call, comm.group, comm.algo);
+        let (n, r) = (sched.size(), sched.rank());
+        let c = input.len();
+        let l = c.div_ceil(n);
+        let padded = input.clone().pad(n * l - c);
+        let (blocks, t) = sched.all_to_all(call, &padded, l, self.clock()).await?;
+        self.set_clock(t);
+        let keep = chunk_len(c, l, r);
+        let per_source = blocks.split_even(n);
+        Ok(Payload::concat(per_source.into_iter().map(|b| b.truncate(keep))))
+    }
+
+    /// Returns once every member of the group has entered the barrier.
+    pub async fn barrier(&mut self, comm: &Comm) -> Result<(), CollectiveError> {
+        let n = comm.group.size(self.pod()) as usize;
+        let fp = self.begin(comm.group, OpKind::Barrier, comm.dtype, 0, None);
+        // One token per member, reduced and gathered: nobody leaves before everybody arrived.
+        self.reduce_then_gather(comm, fp, Payload::Meta(n), ReduceOp::Sum).await.map(|_| ())
+    }
+}

@@ -1,0 +1,30 @@
+//! The collectives crate's error type.
+
+use podsim_topology::{ChipId, Link, TopologyError};
+use thiserror::Error;
+
+use crate::fingerprint::Fingerprint;
+
+/// Why a collective failed.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum CollectiveError {
+    /// A chip received a message from a different collective than the one it is in.
+    #[error(
+        "desync: chip {chip} is in {expected} but chip {peer} sent a message of {got} on link {link}"
+    )]
+    Desync { chip: ChipId, expected: Fingerprint, peer: ChipId, got: Fingerprint, link: Link },
+    /// The algorithm needs a link that does not exist in this topology.
+    #[error("chip {chip} has no link {link}")]
+    NoLink { chip: ChipId, link: Link },
+    /// The fabric stopped delivering (a peer or the runtime shut down).
+    #[error("chip {chip}: fabric closed while waiting on link {link}: {reason}")]
+    Closed { chip: ChipId, link: Link, reason: String },
+    #[error("invalid collective: {0}")]
+    Invalid(String),
+    #[error("transport: {0}")]
+    Transport(String),
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    #[error("internal error: {0}")]
+    Internal(String),
+}

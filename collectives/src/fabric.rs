@@ -1,0 +1,139 @@
+//! The fabric as a chip sees it: messages that travel on named links, a [`Router`] that
+//! delivers them to the destination chip's [`Inbox`], and the inbox a chip receives from.
+//!
+//! Routers differ by where the destination lives (same process: push into its inbox; another
+//! worker: a gRPC stream), but every chip receives the same way, so algorithms and virtual time
+//! do not depend on how chips are split across processes.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use podsim_topology::{ChipId, Link};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::error::CollectiveError;
+use crate::fingerprint::Fingerprint;
+use crate::payload::Payload;
+
+/// Where a message belongs inside its collective: the algorithm lane, phase and step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Tag {
+    pub lane: u16,
+    pub phase: u16,
+    pub step: u32,
+}
+
+/// One chip-to-chip message.
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub src: ChipId,
+    pub dst: ChipId,
+    /// The link as the sender names it.
+    pub link: Link,
+    pub fingerprint: Fingerprint,
+    pub tag: Tag,
+    /// Virtual arrival time at the receiver, ns.
+    pub arrive_ns: f64,
+    pub payload: Payload,
+}
+
+/// Delivers messages to their destination chips.
+pub trait Router: Send + Sync + std::fmt::Debug {
+    /// Hands `msg` to the fabric; never blocks on the receiver.
+    fn deliver(&self, msg: Message) -> Result<(), CollectiveError>;
+}
+
+/// A chip's incoming messages, matched by link and tag when the chip asks for them.
+#[derive(Debug, Default)]
+pub struct Inbox {
+    pending: Mutex<Vec<Message>>,
+    notify: Notify,
+    closed: AtomicBool,
+    close_reason: Mutex<String>,
+}
+
+/// What a receive waits for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Expect {
+    pub me: ChipId,
+    pub src: ChipId,
+    /// The link as the sender names it.
+    pub sender_link: Link,
+    /// The link as the receiver names it (for messages).
+    pub my_link: Link,
+    pub fingerprint: Fingerprint,
+    pub tag: Tag,
+    /// To name the sender's slice in a desync report.
+    pub chips_per_slice: u32,
+}
+
+impl Inbox {
+    pub fn new() -> Inbox {
+        Inbox::default()
+    }
+
+    pub fn push(&self, msg: Message) {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).push(msg);
+        self.notify.notify_waiters();
+    }
+
+    /// Wakes every receive on this inbox with an error (the job is being torn down).
+    pub fn close(&self, reason: &str) {
+        *self.close_reason.lock().unwrap_or_else(|e| e.into_inner()) = reason.to_string();
+        self.closed.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    /// Messages waiting to be received.
+    pub fn backlog(&self) -> usize {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Waits for the message `want` names. Any pending message of the same group that belongs
+    /// to another call of it (other fingerprint, same seq; or an older seq) is a desync.
+    pub(crate) async fn receive(&self, want: &Expect) -> Result<Message, CollectiveError> {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(msg) = self.take(want)? {
+                return Ok(msg);
+            }
+            if self.closed.load(Ordering::SeqCst) {
+                let reason = self.close_reason.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                return Err(CollectiveError::Closed { chip: want.me, link: want.my_link, reason });
+            }
+            notified.await;
+        }
+    }
+
+    fn take(&self, want: &Expect) -> Result<Option<Message>, CollectiveError> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let fp = &want.fingerprint;
+        let mut found = None;
+        for (i, m) in pending.iter().enumerate() {
+            let other = &m.fingerprint;
+            if other.group == fp.group
+                && (other.seq < fp.seq || (other.seq == fp.seq && other != fp))
+            {
+                return Err(CollectiveError::Desync {
+                    chip: want.me,
+                    expected: *fp,
+                    peer: m.src,
+                    got: *other,
+                    link: m.link.reverse(m.src / want.chips_per_slice),
+                });
+            }
+            if found.is_none()
+                && other == fp
+                && m.src == want.src
+                && m.link == want.sender_link
+                && m.tag == want.tag
+            {
+                found = Some(i);
+            }
+        }
+        Ok(found.map(|i| pending.swap_remove(i)))
+    }
+}

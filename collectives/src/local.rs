@@ -1,0 +1,105 @@
+//! The in-memory fabric: any number of chips in one process, each a tokio task, links as
+//! pushes into the destination chip's inbox. Payloads move by reference (no copy).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use podsim_topology::{ChipId, Hardware, Pod};
+use tokio::task::JoinSet;
+
+use crate::chip::Chip;
+use crate::error::CollectiveError;
+use crate::fabric::{Inbox, Message, Router};
+
+/// Delivers every message into the destination's inbox in this process.
+#[derive(Debug)]
+pub struct LocalRouter {
+    inboxes: Vec<Arc<Inbox>>,
+}
+
+impl Router for LocalRouter {
+    fn deliver(&self, msg: Message) -> Result<(), CollectiveError> {
+        let inbox = self.inboxes.get(msg.dst as usize).ok_or_else(|| {
+            CollectiveError::Transport(format!("no chip {} in this fabric", msg.dst))
+        })?;
+        inbox.push(msg);
+        Ok(())
+    }
+}
+
+/// All chips of a pod in one process.
+#[derive(Debug, Clone)]
+pub struct LocalFabric {
+    pod: Arc<Pod>,
+    hardware: Arc<Hardware>,
+    router: Arc<LocalRouter>,
+}
+
+impl LocalFabric {
+    pub fn new(pod: Pod, hardware: Hardware) -> LocalFabric {
+        let inboxes = (0..pod.chips()).map(|_| Arc::new(Inbox::new())).collect();
+        LocalFabric {
+            pod: Arc::new(pod),
+            hardware: Arc::new(hardware),
+            router: Arc::new(LocalRouter { inboxes }),
+        }
+    }
+
+    pub fn pod(&self) -> &Pod {
+        &self.pod
+    }
+
+    /// A fresh chip object for every chip of the pod, in id order.
+    pub fn chips(&self) -> Vec<Chip> {
+        (0..self.pod.chips()).map(|id| self.chip(id)).collect()
+    }
+
+    pub fn chip(&self, id: ChipId) -> Chip {
+        Chip::new(
+            id,
+            self.pod.clone(),
+            self.hardware.clone(),
+            self.router.inboxes[id as usize].clone(),
+            self.router.clone(),
+        )
+    }
+
+    /// Wakes every waiting receive with an error.
+    pub fn close(&self, reason: &str) {
+        self.router.inboxes.iter().for_each(|i| i.close(reason));
+    }
+}
+
+/// Runs `program` on every chip concurrently and returns the results in chip order. The first
+/// chip error stops all the others and is returned.
+pub async fn run_chips<T, F, Fut>(chips: Vec<Chip>, program: F) -> Result<Vec<T>, CollectiveError>
+where
+    F: Fn(Chip) -> Fut,
+    Fut: Future<Output = Result<T, CollectiveError>> + Send + 'static,
+    T: Send + 'static,
+{
+    let n = chips.len();
+    let mut set = JoinSet::new();
+    for (i, chip) in chips.into_iter().enumerate() {
+        let fut = program(chip);
+        set.spawn(async move { (i, fut.await) });
+    }
+    let mut results: Vec<Option<T>> = (0..n).map(|_| None).collect();
+    while let Some(joined) = set.join_next().await {
+        match joined {
+            Ok((i, Ok(v))) => results[i] = Some(v),
+            Ok((_, Err(e))) => {
+                set.abort_all();
+                return Err(e);
+            }
+            Err(e) => {
+                set.abort_all();
+                return Err(CollectiveError::Internal(format!("chip task failed: {e}")));
+            }
+        }
+    }
+    results
+        .into_iter()
+        .collect::<Option<Vec<T>>>()
+        .ok_or_else(|| CollectiveError::Internal("a chip task returned no result".into()))
+}

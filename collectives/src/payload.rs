@@ -1,0 +1,423 @@
+//! Payloads: what a message carries and what a collective consumes and returns.
+//!
+//! In data mode a payload is a [`Rope`]: a list of shared, immutable slices of f32 buffers.
+//! Splitting, concatenating and forwarding a rope never copies values, so chips in one process
+//! share what they can; only a reduction writes new values (in place when the buffer is no
+//! longer shared). In meta mode a payload is only its element count: every operation is O(1),
+//! which is what lets 100,000 chips run the same algorithms.
+
+use std::sync::Arc;
+
+use crate::error::CollectiveError;
+use crate::reduce::ReduceOp;
+
+/// A shared slice of f32 values, or a run of zeros that owns no memory (padding).
+#[derive(Debug, Clone)]
+struct Seg {
+    buf: Option<Arc<Vec<f32>>>,
+    start: usize,
+    len: usize,
+}
+
+impl Seg {
+    fn values(&self) -> Option<&[f32]> {
+        self.buf.as_ref().map(|b| &b[self.start..self.start + self.len])
+    }
+
+    fn slice(&self, offset: usize, len: usize) -> Seg {
+        Seg { buf: self.buf.clone(), start: self.start + offset, len }
+    }
+}
+
+/// A sequence of f32 values stored as shared slices.
+#[derive(Debug, Clone, Default)]
+pub struct Rope {
+    segs: Vec<Seg>,
+    len: usize,
+}
+
+impl Rope {
+    pub fn from_vec(values: Vec<f32>) -> Rope {
+        Rope::from_shared(Arc::new(values))
+    }
+
+    pub fn from_shared(values: Arc<Vec<f32>>) -> Rope {
+        let len = values.len();
+        let mut r = Rope::default();
+        r.push(Seg { buf: Some(values), start: 0, len });
+        r
+    }
+
+    pub fn zeros(len: usize) -> Rope {
+        let mut r = Rope::default();
+        r.push(Seg { buf: None, start: 0, len });
+        r
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Number of shared slices the rope is made of.
+    pub fn segments(&self) -> usize {
+        self.segs.len()
+    }
+
+    fn push(&mut self, seg: Seg) {
+        if seg.len == 0 {
+            return;
+        }
+        // Merge with the previous slice when it continues the same buffer (or both are zeros).
+        if let Some(last) = self.segs.last_mut() {
+            let same_buf = match (&last.buf, &seg.buf) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b) && last.start + last.len == seg.start,
+                (None, None) => true,
+                _ => false,
+            };
+            if same_buf {
+                last.len += seg.len;
+                self.len += seg.len;
+                return;
+            }
+        }
+        self.len += seg.len;
+        self.segs.push(seg);
+    }
+
+    fn append(&mut self, other: Rope) {
+        for s in other.segs {
+            self.push(s);
+        }
+    }
+
+    /// Calls `f` on each run of values in order (zeros are materialised in small chunks).
+    pub fn for_each_run(&self, mut f: impl FnMut(&[f32])) {
+        const ZEROS: [f32; 1024] = [0.0; 1024];
+        for s in &self.segs {
+            match s.values() {
+                Some(v) => f(v),
+                None => {
+                    let mut left = s.len;
+                    while left > 0 {
+                        let n = left.min(ZEROS.len());
+                        f(&ZEROS[..n]);
+                        left -= n;
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.len);
+        self.for_each_run(|run| out.extend_from_slice(run));
+        out
+    }
+
+    fn is_all_zeros(&self) -> bool {
+        self.segs.iter().all(|s| s.buf.is_none())
+    }
+
+    /// The whole rope as one uniquely owned buffer that can be written in place, if it is one.
+    fn into_unique(mut self) -> Result<Vec<f32>, Rope> {
+        if self.segs.len() == 1 {
+            let seg = &mut self.segs[0];
+            if let Some(buf) = seg.buf.as_mut()
+                && seg.start == 0
+                && seg.len == buf.len()
+                && Arc::get_mut(buf).is_some()
+            {
+                let buf = seg.buf.take().expect("checked above");
+                return Arc::try_unwrap(buf).map_err(|b| Rope::from_shared(b));
+            }
+        }
+        Err(self)
+    }
+}
+
+/// Reads a rope front to back, handing out consecutive sub-ropes without copying.
+struct Cursor<'a> {
+    segs: &'a [Seg],
+    idx: usize,
+    offset: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(rope: &'a Rope) -> Cursor<'a> {
+        Cursor { segs: &rope.segs, idx: 0, offset: 0 }
+    }
+
+    fn take(&mut self, mut len: usize) -> Rope {
+        let mut out = Rope::default();
+        while len > 0 {
+            let Some(seg) = self.segs.get(self.idx) else { break };
+            let n = (seg.len - self.offset).min(len);
+            out.push(seg.slice(self.offset, n));
+            len -= n;
+            self.offset += n;
+            if self.offset == seg.len {
+                self.idx += 1;
+                self.offset = 0;
+            }
+        }
+        out
+    }
+
+    fn skip(&mut self, len: usize) {
+        let _ = self.take(len);
+    }
+}
+
+/// What a message carries: real values, or only how many there are.
+#[derive(Debug, Clone)]
+pub enum Payload {
+    /// Meta mode: an element count, no buffer.
+    Meta(usize),
+    /// Data mode: real f32 values.
+    Data(Rope),
+}
+
+impl Payload {
+    pub fn from_vec(values: Vec<f32>) -> Payload {
+        Payload::Data(Rope::from_vec(values))
+    }
+
+    /// A payload of `len` zeros in the same mode as `self`.
+    pub fn zeros_like(&self, len: usize) -> Payload {
+        match self {
+            Payload::Meta(_) => Payload::Meta(len),
+            Payload::Data(_) => Payload::Data(Rope::zeros(len)),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Meta(n) => *n,
+            Payload::Data(r) => r.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn is_meta(&self) -> bool {
+        matches!(self, Payload::Meta(_))
+    }
+
+    pub fn as_rope(&self) -> Option<&Rope> {
+        match self {
+            Payload::Data(r) => Some(r),
+            Payload::Meta(_) => None,
+        }
+    }
+
+    /// The values as one vector (a copy); `None` in meta mode.
+    pub fn to_vec(&self) -> Option<Vec<f32>> {
+        self.as_rope().map(Rope::to_vec)
+    }
+
+    /// Elements `[start, start + len)`; out-of-range parts are dropped.
+    pub fn slice(&self, start: usize, len: usize) -> Payload {
+        let start = start.min(self.len());
+        let len = len.min(self.len() - start);
+        match self {
+            Payload::Meta(_) => Payload::Meta(len),
+            Payload::Data(r) => {
+                let mut c = Cursor::new(r);
+                c.skip(start);
+                Payload::Data(c.take(len))
+            }
+        }
+    }
+
+    /// The first `len` elements.
+    pub fn truncate(self, len: usize) -> Payload {
+        if len >= self.len() { self } else { self.slice(0, len) }
+    }
+
+    /// This payload followed by `len` zeros.
+    pub fn pad(self, len: usize) -> Payload {
+        if len == 0 {
+            return self;
+        }
+        let zeros = self.zeros_like(len);
+        Payload::concat([self, zeros])
+    }
+
+    /// Concatenation of payloads of one mode, in order.
+    pub fn concat(parts: impl IntoIterator<Item = Payload>) -> Payload {
+        let mut meta = None;
+        let mut rope = Rope::default();
+        for p in parts {
+            match p {
+                Payload::Meta(n) => *meta.get_or_insert(0) += n,
+                Payload::Data(r) => rope.append(r),
+            }
+        }
+        match meta {
+            Some(n) => Payload::Meta(n),
+            None => Payload::Data(rope),
+        }
+    }
+
+    /// Splits into consecutive parts of the given lengths.
+    pub fn split_lengths(&self, lengths: &[usize]) -> Vec<Payload> {
+        match self {
+            Payload::Meta(_) => lengths.iter().map(|&n| Payload::Meta(n)).collect(),
+            Payload::Data(r) => {
+                let mut c = Cursor::new(r);
+                lengths.iter().map(|&n| Payload::Data(c.take(n))).collect()
+            }
+        }
+    }
+
+    /// Splits into `n` equal consecutive parts (the length must divide by `n`).
+    pub fn split_even(&self, n: usize) -> Vec<Payload> {
+        let each = self.len() / n.max(1);
+        self.split_lengths(&vec![each; n])
+    }
+
+    /// The buffer holds consecutive chunks of `chunk` elements; chunk `k` belongs to group
+    /// `k % n`. Returns the `n` groups, each in chunk order. This is how a chip picks out the
+    /// blocks bound for each position along one axis of a multi-axis layout.
+    pub fn split_interleaved(&self, chunk: usize, n: usize) -> Vec<Payload> {
+        match self {
+            Payload::Meta(len) => vec![Payload::Meta(len / n.max(1)); n],
+            Payload::Data(r) => {
+                let mut groups = vec![Rope::default(); n];
+                let mut c = Cursor::new(r);
+                let chunks = if chunk == 0 { 0 } else { r.len() / chunk };
+                for k in 0..chunks {
+                    groups[k % n].append(c.take(chunk));
+                }
+                groups.into_iter().map(Payload::Data).collect()
+            }
+        }
+    }
+
+    /// Inverse of [`Payload::split_interleaved`]: interleaves `chunk`-sized pieces of the groups.
+    pub fn merge_interleaved(groups: Vec<Payload>, chunk: usize) -> Payload {
+        if groups.iter().any(Payload::is_meta) || chunk == 0 {
+            return Payload::concat(groups);
+        }
+        let ropes: Vec<Rope> = groups
+            .into_iter()
+            .map(|g| match g {
+                Payload::Data(r) => r,
+                Payload::Meta(_) => Rope::default(),
+            })
+            .collect();
+        let per_group = ropes.first().map_or(0, |r| r.len() / chunk);
+        let mut cursors: Vec<Cursor<'_>> = ropes.iter().map(Cursor::new).collect();
+        let mut out = Rope::default();
+        for _ in 0..per_group {
+            for c in &mut cursors {
+                out.append(c.take(chunk));
+            }
+        }
+        Payload::Data(out)
+    }
+
+    /// Element-wise `self (op) other`. Writes into `self`'s buffer when nothing else shares it.
+    pub fn combine(self, other: &Payload, op: ReduceOp) -> Result<Payload, CollectiveError> {
+        if self.len() != other.len() {
+            return Err(CollectiveError::Internal(format!(
+                "reduction of payloads of {} and {} elements",
+                self.len(),
+                other.len()
+            )));
+        }
+        match (self, other) {
+            (Payload::Meta(n), Payload::Meta(_)) => Ok(Payload::Meta(n)),
+            (Payload::Data(a), Payload::Data(b)) => Ok(Payload::Data(combine_ropes(a, b, op))),
+            _ => Err(CollectiveError::Internal("reduction mixes data and meta payloads".into())),
+        }
+    }
+
+    /// Multiplies every value by `1 / divisor` (used by `avg`), computed as a division so that
+    /// results match a reference that divides.
+    pub fn divide(self, divisor: f32) -> Payload {
+        match self {
+            Payload::Meta(n) => Payload::Meta(n),
+            Payload::Data(r) => {
+                let mut v = r.into_unique().unwrap_or_else(|r| r.to_vec());
+                v.iter_mut().for_each(|x| *x /= divisor);
+                Payload::Data(Rope::from_vec(v))
+            }
+        }
+    }
+}
+
+fn combine_ropes(a: Rope, b: &Rope, op: ReduceOp) -> Rope {
+    // Adding zeros (broadcast contributions, padding) changes nothing: share instead of copy.
+    if op == ReduceOp::Sum {
+        if b.is_all_zeros() {
+            return a;
+        }
+        if a.is_all_zeros() {
+            return b.clone();
+        }
+    }
+    match a.into_unique() {
+        Ok(mut acc) => {
+            let mut offset = 0;
+            b.for_each_run(|run| {
+                op.apply_in_place(&mut acc[offset..offset + run.len()], run);
+                offset += run.len();
+            });
+            Rope::from_vec(acc)
+        }
+        Err(a) => {
+            let mut acc = a.to_vec();
+            let mut offset = 0;
+            b.for_each_run(|run| {
+                op.apply_in_place(&mut acc[offset..offset + run.len()], run);
+                offset += run.len();
+            });
+            Rope::from_vec(acc)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(v: &[f32]) -> Payload {
+        Payload::from_vec(v.to_vec())
+    }
+
+    #[test]
+    fn slicing_and_concatenation_share_buffers() {
+        let p = data(&[0., 1., 2., 3., 4., 5.]);
+        let joined = Payload::concat([p.slice(0, 2), p.slice(2, 4)]);
+        assert_eq!(joined.as_rope().unwrap().segments(), 1);
+        assert_eq!(joined.to_vec().unwrap(), vec![0., 1., 2., 3., 4., 5.]);
+        let padded = p.slice(4, 10).pad(2);
+        assert_eq!(padded.to_vec().unwrap(), vec![4., 5., 0., 0.]);
+    }
+
+    #[test]
+    fn interleaved_split_round_trips() {
+        let p = data(&(0..12).map(|x| x as f32).collect::<Vec<_>>());
+        let groups = p.split_interleaved(2, 3);
+        assert_eq!(groups[1].to_vec().unwrap(), vec![2., 3., 8., 9.]);
+        let back = Payload::merge_interleaved(groups, 2);
+        assert_eq!(back.to_vec().unwrap(), p.to_vec().unwrap());
+    }
+
+    #[test]
+    fn combine_reuses_unique_buffers() {
+        let a = data(&[1., 2.]);
+        let b = data(&[10., 20.]);
+        let c = a.combine(&b, ReduceOp::Max).unwrap();
+        assert_eq!(c.to_vec().unwrap(), vec![10., 20.]);
+        assert!(data(&[1.]).combine(&b, ReduceOp::Sum).is_err());
+        assert_eq!(Payload::Meta(4).combine(&Payload::Meta(4), ReduceOp::Sum).unwrap().len(), 4);
+    }
+}

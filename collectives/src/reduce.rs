@@ -1,0 +1,64 @@
+//! Reduction operators of all-reduce and reduce-scatter.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// How values from different chips are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size.
+    Avg,
+    Max,
+    Min,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+
+    /// The element-wise combination used while reducing (avg sums, then divides once).
+    pub fn apply_in_place(self, acc: &mut [f32], other: &[f32]) {
+        match self {
+            ReduceOp::Sum | ReduceOp::Avg => acc.iter_mut().zip(other).for_each(|(a, b)| *a += *b),
+            ReduceOp::Max => acc.iter_mut().zip(other).for_each(|(a, b)| *a = a.max(*b)),
+            ReduceOp::Min => acc.iter_mut().zip(other).for_each(|(a, b)| *a = a.min(*b)),
+        }
+    }
+
+    pub fn code(self) -> u32 {
+        match self {
+            ReduceOp::Sum => 1,
+            ReduceOp::Avg => 2,
+            ReduceOp::Max => 3,
+            ReduceOp::Min => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ReduceOp {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ReduceOp, String> {
+        ReduceOp::ALL
+            .into_iter()
+            .find(|op| op.name() == s)
+            .ok_or_else(|| format!("unknown reduce op {s:?} (expected sum, avg, max or min)"))
+    }
+}
