@@ -1,0 +1,68 @@
+//! A chip that enters a different collective than its group gets a desync error that names
+//! both chips and both fingerprints, within a second, instead of a hang or garbage.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use podsim_collectives::{Algo, CollectiveError, Comm, OpKind, Payload, ReduceOp, run_chips};
+use podsim_topology::Group;
+
+fn run_mismatch(shape: &str, odd_chip: u32, odd: OpKind, odd_count: usize) -> CollectiveError {
+    let fabric = fabric(shape, true, 1);
+    let comm = Comm::new(Group::world(fabric.pod()), Algo::Torus);
+    let rt = runtime(2);
+    let started = Instant::now();
+    let result = rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            run_chips(fabric.chips(), move |mut chip| async move {
+                // One collective everybody agrees on first, so the desync is on seq 1.
+                chip.barrier(&comm).await?;
+                if chip.id() == odd_chip {
+                    let data = Payload::from_vec(vec![1.0; odd_count]);
+                    match odd {
+                        OpKind::AllGather => chip.all_gather(&comm, &data).await?,
+                        _ => chip.all_reduce(&comm, &data, ReduceOp::Max).await?,
+                    };
+                } else {
+                    chip.all_reduce(&comm, &Payload::from_vec(vec![1.0; 1000]), ReduceOp::Sum).await?;
+                }
+                Ok(())
+            }),
+        )
+        .await
+    });
+    let elapsed = started.elapsed();
+    let err = result.expect("desync must be reported within a second, not hang").unwrap_err();
+    assert!(elapsed < Duration::from_secs(1));
+    err
+}
+
+fn assert_names_both(err: &CollectiveError, odd_chip: u32, odd_op: OpKind) {
+    let CollectiveError::Desync { chip, expected, peer, got, .. } = err else {
+        panic!("expected a desync, got {err}");
+    };
+    assert_ne!(chip, peer);
+    assert!(*chip == odd_chip || *peer == odd_chip, "{err}");
+    assert_eq!(expected.seq, 1);
+    assert_eq!(got.seq, 1);
+    assert_ne!(expected, got);
+    let ops = [expected.op, got.op];
+    assert!(ops.contains(&odd_op), "{err}");
+    let text = err.to_string();
+    assert!(text.contains(&format!("chip {chip}")) && text.contains(&format!("chip {peer}")), "{text}");
+}
+
+#[test]
+fn different_op_is_a_desync() {
+    let err = run_mismatch("4x4", 5, OpKind::AllGather, 1000);
+    assert_names_both(&err, 5, OpKind::AllGather);
+}
+
+#[test]
+fn different_size_or_reduce_op_is_a_desync() {
+    let err = run_mismatch("2x3x4", 0, OpKind::AllReduce, 999);
+    assert_names_both(&err, 0, OpKind::AllReduce);
+}

@@ -1,0 +1,104 @@
+//! Virtual time against the closed forms of DESIGN.md, the multi-axis bound of the torus
+//! algorithms, the cost of missing wraparound, and determinism.
+
+mod common;
+
+use common::*;
+use podsim_collectives::{Algo, Comm, OpKind, ReduceOp};
+use podsim_topology::{Group, Hardware};
+
+const MIB: usize = 1 << 20;
+
+/// Virtual time (max over chips) of one collective of `count` f32 per chip.
+fn virtual_time(shape: &str, wrap: bool, algo: Algo, op: OpKind, count: usize, meta: bool) -> f64 {
+    let fabric = fabric(shape, wrap, 1);
+    let comm = Comm::new(Group::world(fabric.pod()), algo);
+    let out = runtime(2)
+        .block_on(run_op(&fabric, comm, op, ReduceOp::Sum, count, meta, 0))
+        .expect("collective");
+    out.iter().map(|(_, _, t)| *t).fold(0.0, f64::max)
+}
+
+fn close(got: f64, want: f64) {
+    assert!((got - want).abs() <= 1e-9 * want, "virtual time {got} ns, closed form {want} ns");
+}
+
+#[test]
+fn rings_match_the_alpha_beta_closed_forms() {
+    let hw = Hardware::preset("v5p").unwrap();
+    let (alpha, w) = (hw.ici_latency_ns, hw.ici_bandwidth / 1e9); // ns, bytes per ns
+    for n in [2usize, 5, 8, 16] {
+        let shape = n.to_string();
+        let count = n * 4096; // divisible: no padding
+        let v = (count * 4) as f64;
+        let nf = n as f64;
+        let uni = (nf - 1.0) * (alpha + v / (nf * w));
+        let bidir = (nf - 1.0) * (alpha + v / (2.0 * nf * w));
+        for meta in [false, true] {
+            close(virtual_time(&shape, true, Algo::Ring, OpKind::ReduceScatter, count, meta), uni);
+            close(virtual_time(&shape, true, Algo::Ring, OpKind::AllReduce, count, meta), 2.0 * uni);
+            close(virtual_time(&shape, true, Algo::BidirRing, OpKind::ReduceScatter, count, meta), bidir);
+            close(virtual_time(&shape, true, Algo::BidirRing, OpKind::AllReduce, count, meta), 2.0 * bidir);
+            // All-gather: V is the whole output buffer.
+            let ag = (nf - 1.0) * (alpha + (v * nf) / (2.0 * nf * w));
+            close(virtual_time(&shape, true, Algo::BidirRing, OpKind::AllGather, count, meta), ag);
+        }
+    }
+}
+
+#[test]
+fn torus_all_gather_approaches_the_multi_axis_bound() {
+    let hw = Hardware::preset("v5p").unwrap();
+    let w = hw.ici_bandwidth / 1e9;
+    for (shape, axes, chips) in [("4x4x4", 3.0, 64usize), ("16x16", 2.0, 256)] {
+        // 1 GiB all-gather output per chip, in meta mode.
+        let per_chip = (1usize << 30) / 4 / chips;
+        let v = (per_chip * chips * 4) as f64;
+        let bound = v / (2.0 * w * axes);
+        let t = virtual_time(shape, true, Algo::Torus, OpKind::AllGather, per_chip, true);
+        assert!(t >= bound * (1.0 - 1.0 / chips as f64), "{shape}: {t} ns beats the bound {bound}");
+        assert!(t <= 1.05 * bound, "{shape}: {t} ns is more than 5% over the bound {bound} ns");
+        // The same holds for reduce-scatter and all-reduce (twice).
+        let rs = virtual_time(shape, true, Algo::Torus, OpKind::ReduceScatter, per_chip * chips, true);
+        assert!(rs <= 1.05 * bound, "{shape}: reduce-scatter {rs} ns vs bound {bound} ns");
+        // And the torus algorithm beats one-axis-at-a-time bidirectional rings.
+        let dim_ordered = virtual_time(shape, true, Algo::BidirRing, OpKind::AllGather, per_chip, true);
+        assert!(dim_ordered > 1.3 * t, "{shape}: torus {t} vs dimension-ordered {dim_ordered}");
+    }
+}
+
+#[test]
+fn missing_wraparound_costs_about_twice() {
+    for shape in ["16", "8x8", "4x4x4"] {
+        for algo in [Algo::BidirRing, Algo::Torus] {
+            let count = 64 * MIB / 4;
+            let wrap = virtual_time(shape, true, algo, OpKind::AllReduce, count, true);
+            let line = virtual_time(shape, false, algo, OpKind::AllReduce, count, true);
+            let ratio = line / wrap;
+            assert!((1.8..=2.2).contains(&ratio), "{shape} {algo}: no-wrap/wrap = {ratio}");
+        }
+    }
+}
+
+#[test]
+fn virtual_time_is_deterministic_and_thread_independent() {
+    for (shape, slices) in [("4x4x4", 1), ("2x3", 3)] {
+        let fabric = fabric(shape, true, slices);
+        let comm = Comm::new(Group::world(fabric.pod()), Algo::Torus);
+        let mut seen = None;
+        for threads in [1, 2, 4, 1, 3] {
+            let rt = runtime(threads);
+            let mut clocks = Vec::new();
+            for op in [OpKind::AllReduce, OpKind::AllGather, OpKind::AllToAll, OpKind::Broadcast] {
+                let out = rt
+                    .block_on(run_op(&fabric, comm, op, ReduceOp::Sum, 10_007, false, 1))
+                    .expect("collective");
+                clocks.extend(out.iter().map(|(_, _, t)| t.to_bits()));
+            }
+            match &seen {
+                None => seen = Some(clocks),
+                Some(first) => assert_eq!(first, &clocks, "{shape}: {threads} threads changed virtual time"),
+            }
+        }
+    }
+}
