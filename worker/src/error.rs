@@ -1,0 +1,13 @@
+//! The worker crate's error type.
+
+use podsim_collectives::CollectiveError;
+use thiserror::Error;
+
+/// Why a chip program failed.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error("invalid program: {0}")]
+    Invalid(String),
+}
