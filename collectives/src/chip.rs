@@ -143,7 +143,14 @@ impl Chip {
         reduce: Option<ReduceOp>,
     ) -> Fingerprint {
         let seq = self.seqs.entry(group.id()).or_insert(0);
-        let fp = Fingerprint { group: group.id(), seq: *seq, op, dtype, count: count as u64, reduce };
+        let fp = Fingerprint {
+            group: group.id(),
+            seq: *seq,
+            op,
+            dtype,
+            count: count as u64,
+            reduce,
+        };
         *seq += 1;
         fp
     }
@@ -167,7 +174,11 @@ pub(crate) struct Call<'a> {
 
 impl<'a> Call<'a> {
     pub fn new(chip: &'a Chip, fingerprint: Fingerprint) -> Call<'a> {
-        Call { chip: chip.core(), fingerprint, elem_bytes: fingerprint.dtype.size() as f64 }
+        Call {
+            chip: chip.core(),
+            fingerprint,
+            elem_bytes: fingerprint.dtype.size() as f64,
+        }
     }
 
     pub fn pod(&self) -> &'a Pod {
@@ -179,11 +190,23 @@ impl<'a> Call<'a> {
     }
 
     fn peer(&self, link: Link) -> Result<ChipId, CollectiveError> {
-        self.chip.pod.peer(self.chip.id, link).ok_or(CollectiveError::NoLink { chip: self.chip.id, link })
+        self.chip
+            .pod
+            .peer(self.chip.id, link)
+            .ok_or(CollectiveError::NoLink {
+                chip: self.chip.id,
+                link,
+            })
     }
 
     /// Sends `payload` on `link`; `t` is when the lane has the data ready.
-    pub fn send(&self, t: Nanos, link: Link, tag: Tag, payload: Payload) -> Result<(), CollectiveError> {
+    pub fn send(
+        &self,
+        t: Nanos,
+        link: Link,
+        tag: Tag,
+        payload: Payload,
+    ) -> Result<(), CollectiveError> {
         let dst = self.peer(link)?;
         let hw = &self.chip.hardware;
         let bytes = payload.len() as f64 * self.elem_bytes;
@@ -199,8 +222,14 @@ impl<'a> Call<'a> {
             *busy = depart + bytes / bandwidth * 1e9;
             *busy + latency
         };
-        self.chip.stats.messages_sent.fetch_add(1, Ordering::Relaxed);
-        self.chip.stats.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.chip
+            .stats
+            .messages_sent
+            .fetch_add(1, Ordering::Relaxed);
+        self.chip
+            .stats
+            .bytes_sent
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         self.chip.router.deliver(Message {
             src: self.chip.id,
             dst,
@@ -214,7 +243,12 @@ impl<'a> Call<'a> {
 
     /// Receives the message with `tag` from the peer across `link` (named from this chip's
     /// side); `t` moves to `max(t, arrive)`.
-    pub async fn recv(&self, t: &mut Nanos, link: Link, tag: Tag) -> Result<Payload, CollectiveError> {
+    pub async fn recv(
+        &self,
+        t: &mut Nanos,
+        link: Link,
+        tag: Tag,
+    ) -> Result<Payload, CollectiveError> {
         let src = self.peer(link)?;
         let pod = &self.chip.pod;
         let want = Expect {

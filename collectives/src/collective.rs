@@ -32,7 +32,11 @@ pub struct Comm {
 
 impl Comm {
     pub fn new(group: Group, algo: Algo) -> Comm {
-        Comm { group, algo, dtype: DType::F32 }
+        Comm {
+            group,
+            algo,
+            dtype: DType::F32,
+        }
     }
 }
 
@@ -66,7 +70,9 @@ impl Chip {
         let c = input.len();
         let l = c.div_ceil(n);
         let padded = input.pad(n * l - c);
-        let (mut own, t) = sched.reduce_scatter(call, &padded, l, op, 0, self.clock()).await?;
+        let (mut own, t) = sched
+            .reduce_scatter(call, &padded, l, op, 0, self.clock())
+            .await?;
         if op == ReduceOp::Avg {
             own = own.divide(n as f32);
         }
@@ -83,7 +89,13 @@ impl Chip {
         op: ReduceOp,
     ) -> Result<Payload, CollectiveError> {
         self.check_input(comm, input)?;
-        let fp = self.begin(comm.group, OpKind::AllReduce, comm.dtype, input.len(), Some(op));
+        let fp = self.begin(
+            comm.group,
+            OpKind::AllReduce,
+            comm.dtype,
+            input.len(),
+            Some(op),
+        );
         self.reduce_then_gather(comm, fp, input.clone(), op).await
     }
 
@@ -96,14 +108,22 @@ impl Chip {
         op: ReduceOp,
     ) -> Result<Payload, CollectiveError> {
         self.check_input(comm, input)?;
-        let fp = self.begin(comm.group, OpKind::ReduceScatter, comm.dtype, input.len(), Some(op));
+        let fp = self.begin(
+            comm.group,
+            OpKind::ReduceScatter,
+            comm.dtype,
+            input.len(),
+            Some(op),
+        );
         let call = Call::new(self, fp);
         let sched = Schedule::new(&call, comm.group, comm.algo);
         let (n, r) = (sched.size(), sched.rank());
         let c = input.len();
         let l = c.div_ceil(n);
         let padded = input.clone().pad(n * l - c);
-        let (mut own, t) = sched.reduce_scatter(call, &padded, l, op, 0, self.clock()).await?;
+        let (mut own, t) = sched
+            .reduce_scatter(call, &padded, l, op, 0, self.clock())
+            .await?;
         if op == ReduceOp::Avg {
             own = own.divide(n as f32);
         }
@@ -121,7 +141,9 @@ impl Chip {
         let fp = self.begin(comm.group, OpKind::AllGather, comm.dtype, input.len(), None);
         let call = Call::new(self, fp);
         let sched = Schedule::new(&call, comm.group, comm.algo);
-        let (all, t) = sched.all_gather(call, input, input.len(), 0, self.clock()).await?;
+        let (all, t) = sched
+            .all_gather(call, input, input.len(), 0, self.clock())
+            .await?;
         self.set_clock(t);
         Ok(all)
     }
@@ -143,8 +165,13 @@ impl Chip {
         }
         let fp = self.begin(comm.group, OpKind::Broadcast, comm.dtype, input.len(), None);
         let mine = comm.group.rank_of(self.pod(), self.id()) == root;
-        let contribution = if mine { input.clone() } else { input.zeros_like(input.len()) };
-        self.reduce_then_gather(comm, fp, contribution, ReduceOp::Sum).await
+        let contribution = if mine {
+            input.clone()
+        } else {
+            input.zeros_like(input.len())
+        };
+        self.reduce_then_gather(comm, fp, contribution, ReduceOp::Sum)
+            .await
     }
 
     /// Block `j` of this chip's input goes to group rank `j`; every chip gets the block bound
@@ -166,7 +193,9 @@ impl Chip {
         self.set_clock(t);
         let keep = chunk_len(c, l, r);
         let per_source = blocks.split_even(n);
-        Ok(Payload::concat(per_source.into_iter().map(|b| b.truncate(keep))))
+        Ok(Payload::concat(
+            per_source.into_iter().map(|b| b.truncate(keep)),
+        ))
     }
 
     /// Returns once every member of the group has entered the barrier.
@@ -174,6 +203,8 @@ impl Chip {
         let n = comm.group.size(self.pod()) as usize;
         let fp = self.begin(comm.group, OpKind::Barrier, comm.dtype, 0, None);
         // One token per member, reduced and gathered: nobody leaves before everybody arrived.
-        self.reduce_then_gather(comm, fp, Payload::Meta(n), ReduceOp::Sum).await.map(|_| ())
+        self.reduce_then_gather(comm, fp, Payload::Meta(n), ReduceOp::Sum)
+            .await
+            .map(|_| ())
     }
 }

@@ -12,13 +12,23 @@ pub enum CollectiveError {
     #[error(
         "desync: chip {chip} is in {expected} but chip {peer} sent a message of {got} on link {link}"
     )]
-    Desync { chip: ChipId, expected: Fingerprint, peer: ChipId, got: Fingerprint, link: Link },
+    Desync {
+        chip: ChipId,
+        expected: Fingerprint,
+        peer: ChipId,
+        got: Fingerprint,
+        link: Link,
+    },
     /// The algorithm needs a link that does not exist in this topology.
     #[error("chip {chip} has no link {link}")]
     NoLink { chip: ChipId, link: Link },
     /// The fabric stopped delivering (a peer or the runtime shut down).
     #[error("chip {chip}: fabric closed while waiting on link {link}: {reason}")]
-    Closed { chip: ChipId, link: Link, reason: String },
+    Closed {
+        chip: ChipId,
+        link: Link,
+        reason: String,
+    },
     #[error("invalid collective: {0}")]
     Invalid(String),
     #[error("transport: {0}")]

@@ -74,7 +74,10 @@ impl Inbox {
     }
 
     pub fn push(&self, msg: Message) {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).push(msg);
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(msg);
         self.notify.notify_waiters();
     }
 
@@ -101,8 +104,16 @@ impl Inbox {
                 return Ok(msg);
             }
             if self.closed.load(Ordering::SeqCst) {
-                let reason = self.close_reason.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                return Err(CollectiveError::Closed { chip: want.me, link: want.my_link, reason });
+                let reason = self
+                    .close_reason
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                return Err(CollectiveError::Closed {
+                    chip: want.me,
+                    link: want.my_link,
+                    reason,
+                });
             }
             notified.await;
         }

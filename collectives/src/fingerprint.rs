@@ -74,10 +74,16 @@ impl fmt::Display for OpKind {
 impl FromStr for OpKind {
     type Err = String;
     fn from_str(s: &str) -> Result<OpKind, String> {
-        OpKind::ALL.into_iter().find(|op| op.name() == s).ok_or_else(|| {
-            let names: Vec<_> = OpKind::ALL.iter().map(|o| o.name()).collect();
-            format!("unknown collective {s:?} (expected one of {})", names.join(", "))
-        })
+        OpKind::ALL
+            .into_iter()
+            .find(|op| op.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = OpKind::ALL.iter().map(|o| o.name()).collect();
+                format!(
+                    "unknown collective {s:?} (expected one of {})",
+                    names.join(", ")
+                )
+            })
     }
 }
 

@@ -22,6 +22,7 @@
 //! ```
 
 mod algo;
+mod buffer;
 mod chip;
 mod collective;
 mod error;

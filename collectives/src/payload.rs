@@ -6,26 +6,35 @@
 //! longer shared). In meta mode a payload is only its element count: every operation is O(1),
 //! which is what lets 100,000 chips run the same algorithms.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use tokio::sync::Semaphore;
+
+use crate::buffer::{self, Buffer};
 use crate::error::CollectiveError;
 use crate::reduce::ReduceOp;
 
 /// A shared slice of f32 values, or a run of zeros that owns no memory (padding).
 #[derive(Debug, Clone)]
 struct Seg {
-    buf: Option<Arc<Vec<f32>>>,
+    buf: Option<Arc<Buffer>>,
     start: usize,
     len: usize,
 }
 
 impl Seg {
     fn values(&self) -> Option<&[f32]> {
-        self.buf.as_ref().map(|b| &b[self.start..self.start + self.len])
+        self.buf
+            .as_ref()
+            .map(|b| &b[self.start..self.start + self.len])
     }
 
     fn slice(&self, offset: usize, len: usize) -> Seg {
-        Seg { buf: self.buf.clone(), start: self.start + offset, len }
+        Seg {
+            buf: self.buf.clone(),
+            start: self.start + offset,
+            len,
+        }
     }
 }
 
@@ -38,19 +47,27 @@ pub struct Rope {
 
 impl Rope {
     pub fn from_vec(values: Vec<f32>) -> Rope {
-        Rope::from_shared(Arc::new(values))
+        Rope::from_shared(Arc::new(Buffer::new(values)))
     }
 
-    pub fn from_shared(values: Arc<Vec<f32>>) -> Rope {
+    fn from_shared(values: Arc<Buffer>) -> Rope {
         let len = values.len();
         let mut r = Rope::default();
-        r.push(Seg { buf: Some(values), start: 0, len });
+        r.push(Seg {
+            buf: Some(values),
+            start: 0,
+            len,
+        });
         r
     }
 
     pub fn zeros(len: usize) -> Rope {
         let mut r = Rope::default();
-        r.push(Seg { buf: None, start: 0, len });
+        r.push(Seg {
+            buf: None,
+            start: 0,
+            len,
+        });
         r
     }
 
@@ -132,7 +149,9 @@ impl Rope {
                 && Arc::get_mut(buf).is_some()
             {
                 let buf = seg.buf.take().expect("checked above");
-                return Arc::try_unwrap(buf).map_err(|b| Rope::from_shared(b));
+                return Arc::try_unwrap(buf)
+                    .map(Buffer::into_vec)
+                    .map_err(Rope::from_shared);
             }
         }
         Err(self)
@@ -148,13 +167,19 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn new(rope: &'a Rope) -> Cursor<'a> {
-        Cursor { segs: &rope.segs, idx: 0, offset: 0 }
+        Cursor {
+            segs: &rope.segs,
+            idx: 0,
+            offset: 0,
+        }
     }
 
     fn take(&mut self, mut len: usize) -> Rope {
         let mut out = Rope::default();
         while len > 0 {
-            let Some(seg) = self.segs.get(self.idx) else { break };
+            let Some(seg) = self.segs.get(self.idx) else {
+                break;
+            };
             let n = (seg.len - self.offset).min(len);
             out.push(seg.slice(self.offset, n));
             len -= n;
@@ -165,6 +190,37 @@ impl<'a> Cursor<'a> {
             }
         }
         out
+    }
+
+    /// Calls `f` on borrowed runs covering the next `len` elements (zeros from a static).
+    fn runs(&mut self, mut len: usize, mut f: impl FnMut(&[f32])) {
+        const ZEROS: [f32; 1024] = [0.0; 1024];
+        while len > 0 {
+            let Some(seg) = self.segs.get(self.idx) else {
+                break;
+            };
+            let n = (seg.len - self.offset).min(len);
+            match &seg.buf {
+                Some(buf) => {
+                    let from = seg.start + self.offset;
+                    f(&buf[from..from + n]);
+                }
+                None => {
+                    let mut left = n;
+                    while left > 0 {
+                        let k = left.min(ZEROS.len());
+                        f(&ZEROS[..k]);
+                        left -= k;
+                    }
+                }
+            }
+            len -= n;
+            self.offset += n;
+            if self.offset == seg.len {
+                self.idx += 1;
+                self.offset = 0;
+            }
+        }
     }
 
     fn skip(&mut self, len: usize) {
@@ -179,6 +235,46 @@ pub enum Payload {
     Meta(usize),
     /// Data mode: real f32 values.
     Data(Rope),
+    /// Data mode: a reduction whose terms are shared but not yet combined. Ring reductions pass
+    /// these along inside a process so each element is combined once, by its final owner, in
+    /// one pass over all terms, instead of being written and re-read at every hop. The terms
+    /// are combined left to right, exactly as hop-by-hop reduction would, so the values are
+    /// bit-identical. Anything other than `len`, `combine` and `resolve` resolves it first.
+    Pending(PendingReduction),
+}
+
+/// The terms of a deferred reduction, all of one length.
+#[derive(Debug, Clone)]
+pub struct PendingReduction {
+    op: ReduceOp,
+    terms: Vec<Rope>,
+}
+
+impl PendingReduction {
+    /// Combines the terms left to right, a cache-sized chunk at a time: one read of every
+    /// term and one write of the result, with no allocation besides the result.
+    fn evaluate(&self) -> Rope {
+        const CHUNK: usize = 16384;
+        let len = self.terms.first().map_or(0, Rope::len);
+        let mut out = buffer::take(len);
+        let mut cursors: Vec<Cursor<'_>> = self.terms.iter().map(Cursor::new).collect();
+        let Some((first, rest)) = cursors.split_first_mut() else {
+            return Rope::default();
+        };
+        while out.len() < len {
+            let start = out.len();
+            let n = CHUNK.min(len - start);
+            first.runs(n, |run| out.extend_from_slice(run));
+            for c in rest.iter_mut() {
+                let mut at = start;
+                c.runs(n, |run| {
+                    self.op.apply_in_place(&mut out[at..at + run.len()], run);
+                    at += run.len();
+                });
+            }
+        }
+        Rope::from_vec(out)
+    }
 }
 
 impl Payload {
@@ -190,7 +286,7 @@ impl Payload {
     pub fn zeros_like(&self, len: usize) -> Payload {
         match self {
             Payload::Meta(_) => Payload::Meta(len),
-            Payload::Data(_) => Payload::Data(Rope::zeros(len)),
+            Payload::Data(_) | Payload::Pending(_) => Payload::Data(Rope::zeros(len)),
         }
     }
 
@@ -198,6 +294,7 @@ impl Payload {
         match self {
             Payload::Meta(n) => *n,
             Payload::Data(r) => r.len(),
+            Payload::Pending(p) => p.terms.first().map_or(0, Rope::len),
         }
     }
 
@@ -209,16 +306,55 @@ impl Payload {
         matches!(self, Payload::Meta(_))
     }
 
+    /// The values, if this is a resolved data payload (collectives always return those).
     pub fn as_rope(&self) -> Option<&Rope> {
         match self {
             Payload::Data(r) => Some(r),
-            Payload::Meta(_) => None,
+            Payload::Meta(_) | Payload::Pending(_) => None,
         }
+    }
+
+    /// Performs a deferred reduction; other payloads are returned unchanged.
+    pub fn resolve(self) -> Payload {
+        match self {
+            Payload::Pending(p) => Payload::Data(p.evaluate()),
+            other => other,
+        }
+    }
+
+    /// [`Payload::resolve`], off the async runtime for large reductions: the work goes to the
+    /// blocking pool, at most one reduction per core at a time, so the reductions of many
+    /// chips spread over every core whichever runtime thread their chips run on, without
+    /// more concurrent memory streams than the cores can feed.
+    pub async fn resolve_async(self) -> Result<Payload, CollectiveError> {
+        const OFFLOAD_ELEMENTS: usize = 1 << 17;
+        static SLOTS: OnceLock<Semaphore> = OnceLock::new();
+        match self {
+            Payload::Pending(p) if p.terms.first().map_or(0, Rope::len) >= OFFLOAD_ELEMENTS => {
+                let slots = SLOTS.get_or_init(|| {
+                    Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))
+                });
+                let failed = |e: String| CollectiveError::Internal(format!("reduction task: {e}"));
+                let _slot = slots.acquire().await.map_err(|e| failed(e.to_string()))?;
+                tokio::task::spawn_blocking(move || Payload::Data(p.evaluate()))
+                    .await
+                    .map_err(|e| failed(e.to_string()))
+            }
+            other => Ok(other.resolve()),
+        }
+    }
+
+    /// A copy with any deferred reduction performed (used where a method needs the values).
+    fn resolved(&self) -> Payload {
+        self.clone().resolve()
     }
 
     /// The values as one vector (a copy); `None` in meta mode.
     pub fn to_vec(&self) -> Option<Vec<f32>> {
-        self.as_rope().map(Rope::to_vec)
+        match self {
+            Payload::Pending(_) => self.resolved().to_vec(),
+            _ => self.as_rope().map(Rope::to_vec),
+        }
     }
 
     /// Elements `[start, start + len)`; out-of-range parts are dropped.
@@ -232,12 +368,17 @@ impl Payload {
                 c.skip(start);
                 Payload::Data(c.take(len))
             }
+            Payload::Pending(_) => self.resolved().slice(start, len),
         }
     }
 
     /// The first `len` elements.
     pub fn truncate(self, len: usize) -> Payload {
-        if len >= self.len() { self } else { self.slice(0, len) }
+        if len >= self.len() {
+            self
+        } else {
+            self.slice(0, len)
+        }
     }
 
     /// This payload followed by `len` zeros.
@@ -257,6 +398,11 @@ impl Payload {
             match p {
                 Payload::Meta(n) => *meta.get_or_insert(0) += n,
                 Payload::Data(r) => rope.append(r),
+                pending @ Payload::Pending(_) => {
+                    if let Payload::Data(r) = pending.resolve() {
+                        rope.append(r);
+                    }
+                }
             }
         }
         match meta {
@@ -273,6 +419,7 @@ impl Payload {
                 let mut c = Cursor::new(r);
                 lengths.iter().map(|&n| Payload::Data(c.take(n))).collect()
             }
+            Payload::Pending(_) => self.resolved().split_lengths(lengths),
         }
     }
 
@@ -291,12 +438,13 @@ impl Payload {
             Payload::Data(r) => {
                 let mut groups = vec![Rope::default(); n];
                 let mut c = Cursor::new(r);
-                let chunks = if chunk == 0 { 0 } else { r.len() / chunk };
+                let chunks = r.len().checked_div(chunk).unwrap_or(0);
                 for k in 0..chunks {
                     groups[k % n].append(c.take(chunk));
                 }
                 groups.into_iter().map(Payload::Data).collect()
             }
+            Payload::Pending(_) => self.resolved().split_interleaved(chunk, n),
         }
     }
 
@@ -307,9 +455,9 @@ impl Payload {
         }
         let ropes: Vec<Rope> = groups
             .into_iter()
-            .map(|g| match g {
+            .map(|g| match g.resolve() {
                 Payload::Data(r) => r,
-                Payload::Meta(_) => Rope::default(),
+                Payload::Meta(_) | Payload::Pending(_) => Rope::default(),
             })
             .collect();
         let per_group = ropes.first().map_or(0, |r| r.len() / chunk);
@@ -323,7 +471,8 @@ impl Payload {
         Payload::Data(out)
     }
 
-    /// Element-wise `self (op) other`. Writes into `self`'s buffer when nothing else shares it.
+    /// Element-wise `self (op) other`. In data mode the result is a deferred reduction (see
+    /// [`Payload::Pending`]): nothing is computed until the result is resolved or used.
     pub fn combine(self, other: &Payload, op: ReduceOp) -> Result<Payload, CollectiveError> {
         if self.len() != other.len() {
             return Err(CollectiveError::Internal(format!(
@@ -332,10 +481,27 @@ impl Payload {
                 other.len()
             )));
         }
-        match (self, other) {
-            (Payload::Meta(n), Payload::Meta(_)) => Ok(Payload::Meta(n)),
-            (Payload::Data(a), Payload::Data(b)) => Ok(Payload::Data(combine_ropes(a, b, op))),
-            _ => Err(CollectiveError::Internal("reduction mixes data and meta payloads".into())),
+        let term = match other {
+            Payload::Meta(_) if self.is_meta() => return Ok(self),
+            Payload::Meta(_) => return Err(mixed()),
+            Payload::Data(r) => r.clone(),
+            Payload::Pending(p) => p.evaluate(),
+        };
+        // Adding zeros (broadcast contributions, padding) changes nothing: skip the term.
+        let adds_nothing = |r: &Rope| op == ReduceOp::Sum && r.is_all_zeros();
+        match self {
+            Payload::Meta(_) => Err(mixed()),
+            Payload::Data(acc) if adds_nothing(&acc) => Ok(Payload::Data(term)),
+            _ if adds_nothing(&term) => Ok(self),
+            Payload::Data(acc) => Ok(Payload::Pending(PendingReduction {
+                op,
+                terms: vec![acc, term],
+            })),
+            Payload::Pending(mut p) if p.op == op => {
+                p.terms.push(term);
+                Ok(Payload::Pending(p))
+            }
+            pending @ Payload::Pending(_) => pending.resolve().combine(&Payload::Data(term), op),
         }
     }
 
@@ -349,39 +515,13 @@ impl Payload {
                 v.iter_mut().for_each(|x| *x /= divisor);
                 Payload::Data(Rope::from_vec(v))
             }
+            pending @ Payload::Pending(_) => pending.resolve().divide(divisor),
         }
     }
 }
 
-fn combine_ropes(a: Rope, b: &Rope, op: ReduceOp) -> Rope {
-    // Adding zeros (broadcast contributions, padding) changes nothing: share instead of copy.
-    if op == ReduceOp::Sum {
-        if b.is_all_zeros() {
-            return a;
-        }
-        if a.is_all_zeros() {
-            return b.clone();
-        }
-    }
-    match a.into_unique() {
-        Ok(mut acc) => {
-            let mut offset = 0;
-            b.for_each_run(|run| {
-                op.apply_in_place(&mut acc[offset..offset + run.len()], run);
-                offset += run.len();
-            });
-            Rope::from_vec(acc)
-        }
-        Err(a) => {
-            let mut acc = a.to_vec();
-            let mut offset = 0;
-            b.for_each_run(|run| {
-                op.apply_in_place(&mut acc[offset..offset + run.len()], run);
-                offset += run.len();
-            });
-            Rope::from_vec(acc)
-        }
-    }
+fn mixed() -> CollectiveError {
+    CollectiveError::Internal("reduction mixes data and meta payloads".into())
 }
 
 #[cfg(test)]
@@ -412,12 +552,23 @@ mod tests {
     }
 
     #[test]
-    fn combine_reuses_unique_buffers() {
+    fn combine_defers_then_resolves_in_order() {
         let a = data(&[1., 2.]);
         let b = data(&[10., 20.]);
         let c = a.combine(&b, ReduceOp::Max).unwrap();
-        assert_eq!(c.to_vec().unwrap(), vec![10., 20.]);
+        assert!(matches!(c, Payload::Pending(_)));
+        let c = c
+            .combine(&data(&[15., 5.]), ReduceOp::Max)
+            .unwrap()
+            .resolve();
+        assert_eq!(c.to_vec().unwrap(), vec![15., 20.]);
         assert!(data(&[1.]).combine(&b, ReduceOp::Sum).is_err());
-        assert_eq!(Payload::Meta(4).combine(&Payload::Meta(4), ReduceOp::Sum).unwrap().len(), 4);
+        assert_eq!(
+            Payload::Meta(4)
+                .combine(&Payload::Meta(4), ReduceOp::Sum)
+                .unwrap()
+                .len(),
+            4
+        );
     }
 }

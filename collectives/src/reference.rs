@@ -32,7 +32,10 @@ pub fn all_gather(inputs: &[Vec<f32>]) -> Vec<f32> {
 
 /// Block `rank` of every input, in source order.
 pub fn all_to_all(inputs: &[Vec<f32>], rank: usize) -> Vec<f32> {
-    inputs.iter().flat_map(|v| chunk(v, inputs.len(), rank).to_vec()).collect()
+    inputs
+        .iter()
+        .flat_map(|v| chunk(v, inputs.len(), rank).to_vec())
+        .collect()
 }
 
 /// `torch.chunk(values, n)[rank]`, or empty when there are fewer chunks.

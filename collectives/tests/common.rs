@@ -1,5 +1,5 @@
 //! Shared helpers for the collectives integration tests.
-#![allow(dead_code)]
+#![allow(clippy::unwrap_used, dead_code)]
 
 use podsim_collectives::{
     Algo, Chip, CollectiveError, Comm, LocalFabric, Nanos, OpKind, Payload, ReduceOp, run_chips,
@@ -56,7 +56,10 @@ pub async fn run_op(
             OpKind::AllReduce => chip.all_reduce(&comm, &data, reduce).await?,
             OpKind::ReduceScatter => chip.reduce_scatter(&comm, &data, reduce).await?,
             OpKind::AllGather => chip.all_gather(&comm, &data).await?,
-            OpKind::Broadcast => chip.broadcast(&comm, &data, 1 % comm.group.size(chip.pod())).await?,
+            OpKind::Broadcast => {
+                chip.broadcast(&comm, &data, 1 % comm.group.size(chip.pod()))
+                    .await?
+            }
             OpKind::AllToAll => chip.all_to_all(&comm, &data).await?,
             OpKind::Barrier => {
                 chip.barrier(&comm).await?;
@@ -106,7 +109,10 @@ pub fn assert_close(got: &[f32], want: &[f32], reduce: ReduceOp, exact: bool, wh
 }
 
 pub fn fabric(shape: &str, wrap: bool, slices: u32) -> LocalFabric {
-    let torus = shape.parse::<podsim_topology::Torus>().expect("shape").set_wrap_all(wrap);
+    let torus = shape
+        .parse::<podsim_topology::Torus>()
+        .expect("shape")
+        .set_wrap_all(wrap);
     let pod = Pod::new(torus, slices).expect("pod");
     LocalFabric::new(pod, Hardware::preset("v5p").expect("preset"))
 }

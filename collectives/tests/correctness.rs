@@ -2,6 +2,7 @@
 //! wraparound, and across slices) with element counts {1, n-1, n+1, large}, in data and meta
 //! mode: results equal the naive reference, and meta mode gives the same lengths and the same
 //! virtual time as data mode.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 
@@ -15,7 +16,12 @@ fn cases() -> Vec<(OpKind, ReduceOp)> {
         v.push((OpKind::AllReduce, r));
         v.push((OpKind::ReduceScatter, r));
     }
-    for op in [OpKind::AllGather, OpKind::Broadcast, OpKind::AllToAll, OpKind::Barrier] {
+    for op in [
+        OpKind::AllGather,
+        OpKind::Broadcast,
+        OpKind::AllToAll,
+        OpKind::Barrier,
+    ] {
         v.push((op, ReduceOp::Sum));
     }
     v
@@ -96,7 +102,11 @@ fn without_wraparound() {
 #[test]
 fn subgroups_and_single_chip_groups() {
     let fabric = fabric("2x3x4", true, 1);
-    for axes in [vec![PodAxis::Torus(1)], vec![PodAxis::Torus(0), PodAxis::Torus(2)], vec![]] {
+    for axes in [
+        vec![PodAxis::Torus(1)],
+        vec![PodAxis::Torus(0), PodAxis::Torus(2)],
+        vec![],
+    ] {
         let group = Group::of(&axes);
         for algo in Algo::ALL {
             check_group(&fabric, group, algo, &format!("group {group}"));
@@ -108,9 +118,18 @@ fn subgroups_and_single_chip_groups() {
 fn multislice_is_hierarchical_and_correct() {
     let fabric = fabric("2x3", true, 3);
     let pod = fabric.pod().clone();
-    for group in [Group::world(&pod), Group::of(&[PodAxis::Slices]), Group::slice(&pod)] {
+    for group in [
+        Group::world(&pod),
+        Group::of(&[PodAxis::Slices]),
+        Group::slice(&pod),
+    ] {
         for algo in Algo::ALL {
-            check_group(&fabric, group, algo, &format!("3 slices of 2x3, group {group}"));
+            check_group(
+                &fabric,
+                group,
+                algo,
+                &format!("3 slices of 2x3, group {group}"),
+            );
         }
     }
 }

@@ -1,5 +1,6 @@
 //! A chip that enters a different collective than its group gets a desync error that names
 //! both chips and both fingerprints, within a second, instead of a hang or garbage.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 
@@ -27,7 +28,8 @@ fn run_mismatch(shape: &str, odd_chip: u32, odd: OpKind, odd_count: usize) -> Co
                         _ => chip.all_reduce(&comm, &data, ReduceOp::Max).await?,
                     };
                 } else {
-                    chip.all_reduce(&comm, &Payload::from_vec(vec![1.0; 1000]), ReduceOp::Sum).await?;
+                    chip.all_reduce(&comm, &Payload::from_vec(vec![1.0; 1000]), ReduceOp::Sum)
+                        .await?;
                 }
                 Ok(())
             }),
@@ -35,13 +37,22 @@ fn run_mismatch(shape: &str, odd_chip: u32, odd: OpKind, odd_count: usize) -> Co
         .await
     });
     let elapsed = started.elapsed();
-    let err = result.expect("desync must be reported within a second, not hang").unwrap_err();
+    let err = result
+        .expect("desync must be reported within a second, not hang")
+        .unwrap_err();
     assert!(elapsed < Duration::from_secs(1));
     err
 }
 
 fn assert_names_both(err: &CollectiveError, odd_chip: u32, odd_op: OpKind) {
-    let CollectiveError::Desync { chip, expected, peer, got, .. } = err else {
+    let CollectiveError::Desync {
+        chip,
+        expected,
+        peer,
+        got,
+        ..
+    } = err
+    else {
         panic!("expected a desync, got {err}");
     };
     assert_ne!(chip, peer);
@@ -52,7 +63,10 @@ fn assert_names_both(err: &CollectiveError, odd_chip: u32, odd_op: OpKind) {
     let ops = [expected.op, got.op];
     assert!(ops.contains(&odd_op), "{err}");
     let text = err.to_string();
-    assert!(text.contains(&format!("chip {chip}")) && text.contains(&format!("chip {peer}")), "{text}");
+    assert!(
+        text.contains(&format!("chip {chip}")) && text.contains(&format!("chip {peer}")),
+        "{text}"
+    );
 }
 
 #[test]

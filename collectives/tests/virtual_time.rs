@@ -1,5 +1,6 @@
 //! Virtual time against the closed forms of DESIGN.md, the multi-axis bound of the torus
 //! algorithms, the cost of missing wraparound, and determinism.
+#![allow(clippy::unwrap_used)]
 
 mod common;
 
@@ -20,7 +21,10 @@ fn virtual_time(shape: &str, wrap: bool, algo: Algo, op: OpKind, count: usize, m
 }
 
 fn close(got: f64, want: f64) {
-    assert!((got - want).abs() <= 1e-9 * want, "virtual time {got} ns, closed form {want} ns");
+    assert!(
+        (got - want).abs() <= 1e-9 * want,
+        "virtual time {got} ns, closed form {want} ns"
+    );
 }
 
 #[test]
@@ -35,13 +39,49 @@ fn rings_match_the_alpha_beta_closed_forms() {
         let uni = (nf - 1.0) * (alpha + v / (nf * w));
         let bidir = (nf - 1.0) * (alpha + v / (2.0 * nf * w));
         for meta in [false, true] {
-            close(virtual_time(&shape, true, Algo::Ring, OpKind::ReduceScatter, count, meta), uni);
-            close(virtual_time(&shape, true, Algo::Ring, OpKind::AllReduce, count, meta), 2.0 * uni);
-            close(virtual_time(&shape, true, Algo::BidirRing, OpKind::ReduceScatter, count, meta), bidir);
-            close(virtual_time(&shape, true, Algo::BidirRing, OpKind::AllReduce, count, meta), 2.0 * bidir);
+            close(
+                virtual_time(&shape, true, Algo::Ring, OpKind::ReduceScatter, count, meta),
+                uni,
+            );
+            close(
+                virtual_time(&shape, true, Algo::Ring, OpKind::AllReduce, count, meta),
+                2.0 * uni,
+            );
+            close(
+                virtual_time(
+                    &shape,
+                    true,
+                    Algo::BidirRing,
+                    OpKind::ReduceScatter,
+                    count,
+                    meta,
+                ),
+                bidir,
+            );
+            close(
+                virtual_time(
+                    &shape,
+                    true,
+                    Algo::BidirRing,
+                    OpKind::AllReduce,
+                    count,
+                    meta,
+                ),
+                2.0 * bidir,
+            );
             // All-gather: V is the whole output buffer.
             let ag = (nf - 1.0) * (alpha + (v * nf) / (2.0 * nf * w));
-            close(virtual_time(&shape, true, Algo::BidirRing, OpKind::AllGather, count, meta), ag);
+            close(
+                virtual_time(
+                    &shape,
+                    true,
+                    Algo::BidirRing,
+                    OpKind::AllGather,
+                    count,
+                    meta,
+                ),
+                ag,
+            );
         }
     }
 }
@@ -56,14 +96,40 @@ fn torus_all_gather_approaches_the_multi_axis_bound() {
         let v = (per_chip * chips * 4) as f64;
         let bound = v / (2.0 * w * axes);
         let t = virtual_time(shape, true, Algo::Torus, OpKind::AllGather, per_chip, true);
-        assert!(t >= bound * (1.0 - 1.0 / chips as f64), "{shape}: {t} ns beats the bound {bound}");
-        assert!(t <= 1.05 * bound, "{shape}: {t} ns is more than 5% over the bound {bound} ns");
+        assert!(
+            t >= bound * (1.0 - 1.0 / chips as f64),
+            "{shape}: {t} ns beats the bound {bound}"
+        );
+        assert!(
+            t <= 1.05 * bound,
+            "{shape}: {t} ns is more than 5% over the bound {bound} ns"
+        );
         // The same holds for reduce-scatter and all-reduce (twice).
-        let rs = virtual_time(shape, true, Algo::Torus, OpKind::ReduceScatter, per_chip * chips, true);
-        assert!(rs <= 1.05 * bound, "{shape}: reduce-scatter {rs} ns vs bound {bound} ns");
+        let rs = virtual_time(
+            shape,
+            true,
+            Algo::Torus,
+            OpKind::ReduceScatter,
+            per_chip * chips,
+            true,
+        );
+        assert!(
+            rs <= 1.05 * bound,
+            "{shape}: reduce-scatter {rs} ns vs bound {bound} ns"
+        );
         // And the torus algorithm beats one-axis-at-a-time bidirectional rings.
-        let dim_ordered = virtual_time(shape, true, Algo::BidirRing, OpKind::AllGather, per_chip, true);
-        assert!(dim_ordered > 1.3 * t, "{shape}: torus {t} vs dimension-ordered {dim_ordered}");
+        let dim_ordered = virtual_time(
+            shape,
+            true,
+            Algo::BidirRing,
+            OpKind::AllGather,
+            per_chip,
+            true,
+        );
+        assert!(
+            dim_ordered > 1.3 * t,
+            "{shape}: torus {t} vs dimension-ordered {dim_ordered}"
+        );
     }
 }
 
@@ -75,7 +141,10 @@ fn missing_wraparound_costs_about_twice() {
             let wrap = virtual_time(shape, true, algo, OpKind::AllReduce, count, true);
             let line = virtual_time(shape, false, algo, OpKind::AllReduce, count, true);
             let ratio = line / wrap;
-            assert!((1.8..=2.2).contains(&ratio), "{shape} {algo}: no-wrap/wrap = {ratio}");
+            assert!(
+                (1.8..=2.2).contains(&ratio),
+                "{shape} {algo}: no-wrap/wrap = {ratio}"
+            );
         }
     }
 }
@@ -89,7 +158,12 @@ fn virtual_time_is_deterministic_and_thread_independent() {
         for threads in [1, 2, 4, 1, 3] {
             let rt = runtime(threads);
             let mut clocks = Vec::new();
-            for op in [OpKind::AllReduce, OpKind::AllGather, OpKind::AllToAll, OpKind::Broadcast] {
+            for op in [
+                OpKind::AllReduce,
+                OpKind::AllGather,
+                OpKind::AllToAll,
+                OpKind::Broadcast,
+            ] {
                 let out = rt
                     .block_on(run_op(&fabric, comm, op, ReduceOp::Sum, 10_007, false, 1))
                     .expect("collective");
@@ -97,7 +171,10 @@ fn virtual_time_is_deterministic_and_thread_independent() {
             }
             match &seen {
                 None => seen = Some(clocks),
-                Some(first) => assert_eq!(first, &clocks, "{shape}: {threads} threads changed virtual time"),
+                Some(first) => assert_eq!(
+                    first, &clocks,
+                    "{shape}: {threads} threads changed virtual time"
+                ),
             }
         }
     }

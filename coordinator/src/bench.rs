@@ -117,12 +117,19 @@ fn parse_group(text: &str, pod: &Pod) -> Result<Group, String> {
             "y" => PodAxis::Torus(1),
             "z" => PodAxis::Torus(2),
             "dcn" => PodAxis::Slices,
-            other => return Err(format!("--group: unknown axis {other:?} (use world or x, y, z, dcn)")),
+            other => {
+                return Err(format!(
+                    "--group: unknown axis {other:?} (use world or x, y, z, dcn)"
+                ));
+            }
         };
         if let PodAxis::Torus(a) = axis
             && usize::from(a) >= pod.torus().ndims()
         {
-            return Err(format!("--group: the torus {} has no axis {name}", pod.torus()));
+            return Err(format!(
+                "--group: the torus {} has no axis {name}",
+                pod.torus()
+            ));
         }
         axes.push(axis);
     }
@@ -136,7 +143,10 @@ impl BenchPlan {
         let torus = torus.set_wrap_all(!a.no_wrap);
         let pod = Pod::new(torus, a.slices).map_err(|e| format!("--slices: {e}"))?;
         let hardware = Hardware::preset(&a.hardware).map_err(|e| format!("--hardware: {e}"))?;
-        let op: OpKind = a.collective.parse().map_err(|e| format!("--collective: {e}"))?;
+        let op: OpKind = a
+            .collective
+            .parse()
+            .map_err(|e| format!("--collective: {e}"))?;
         let algo: Algo = a.algo.parse().map_err(|e| format!("--algo: {e}"))?;
         let reduce: ReduceOp = a.op.parse().map_err(|e| format!("--op: {e}"))?;
         let sizes = parse_sizes(&a.sizes).map_err(|e| format!("--sizes: {e}"))?;
@@ -227,10 +237,14 @@ pub fn run_in_process(
             .block_on(run_chips(fabric.chips(), |mut chip| {
                 let sync = sync.clone();
                 async move {
-                    bench_chip(&mut chip, &case, &sync).await.map_err(|e| match e {
-                        podsim_worker::WorkerError::Collective(c) => c,
-                        other => podsim_collectives::CollectiveError::Internal(other.to_string()),
-                    })
+                    bench_chip(&mut chip, &case, &sync)
+                        .await
+                        .map_err(|e| match e {
+                            podsim_worker::WorkerError::Collective(c) => c,
+                            other => {
+                                podsim_collectives::CollectiveError::Internal(other.to_string())
+                            }
+                        })
                 }
             }))
             .map_err(|e| format!("{} of {}: {e}", plan.op, format_size(size)))?;
@@ -242,7 +256,12 @@ pub fn run_in_process(
                 wall += e.duration_since(s);
             }
         }
-        let row = make_row(plan, count, wall.as_secs_f64() / plan.iters as f64, &results);
+        let row = make_row(
+            plan,
+            count,
+            wall.as_secs_f64() / plan.iters as f64,
+            &results,
+        );
         on_row(&row);
         rows.push(row);
     }
@@ -259,7 +278,13 @@ fn make_row(
     let n = plan.comm.group.size(&plan.pod);
     let factor = plan.op.busbw_factor(n);
     let virtual_s = results.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
-    let gbps = |secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+    let gbps = |secs: f64| {
+        if secs > 0.0 {
+            bytes as f64 / secs / 1e9
+        } else {
+            0.0
+        }
+    };
     BenchRow {
         collective: plan.op.name().to_string(),
         algo: plan.comm.algo.name().to_string(),
@@ -286,7 +311,11 @@ fn make_row(
 /// The table header, nccl-tests style.
 pub fn table_header(plan: &BenchPlan) -> String {
     let torus = plan.pod.torus();
-    let wrap = if torus.wrap().iter().all(|&w| w) { "" } else { " (no wraparound)" };
+    let wrap = if torus.wrap().iter().all(|&w| w) {
+        ""
+    } else {
+        " (no wraparound)"
+    };
     format!(
         "# podsim bench: {} {} on {}{wrap}, {} chips, group of {}, {} {}, {} mode, {} iters\n\
          #\n\
@@ -301,13 +330,33 @@ pub fn table_header(plan: &BenchPlan) -> String {
         plan.comm.dtype.name(),
         if plan.meta { "meta" } else { "data" },
         plan.iters,
-        "size", "count", "wall", "algbw", "busbw", "virtual", "v.algbw", "v.busbw", "errors",
-        "", "(elements)", "(us)", "(GB/s)", "(GB/s)", "(us)", "(GB/s)", "(GB/s)", "",
+        "size",
+        "count",
+        "wall",
+        "algbw",
+        "busbw",
+        "virtual",
+        "v.algbw",
+        "v.busbw",
+        "errors",
+        "",
+        "(elements)",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)",
+        "",
     )
 }
 
 pub fn table_row(r: &BenchRow) -> String {
-    let errors = if r.mode == "meta" { "n/a".to_string() } else { r.errors.to_string() };
+    let errors = if r.mode == "meta" {
+        "n/a".to_string()
+    } else {
+        r.errors.to_string()
+    };
     format!(
         "  {:>10} {:>12} {:>11.1} {:>9.3} {:>9.3} {:>11.2} {:>9.2} {:>9.2} {:>8}",
         format_size(r.bytes),

@@ -5,9 +5,13 @@
 /// (`KB`, `MB`, `GB`); a bare number is bytes.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let value: f64 = num.parse().map_err(|_| format!("size {text:?}: expected a number and a unit like 16MiB"))?;
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("size {text:?}: expected a number and a unit like 16MiB"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kib" => 1024.0,
@@ -16,10 +20,14 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         "kb" => 1e3,
         "mb" => 1e6,
         "gb" => 1e9,
-        other => return Err(format!("size {text:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, KB, MB, GB)")),
+        other => {
+            return Err(format!(
+                "size {text:?}: unknown unit {other:?} (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ));
+        }
     };
     let bytes = value * mult;
-    if !(bytes.is_finite() && bytes >= 0.0 && bytes <= 1e15) {
+    if !(0.0..=1e15).contains(&bytes) {
         return Err(format!("size {text:?} is out of range"));
     }
     Ok(bytes.round() as u64)
@@ -56,7 +64,11 @@ pub fn format_size(bytes: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if v.fract() == 0.0 { format!("{v:.0} {}", UNITS[u]) } else { format!("{v:.1} {}", UNITS[u]) }
+    if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }
 
 #[cfg(test)]

@@ -23,7 +23,11 @@ pub enum TopologyError {
     #[error("hardware field {field} must be a positive finite number, got {value}")]
     BadHardwareValue { field: &'static str, value: f64 },
     #[error("cannot place {chips} chips on {workers} workers: {reason}")]
-    Placement { chips: u64, workers: u64, reason: String },
+    Placement {
+        chips: u64,
+        workers: u64,
+        reason: String,
+    },
     #[error("device mesh {mesh}: {reason}")]
     Mesh { mesh: String, reason: String },
     #[error("chip {chip} does not exist in a pod of {chips} chips")]

@@ -69,15 +69,21 @@ impl Group {
     }
 
     pub fn of(axes: &[PodAxis]) -> Group {
-        Group { mask: axes.iter().fold(0, |m, a| m | a.bit()) }
+        Group {
+            mask: axes.iter().fold(0, |m, a| m | a.bit()),
+        }
     }
 
     pub fn with(self, axis: PodAxis) -> Group {
-        Group { mask: self.mask | axis.bit() }
+        Group {
+            mask: self.mask | axis.bit(),
+        }
     }
 
     pub fn without(self, axis: PodAxis) -> Group {
-        Group { mask: self.mask & !axis.bit() }
+        Group {
+            mask: self.mask & !axis.bit(),
+        }
     }
 
     pub fn contains(self, axis: PodAxis) -> bool {
@@ -112,10 +118,9 @@ impl Group {
 
     /// The rank of `chip` inside its group.
     pub fn rank_of(self, pod: &Pod, chip: ChipId) -> u32 {
-        self.axes(pod)
-            .iter()
-            .rev()
-            .fold(0, |acc, &a| acc * a.size(pod) + Group::coord_on(pod, chip, a))
+        self.axes(pod).iter().rev().fold(0, |acc, &a| {
+            acc * a.size(pod) + Group::coord_on(pod, chip, a)
+        })
     }
 
     /// The members of `chip`'s group in group-rank order.

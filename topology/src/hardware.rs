@@ -72,13 +72,38 @@ impl Hardware {
     /// (latencies may be zero).
     pub fn with_overrides(mut self, o: &HardwareOverrides) -> Result<Hardware, TopologyError> {
         let fields: [(&'static str, Option<f64>, &mut f64, bool); 7] = [
-            ("ici_bandwidth", o.ici_bandwidth, &mut self.ici_bandwidth, false),
-            ("ici_latency_ns", o.ici_latency_ns, &mut self.ici_latency_ns, true),
-            ("dcn_bandwidth", o.dcn_bandwidth, &mut self.dcn_bandwidth, false),
-            ("dcn_latency_ns", o.dcn_latency_ns, &mut self.dcn_latency_ns, true),
+            (
+                "ici_bandwidth",
+                o.ici_bandwidth,
+                &mut self.ici_bandwidth,
+                false,
+            ),
+            (
+                "ici_latency_ns",
+                o.ici_latency_ns,
+                &mut self.ici_latency_ns,
+                true,
+            ),
+            (
+                "dcn_bandwidth",
+                o.dcn_bandwidth,
+                &mut self.dcn_bandwidth,
+                false,
+            ),
+            (
+                "dcn_latency_ns",
+                o.dcn_latency_ns,
+                &mut self.dcn_latency_ns,
+                true,
+            ),
             ("peak_flops", o.peak_flops, &mut self.peak_flops, false),
             ("hbm_bytes", o.hbm_bytes, &mut self.hbm_bytes, false),
-            ("hbm_bandwidth", o.hbm_bandwidth, &mut self.hbm_bandwidth, false),
+            (
+                "hbm_bandwidth",
+                o.hbm_bandwidth,
+                &mut self.hbm_bandwidth,
+                false,
+            ),
         ];
         let mut changed = false;
         for (field, value, slot, zero_ok) in fields {
@@ -106,12 +131,21 @@ mod tests {
     fn presets_and_overrides() {
         let v5p = Hardware::preset("v5p").unwrap();
         assert_eq!(v5p.ici_bandwidth, 90e9);
-        let o = HardwareOverrides { ici_latency_ns: Some(0.0), ..Default::default() };
+        let o = HardwareOverrides {
+            ici_latency_ns: Some(0.0),
+            ..Default::default()
+        };
         assert_eq!(v5p.clone().with_overrides(&o).unwrap().ici_latency_ns, 0.0);
-        let bad = HardwareOverrides { ici_bandwidth: Some(-1.0), ..Default::default() };
+        let bad = HardwareOverrides {
+            ici_bandwidth: Some(-1.0),
+            ..Default::default()
+        };
         assert!(matches!(
             v5p.with_overrides(&bad),
-            Err(TopologyError::BadHardwareValue { field: "ici_bandwidth", .. })
+            Err(TopologyError::BadHardwareValue {
+                field: "ici_bandwidth",
+                ..
+            })
         ));
         assert!(Hardware::preset("h100").is_err());
     }

@@ -7,9 +7,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::TopologyError;
 use crate::group::{Group, PodAxis};
 use crate::pod::{ChipId, Pod};
-use crate::TopologyError;
 
 /// One named mesh axis and the pod axes it spans.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -29,9 +29,15 @@ impl DeviceMesh {
     /// Lays `axes` (name, size), outermost first, onto the pod's axes.
     pub fn new(pod: &Pod, axes: &[(&str, u32)]) -> Result<DeviceMesh, TopologyError> {
         let describe = || {
-            axes.iter().map(|(n, s)| format!("{n}={s}")).collect::<Vec<_>>().join(", ")
+            axes.iter()
+                .map(|(n, s)| format!("{n}={s}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         };
-        let err = |reason: String| TopologyError::Mesh { mesh: describe(), reason };
+        let err = |reason: String| TopologyError::Mesh {
+            mesh: describe(),
+            reason,
+        };
         let mut outermost_first: Vec<PodAxis> = Group::world(pod).axes(pod);
         outermost_first.reverse();
         let mut next = outermost_first.into_iter().peekable();
@@ -58,7 +64,11 @@ impl DeviceMesh {
                     pod.slices()
                 )));
             }
-            mesh.push(MeshAxis { name: name.to_string(), size, pod_axes });
+            mesh.push(MeshAxis {
+                name: name.to_string(),
+                size,
+                pod_axes,
+            });
         }
         if let Some(left) = next.next() {
             return Err(err(format!(
@@ -99,7 +109,11 @@ impl DeviceMesh {
     }
 
     pub fn describe(&self) -> String {
-        self.axes.iter().map(|a| format!("{}={}", a.name, a.size)).collect::<Vec<_>>().join(", ")
+        self.axes
+            .iter()
+            .map(|a| format!("{}={}", a.name, a.size))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -113,7 +127,10 @@ mod tests {
         let pod = Pod::single("4x4x2".parse::<Torus>().unwrap());
         let mesh = DeviceMesh::new(&pod, &[("dp", 8), ("tp", 4)]).unwrap();
         assert_eq!(mesh.axis("tp").unwrap().pod_axes, vec![PodAxis::Torus(0)]);
-        assert_eq!(mesh.axis("dp").unwrap().pod_axes, vec![PodAxis::Torus(2), PodAxis::Torus(1)]);
+        assert_eq!(
+            mesh.axis("dp").unwrap().pod_axes,
+            vec![PodAxis::Torus(2), PodAxis::Torus(1)]
+        );
         let tp = mesh.group(&["tp"]).unwrap();
         assert_eq!(tp.members(&pod, 5), vec![4, 5, 6, 7]);
     }

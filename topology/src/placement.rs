@@ -4,8 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::pod::{ChipId, Pod};
 use crate::TopologyError;
+use crate::pod::{ChipId, Pod};
 
 /// Which worker hosts each chip.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,9 +48,16 @@ impl Placement {
     fn from_owner(pod: &Pod, workers: u32, owner: Vec<u32>) -> Placement {
         let crossing_links = (0..pod.chips())
             .flat_map(|c| pod.links(c).into_iter().map(move |l| (c, l)))
-            .filter(|&(c, l)| pod.peer(c, l).is_some_and(|p| owner[p as usize] != owner[c as usize]))
+            .filter(|&(c, l)| {
+                pod.peer(c, l)
+                    .is_some_and(|p| owner[p as usize] != owner[c as usize])
+            })
             .count() as u64;
-        Placement { workers, owner, crossing_links }
+        Placement {
+            workers,
+            owner,
+            crossing_links,
+        }
     }
 
     pub fn workers(&self) -> u32 {
@@ -64,7 +71,9 @@ impl Placement {
 
     /// The chips of `worker`, ascending.
     pub fn chips_of(&self, worker: u32) -> Vec<ChipId> {
-        (0..self.owner.len() as u32).filter(|&c| self.owner[c as usize] == worker).collect()
+        (0..self.owner.len() as u32)
+            .filter(|&c| self.owner[c as usize] == worker)
+            .collect()
     }
 
     /// Directed links (ICI and DCN) whose two ends are on different workers.
@@ -78,11 +87,11 @@ impl Placement {
 fn box_splits(pod: &Pod, workers: u32) -> Vec<Vec<u32>> {
     let slices = pod.slices();
     let mut out = Vec::new();
-    if workers <= slices && slices % workers == 0 {
+    if workers <= slices && slices.is_multiple_of(workers) {
         let per = slices / workers;
         out.push((0..pod.chips()).map(|c| pod.slice_of(c) / per).collect());
     }
-    if workers % slices == 0 {
+    if workers.is_multiple_of(slices) {
         let per_slice = workers / slices;
         let dims = pod.torus().dims().to_vec();
         for cuts in factorizations(per_slice, &dims) {
@@ -109,7 +118,7 @@ fn factorizations(n: u32, dims: &[u32]) -> Vec<Vec<u32>> {
         return if n == 1 { vec![vec![]] } else { vec![] };
     };
     let mut out = Vec::new();
-    for f in (1..=first.min(n)).filter(|f| first % f == 0 && n % f == 0) {
+    for f in (1..=first.min(n)).filter(|&f| first.is_multiple_of(f) && n.is_multiple_of(f)) {
         for mut tail in factorizations(n / f, rest) {
             tail.insert(0, f);
             out.push(tail);

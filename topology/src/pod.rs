@@ -5,8 +5,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::torus::{Coord, Dir, MAX_CHIPS, Torus};
 use crate::TopologyError;
+use crate::torus::{Coord, Dir, MAX_CHIPS, Torus};
 
 /// Global chip number across all slices.
 pub type ChipId = u32;
@@ -23,14 +23,22 @@ pub enum Link {
 impl Link {
     pub fn ici(axis: usize, dir: Dir) -> Link {
         // Axis indices are below MAX_AXES (3), so the narrowing is lossless.
-        Link::Ici { axis: axis as u8, dir }
+        Link::Ici {
+            axis: axis as u8,
+            dir,
+        }
     }
 
     /// The same wire seen from the other end: what the receiver calls the link to the sender.
     pub fn reverse(self, sender_slice: u32) -> Link {
         match self {
-            Link::Ici { axis, dir } => Link::Ici { axis, dir: dir.flip() },
-            Link::Dcn { .. } => Link::Dcn { peer_slice: sender_slice },
+            Link::Ici { axis, dir } => Link::Ici {
+                axis,
+                dir: dir.flip(),
+            },
+            Link::Dcn { .. } => Link::Dcn {
+                peer_slice: sender_slice,
+            },
         }
     }
 
@@ -66,7 +74,10 @@ impl Pod {
         }
         let chips = u64::from(torus.chips()) * u64::from(slices);
         if chips > MAX_CHIPS {
-            return Err(TopologyError::TooManyChips { chips, max: MAX_CHIPS });
+            return Err(TopologyError::TooManyChips {
+                chips,
+                max: MAX_CHIPS,
+            });
         }
         Ok(Pod { torus, slices })
     }
@@ -93,7 +104,10 @@ impl Pod {
         if chip < self.chips() {
             Ok(())
         } else {
-            Err(TopologyError::NoSuchChip { chip: chip.into(), chips: self.chips().into() })
+            Err(TopologyError::NoSuchChip {
+                chip: chip.into(),
+                chips: self.chips().into(),
+            })
         }
     }
 
@@ -138,7 +152,11 @@ impl Pod {
             }
         }
         let slice = self.slice_of(chip);
-        links.extend((0..self.slices).filter(|&s| s != slice).map(|s| Link::Dcn { peer_slice: s }));
+        links.extend(
+            (0..self.slices)
+                .filter(|&s| s != slice)
+                .map(|s| Link::Dcn { peer_slice: s }),
+        );
         links
     }
 }

@@ -65,16 +65,25 @@ impl Torus {
             return Err(TopologyError::AxisCount(dims.len()));
         }
         if wrap.len() != dims.len() {
-            return Err(TopologyError::WrapLength { given: wrap.len(), axes: dims.len() });
+            return Err(TopologyError::WrapLength {
+                given: wrap.len(),
+                axes: dims.len(),
+            });
         }
         if let Some(axis) = dims.iter().position(|&d| d == 0) {
             return Err(TopologyError::ZeroAxis { axis });
         }
         let chips: u64 = dims.iter().map(|&d| u64::from(d)).product();
         if chips > MAX_CHIPS {
-            return Err(TopologyError::TooManyChips { chips, max: MAX_CHIPS });
+            return Err(TopologyError::TooManyChips {
+                chips,
+                max: MAX_CHIPS,
+            });
         }
-        Ok(Torus { dims: dims.to_vec(), wrap: wrap.to_vec() })
+        Ok(Torus {
+            dims: dims.to_vec(),
+            wrap: wrap.to_vec(),
+        })
     }
 
     /// The same shape with wraparound set on every axis to `wrap`.
@@ -118,7 +127,11 @@ impl Torus {
     }
 
     pub fn rank(&self, coord: &Coord) -> u32 {
-        self.dims.iter().enumerate().rev().fold(0, |acc, (axis, &d)| acc * d + coord[axis])
+        self.dims
+            .iter()
+            .enumerate()
+            .rev()
+            .fold(0, |acc, (axis, &d)| acc * d + coord[axis])
     }
 
     /// The chip across link (`axis`, `dir`) from `rank`, or `None` at the edge of an axis
@@ -169,12 +182,17 @@ impl FromStr for Torus {
 
     /// Parses `"16"`, `"4x4"` or `"16x16x24"` (wraparound on every axis).
     fn from_str(text: &str) -> Result<Torus, TopologyError> {
-        let bad = |reason: String| TopologyError::BadShape { text: text.to_string(), reason };
+        let bad = |reason: String| TopologyError::BadShape {
+            text: text.to_string(),
+            reason,
+        };
         let dims = text
             .trim()
             .split(['x', 'X'])
             .map(|part| {
-                part.trim().parse::<u32>().map_err(|e| bad(format!("axis {part:?}: {e}")))
+                part.trim()
+                    .parse::<u32>()
+                    .map_err(|e| bad(format!("axis {part:?}: {e}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
         Torus::new(&dims)
@@ -189,9 +207,18 @@ mod tests {
     fn parses_shapes() {
         assert_eq!("4x4x4".parse::<Torus>().unwrap().chips(), 64);
         assert_eq!("16".parse::<Torus>().unwrap().dims(), &[16]);
-        assert!(matches!("4x0".parse::<Torus>(), Err(TopologyError::ZeroAxis { axis: 1 })));
-        assert!(matches!("2x2x2x2".parse::<Torus>(), Err(TopologyError::AxisCount(4))));
-        assert!(matches!("4xa".parse::<Torus>(), Err(TopologyError::BadShape { .. })));
+        assert!(matches!(
+            "4x0".parse::<Torus>(),
+            Err(TopologyError::ZeroAxis { axis: 1 })
+        ));
+        assert!(matches!(
+            "2x2x2x2".parse::<Torus>(),
+            Err(TopologyError::AxisCount(4))
+        ));
+        assert!(matches!(
+            "4xa".parse::<Torus>(),
+            Err(TopologyError::BadShape { .. })
+        ));
     }
 
     #[test]

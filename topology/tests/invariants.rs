@@ -1,13 +1,16 @@
 //! Property tests for the topology invariants: neighbour symmetry, rings cover their axis once,
 //! rank <-> coordinate bijection, placements cover every chip exactly once.
+#![allow(clippy::unwrap_used)]
 
 use podsim_topology::{Dir, Group, Link, Placement, Pod, PodAxis, Torus};
 use proptest::prelude::*;
 
 fn torus() -> impl Strategy<Value = Torus> {
-    (prop::collection::vec(1u32..7, 1..=3), prop::collection::vec(any::<bool>(), 3)).prop_map(
-        |(dims, wrap)| Torus::with_wrap(&dims, &wrap[..dims.len()]).expect("valid shape"),
+    (
+        prop::collection::vec(1u32..7, 1..=3),
+        prop::collection::vec(any::<bool>(), 3),
     )
+        .prop_map(|(dims, wrap)| Torus::with_wrap(&dims, &wrap[..dims.len()]).expect("valid shape"))
 }
 
 proptest! {
@@ -17,8 +20,8 @@ proptest! {
         for r in 0..t.chips() {
             let c = t.coord(r);
             prop_assert_eq!(t.rank(&c), r);
-            for axis in 0..t.ndims() {
-                prop_assert!(c[axis] < t.dim(axis));
+            for (axis, &x) in c.iter().enumerate().take(t.ndims()) {
+                prop_assert!(x < t.dim(axis));
             }
             prop_assert!(seen.insert(c));
         }

@@ -115,7 +115,11 @@ impl<'a> Expected<'a> {
     }
 }
 
-async fn run_once(chip: &mut Chip, case: &BenchCase, input: &Payload) -> Result<Payload, WorkerError> {
+async fn run_once(
+    chip: &mut Chip,
+    case: &BenchCase,
+    input: &Payload,
+) -> Result<Payload, WorkerError> {
     let comm = &case.comm;
     Ok(match case.op {
         OpKind::AllReduce => chip.all_reduce(comm, input, case.reduce).await?,
@@ -162,10 +166,20 @@ pub async fn bench_chip(
         Some(out) => check(case, n, rank, &out)?,
         None => (0, 0),
     };
-    Ok(ChipBench { iterations, virtual_ns, checked, wrong })
+    Ok(ChipBench {
+        iterations,
+        virtual_ns,
+        checked,
+        wrong,
+    })
 }
 
-fn check(case: &BenchCase, n: usize, rank: usize, out: &Payload) -> Result<(u64, u64), WorkerError> {
+fn check(
+    case: &BenchCase,
+    n: usize,
+    rank: usize,
+    out: &Payload,
+) -> Result<(u64, u64), WorkerError> {
     let want = Expected::new(case, n, rank);
     if out.len() != want.len() {
         return Err(WorkerError::Invalid(format!(
@@ -175,7 +189,9 @@ fn check(case: &BenchCase, n: usize, rank: usize, out: &Payload) -> Result<(u64,
             want.len()
         )));
     }
-    let Some(rope) = out.as_rope() else { return Ok((0, 0)) };
+    let Some(rope) = out.as_rope() else {
+        return Ok((0, 0));
+    };
     let mut i = 0;
     let mut wrong = 0u64;
     rope.for_each_run(|run| {

@@ -28,7 +28,11 @@ pub(crate) struct Lane<'a> {
 
 impl Lane<'_> {
     fn tag(&self, step: usize) -> Tag {
-        Tag { lane: self.lane, phase: self.phase, step: step as u32 }
+        Tag {
+            lane: self.lane,
+            phase: self.phase,
+            step: step as u32,
+        }
     }
 
     fn put(&self, t: Nanos, step: usize, payload: Payload) -> Result<(), CollectiveError> {

@@ -87,8 +87,14 @@ impl AxisPath {
                 let next = (p + 1) % n;
                 let prev = (p + n - 1) % n;
                 match dir {
-                    Dir::Plus => (Link::Dcn { peer_slice: next }, Link::Dcn { peer_slice: prev }),
-                    Dir::Minus => (Link::Dcn { peer_slice: prev }, Link::Dcn { peer_slice: next }),
+                    Dir::Plus => (
+                        Link::Dcn { peer_slice: next },
+                        Link::Dcn { peer_slice: prev },
+                    ),
+                    Dir::Minus => (
+                        Link::Dcn { peer_slice: prev },
+                        Link::Dcn { peer_slice: next },
+                    ),
                 }
             }
         }

@@ -24,7 +24,15 @@ fn lane<'a>(call: Call<'a>, path: &AxisPath, id: PhaseId, dir: Dir) -> Lane<'a> 
         Dir::Plus => path.pos,
         Dir::Minus => path.n - 1 - path.pos,
     };
-    Lane { call, send, recv, lane: id.part * 4 + dir.index() as u16, phase: id.phase, p, n: path.n }
+    Lane {
+        call,
+        send,
+        recv,
+        lane: id.part * 4 + dir.index() as u16,
+        phase: id.phase,
+        p,
+        n: path.n,
+    }
 }
 
 fn mirrored<T: Clone>(v: &[T]) -> Vec<T> {
@@ -54,7 +62,10 @@ pub(crate) async fn reduce_scatter(
     let plus = lane(call, path, id, Dir::Plus);
     let minus = lane(call, path, id, Dir::Minus);
     match kind {
-        PhaseKind::UniRing => plus.ring_reduce_scatter(&groups, op, t0).await,
+        PhaseKind::UniRing => {
+            let (own, t) = plus.ring_reduce_scatter(&groups, op, t0).await?;
+            Ok((own.resolve_async().await?, t))
+        }
         PhaseKind::BidirRing => {
             let (lo, hi): (Vec<_>, Vec<_>) = groups.iter().map(halves).unzip();
             let hi = mirrored(&hi);
@@ -63,6 +74,7 @@ pub(crate) async fn reduce_scatter(
                 minus.ring_reduce_scatter(&hi, op, t0),
             )
             .await?;
+            let (a, b) = try_join(a.resolve_async(), b.resolve_async()).await?;
             Ok((Payload::concat([a, b]), ta.max(tb)))
         }
         PhaseKind::Line => {
@@ -80,7 +92,7 @@ pub(crate) async fn reduce_scatter(
             if let Some(r) = right {
                 acc = acc.combine(&r, op)?;
             }
-            Ok((acc, ta.max(tb)))
+            Ok((acc.resolve_async().await?, ta.max(tb)))
         }
     }
 }
@@ -126,7 +138,10 @@ pub(crate) async fn all_gather(
         }
     };
     got[path.pos] = Some(own);
-    let groups = got.into_iter().collect::<Option<Vec<_>>>().ok_or_else(missing)?;
+    let groups = got
+        .into_iter()
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(missing)?;
     debug_assert_eq!(groups.len(), n);
     Ok((groups, t))
 }
@@ -154,7 +169,10 @@ pub(crate) async fn all_to_all(
             )
             .await?;
             let b = mirrored(&b);
-            (a.into_iter().zip(b).map(|(x, y)| x.or(y)).collect(), ta.max(tb))
+            (
+                a.into_iter().zip(b).map(|(x, y)| x.or(y)).collect(),
+                ta.max(tb),
+            )
         }
         PhaseKind::Line => {
             let mirror = mirrored(&groups);
@@ -164,10 +182,19 @@ pub(crate) async fn all_to_all(
             )
             .await?;
             let b = mirrored(&b);
-            (a.into_iter().zip(b).map(|(x, y)| x.or(y)).collect::<Vec<_>>(), ta.max(tb))
+            (
+                a.into_iter()
+                    .zip(b)
+                    .map(|(x, y)| x.or(y))
+                    .collect::<Vec<_>>(),
+                ta.max(tb),
+            )
         }
     };
     got[path.pos] = Some(groups[path.pos].clone());
-    let received = got.into_iter().collect::<Option<Vec<_>>>().ok_or_else(missing)?;
+    let received = got
+        .into_iter()
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(missing)?;
     Ok((received, t))
 }

@@ -20,6 +20,17 @@ use crate::error::CollectiveError;
 use crate::payload::Payload;
 use crate::reduce::ReduceOp;
 
+/// One part of a collective in progress on this chip.
+#[derive(Debug)]
+struct PartState {
+    /// Elements of each block that belong to this part.
+    len: usize,
+    buf: Payload,
+    clock: Nanos,
+    /// Reduce-scatter: axes not yet reduced; all-gather: axes gathered so far (canonical).
+    axes: Vec<usize>,
+}
+
 /// The group's axes as one chip sees them, and how its buffer is cut into parts.
 #[derive(Debug, Clone)]
 pub(crate) struct Schedule {
@@ -47,11 +58,17 @@ impl Schedule {
                 },
             })
             .collect();
-        let ici: Vec<usize> =
-            (0..axes.len()).filter(|&i| axes[i].axis != PodAxis::Slices).collect();
-        let dcn: Vec<usize> =
-            (0..axes.len()).filter(|&i| axes[i].axis == PodAxis::Slices).collect();
-        let parts = if algo == Algo::Torus { ici.len().max(1) } else { 1 };
+        let ici: Vec<usize> = (0..axes.len())
+            .filter(|&i| axes[i].axis != PodAxis::Slices)
+            .collect();
+        let dcn: Vec<usize> = (0..axes.len())
+            .filter(|&i| axes[i].axis == PodAxis::Slices)
+            .collect();
+        let parts = if algo == Algo::Torus {
+            ici.len().max(1)
+        } else {
+            1
+        };
         let orders = (0..parts)
             .map(|j| {
                 let mut order: Vec<usize> =
@@ -99,7 +116,11 @@ impl Schedule {
 
     /// Blocks per element-chunk when splitting `remaining` (canonical) along `axis`.
     fn stride(&self, remaining: &[usize], axis: usize) -> usize {
-        remaining.iter().take_while(|&&a| a != axis).map(|&a| self.axes[a].n).product()
+        remaining
+            .iter()
+            .take_while(|&&a| a != axis)
+            .map(|&a| self.axes[a].n)
+            .product()
     }
 
     /// Runs phase `k` of every part. Parts whose phase `k` is on different axes run
@@ -150,12 +171,23 @@ impl Schedule {
             return Ok((buf.slice(0, 0), t0));
         }
         let single = parts.len() == 1 && parts[0].2 == l;
-        // Per part: (element count per block, buffer, clock, axes not yet reduced).
-        let mut states: Vec<(usize, (usize, Payload, Nanos, Vec<usize>))> = parts
+        let mut states: Vec<(usize, PartState)> = parts
             .iter()
             .map(|&(j, off, len)| {
-                let part = if single { buf.clone() } else { blocks_part(buf, l, off, len) };
-                (j, (len, part, t0, (0..self.axes.len()).collect()))
+                let buf = if single {
+                    buf.clone()
+                } else {
+                    blocks_part(buf, l, off, len)
+                };
+                (
+                    j,
+                    PartState {
+                        len,
+                        buf,
+                        clock: t0,
+                        axes: (0..self.axes.len()).collect(),
+                    },
+                )
             })
             .collect();
         for k in 0..self.axes.len() {
@@ -163,22 +195,32 @@ impl Schedule {
                 .phase_of_parts(
                     |j| self.orders[j][k],
                     states,
-                    |j, a, (len, part, t, mut remaining): (usize, Payload, Nanos, Vec<usize>)| async move {
-                        let chunk = self.stride(&remaining, a) * len;
-                        let groups = part.split_interleaved(chunk, self.axes[a].n);
-                        let id = PhaseId { part: j as u16, phase: phase0 + k as u16 };
+                    |j, a, mut st: PartState| async move {
+                        let chunk = self.stride(&st.axes, a) * st.len;
+                        let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
+                        let id = PhaseId {
+                            part: j as u16,
+                            phase: phase0 + k as u16,
+                        };
                         let kind = self.kind(a);
-                        let (own, t) =
-                            phase::reduce_scatter(call, &self.axes[a], kind, id, groups, op, t)
-                                .await?;
-                        remaining.retain(|&r| r != a);
-                        Ok((len, own, t, remaining))
+                        (st.buf, st.clock) = phase::reduce_scatter(
+                            call,
+                            &self.axes[a],
+                            kind,
+                            id,
+                            groups,
+                            op,
+                            st.clock,
+                        )
+                        .await?;
+                        st.axes.retain(|&r| r != a);
+                        Ok(st)
                     },
                 )
                 .await?;
         }
-        let t = states.iter().fold(t0, |t, (_, st)| t.max(st.2));
-        Ok((Payload::concat(states.into_iter().map(|(_, st)| st.1)), t))
+        let t = states.iter().fold(t0, |t, (_, st)| t.max(st.clock));
+        Ok((Payload::concat(states.into_iter().map(|(_, st)| st.buf)), t))
     }
 
     /// All-gather of this chip's `l`-element block: returns `N` blocks in group-rank order.
@@ -195,33 +237,47 @@ impl Schedule {
             return Ok((own.zeros_like(0), t0));
         }
         let phases = self.axes.len();
-        // Per part: (element count per block, gathered buffer, clock, axes gathered so far).
-        let mut states: Vec<(usize, (usize, Payload, Nanos, Vec<usize>))> = parts
+        let mut states: Vec<(usize, PartState)> = parts
             .iter()
-            .map(|&(j, off, len)| (j, (len, own.slice(off, len), t0, Vec::new())))
+            .map(|&(j, off, len)| {
+                (
+                    j,
+                    PartState {
+                        len,
+                        buf: own.slice(off, len),
+                        clock: t0,
+                        axes: Vec::new(),
+                    },
+                )
+            })
             .collect();
         for k in 0..phases {
             states = self
                 .phase_of_parts(
                     |j| self.orders[j][phases - 1 - k],
                     states,
-                    |j, a, (len, buf, t, mut gathered): (usize, Payload, Nanos, Vec<usize>)| async move {
-                        let id = PhaseId { part: j as u16, phase: phase0 + k as u16 };
+                    |j, a, mut st: PartState| async move {
+                        let id = PhaseId {
+                            part: j as u16,
+                            phase: phase0 + k as u16,
+                        };
                         let kind = self.kind(a);
-                        let (groups, t) =
-                            phase::all_gather(call, &self.axes[a], kind, id, buf, t).await?;
-                        let at = gathered.partition_point(|&g| g < a);
-                        gathered.insert(at, a);
-                        let merged =
-                            Payload::merge_interleaved(groups, self.stride(&gathered, a) * len);
-                        Ok((len, merged, t, gathered))
+                        let groups;
+                        (groups, st.clock) =
+                            phase::all_gather(call, &self.axes[a], kind, id, st.buf, st.clock)
+                                .await?;
+                        let at = st.axes.partition_point(|&g| g < a);
+                        st.axes.insert(at, a);
+                        let chunk = self.stride(&st.axes, a) * st.len;
+                        st.buf = Payload::merge_interleaved(groups, chunk);
+                        Ok(st)
                     },
                 )
                 .await?;
         }
-        let t = states.iter().fold(t0, |t, (_, st)| t.max(st.2));
-        let lens: Vec<usize> = states.iter().map(|(_, st)| st.0).collect();
-        let gathered: Vec<Payload> = states.into_iter().map(|(_, st)| st.1).collect();
+        let t = states.iter().fold(t0, |t, (_, st)| t.max(st.clock));
+        let lens: Vec<usize> = states.iter().map(|(_, st)| st.len).collect();
+        let gathered: Vec<Payload> = states.into_iter().map(|(_, st)| st.buf).collect();
         Ok((zip_parts(&gathered, &lens, self.size()), t))
     }
 
@@ -241,7 +297,10 @@ impl Schedule {
         for (k, &a) in all.iter().enumerate() {
             let chunk = self.stride(&all, a) * l;
             let groups = buf.split_interleaved(chunk, self.axes[a].n);
-            let id = PhaseId { part: 0, phase: k as u16 };
+            let id = PhaseId {
+                part: 0,
+                phase: k as u16,
+            };
             let received;
             (received, t) =
                 phase::all_to_all(call, &self.axes[a], self.kind(a), id, groups, t).await?;
@@ -270,7 +329,10 @@ fn zip_parts(parts: &[Payload], lens: &[usize], n: usize) -> Payload {
     if parts.iter().any(Payload::is_meta) {
         return Payload::Meta(parts.iter().map(Payload::len).sum());
     }
-    let split: Vec<Vec<Payload>> =
-        parts.iter().zip(lens).map(|(p, &len)| p.split_lengths(&vec![len; n])).collect();
+    let split: Vec<Vec<Payload>> = parts
+        .iter()
+        .zip(lens)
+        .map(|(p, &len)| p.split_lengths(&vec![len; n]))
+        .collect();
     Payload::concat((0..n).flat_map(|r| split.iter().map(move |s| s[r].clone())))
 }

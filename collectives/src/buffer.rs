@@ -1,0 +1,76 @@
+//! Reuse of large value buffers. Every reduction writes a fresh result buffer; allocating
+//! megabytes anew each time makes the allocator map fresh pages from the kernel, and the page
+//! faults then cost more than the arithmetic. Dropped large buffers go back to a small global
+//! pool (bounded in count and bytes) and the next reduction of a similar size reuses one.
+
+use std::ops::Deref;
+use std::sync::Mutex;
+
+/// Buffers smaller than this come from the allocator's heap cheaply; not worth pooling.
+const MIN_POOLED_ELEMENTS: usize = 1 << 12;
+/// Upper bound on the memory the pool may hold.
+const MAX_POOLED_BYTES: usize = 1 << 30;
+const MAX_POOLED_BUFFERS: usize = 256;
+
+static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+
+/// An empty vector with room for at least `len` values, reused from the pool when one fits
+/// (capacity between `len` and `2 * len`).
+pub(crate) fn take(len: usize) -> Vec<f32> {
+    if len >= MIN_POOLED_ELEMENTS {
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let best = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= len && v.capacity() <= 2 * len)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i);
+        if let Some(i) = best {
+            let mut v = pool.swap_remove(i);
+            v.clear();
+            return v;
+        }
+    }
+    Vec::with_capacity(len)
+}
+
+fn recycle(v: Vec<f32>) {
+    if v.capacity() < MIN_POOLED_ELEMENTS {
+        return;
+    }
+    let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let held: usize = pool.iter().map(|b| b.capacity() * 4).sum();
+    if pool.len() < MAX_POOLED_BUFFERS && held + v.capacity() * 4 <= MAX_POOLED_BYTES {
+        pool.push(v);
+    }
+}
+
+/// Immutable f32 values shared by ropes; returns its memory to the pool when dropped.
+#[derive(Debug, Default)]
+pub(crate) struct Buffer {
+    values: Vec<f32>,
+}
+
+impl Buffer {
+    pub fn new(values: Vec<f32>) -> Buffer {
+        Buffer { values }
+    }
+
+    /// The values, leaving nothing to recycle.
+    pub fn into_vec(mut self) -> Vec<f32> {
+        std::mem::take(&mut self.values)
+    }
+}
+
+impl Deref for Buffer {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.values
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        recycle(std::mem::take(&mut self.values));
+    }
+}
