@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-const PROTOS: &[&str] = &["podsim/v1/link.proto"];
+const PROTOS: &[&str] = &["podsim/v1/link.proto", "podsim/v1/control.proto"];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

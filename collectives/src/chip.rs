@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use podsim_topology::{ChipId, Coord, Group, Hardware, Link, MAX_AXES, Pod};
 
 use crate::error::CollectiveError;
-use crate::fabric::{Expect, Inbox, Message, Router, Tag};
+use crate::fabric::{Delivery, Expect, Inbox, Message, Router, Tag};
 use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
 use crate::reduce::ReduceOp;
@@ -38,6 +38,13 @@ impl LinkClocks {
             Link::Dcn { .. } => &mut self.dcn_egress,
         }
     }
+}
+
+/// A chip's virtual clock and link occupancy at one moment.
+#[derive(Debug, Clone)]
+pub struct TimeSnapshot {
+    clock: Nanos,
+    links: LinkClocks,
 }
 
 /// Traffic counters of one chip.
@@ -127,6 +134,21 @@ impl Chip {
         dt
     }
 
+    /// The chip's virtual time state (clock and link occupancy).
+    pub fn time_snapshot(&self) -> TimeSnapshot {
+        TimeSnapshot {
+            clock: self.clock,
+            links: self.core.links.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        }
+    }
+
+    /// Puts back a state from [`Chip::time_snapshot`]: what ran in between costs no virtual
+    /// time (harness synchronisation between measurements).
+    pub fn restore_time(&mut self, snapshot: TimeSnapshot) {
+        self.clock = snapshot.clock;
+        *self.core.links.lock().unwrap_or_else(|e| e.into_inner()) = snapshot.links;
+    }
+
     /// Restarts virtual time at zero with idle links (between independent measurements).
     pub fn reset_time(&mut self) {
         self.clock = 0.0;
@@ -200,7 +222,7 @@ impl<'a> Call<'a> {
     }
 
     /// Sends `payload` on `link`; `t` is when the lane has the data ready.
-    pub fn send(
+    pub async fn send(
         &self,
         t: Nanos,
         link: Link,
@@ -230,7 +252,7 @@ impl<'a> Call<'a> {
             .stats
             .bytes_sent
             .fetch_add(bytes as u64, Ordering::Relaxed);
-        self.chip.router.deliver(Message {
+        let delivery = self.chip.router.deliver(Message {
             src: self.chip.id,
             dst,
             link,
@@ -238,7 +260,11 @@ impl<'a> Call<'a> {
             tag,
             arrive_ns,
             payload,
-        })
+        })?;
+        match delivery {
+            Delivery::Done => Ok(()),
+            Delivery::Wait(room) => room.await,
+        }
     }
 
     /// Receives the message with `tag` from the peer across `link` (named from this chip's

@@ -23,7 +23,7 @@ use crate::payload::Payload;
 use crate::reduce::ReduceOp;
 
 /// Which chips take part, with which algorithm, on which element type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Comm {
     pub group: Group,
     pub algo: Algo,

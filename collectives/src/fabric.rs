@@ -5,6 +5,8 @@
 //! worker: a gRPC stream), but every chip receives the same way, so algorithms and virtual time
 //! do not depend on how chips are split across processes.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -38,10 +40,31 @@ pub struct Message {
     pub payload: Payload,
 }
 
+/// A send that must wait for room in a bounded queue before it is handed over.
+pub type WaitForRoom<'a> = Pin<Box<dyn Future<Output = Result<(), CollectiveError>> + Send + 'a>>;
+
+/// What became of a message handed to a [`Router`].
+pub enum Delivery<'a> {
+    /// Handed over (the common, allocation-free path).
+    Done,
+    /// The way to the destination is full: awaiting this hands the message over once there is
+    /// room. This is how a fast sender is held back instead of growing queues without limit.
+    Wait(WaitForRoom<'a>),
+}
+
+impl std::fmt::Debug for Delivery<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Delivery::Done => "Done",
+            Delivery::Wait(_) => "Wait",
+        })
+    }
+}
+
 /// Delivers messages to their destination chips.
 pub trait Router: Send + Sync + std::fmt::Debug {
-    /// Hands `msg` to the fabric; never blocks on the receiver.
-    fn deliver(&self, msg: Message) -> Result<(), CollectiveError>;
+    /// Hands `msg` to the fabric; never waits on the receiver to consume it.
+    fn deliver(&self, msg: Message) -> Result<Delivery<'_>, CollectiveError>;
 }
 
 /// A chip's incoming messages, matched by link and tag when the chip asks for them.

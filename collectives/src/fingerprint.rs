@@ -53,6 +53,10 @@ impl OpKind {
         }
     }
 
+    pub fn from_code(code: u32) -> Option<OpKind> {
+        OpKind::ALL.into_iter().find(|o| o.code() == code)
+    }
+
     /// nccl-tests' bus-bandwidth factor: busbw = algbw * factor(n).
     pub fn busbw_factor(self, n: u32) -> f64 {
         let n = f64::from(n.max(1));
@@ -108,6 +112,10 @@ impl DType {
             DType::F32 => 1,
             DType::Bf16 => 2,
         }
+    }
+
+    pub fn from_code(code: u32) -> Option<DType> {
+        [DType::F32, DType::Bf16].into_iter().find(|d| d.code() == code)
     }
 
     pub fn name(self) -> &'static str {

@@ -15,7 +15,7 @@
 //! let sums = rt.block_on(run_chips(fabric.chips(), move |mut chip| async move {
 //!     let mine = Payload::from_vec(vec![chip.id() as f32; 3]);
 //!     let sum = chip.all_reduce(&comm, &mine, ReduceOp::Sum).await?;
-//!     Ok((sum.to_vec().unwrap(), chip.clock()))
+//!     Ok::<_, podsim_collectives::CollectiveError>((sum.to_vec().unwrap(), chip.clock()))
 //! })).unwrap();
 //! assert_eq!(sums[0].0, vec![6.0; 3]);
 //! assert!(sums[0].1 > 0.0); // virtual nanoseconds on the modelled v5e
@@ -34,10 +34,10 @@ mod reduce;
 pub mod reference;
 
 pub use algo::Algo;
-pub use chip::{Chip, ChipStats, Nanos};
+pub use chip::{Chip, ChipStats, Nanos, TimeSnapshot};
 pub use collective::Comm;
 pub use error::CollectiveError;
-pub use fabric::{Inbox, Message, Router, Tag};
+pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
 pub use payload::{Payload, Rope};

@@ -9,7 +9,7 @@ use tokio::task::JoinSet;
 
 use crate::chip::Chip;
 use crate::error::CollectiveError;
-use crate::fabric::{Inbox, Message, Router};
+use crate::fabric::{Delivery, Inbox, Message, Router};
 
 /// Delivers every message into the destination's inbox in this process.
 #[derive(Debug)]
@@ -18,12 +18,12 @@ pub struct LocalRouter {
 }
 
 impl Router for LocalRouter {
-    fn deliver(&self, msg: Message) -> Result<(), CollectiveError> {
+    fn deliver(&self, msg: Message) -> Result<Delivery<'_>, CollectiveError> {
         let inbox = self.inboxes.get(msg.dst as usize).ok_or_else(|| {
             CollectiveError::Transport(format!("no chip {} in this fabric", msg.dst))
         })?;
         inbox.push(msg);
-        Ok(())
+        Ok(Delivery::Done)
     }
 }
 
@@ -72,11 +72,12 @@ impl LocalFabric {
 
 /// Runs `program` on every chip concurrently and returns the results in chip order. The first
 /// chip error stops all the others and is returned.
-pub async fn run_chips<T, F, Fut>(chips: Vec<Chip>, program: F) -> Result<Vec<T>, CollectiveError>
+pub async fn run_chips<T, E, F, Fut>(chips: Vec<Chip>, program: F) -> Result<Vec<T>, E>
 where
     F: Fn(Chip) -> Fut,
-    Fut: Future<Output = Result<T, CollectiveError>> + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
     T: Send + 'static,
+    E: From<CollectiveError> + Send + 'static,
 {
     let n = chips.len();
     let mut set = JoinSet::new();
@@ -94,12 +95,12 @@ where
             }
             Err(e) => {
                 set.abort_all();
-                return Err(CollectiveError::Internal(format!("chip task failed: {e}")));
+                return Err(CollectiveError::Internal(format!("chip task failed: {e}")).into());
             }
         }
     }
     results
         .into_iter()
         .collect::<Option<Vec<T>>>()
-        .ok_or_else(|| CollectiveError::Internal("a chip task returned no result".into()))
+        .ok_or_else(|| CollectiveError::Internal("a chip task returned no result".into()).into())
 }

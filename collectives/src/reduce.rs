@@ -37,6 +37,10 @@ impl ReduceOp {
         }
     }
 
+    pub fn from_code(code: u32) -> Option<ReduceOp> {
+        ReduceOp::ALL.into_iter().find(|o| o.code() == code)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",

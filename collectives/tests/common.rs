@@ -66,7 +66,7 @@ pub async fn run_op(
                 Payload::Meta(0)
             }
         };
-        Ok((out.to_vec(), out.len(), chip.clock()))
+        Ok::<_, CollectiveError>((out.to_vec(), out.len(), chip.clock()))
     })
     .await
 }

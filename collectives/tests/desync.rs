@@ -31,7 +31,7 @@ fn run_mismatch(shape: &str, odd_chip: u32, odd: OpKind, odd_count: usize) -> Co
                     chip.all_reduce(&comm, &Payload::from_vec(vec![1.0; 1000]), ReduceOp::Sum)
                         .await?;
                 }
-                Ok(())
+                Ok::<(), CollectiveError>(())
             }),
         )
         .await

@@ -1,20 +1,23 @@
-//! The benchmark program a chip runs for `podsim bench`: warm-up and timed iterations of one
-//! collective, each started together (host barrier) from virtual time zero, then a check of
-//! every output element against values computed from the definition of the collective.
+//! The benchmark program a chip runs for `podsim bench` (and for each step of a scripted
+//! collectives job): warm-up and timed iterations of one collective, each started together
+//! (a barrier over the fabric, untimed) from virtual time zero, then a check of every output
+//! element against values computed from the definition of the collective.
 //!
 //! Inputs are small integers, `value(rank, i) = (i % 1021) + (rank % 4096)`, so every sum any
 //! algorithm forms is exact in f32 and the expected output has a closed form per element:
 //! a wrong element is a real error, never rounding.
 
-use std::time::Instant;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use podsim_collectives::{Chip, Comm, Nanos, OpKind, Payload, ReduceOp};
-use tokio::sync::Barrier;
+use podsim_collectives::{Algo, Chip, Comm, OpKind, Payload, ReduceOp};
+use podsim_topology::Group;
+use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
+use crate::job::CallRecord;
 
 /// One benchmark case (one size).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct BenchCase {
     pub op: OpKind,
     pub comm: Comm,
@@ -29,16 +32,19 @@ pub struct BenchCase {
 }
 
 /// What one chip measured for one case.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChipBench {
-    /// Host start and end of each timed iteration.
-    pub iterations: Vec<(Instant, Instant)>,
-    /// Virtual time of one iteration on this chip, ns.
-    pub virtual_ns: Nanos,
+    /// Each timed iteration.
+    pub calls: Vec<CallRecord>,
     /// Output elements checked (0 in meta mode).
     pub checked: u64,
     /// Output elements that differ from the expected value.
     pub wrong: u64,
+}
+
+/// Host wall clock, ns since the Unix epoch: comparable between processes of one host.
+pub fn epoch_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 fn value(rank: usize, i: usize) -> f32 {
@@ -134,11 +140,14 @@ async fn run_once(
     })
 }
 
-/// Runs `case` on this chip; `sync` is a host barrier shared by all chips of the run.
+/// Runs `case` on this chip. Every iteration starts after a barrier of the whole pod, from
+/// virtual time zero when `reset_time` (a benchmark), or from where the chip's clock stood
+/// before the barrier (a job, whose virtual time accumulates: the harness's synchronisation
+/// costs no virtual time).
 pub async fn bench_chip(
     chip: &mut Chip,
     case: &BenchCase,
-    sync: &Barrier,
+    reset_time: bool,
 ) -> Result<ChipBench, WorkerError> {
     let n = case.comm.group.size(chip.pod()) as usize;
     let rank = case.comm.group.rank_of(chip.pod(), chip.id()) as usize;
@@ -147,18 +156,28 @@ pub async fn bench_chip(
     } else {
         Payload::from_vec(bench_input(rank, case.count))
     };
-    let mut iterations = Vec::with_capacity(case.iters);
+    let everyone = Comm::new(Group::world(chip.pod()), Algo::Torus);
+    let mut calls = Vec::with_capacity(case.iters);
     let mut last = None;
-    let mut virtual_ns = 0.0;
     for it in 0..case.warmup + case.iters {
-        sync.wait().await;
-        chip.reset_time();
-        let start = Instant::now();
+        let before = chip.time_snapshot();
+        chip.barrier(&everyone).await?;
+        if reset_time {
+            chip.reset_time();
+        } else {
+            chip.restore_time(before);
+        }
+        let virtual_start_ns = chip.clock();
+        let wall_start_ns = epoch_ns();
         let out = run_once(chip, case, &input).await?;
-        let end = Instant::now();
-        virtual_ns = chip.clock();
+        let wall_end_ns = epoch_ns();
         if it >= case.warmup {
-            iterations.push((start, end));
+            calls.push(CallRecord {
+                wall_start_ns,
+                wall_end_ns,
+                virtual_start_ns,
+                virtual_end_ns: chip.clock(),
+            });
         }
         last = Some(out);
     }
@@ -166,12 +185,7 @@ pub async fn bench_chip(
         Some(out) => check(case, n, rank, &out)?,
         None => (0, 0),
     };
-    Ok(ChipBench {
-        iterations,
-        virtual_ns,
-        checked,
-        wrong,
-    })
+    Ok(ChipBench { calls, checked, wrong })
 }
 
 fn check(

@@ -10,4 +10,8 @@ pub enum WorkerError {
     Collective(#[from] CollectiveError),
     #[error("invalid program: {0}")]
     Invalid(String),
+    #[error("link: {0}")]
+    Link(String),
+    #[error("control session: {0}")]
+    Session(String),
 }

@@ -35,8 +35,8 @@ impl Lane<'_> {
         }
     }
 
-    fn put(&self, t: Nanos, step: usize, payload: Payload) -> Result<(), CollectiveError> {
-        self.call.send(t, self.send, self.tag(step), payload)
+    async fn put(&self, t: Nanos, step: usize, payload: Payload) -> Result<(), CollectiveError> {
+        self.call.send(t, self.send, self.tag(step), payload).await
     }
 
     async fn get(&self, t: &mut Nanos, step: usize) -> Result<Payload, CollectiveError> {
@@ -58,7 +58,7 @@ impl Lane<'_> {
         let p = self.p as isize;
         let mut acc = groups[self.at(p - 1)].clone();
         for s in 0..self.n - 1 {
-            self.put(t, s, acc)?;
+            self.put(t, s, acc).await?;
             let incoming = self.get(&mut t, s).await?;
             acc = incoming.combine(&groups[self.at(p - 2 - s as isize)], op)?;
         }
@@ -76,7 +76,7 @@ impl Lane<'_> {
         let mut out = vec![None; self.n];
         let mut current = own;
         for s in 0..self.n - 1 {
-            self.put(t, s, current)?;
+            self.put(t, s, current).await?;
             let incoming = self.get(&mut t, s).await?;
             out[self.at(p - 1 - s as isize)] = Some(incoming.clone());
             current = incoming;
@@ -103,7 +103,7 @@ impl Lane<'_> {
                     Some(partial) => partial.combine(&groups[d], op)?,
                     None => groups[d].clone(),
                 };
-                self.put(t, s, out)?;
+                self.put(t, s, out).await?;
             }
             if p >= 1 && s + 1 >= p {
                 let incoming = self.get(&mut t, s).await?;
@@ -129,7 +129,7 @@ impl Lane<'_> {
         let mut current = own;
         for s in 0..n - 1 {
             if p + 1 < n && s <= p {
-                self.put(t, s, current.clone())?;
+                self.put(t, s, current.clone()).await?;
             }
             if p >= 1 && s < p {
                 let incoming = self.get(&mut t, s).await?;
@@ -154,7 +154,7 @@ impl Lane<'_> {
         let mut bundle =
             Payload::concat((1..=reach).map(|d| groups[self.at(p + d as isize)].clone()));
         for s in 0..reach {
-            self.put(t, s, bundle)?;
+            self.put(t, s, bundle).await?;
             let incoming = self.get(&mut t, s).await?;
             let mut items = incoming.split_even(reach - s);
             let first = items.remove(0);
@@ -176,7 +176,7 @@ impl Lane<'_> {
         let mut bundle = Payload::concat(groups[p + 1..].iter().cloned());
         for s in 0..n - 1 {
             if p + 1 < n && s <= p {
-                self.put(t, s, bundle.clone())?;
+                self.put(t, s, bundle.clone()).await?;
             }
             if p >= 1 && s < p {
                 let incoming = self.get(&mut t, s).await?;

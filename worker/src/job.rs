@@ -1,0 +1,105 @@
+//! What a worker is asked to run (sent by the coordinator as JSON) and what it reports back.
+
+use podsim_collectives::{Algo, Comm, DType, OpKind, ReduceOp};
+use podsim_topology::{Group, Hardware, Pod};
+use serde::{Deserialize, Serialize};
+
+use crate::bench::BenchCase;
+
+/// One job, as every worker receives it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub name: String,
+    pub pod: Pod,
+    pub hardware: Hardware,
+    pub workers: u32,
+    pub program: Program,
+}
+
+/// The program every chip runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Program {
+    /// A scripted list of collectives, repeated `iterations` times, every result checked.
+    Collectives { iterations: u32, meta: bool, script: Vec<CollectiveStep> },
+    /// `podsim bench` across processes: each case timed and checked.
+    Bench { cases: Vec<BenchCase> },
+}
+
+/// One collective of a script.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CollectiveStep {
+    pub op: OpKind,
+    /// Per-chip buffer, nccl-tests convention (whole output for all-gather).
+    pub bytes: u64,
+    pub algo: Algo,
+    pub group: Group,
+    pub reduce: ReduceOp,
+    pub root: u32,
+    pub dtype: DType,
+}
+
+impl CollectiveStep {
+    /// Elements in each chip's input for this step on `pod`.
+    pub fn count(&self, pod: &Pod) -> usize {
+        let elem = self.dtype.size() as u64;
+        let n = u64::from(self.group.size(pod)).max(1);
+        let count = match self.op {
+            OpKind::AllGather => self.bytes / elem / n,
+            _ => self.bytes / elem,
+        };
+        count.max(1) as usize
+    }
+
+    /// The step as a one-iteration benchmark case (timed once, checked).
+    pub fn case(&self, pod: &Pod, meta: bool) -> BenchCase {
+        BenchCase {
+            op: self.op,
+            comm: Comm { group: self.group, algo: self.algo, dtype: self.dtype },
+            reduce: self.reduce,
+            count: self.count(pod),
+            meta,
+            warmup: 0,
+            iters: 1,
+            root: self.root,
+        }
+    }
+}
+
+/// One timed call on one chip.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CallRecord {
+    /// Host wall clock at start and end, ns since the Unix epoch.
+    pub wall_start_ns: u64,
+    pub wall_end_ns: u64,
+    /// The chip's virtual clock before and after, ns.
+    pub virtual_start_ns: f64,
+    pub virtual_end_ns: f64,
+}
+
+/// What one chip did for one step or case.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChipStepReport {
+    pub chip: u32,
+    /// Script step (collectives) or case (bench) index.
+    pub step: usize,
+    pub iteration: u32,
+    pub calls: Vec<CallRecord>,
+    pub checked: u64,
+    pub wrong: u64,
+}
+
+/// Everything a worker reports at the end of a job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerReport {
+    pub worker: u32,
+    pub pid: u32,
+    pub link_addr: String,
+    pub chips: Vec<u32>,
+    pub steps: Vec<ChipStepReport>,
+    pub messages_sent: u64,
+    pub bytes_sent: u64,
+    pub peak_rss_bytes: u64,
+    /// Problems seen on link streams (bad frames, peers that went away).
+    pub link_errors: Vec<String>,
+}

@@ -1,0 +1,425 @@
+//! The fabric of one worker process: chips it hosts talk through in-memory inboxes; chips of
+//! other workers are reached over one bidirectional gRPC stream per neighbouring worker,
+//! carrying frames that batch many envelopes.
+//!
+//! Flow control: messages to another worker wait in a queue bounded in bytes (a semaphore of
+//! [`PEER_BUDGET_BYTES`]); a chip whose send would overflow it waits for room, so a fast sender
+//! cannot grow memory without limit. The receiving side always drains its streams into the
+//! destination chips' inboxes, so sends never wait on a receiver's progress (no deadlock);
+//! what waits there is bounded by the algorithms (a chip never runs more than one collective
+//! ahead of its neighbours).
+
+use std::collections::{HashMap, HashSet};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use podsim_collectives::{Chip, CollectiveError, Delivery, Inbox, Message, Router};
+use podsim_proto::v1 as pb;
+use podsim_proto::v1::link_service_client::LinkServiceClient;
+use podsim_proto::v1::link_service_server::{LinkService, LinkServiceServer};
+use podsim_topology::{ChipId, Placement};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::metadata::MetadataValue;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::WorkerError;
+use crate::job::JobSpec;
+use crate::wire::{self, MAX_FRAME_BYTES};
+
+/// Bytes of messages that may wait to be sent to one peer worker.
+pub const PEER_BUDGET_BYTES: usize = 128 << 20;
+/// A frame is sent once it holds this many payload bytes (or nothing more is queued).
+const FRAME_TARGET_BYTES: usize = 4 << 20;
+/// Metadata keys of the link and control services.
+pub const TOKEN_HEADER: &str = "x-podsim-token";
+pub const WORKER_HEADER: &str = "x-podsim-worker";
+
+struct Outgoing {
+    msg: Message,
+    bytes: usize,
+    _room: Option<OwnedSemaphorePermit>,
+}
+
+#[derive(Debug)]
+struct Peer {
+    queue: mpsc::UnboundedSender<Outgoing>,
+    /// Taken by whichever side sets up the stream to this peer.
+    queue_rx: Mutex<Option<mpsc::UnboundedReceiver<Outgoing>>>,
+    room: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for Outgoing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Outgoing({} -> {}, {} bytes)", self.msg.src, self.msg.dst, self.bytes)
+    }
+}
+
+/// One worker's share of the fabric.
+#[derive(Debug)]
+pub struct NodeFabric {
+    pub spec: JobSpec,
+    pub me: u32,
+    placement: Placement,
+    inboxes: Vec<Option<Arc<Inbox>>>,
+    peers: HashMap<u32, Peer>,
+    connected: Mutex<HashSet<u32>>,
+    connected_changed: Notify,
+    link_errors: Mutex<Vec<String>>,
+    this: std::sync::Weak<NodeFabric>,
+}
+
+impl NodeFabric {
+    pub fn new(spec: JobSpec, me: u32) -> Result<Arc<NodeFabric>, WorkerError> {
+        let placement = Placement::new(&spec.pod, spec.workers)
+            .map_err(|e| WorkerError::Invalid(e.to_string()))?;
+        if me >= spec.workers {
+            return Err(WorkerError::Invalid(format!("worker {me} of {}", spec.workers)));
+        }
+        let pod = &spec.pod;
+        let mut inboxes = vec![None; pod.chips() as usize];
+        let mut neighbours = HashSet::new();
+        for chip in placement.chips_of(me) {
+            inboxes[chip as usize] = Some(Arc::new(Inbox::new()));
+            for link in pod.links(chip) {
+                if let Some(peer) = pod.peer(chip, link) {
+                    let w = placement.worker_of(peer);
+                    if w != me {
+                        neighbours.insert(w);
+                    }
+                }
+            }
+        }
+        let peers = neighbours
+            .into_iter()
+            .map(|w| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let peer = Peer {
+                    queue: tx,
+                    queue_rx: Mutex::new(Some(rx)),
+                    room: Arc::new(Semaphore::new(PEER_BUDGET_BYTES)),
+                };
+                (w, peer)
+            })
+            .collect();
+        Ok(Arc::new_cyclic(|this| NodeFabric {
+            spec,
+            me,
+            placement,
+            inboxes,
+            peers,
+            connected: Mutex::new(HashSet::new()),
+            connected_changed: Notify::new(),
+            link_errors: Mutex::new(Vec::new()),
+            this: this.clone(),
+        }))
+    }
+
+    /// The workers this one shares links with.
+    pub fn neighbours(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.peers.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn local_chips(&self) -> Vec<ChipId> {
+        self.placement.chips_of(self.me)
+    }
+
+    /// Chip objects for the chips this worker hosts.
+    pub fn chips(&self) -> Vec<Chip> {
+        let pod = Arc::new(self.spec.pod.clone());
+        let hw = Arc::new(self.spec.hardware.clone());
+        let router: Arc<dyn Router> = match self.this.upgrade() {
+            Some(this) => this,
+            None => return Vec::new(),
+        };
+        self.local_chips()
+            .into_iter()
+            .filter_map(|id| {
+                let inbox = self.inboxes[id as usize].clone()?;
+                Some(Chip::new(id, pod.clone(), hw.clone(), inbox, router.clone()))
+            })
+            .collect()
+    }
+
+    pub fn link_errors(&self) -> Vec<String> {
+        self.link_errors.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records a link problem and fails every receive of this worker's chips with it, so a
+    /// broken link ends the job with an error instead of a hang.
+    fn link_failed(&self, error: String) {
+        tracing::error!("{error}");
+        self.link_errors.lock().unwrap_or_else(|e| e.into_inner()).push(error.clone());
+        for inbox in self.inboxes.iter().flatten() {
+            inbox.close(&error);
+        }
+    }
+
+    /// Waits until streams to every neighbouring worker are up.
+    pub async fn wait_connected(&self, timeout: Duration) -> Result<(), WorkerError> {
+        let wanted = self.peers.len();
+        let waiting = async {
+            loop {
+                let notified = self.connected_changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if self.connected.lock().unwrap_or_else(|e| e.into_inner()).len() >= wanted {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::time::timeout(timeout, waiting).await.map_err(|_| {
+            let have = self.connected.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let missing: Vec<u32> =
+                self.neighbours().into_iter().filter(|w| !have.contains(w)).collect();
+            WorkerError::Link(format!("no link to workers {missing:?} after {timeout:?}"))
+        })
+    }
+
+    /// Starts the pumps of the stream to `peer`: `incoming` from it, `outgoing` towards it.
+    fn attach(
+        self: &Arc<Self>,
+        peer: u32,
+        incoming: Streaming<pb::Frame>,
+        outgoing: mpsc::Sender<pb::Frame>,
+    ) -> Result<(), Status> {
+        let Some(p) = self.peers.get(&peer) else {
+            return Err(Status::permission_denied(format!(
+                "worker {peer} shares no link with worker {}",
+                self.me
+            )));
+        };
+        let Some(queue) = p.queue_rx.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return Err(Status::already_exists(format!("worker {peer} is already linked")));
+        };
+        tokio::spawn(pump_out(queue, outgoing));
+        tokio::spawn(pump_in(self.clone(), peer, incoming));
+        self.connected.lock().unwrap_or_else(|e| e.into_inner()).insert(peer);
+        self.connected_changed.notify_waiters();
+        Ok(())
+    }
+
+    /// Dials the link service of `peer` at `addr` and attaches the stream.
+    pub async fn dial(self: &Arc<Self>, peer: u32, addr: &str, token: &str) -> Result<(), WorkerError> {
+        let endpoint = format!("http://{addr}");
+        let mut client = connect_with_retry(&endpoint, Duration::from_secs(20)).await?;
+        let (tx, rx) = mpsc::channel::<pb::Frame>(4);
+        let mut request = Request::new(ReceiverStream::new(rx));
+        insert_header(&mut request, TOKEN_HEADER, token)?;
+        insert_header(&mut request, WORKER_HEADER, &self.me.to_string())?;
+        let response = client
+            .exchange(request)
+            .await
+            .map_err(|s| WorkerError::Link(format!("worker {peer} at {addr}: {}", s.message())))?;
+        self.attach(peer, response.into_inner(), tx)
+            .map_err(|s| WorkerError::Link(s.message().to_string()))
+    }
+}
+
+async fn connect_with_retry(
+    endpoint: &str,
+    patience: Duration,
+) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        match LinkServiceClient::connect(endpoint.to_string()).await {
+            Ok(c) => {
+                return Ok(c
+                    .max_decoding_message_size(MAX_FRAME_BYTES)
+                    .max_encoding_message_size(MAX_FRAME_BYTES));
+            }
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(WorkerError::Link(format!("cannot reach {endpoint}: {e}")));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+pub fn insert_header<T>(request: &mut Request<T>, key: &'static str, value: &str) -> Result<(), WorkerError> {
+    let v: MetadataValue<_> =
+        value.parse().map_err(|_| WorkerError::Invalid(format!("bad {key} value")))?;
+    request.metadata_mut().insert(key, v);
+    Ok(())
+}
+
+impl Router for NodeFabric {
+    fn deliver(&self, msg: Message) -> Result<Delivery<'_>, CollectiveError> {
+        let dst = msg.dst as usize;
+        if let Some(Some(inbox)) = self.inboxes.get(dst) {
+            inbox.push(msg);
+            return Ok(Delivery::Done);
+        }
+        if dst >= self.inboxes.len() {
+            return Err(CollectiveError::Transport(format!("no chip {dst}")));
+        }
+        let worker = self.placement.worker_of(msg.dst);
+        let peer = self.peers.get(&worker).ok_or_else(|| {
+            CollectiveError::Transport(format!("chip {} on worker {worker} is not a neighbour", msg.dst))
+        })?;
+        let bytes = (msg.payload.len() * 4).clamp(1, PEER_BUDGET_BYTES);
+        let cost = u32::try_from(bytes).unwrap_or(u32::MAX);
+        let closed = move || CollectiveError::Transport(format!("link to worker {worker} is closed"));
+        match peer.room.clone().try_acquire_many_owned(cost) {
+            Ok(room) => {
+                peer.queue.send(Outgoing { msg, bytes, _room: Some(room) }).map_err(|_| closed())?;
+                Ok(Delivery::Done)
+            }
+            Err(_) => {
+                let room = peer.room.clone();
+                let queue = peer.queue.clone();
+                Ok(Delivery::Wait(Box::pin(async move {
+                    let room = room.acquire_many_owned(cost).await.map_err(|_| closed())?;
+                    queue.send(Outgoing { msg, bytes, _room: Some(room) }).map_err(|_| closed())
+                })))
+            }
+        }
+    }
+}
+
+/// Batches queued messages into frames and hands them to the stream.
+async fn pump_out(mut queue: mpsc::UnboundedReceiver<Outgoing>, frames: mpsc::Sender<pb::Frame>) {
+    while let Some(first) = queue.recv().await {
+        let mut batch = vec![first];
+        let mut bytes = batch[0].bytes;
+        while bytes < FRAME_TARGET_BYTES {
+            match queue.try_recv() {
+                Ok(next) if bytes + next.bytes <= MAX_FRAME_BYTES / 2 => {
+                    bytes += next.bytes;
+                    batch.push(next);
+                }
+                Ok(next) => {
+                    // Too big to join this frame: send what we have, start the next with it.
+                    let frame = encode_batch(std::mem::take(&mut batch));
+                    if frames.send(frame).await.is_err() {
+                        return;
+                    }
+                    bytes = next.bytes;
+                    batch.push(next);
+                }
+                Err(_) => break,
+            }
+        }
+        // Permits (queue room) are released only once the frame is with the transport.
+        let frame = encode_batch(batch);
+        if frames.send(frame).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn encode_batch(batch: Vec<Outgoing>) -> pb::Frame {
+    pb::Frame { envelopes: batch.into_iter().map(|o| wire::encode(o.msg)).collect() }
+}
+
+/// Validates every envelope from `peer` and delivers it to the local chip's inbox.
+async fn pump_in(fabric: Arc<NodeFabric>, peer: u32, mut incoming: Streaming<pb::Frame>) {
+    loop {
+        match incoming.message().await {
+            Ok(Some(frame)) => {
+                for env in frame.envelopes {
+                    let decoded =
+                        wire::decode(env, &fabric.spec.pod, &fabric.placement, peer, fabric.me);
+                    match decoded {
+                        Ok(msg) => match fabric.inboxes.get(msg.dst as usize) {
+                            Some(Some(inbox)) => inbox.push(msg),
+                            _ => {
+                                fabric.link_failed(format!(
+                                    "link from worker {peer}: chip {} is not hosted here",
+                                    msg.dst
+                                ));
+                                return;
+                            }
+                        },
+                        Err(e) => {
+                            fabric.link_failed(format!("link from worker {peer}: bad frame: {e}"));
+                            return;
+                        }
+                    }
+                }
+            }
+            Ok(None) => return,
+            Err(status) => {
+                fabric.link_failed(format!("link from worker {peer}: {}", status.message()));
+                return;
+            }
+        }
+    }
+}
+
+/// The link service of one worker. Until the job is set up it holds connections back.
+#[derive(Debug, Clone)]
+pub struct LinkServer {
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+}
+
+type FrameStream = Pin<Box<dyn Stream<Item = Result<pb::Frame, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl LinkService for LinkServer {
+    type ExchangeStream = FrameStream;
+
+    async fn exchange(
+        &self,
+        request: Request<Streaming<pb::Frame>>,
+    ) -> Result<Response<FrameStream>, Status> {
+        let peer: u32 = request
+            .metadata()
+            .get(WORKER_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| Status::invalid_argument("missing or bad x-podsim-worker header"))?;
+        let mut fabric = self.fabric.clone();
+        let ready = tokio::time::timeout(Duration::from_secs(30), fabric.wait_for(Option::is_some))
+            .await
+            .map_err(|_| Status::unavailable("this worker has no job yet"))?
+            .map_err(|_| Status::unavailable("this worker is shutting down"))?;
+        let fabric = ready.clone().ok_or_else(|| Status::internal("no fabric"))?;
+        let (tx, rx) = mpsc::channel::<pb::Frame>(4);
+        fabric.attach(peer, request.into_inner(), tx)?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
+    }
+}
+
+/// Checks the job token of a request (constant-time comparison).
+pub fn check_token(token: &str, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+    let given = metadata.get(TOKEN_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let same = given.len() == token.len()
+        && given.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+    if same { Ok(()) } else { Err(Status::unauthenticated("missing or wrong job token")) }
+}
+
+/// The link service with token checking and frame size limits, ready to serve.
+pub fn link_service(
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+) -> tonic::service::interceptor::InterceptedService<
+    LinkServiceServer<LinkServer>,
+    impl tonic::service::Interceptor + Clone,
+> {
+    let server = LinkServiceServer::new(LinkServer { fabric })
+        .max_decoding_message_size(MAX_FRAME_BYTES)
+        .max_encoding_message_size(MAX_FRAME_BYTES);
+    tonic::service::interceptor::InterceptedService::new(server, move |req: Request<()>| {
+        check_token(&token, req.metadata())?;
+        Ok(req)
+    })
+}
+
+/// Peak resident memory of this process (VmHWM), bytes; 0 where unknown.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}

@@ -1,0 +1,90 @@
+//! Running a job's program on a set of chips (all of a pod in one process, or one worker's
+//! share of it), counting finished units of work for progress reports.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use podsim_collectives::{Chip, run_chips};
+
+use crate::bench::bench_chip;
+use crate::error::WorkerError;
+use crate::job::{ChipStepReport, Program};
+
+/// Units of work (one chip finishing one step) a program has for `chips` chips.
+pub fn total_units(program: &Program, chips: usize) -> u64 {
+    let per_chip = match program {
+        Program::Collectives { iterations, script, .. } => *iterations as usize * script.len(),
+        Program::Bench { cases } => cases.len(),
+    };
+    (per_chip * chips) as u64
+}
+
+/// Runs `program` on every chip; `done` counts finished units as they happen.
+pub async fn run_program(
+    chips: Vec<Chip>,
+    program: &Program,
+    done: Arc<AtomicU64>,
+) -> Result<ProgramOutput, WorkerError> {
+    let per_chip = run_chips(chips, |mut chip| {
+        let program = program.clone();
+        let done = done.clone();
+        async move {
+            let mut reports = Vec::new();
+            match &program {
+                Program::Collectives { iterations, meta, script } => {
+                    for iteration in 0..*iterations {
+                        for (step, s) in script.iter().enumerate() {
+                            let case = s.case(chip.pod(), *meta);
+                            let r = bench_chip(&mut chip, &case, false).await?;
+                            reports.push(ChipStepReport {
+                                chip: chip.id(),
+                                step,
+                                iteration,
+                                calls: r.calls,
+                                checked: r.checked,
+                                wrong: r.wrong,
+                            });
+                            done.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                Program::Bench { cases } => {
+                    for (step, case) in cases.iter().enumerate() {
+                        let r = bench_chip(&mut chip, case, true).await?;
+                        reports.push(ChipStepReport {
+                            chip: chip.id(),
+                            step,
+                            iteration: 0,
+                            calls: r.calls,
+                            checked: r.checked,
+                            wrong: r.wrong,
+                        });
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            let stats = chip.stats();
+            let sent = (
+                stats.messages_sent.load(Ordering::Relaxed),
+                stats.bytes_sent.load(Ordering::Relaxed),
+            );
+            Ok::<_, WorkerError>((reports, sent))
+        }
+    })
+    .await?;
+    let mut out = ProgramOutput::default();
+    for (reports, (messages, bytes)) in per_chip {
+        out.steps.extend(reports);
+        out.messages_sent += messages;
+        out.bytes_sent += bytes;
+    }
+    Ok(out)
+}
+
+/// What the chips of one process did.
+#[derive(Debug, Default)]
+pub struct ProgramOutput {
+    pub steps: Vec<ChipStepReport>,
+    pub messages_sent: u64,
+    pub bytes_sent: u64,
+}

@@ -1,0 +1,213 @@
+//! A worker process from start to finish: serve links, join the coordinator's control session,
+//! receive the job, link up with neighbouring workers, run the chips, report, exit.
+//!
+//! A worker never outlives its job: it exits when the control session ends or fails (the
+//! coordinator stopped, crashed or was killed: its sockets close), and, when started by a
+//! coordinator, when its standard input reaches end-of-file (the coordinator's end of that
+//! pipe closes however the coordinator dies).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use podsim_proto::v1 as pb;
+use podsim_proto::v1::control_client::ControlClient;
+use tokio::io::AsyncReadExt;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::Request;
+
+use crate::error::WorkerError;
+use crate::job::{JobSpec, WorkerReport};
+use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
+use crate::programs::{run_program, total_units};
+
+/// How a worker was started.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// Coordinator control address, `host:port`.
+    pub join: String,
+    pub token: String,
+    /// Worker id asked for (`None`: the coordinator assigns one).
+    pub worker_id: Option<u32>,
+    /// Address to bind the link service to (`host` or `host:port`).
+    pub bind: String,
+    /// Host name other workers use to reach this one (default: the bound address).
+    pub advertise: Option<String>,
+    /// Exit when standard input closes (set when a coordinator spawned this worker).
+    pub watch_stdin: bool,
+}
+
+fn session_error(e: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Session(e.to_string())
+}
+
+/// Runs one worker to completion.
+pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
+    if opts.watch_stdin {
+        tokio::spawn(async {
+            let mut stdin = tokio::io::stdin();
+            let mut buf = [0u8; 64];
+            while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+            tracing::warn!("coordinator gone (stdin closed); exiting");
+            std::process::exit(1);
+        });
+    }
+    let bind = if opts.bind.contains(':') { opts.bind.clone() } else { format!("{}:0", opts.bind) };
+    let listener = tokio::net::TcpListener::bind(&bind)
+        .await
+        .map_err(|e| WorkerError::Link(format!("cannot bind the link service to {bind}: {e}")))?;
+    let local = listener.local_addr().map_err(|e| WorkerError::Link(e.to_string()))?;
+    let link_addr = match &opts.advertise {
+        Some(host) => format!("{host}:{}", local.port()),
+        None => local.to_string(),
+    };
+    let (fabric_tx, fabric_rx) = watch::channel::<Option<Arc<NodeFabric>>>(None);
+    let service = net::link_service(opts.token.clone(), fabric_rx);
+    tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .serve_with_incoming(service, TcpListenerStream::new(listener))
+            .await;
+        if let Err(e) = served {
+            tracing::error!("link service stopped: {e}");
+        }
+    });
+
+    // Control session.
+    let endpoint = format!("http://{}", opts.join);
+    let mut client = connect_control(&endpoint, Duration::from_secs(30)).await?;
+    let (to_coord, rx) = mpsc::channel::<pb::WorkerMsg>(16);
+    let mut request = Request::new(ReceiverStream::new(rx));
+    insert_header(&mut request, TOKEN_HEADER, &opts.token)?;
+    let send = |tx: &mpsc::Sender<pb::WorkerMsg>, body: pb::worker_msg::Body| {
+        let tx = tx.clone();
+        async move { tx.send(pb::WorkerMsg { body: Some(body) }).await.map_err(session_error) }
+    };
+    send(
+        &to_coord,
+        pb::worker_msg::Body::Hello(pb::Hello {
+            worker_id: opts.worker_id.map_or(-1, |w| w as i32),
+            pid: std::process::id(),
+            link_addr: link_addr.clone(),
+            host: local.ip().to_string(),
+        }),
+    )
+    .await?;
+    let mut from_coord = Inbound(
+        client.session(request).await.map_err(|s| session_error(s.message()))?.into_inner(),
+    );
+    drop(client);
+
+    let setup = match from_coord.next().await? {
+        pb::coordinator_msg::Body::Setup(s) => s,
+        pb::coordinator_msg::Body::Shutdown(s) => return Err(session_error(s.reason)),
+        other => return Err(session_error(format!("expected setup, got {other:?}"))),
+    };
+    let spec: JobSpec = serde_json::from_slice(&setup.job_json)
+        .map_err(|e| session_error(format!("bad job description: {e}")))?;
+    let me = setup.worker_id;
+    let fabric = NodeFabric::new(spec, me)?;
+    let _ = fabric_tx.send(Some(fabric.clone()));
+    for peer in fabric.neighbours().into_iter().filter(|&p| p > me) {
+        let addr = setup
+            .link_addrs
+            .get(&peer)
+            .ok_or_else(|| session_error(format!("no address for worker {peer}")))?;
+        fabric.dial(peer, addr, &opts.token).await?;
+    }
+    fabric.wait_connected(Duration::from_secs(30)).await?;
+    send(&to_coord, pb::worker_msg::Body::Ready(pb::Ready {})).await?;
+    match from_coord.next().await? {
+        pb::coordinator_msg::Body::Start(_) => {}
+        pb::coordinator_msg::Body::Shutdown(s) => return Err(session_error(s.reason)),
+        other => return Err(session_error(format!("expected start, got {other:?}"))),
+    }
+
+    let chips = fabric.chips();
+    let local_chips = fabric.local_chips();
+    let program = fabric.spec.program.clone();
+    let total = total_units(&program, chips.len());
+    let done = Arc::new(AtomicU64::new(0));
+    let progress = {
+        let (tx, done) = (to_coord.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tick.tick().await;
+                let d = done.load(Ordering::Relaxed);
+                let msg = pb::WorkerMsg {
+                    body: Some(pb::worker_msg::Body::Progress(pb::Progress { done: d, total })),
+                };
+                if tx.send(msg).await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let outcome = tokio::select! {
+        r = run_program(chips, &program, done.clone()) => r,
+        m = from_coord.next() => Err(match m {
+            Ok(pb::coordinator_msg::Body::Shutdown(s)) => session_error(format!("stopped: {}", s.reason)),
+            Ok(other) => session_error(format!("unexpected {other:?} during the job")),
+            Err(e) => e,
+        }),
+    };
+    progress.abort();
+    match outcome {
+        Ok(out) => {
+            let report = WorkerReport {
+                worker: me,
+                pid: std::process::id(),
+                link_addr,
+                chips: local_chips,
+                steps: out.steps,
+                messages_sent: out.messages_sent,
+                bytes_sent: out.bytes_sent,
+                peak_rss_bytes: net::peak_rss_bytes(),
+                link_errors: fabric.link_errors(),
+            };
+            let json = serde_json::to_vec(&report).map_err(session_error)?;
+            send(&to_coord, pb::worker_msg::Body::Result(pb::WorkerResult { json })).await?;
+        }
+        Err(e) => {
+            let _ = send(
+                &to_coord,
+                pb::worker_msg::Body::Failure(pb::WorkerFailure { error: e.to_string() }),
+            )
+            .await;
+            return Err(e);
+        }
+    }
+    // Wait for the coordinator to let go (it may still need our links for other workers).
+    let _ = tokio::time::timeout(Duration::from_secs(60), from_coord.next()).await;
+    Ok(())
+}
+
+/// Messages from the coordinator.
+struct Inbound(tonic::Streaming<pb::CoordinatorMsg>);
+
+impl Inbound {
+    async fn next(&mut self) -> Result<pb::coordinator_msg::Body, WorkerError> {
+        match self.0.message().await {
+            Ok(Some(m)) => m.body.ok_or_else(|| session_error("empty message")),
+            Ok(None) => Err(session_error("the coordinator closed the session")),
+            Err(s) => Err(session_error(s.message())),
+        }
+    }
+}
+
+async fn connect_control(
+    endpoint: &str,
+    patience: Duration,
+) -> Result<ControlClient<tonic::transport::Channel>, WorkerError> {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        match ControlClient::connect(endpoint.to_string()).await {
+            Ok(c) => return Ok(c.max_decoding_message_size(64 << 20)),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(session_error(format!("cannot reach the coordinator at {endpoint}: {e}")));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Conversion between chip messages and protobuf envelopes, with every check a message from
+//! another process needs: known codes, a destination this worker hosts, a source the sending
+//! worker hosts, a link that really joins them, sane sizes and times. A bad envelope is an
+//! error naming what was wrong, never a panic or an oversized allocation.
+
+use podsim_collectives::{DType, Fingerprint, Message, OpKind, Payload, ReduceOp, Tag};
+use podsim_proto::v1 as pb;
+use podsim_topology::{Dir, Link, Placement, Pod};
+
+/// Largest frame accepted on a link stream, bytes.
+pub const MAX_FRAME_BYTES: usize = 256 << 20;
+
+pub fn encode(msg: Message) -> pb::Envelope {
+    let link = match msg.link {
+        Link::Ici { axis, dir } => pb::LinkId {
+            kind: pb::link_id::Kind::Ici as i32,
+            axis: u32::from(axis),
+            positive: dir == Dir::Plus,
+            peer_slice: 0,
+        },
+        Link::Dcn { peer_slice } => pb::LinkId {
+            kind: pb::link_id::Kind::Dcn as i32,
+            axis: 0,
+            positive: false,
+            peer_slice,
+        },
+    };
+    let fp = msg.fingerprint;
+    let body = match msg.payload.resolve() {
+        Payload::Meta(n) => pb::payload::Body::MetaElements(n as u64),
+        other => {
+            let values = other.to_vec().unwrap_or_default();
+            let mut bytes = Vec::with_capacity(values.len() * 4);
+            for v in values {
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            pb::payload::Body::F32Le(bytes)
+        }
+    };
+    pb::Envelope {
+        src_chip: msg.src,
+        dst_chip: msg.dst,
+        link: Some(link),
+        fingerprint: Some(pb::Fingerprint {
+            group: fp.group,
+            seq: fp.seq,
+            op: fp.op.code(),
+            dtype: fp.dtype.code(),
+            count: fp.count,
+            reduce_op: fp.reduce.map_or(0, ReduceOp::code),
+        }),
+        tag: Some(pb::Tag {
+            lane: u32::from(msg.tag.lane),
+            phase: u32::from(msg.tag.phase),
+            step: msg.tag.step,
+        }),
+        arrive_ns: msg.arrive_ns,
+        payload: Some(pb::Payload { body: Some(body) }),
+    }
+}
+
+/// Decodes an envelope that worker `from` sent to worker `me`.
+pub fn decode(
+    env: pb::Envelope,
+    pod: &Pod,
+    placement: &Placement,
+    from: u32,
+    me: u32,
+) -> Result<Message, String> {
+    let chips = pod.chips();
+    if env.src_chip >= chips || env.dst_chip >= chips {
+        return Err(format!(
+            "chip {} -> {} is outside the pod of {chips} chips",
+            env.src_chip, env.dst_chip
+        ));
+    }
+    if placement.worker_of(env.src_chip) != from {
+        return Err(format!("worker {from} sent a message from chip {} it does not host", env.src_chip));
+    }
+    if placement.worker_of(env.dst_chip) != me {
+        return Err(format!("a message for chip {} reached worker {me}, which does not host it", env.dst_chip));
+    }
+    let l = env.link.ok_or("envelope without a link")?;
+    let link = match pb::link_id::Kind::try_from(l.kind) {
+        Ok(pb::link_id::Kind::Ici) if l.axis < 3 => Link::ici(
+            l.axis as usize,
+            if l.positive { Dir::Plus } else { Dir::Minus },
+        ),
+        Ok(pb::link_id::Kind::Dcn) => Link::Dcn { peer_slice: l.peer_slice },
+        _ => return Err(format!("unknown link kind {} / axis {}", l.kind, l.axis)),
+    };
+    if pod.peer(env.src_chip, link) != Some(env.dst_chip) {
+        return Err(format!("link {link} does not join chip {} to chip {}", env.src_chip, env.dst_chip));
+    }
+    let f = env.fingerprint.ok_or("envelope without a fingerprint")?;
+    let fingerprint = Fingerprint {
+        group: f.group,
+        seq: f.seq,
+        op: OpKind::from_code(f.op).ok_or_else(|| format!("unknown op code {}", f.op))?,
+        dtype: DType::from_code(f.dtype).ok_or_else(|| format!("unknown dtype code {}", f.dtype))?,
+        count: f.count,
+        reduce: match f.reduce_op {
+            0 => None,
+            c => Some(ReduceOp::from_code(c).ok_or_else(|| format!("unknown reduce op code {c}"))?),
+        },
+    };
+    let t = env.tag.ok_or("envelope without a tag")?;
+    let tag = Tag {
+        lane: u16::try_from(t.lane).map_err(|_| format!("lane {} out of range", t.lane))?,
+        phase: u16::try_from(t.phase).map_err(|_| format!("phase {} out of range", t.phase))?,
+        step: t.step,
+    };
+    if !(env.arrive_ns.is_finite() && env.arrive_ns >= 0.0) {
+        return Err(format!("arrival time {} is not a time", env.arrive_ns));
+    }
+    let payload = match env.payload.and_then(|p| p.body) {
+        Some(pb::payload::Body::MetaElements(n)) => {
+            Payload::Meta(usize::try_from(n).map_err(|_| format!("{n} elements"))?)
+        }
+        Some(pb::payload::Body::F32Le(bytes)) => {
+            if bytes.len() % 4 != 0 {
+                return Err(format!("payload of {} bytes is not whole f32 values", bytes.len()));
+            }
+            let values =
+                bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            Payload::from_vec(values)
+        }
+        None => return Err("envelope without a payload".into()),
+    };
+    Ok(Message {
+        src: env.src_chip,
+        dst: env.dst_chip,
+        link,
+        fingerprint,
+        tag,
+        arrive_ns: env.arrive_ns,
+        payload,
+    })
+}
