@@ -6,15 +6,18 @@
 //! output elements (data mode checks every element of every chip).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp, run_chips};
-use podsim_topology::{Group, Hardware, Pod, PodAxis, Torus};
-use podsim_worker::bench::{BenchCase, bench_chip};
+use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp};
+use podsim_topology::{Group, Hardware, Pod, Torus};
+use podsim_worker::bench::BenchCase;
+use podsim_worker::job::{ChipStepReport, JobSpec, Program};
+use podsim_worker::programs::run_program;
 use serde::Serialize;
-use tokio::sync::Barrier;
 
+use crate::launch::{self, ControlPlane, Workers, new_token};
 use crate::units::{format_size, parse_sizes};
 
 /// Options of `podsim bench`.
@@ -62,6 +65,9 @@ pub struct BenchArgs {
     /// Runtime threads (default: one per core).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Run the chips in this many worker processes linked by gRPC (default: in this process).
+    #[arg(long)]
+    pub workers: Option<u32>,
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -106,36 +112,6 @@ pub struct BenchPlan {
     pub threads: usize,
 }
 
-fn parse_group(text: &str, pod: &Pod) -> Result<Group, String> {
-    if text == "world" {
-        return Ok(Group::world(pod));
-    }
-    let mut axes = Vec::new();
-    for name in text.split(',') {
-        let axis = match name.trim() {
-            "x" => PodAxis::Torus(0),
-            "y" => PodAxis::Torus(1),
-            "z" => PodAxis::Torus(2),
-            "dcn" => PodAxis::Slices,
-            other => {
-                return Err(format!(
-                    "--group: unknown axis {other:?} (use world or x, y, z, dcn)"
-                ));
-            }
-        };
-        if let PodAxis::Torus(a) = axis
-            && usize::from(a) >= pod.torus().ndims()
-        {
-            return Err(format!(
-                "--group: the torus {} has no axis {name}",
-                pod.torus()
-            ));
-        }
-        axes.push(axis);
-    }
-    Ok(Group::of(&axes))
-}
-
 impl BenchPlan {
     /// Validates the arguments; every problem is a message naming the flag.
     pub fn from_args(a: &BenchArgs) -> Result<BenchPlan, String> {
@@ -161,7 +137,7 @@ impl BenchPlan {
             "bf16" => return Err("--dtype bf16 needs --mode meta (data mode moves f32)".into()),
             other => return Err(format!("--dtype: {other:?} is not f32 or bf16")),
         };
-        let group = parse_group(&a.group, &pod)?;
+        let group = Group::parse(&a.group, &pod).map_err(|e| format!("--group: {e}"))?;
         if a.iters == 0 {
             return Err("--iters must be at least 1".into());
         }
@@ -206,6 +182,30 @@ impl BenchPlan {
             _ => count as u64 * elem,
         }
     }
+
+    fn case(&self, size: u64) -> BenchCase {
+        BenchCase {
+            op: self.op,
+            comm: self.comm,
+            reduce: self.reduce,
+            count: self.count(size),
+            meta: self.meta,
+            warmup: self.warmup,
+            iters: self.iters,
+            root: 0,
+        }
+    }
+
+    /// The benchmark as a job for worker processes.
+    pub fn spec(&self, workers: u32) -> JobSpec {
+        JobSpec {
+            name: format!("bench-{}", self.op),
+            pod: self.pod.clone(),
+            hardware: self.hardware.clone(),
+            workers,
+            program: Program::Bench { cases: self.sizes.iter().map(|&s| self.case(s)).collect() },
+        }
+    }
 }
 
 /// Runs every size of the plan in this process; `on_row` sees each row as it completes.
@@ -213,78 +213,84 @@ pub fn run_in_process(
     plan: &BenchPlan,
     mut on_row: impl FnMut(&BenchRow),
 ) -> Result<Vec<BenchRow>, String> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(plan.threads)
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    let rt = runtime(plan.threads)?;
     let fabric = LocalFabric::new(plan.pod.clone(), plan.hardware.clone());
     let mut rows = Vec::new();
     for &size in &plan.sizes {
-        let count = plan.count(size);
-        let case = BenchCase {
-            op: plan.op,
-            comm: plan.comm,
-            reduce: plan.reduce,
-            count,
-            meta: plan.meta,
-            warmup: plan.warmup,
-            iters: plan.iters,
-            root: 0,
-        };
-        let sync = Arc::new(Barrier::new(plan.pod.chips() as usize));
-        let results = rt
-            .block_on(run_chips(fabric.chips(), |mut chip| {
-                let sync = sync.clone();
-                async move {
-                    bench_chip(&mut chip, &case, &sync)
-                        .await
-                        .map_err(|e| match e {
-                            podsim_worker::WorkerError::Collective(c) => c,
-                            other => {
-                                podsim_collectives::CollectiveError::Internal(other.to_string())
-                            }
-                        })
-                }
-            }))
+        let program = Program::Bench { cases: vec![plan.case(size)] };
+        let out = rt
+            .block_on(run_program(fabric.chips(), &program, Arc::new(AtomicU64::new(0))))
             .map_err(|e| format!("{} of {}: {e}", plan.op, format_size(size)))?;
-        let mut wall = Duration::ZERO;
-        for it in 0..plan.iters {
-            let start = results.iter().map(|r| r.iterations[it].0).min();
-            let end = results.iter().map(|r| r.iterations[it].1).max();
-            if let (Some(s), Some(e)) = (start, end) {
-                wall += e.duration_since(s);
-            }
-        }
-        let row = make_row(
-            plan,
-            count,
-            wall.as_secs_f64() / plan.iters as f64,
-            &results,
-        );
+        let row = make_row(plan, size, &out.steps);
         on_row(&row);
         rows.push(row);
     }
     Ok(rows)
 }
 
-fn make_row(
+fn runtime(threads: usize) -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
+/// Runs every size across `workers` worker processes on loopback.
+pub fn run_on_workers(
     plan: &BenchPlan,
-    count: usize,
-    wall_s: f64,
-    results: &[podsim_worker::bench::ChipBench],
-) -> BenchRow {
+    workers: u32,
+    mut on_row: impl FnMut(&BenchRow),
+) -> Result<Vec<BenchRow>, String> {
+    let rt = runtime(plan.threads)?;
+    let spec = plan.spec(workers);
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find the podsim binary: {e}"))?;
+    let outcome = rt
+        .block_on(async {
+            let mut control = ControlPlane::start("127.0.0.1:0", new_token()).await?;
+            let workers = Workers::Spawn { exe, log_dir: None };
+            launch::run(&spec, &mut control, &workers, Duration::from_secs(30), &mut |_, _| {}).await
+        })
+        .map_err(|e| e.to_string())?;
+    let steps: Vec<ChipStepReport> = outcome.reports.into_iter().flat_map(|r| r.steps).collect();
+    let mut rows = Vec::new();
+    for (k, &size) in plan.sizes.iter().enumerate() {
+        let mine: Vec<ChipStepReport> = steps.iter().filter(|s| s.step == k).cloned().collect();
+        let row = make_row(plan, size, &mine);
+        on_row(&row);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// Per-iteration wall time (first start to last end over all chips) and virtual time.
+pub fn iteration_times(steps: &[ChipStepReport]) -> Vec<(f64, f64)> {
+    let iters = steps.iter().map(|s| s.calls.len()).max().unwrap_or(0);
+    (0..iters)
+        .map(|i| {
+            let calls = steps.iter().filter_map(|s| s.calls.get(i));
+            let (mut w0, mut w1, mut v0, mut v1) = (u64::MAX, 0u64, f64::MAX, 0f64);
+            for c in calls {
+                w0 = w0.min(c.wall_start_ns);
+                w1 = w1.max(c.wall_end_ns);
+                v0 = v0.min(c.virtual_start_ns);
+                v1 = v1.max(c.virtual_end_ns);
+            }
+            (w1.saturating_sub(w0) as f64 / 1e9, (v1 - v0).max(0.0) / 1e9)
+        })
+        .collect()
+}
+
+fn make_row(plan: &BenchPlan, size: u64, steps: &[ChipStepReport]) -> BenchRow {
+    let count = plan.count(size);
     let bytes = plan.reported_bytes(count);
     let n = plan.comm.group.size(&plan.pod);
     let factor = plan.op.busbw_factor(n);
-    let virtual_s = results.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
-    let gbps = |secs: f64| {
-        if secs > 0.0 {
-            bytes as f64 / secs / 1e9
-        } else {
-            0.0
-        }
-    };
+    let times = iteration_times(steps);
+    let k = times.len().max(1) as f64;
+    let wall_s = times.iter().map(|t| t.0).sum::<f64>() / k;
+    let virtual_s = times.iter().map(|t| t.1).fold(0.0, f64::max);
+    let gbps = |secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
     BenchRow {
         collective: plan.op.name().to_string(),
         algo: plan.comm.algo.name().to_string(),
@@ -303,8 +309,8 @@ fn make_row(
         virtual_s,
         virtual_algbw_gbps: gbps(virtual_s),
         virtual_busbw_gbps: gbps(virtual_s) * factor,
-        checked: results.iter().map(|r| r.checked).sum(),
-        errors: results.iter().map(|r| r.wrong).sum(),
+        checked: steps.iter().map(|r| r.checked).sum(),
+        errors: steps.iter().map(|r| r.wrong).sum(),
     }
 }
 
@@ -378,7 +384,7 @@ pub fn main(args: &BenchArgs) -> Result<bool, crate::CliError> {
     if !args.json {
         println!("{}", table_header(&plan));
     }
-    let rows = run_in_process(&plan, |row| {
+    let print = |row: &BenchRow| {
         if args.json {
             match serde_json::to_string(row) {
                 Ok(line) => println!("{line}"),
@@ -387,7 +393,15 @@ pub fn main(args: &BenchArgs) -> Result<bool, crate::CliError> {
         } else {
             println!("{}", table_row(row));
         }
-    })
+    };
+    let rows = match args.workers {
+        None => run_in_process(&plan, print),
+        Some(w) => {
+            podsim_topology::Placement::new(&plan.pod, w)
+                .map_err(|e| crate::CliError::Usage(format!("--workers: {e}")))?;
+            run_on_workers(&plan, w, print)
+        }
+    }
     .map_err(crate::CliError::Job)?;
     let errors: u64 = rows.iter().map(|r| r.errors).sum();
     if !args.json {

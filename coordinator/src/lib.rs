@@ -1,7 +1,10 @@
 //! podsim's coordinator: the `podsim` command-line tool and the drivers behind it.
-//! For now: `podsim bench`, the in-process collective benchmark.
+//! Config validation, the launcher and control service, reports, and `podsim bench`.
 
 pub mod bench;
+pub mod config;
+pub mod launch;
+pub mod report;
 pub mod units;
 
 use thiserror::Error;

@@ -1,9 +1,16 @@
-//! The `podsim` command: a thin shell over the coordinator library.
+//! The `podsim` command: a thin shell over the coordinator and worker libraries.
 
+use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use podsim_coordinator::bench::{self, BenchArgs};
+use podsim_coordinator::config::{self, JobConfig};
+use podsim_coordinator::launch::{self, ControlPlane, LaunchError, Workers, new_token};
+use podsim_coordinator::{CliError, report};
+use podsim_worker::session::{self, WorkerOptions};
 
 /// podsim: a distributed training runtime that emulates a TPU pod.
 #[derive(Debug, Parser)]
@@ -15,19 +22,207 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a job from a config: spawn its workers, run it, write report.json.
+    Launch(LaunchArgs),
+    /// Check a config and report every problem in it.
+    Validate(ConfigArgs),
+    /// Run a job whose workers are started elsewhere (`podsim worker --join ...`).
+    Coordinator(CoordinatorArgs),
+    /// Run one worker process (started by a coordinator, or by hand with --join).
+    Worker(WorkerArgs),
     /// Benchmark one collective over a range of sizes (nccl-tests style table).
     Bench(BenchArgs),
 }
 
+#[derive(Debug, Args)]
+struct ConfigArgs {
+    /// The job config (TOML).
+    config: PathBuf,
+    /// Override a config field, e.g. `--set launch.workers=2` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Override `launch.workers`.
+    #[arg(long)]
+    workers: Option<u32>,
+    /// Override `output.dir`.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct LaunchArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+}
+
+#[derive(Debug, Args)]
+struct CoordinatorArgs {
+    #[command(flatten)]
+    config: ConfigArgs,
+    /// Address the control service listens on, `host:port`.
+    #[arg(long)]
+    listen: String,
+    /// Job token workers must present (default: a random one, printed).
+    #[arg(long, env = "PODSIM_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// How long to wait for every worker to join, seconds.
+    #[arg(long, default_value_t = 600)]
+    join_timeout: u64,
+}
+
+#[derive(Debug, Args)]
+struct WorkerArgs {
+    /// The coordinator's control address, `host:port`.
+    #[arg(long)]
+    join: String,
+    /// The job token (or PODSIM_TOKEN).
+    #[arg(long, env = "PODSIM_TOKEN", hide_env_values = true)]
+    token: String,
+    /// Worker id to ask for (default: assigned by the coordinator).
+    #[arg(long)]
+    worker_id: Option<u32>,
+    /// Address to bind this worker's link service to (`host` or `host:port`).
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: String,
+    /// Host name other workers should use to reach this one.
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Exit when standard input closes (used by `podsim launch`).
+    #[arg(long, hide = true)]
+    watch_stdin: bool,
+}
+
+fn load(args: &ConfigArgs) -> Result<JobConfig, CliError> {
+    let mut sets = args.sets.clone();
+    if let Some(w) = args.workers {
+        sets.push(format!("launch.workers={w}"));
+    }
+    if let Some(out) = &args.out {
+        sets.push(format!("output.dir={:?}", out.display().to_string()));
+    }
+    config::load(&args.config, &sets).map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Job(format!("cannot start the runtime: {e}")))
+}
+
+/// Shows progress: a bar on a terminal, a log line every second otherwise.
+fn progress_reporter() -> impl FnMut(u64, u64) + Send {
+    let bar = std::io::stdout().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} chip-steps",
+        ) {
+            bar.set_style(style);
+        }
+        bar
+    });
+    let mut last = std::time::Instant::now();
+    move |done, total| match &bar {
+        Some(bar) => {
+            bar.set_length(total);
+            bar.set_position(done);
+            if done >= total && total > 0 {
+                bar.finish_and_clear();
+            }
+        }
+        None => {
+            if last.elapsed() >= Duration::from_secs(1) || (done >= total && total > 0) {
+                println!("progress: {done}/{total} chip-steps");
+                last = std::time::Instant::now();
+            }
+        }
+    }
+}
+
+fn run_job(cfg: &JobConfig, listen: Option<(&str, String)>, join_timeout: Duration) -> Result<bool, CliError> {
+    let rt = runtime()?;
+    let spec = cfg.spec();
+    let external = listen.is_some();
+    let result = rt.block_on(async {
+        let (addr, token) = match &listen {
+            Some((addr, token)) => (addr.to_string(), token.clone()),
+            None => (format!("{}:0", cfg.bind), new_token()),
+        };
+        let mut control = ControlPlane::start(&addr, token).await?;
+        let workers = if external {
+            println!(
+                "waiting for {} workers: podsim worker --join {} --token {}",
+                cfg.workers, control.addr, control.token
+            );
+            Workers::External
+        } else {
+            std::fs::create_dir_all(&cfg.output_dir).map_err(|e| LaunchError::Spawn {
+                id: 0,
+                reason: format!("cannot create {}: {e}", cfg.output_dir.display()),
+            })?;
+            let exe = std::env::current_exe()
+                .map_err(|e| LaunchError::Spawn { id: 0, reason: e.to_string() })?;
+            Workers::Spawn { exe, log_dir: Some(cfg.output_dir.clone()) }
+        };
+        let mut progress = progress_reporter();
+        tokio::select! {
+            r = launch::run(&spec, &mut control, &workers, join_timeout, &mut progress) => r,
+            _ = tokio::signal::ctrl_c() => Err(LaunchError::Interrupted),
+        }
+    });
+    let report = report::build(cfg, result.as_ref().map_err(|e| e.to_string()));
+    let path = report::write(&cfg.output_dir, &report).map_err(CliError::Job)?;
+    print!("{}", report::summary(&report));
+    println!("report: {}", path.display());
+    match result {
+        Ok(_) => Ok(report.status == "ok"),
+        Err(e) => Err(CliError::Job(e.to_string())),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let result = match &cli.command {
         Command::Bench(args) => bench::main(args),
+        Command::Validate(args) => load(args).map(|cfg| {
+            println!(
+                "{}: ok ({} job on {}, {} chips, {} workers)",
+                args.config.display(),
+                cfg.kind(),
+                cfg.pod,
+                cfg.pod.chips(),
+                cfg.workers
+            );
+            true
+        }),
+        Command::Launch(args) => {
+            load(&args.config).and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30)))
+        }
+        Command::Coordinator(args) => load(&args.config).and_then(|cfg| {
+            let token = args.token.clone().unwrap_or_else(new_token);
+            run_job(&cfg, Some((&args.listen, token)), Duration::from_secs(args.join_timeout))
+        }),
+        Command::Worker(args) => {
+            let opts = WorkerOptions {
+                join: args.join.clone(),
+                token: args.token.clone(),
+                worker_id: args.worker_id,
+                bind: args.bind.clone(),
+                advertise: args.advertise.clone(),
+                watch_stdin: args.watch_stdin,
+            };
+            runtime().and_then(|rt| {
+                rt.block_on(session::run(opts)).map(|()| true).map_err(|e| CliError::Job(e.to_string()))
+            })
+        }
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {
-            eprintln!("podsim: wrong results");
+            eprintln!("podsim: the job finished with wrong results");
             ExitCode::from(1)
         }
         Err(e) => {

@@ -90,6 +90,37 @@ impl Group {
         self.mask & axis.bit() != 0
     }
 
+    /// Parses `world`, `slice` (every torus axis, no DCN) or a comma list of `x`, `y`, `z`,
+    /// `dcn`, checking the axes exist in `pod`.
+    pub fn parse(text: &str, pod: &Pod) -> Result<Group, String> {
+        match text.trim() {
+            "world" => return Ok(Group::world(pod)),
+            "slice" => return Ok(Group::slice(pod)),
+            _ => {}
+        }
+        let mut g = Group::of(&[]);
+        for name in text.split(',') {
+            let axis = match name.trim() {
+                "x" => PodAxis::Torus(0),
+                "y" => PodAxis::Torus(1),
+                "z" => PodAxis::Torus(2),
+                "dcn" => PodAxis::Slices,
+                other => {
+                    return Err(format!(
+                        "unknown axis {other:?} (use world, slice, or a list of x, y, z, dcn)"
+                    ));
+                }
+            };
+            if let PodAxis::Torus(a) = axis
+                && usize::from(a) >= pod.torus().ndims()
+            {
+                return Err(format!("the torus {} has no axis {}", pod.torus(), name.trim()));
+            }
+            g = g.with(axis);
+        }
+        Ok(g)
+    }
+
     /// A stable number naming the group's axes (used in collective fingerprints).
     pub fn id(self) -> u64 {
         u64::from(self.mask)

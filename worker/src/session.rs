@@ -14,7 +14,7 @@ use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_client::ControlClient;
 use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::Request;
 
 use crate::error::WorkerError;
@@ -66,7 +66,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     let service = net::link_service(opts.token.clone(), fabric_rx);
     tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
-            .serve_with_incoming(service, TcpListenerStream::new(listener))
+            .serve_with_incoming(service, tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)))
             .await;
         if let Err(e) = served {
             tracing::error!("link service stopped: {e}");

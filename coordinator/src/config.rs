@@ -1,0 +1,518 @@
+//! Job configs: TOML read into validated types. `validate` reports every problem it can find
+//! at once, each as `file:line: field: reason`: unknown keys anywhere, wrong types per section,
+//! then every semantic problem (a shape that does not parse, more workers than chips, an axis
+//! the torus lacks...). Nothing is started from a config that has a problem.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
+use podsim_topology::{Group, Hardware, HardwareOverrides, Placement, Pod, Torus};
+use podsim_worker::job::{CollectiveStep, JobSpec, Program};
+use serde::Deserialize;
+
+use crate::units::parse_size;
+
+/// One problem in a config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: String,
+    pub line: Option<usize>,
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(l) => write!(f, "{}:{l}: {}: {}", self.file, self.field, self.reason),
+            None => write!(f, "{}: {}: {}", self.file, self.field, self.reason),
+        }
+    }
+}
+
+/// Every problem found in one config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0.len();
+        writeln!(f, "{n} problem{} in the config:", if n == 1 { "" } else { "s" })?;
+        for e in &self.0 {
+            writeln!(f, "  {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Settings of the hang watchdog (used by the hang detector; validated now).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Watchdog {
+    pub timeout_ms: u64,
+    pub heartbeat_ms: u64,
+}
+
+/// A validated job config.
+#[derive(Debug, Clone)]
+pub struct JobConfig {
+    pub name: String,
+    pub source: PathBuf,
+    pub pod: Pod,
+    pub hardware: Hardware,
+    pub workers: u32,
+    pub bind: String,
+    pub external: bool,
+    pub program: Program,
+    pub watchdog: Watchdog,
+    pub output_dir: PathBuf,
+}
+
+impl JobConfig {
+    pub fn spec(&self) -> JobSpec {
+        JobSpec {
+            name: self.name.clone(),
+            pod: self.pod.clone(),
+            hardware: self.hardware.clone(),
+            workers: self.workers,
+            program: self.program.clone(),
+        }
+    }
+
+    pub fn mode(&self) -> &'static str {
+        match &self.program {
+            Program::Collectives { meta: true, .. } => "meta",
+            _ => "data",
+        }
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match &self.program {
+            Program::Collectives { .. } => "collectives",
+            Program::Bench { .. } => "bench",
+        }
+    }
+}
+
+// ---- raw shapes, as written -------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTopology {
+    shape: String,
+    wraparound: Option<Wrap>,
+    slices: Option<u32>,
+    hardware: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Wrap {
+    All(bool),
+    PerAxis(Vec<bool>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLaunch {
+    workers: Option<u32>,
+    bind: Option<String>,
+    external: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJob {
+    kind: String,
+    mode: Option<String>,
+    iterations: Option<u32>,
+    collectives: Option<Vec<RawCollective>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCollective {
+    op: String,
+    size: String,
+    algo: Option<String>,
+    group: Option<String>,
+    reduce: Option<String>,
+    root: Option<u32>,
+    dtype: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWatchdog {
+    timeout_ms: Option<u64>,
+    heartbeat_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOutput {
+    dir: Option<String>,
+}
+
+/// Known keys per table, for reporting every unknown key (serde stops at the first).
+const SCHEMA: &[(&str, &[&str])] = &[
+    ("", &["name", "topology", "launch", "job", "watchdog", "output", "hardware"]),
+    ("topology", &["shape", "wraparound", "slices", "hardware"]),
+    ("launch", &["workers", "bind", "external"]),
+    ("job", &["kind", "mode", "iterations", "collectives"]),
+    ("job.collectives", &["op", "size", "algo", "group", "reduce", "root", "dtype"]),
+    ("watchdog", &["timeout_ms", "heartbeat_ms"]),
+    ("output", &["dir"]),
+    (
+        "hardware",
+        &[
+            "ici_bandwidth",
+            "ici_latency_ns",
+            "dcn_bandwidth",
+            "dcn_latency_ns",
+            "peak_flops",
+            "hbm_bytes",
+            "hbm_bandwidth",
+        ],
+    ),
+];
+
+/// Finds the line (1-based) of `key` in table `table` (`job.collectives#2` for the third
+/// array entry), for error messages. Works for the block style configs are written in.
+fn locate(text: &str, table: &str, key: Option<&str>) -> Option<usize> {
+    let (name, index) = match table.split_once('#') {
+        Some((n, i)) => (n, i.parse::<usize>().ok()),
+        None => (table, None),
+    };
+    let mut current = String::new();
+    let mut seen: usize = 0;
+    let mut header_line = None;
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.starts_with('[') {
+            let inner = line.trim_start_matches('[').split(']').next().unwrap_or("").trim();
+            current = inner.to_string();
+            let matches = current == name;
+            if matches && line.starts_with("[[") {
+                seen += 1;
+            }
+            let in_entry = index.is_none_or(|k| seen == k + 1);
+            if matches && in_entry {
+                header_line = Some(i + 1);
+                if key.is_none() {
+                    return header_line;
+                }
+            }
+            continue;
+        }
+        let in_entry = index.is_none_or(|k| seen == k + 1);
+        if current == name && in_entry {
+            if let Some(k) = key {
+                let lhs = line.split('=').next().unwrap_or("").trim().trim_matches('"');
+                if line.contains('=') && lhs == k {
+                    return Some(i + 1);
+                }
+            }
+        }
+    }
+    if name.is_empty() { None } else { header_line }
+}
+
+struct Problems<'a> {
+    file: String,
+    text: &'a str,
+    list: Vec<ConfigError>,
+}
+
+impl Problems<'_> {
+    fn add(&mut self, table: &str, key: Option<&str>, reason: impl Into<String>) {
+        let shown_table = table.split('#').next().unwrap_or(table);
+        let field = match (shown_table, key) {
+            ("", Some(k)) => k.to_string(),
+            (t, Some(k)) => format!("{t}.{k}"),
+            (t, None) => t.to_string(),
+        };
+        let field = match table.split_once('#') {
+            Some((_, i)) => field.replacen(shown_table, &format!("{shown_table}[{i}]"), 1),
+            None => field,
+        };
+        self.list.push(ConfigError {
+            file: self.file.clone(),
+            line: locate(self.text, table, key),
+            field,
+            reason: reason.into(),
+        });
+    }
+}
+
+/// Applies `key.path=value` overrides (values in TOML syntax; bare words become strings).
+pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), String> {
+    for set in sets {
+        let (path, value) =
+            set.split_once('=').ok_or_else(|| format!("--set {set:?}: expected key=value"))?;
+        let value: toml::Value = match format!("v = {value}").parse::<toml::Table>() {
+            Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(value.to_string())),
+            Err(_) => toml::Value::String(value.trim().to_string()),
+        };
+        let keys: Vec<&str> = path.trim().split('.').collect();
+        let (last, parents) = keys.split_last().ok_or_else(|| format!("--set {set:?}: empty key"))?;
+        let mut t = &mut *table;
+        for k in parents {
+            let entry = t.entry(k.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+            t = entry.as_table_mut().ok_or_else(|| format!("--set {set:?}: {k} is not a table"))?;
+        }
+        t.insert(last.to_string(), value);
+    }
+    Ok(())
+}
+
+/// Reads and validates `path` with command-line overrides applied.
+pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
+    let file = path.display().to_string();
+    let one = |line: Option<usize>, field: &str, reason: String| {
+        ConfigErrors(vec![ConfigError { file: file.clone(), line, field: field.into(), reason }])
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| one(None, "file", e.to_string()))?;
+    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        let line = e.span().map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+        one(line, "syntax", e.message().to_string())
+    })?;
+    apply_overrides(&mut table, sets).map_err(|e| one(None, "--set", e))?;
+    parse(&file, &text, path, table)
+}
+
+fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobConfig, ConfigErrors> {
+    let mut p = Problems { file: file.to_string(), text, list: Vec::new() };
+
+    // 1. Unknown keys, everywhere.
+    let known = |t: &str| SCHEMA.iter().find(|(n, _)| *n == t).map(|(_, k)| *k).unwrap_or(&[]);
+    for (k, v) in &table {
+        if !known("").contains(&k.as_str()) {
+            p.add("", Some(k), "unknown key");
+            continue;
+        }
+        if let Some(sub) = v.as_table() {
+            for sk in sub.keys().filter(|sk| !known(k).contains(&sk.as_str())) {
+                p.add(k, Some(sk), "unknown key");
+            }
+        }
+    }
+    if let Some(list) = table.get("job").and_then(|j| j.get("collectives")).and_then(|c| c.as_array()) {
+        for (i, entry) in list.iter().enumerate() {
+            for sk in entry.as_table().into_iter().flat_map(|t| t.keys()) {
+                if !known("job.collectives").contains(&sk.as_str()) {
+                    p.add(&format!("job.collectives#{i}"), Some(sk), "unknown key");
+                }
+            }
+        }
+    }
+
+    // 2. Types, section by section.
+    fn section<T: for<'de> Deserialize<'de> + Default>(
+        p: &mut Problems<'_>,
+        table: &toml::Table,
+        name: &str,
+    ) -> Option<T> {
+        match table.get(name) {
+            None => Some(T::default()),
+            Some(v) => match v.clone().try_into::<T>() {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    p.add(name, None, e.message().to_string());
+                    None
+                }
+            },
+        }
+    }
+    let name = match table.get("name") {
+        Some(toml::Value::String(s)) if !s.trim().is_empty() => Some(s.clone()),
+        Some(_) => {
+            p.add("", Some("name"), "must be a non-empty string");
+            None
+        }
+        None => {
+            p.add("", Some("name"), "missing");
+            None
+        }
+    };
+    let topology: Option<RawTopology> = match table.get("topology") {
+        None => {
+            p.add("topology", None, "missing [topology] table");
+            None
+        }
+        Some(v) => v.clone().try_into().map_err(|e: toml::de::Error| p.add("topology", None, e.message().to_string())).ok(),
+    };
+    let job: Option<RawJob> = match table.get("job") {
+        None => {
+            p.add("job", None, "missing [job] table");
+            None
+        }
+        Some(v) => v.clone().try_into().map_err(|e: toml::de::Error| p.add("job", None, e.message().to_string())).ok(),
+    };
+    let launch: Option<RawLaunch> = section(&mut p, &table, "launch");
+    let watchdog: Option<RawWatchdog> = section(&mut p, &table, "watchdog");
+    let output: Option<RawOutput> = section(&mut p, &table, "output");
+    let overrides: Option<HardwareOverrides> = section(&mut p, &table, "hardware");
+
+    // 3. Meaning.
+    let mut pod = None;
+    let mut hardware = None;
+    if let Some(t) = &topology {
+        match t.shape.parse::<Torus>() {
+            Err(e) => p.add("topology", Some("shape"), e.to_string()),
+            Ok(torus) => {
+                let wrap = match &t.wraparound {
+                    None => Ok(vec![true; torus.ndims()]),
+                    Some(Wrap::All(w)) => Ok(vec![*w; torus.ndims()]),
+                    Some(Wrap::PerAxis(v)) => Ok(v.clone()),
+                };
+                match wrap.and_then(|w| Torus::with_wrap(torus.dims(), &w)) {
+                    Err(e) => p.add("topology", Some("wraparound"), e.to_string()),
+                    Ok(torus) => match Pod::new(torus, t.slices.unwrap_or(1)) {
+                        Ok(x) => pod = Some(x),
+                        Err(e) => p.add("topology", Some("slices"), e.to_string()),
+                    },
+                }
+            }
+        }
+        let preset = t.hardware.as_deref().unwrap_or("v5p");
+        match Hardware::preset(preset) {
+            Err(e) => p.add("topology", Some("hardware"), e.to_string()),
+            Ok(hw) => match &overrides {
+                Some(o) => match hw.with_overrides(o) {
+                    Ok(hw) => hardware = Some(hw),
+                    Err(e) => p.add("hardware", None, e.to_string()),
+                },
+                None => hardware = Some(hw),
+            },
+        }
+    }
+    let launch = launch.unwrap_or_default();
+    let workers = launch.workers.unwrap_or(1);
+    if let Some(pod) = &pod {
+        if let Err(e) = Placement::new(pod, workers) {
+            p.add("launch", Some("workers"), e.to_string());
+        }
+    }
+    let bind = launch.bind.clone().unwrap_or_else(|| "127.0.0.1".to_string());
+    if bind.trim().is_empty() || bind.contains(char::is_whitespace) {
+        p.add("launch", Some("bind"), format!("{bind:?} is not a host address"));
+    }
+    let watchdog = watchdog.unwrap_or_default();
+    let wd = Watchdog {
+        timeout_ms: watchdog.timeout_ms.unwrap_or(3000),
+        heartbeat_ms: watchdog.heartbeat_ms.unwrap_or(100),
+    };
+    if wd.heartbeat_ms == 0 {
+        p.add("watchdog", Some("heartbeat_ms"), "must be at least 1");
+    }
+    if wd.timeout_ms < 2 * wd.heartbeat_ms {
+        p.add(
+            "watchdog",
+            Some("timeout_ms"),
+            format!("{} ms must be at least two heartbeats ({} ms)", wd.timeout_ms, 2 * wd.heartbeat_ms),
+        );
+    }
+    let mut program = None;
+    if let Some(j) = &job {
+        let meta = match j.mode.as_deref().unwrap_or("data") {
+            "data" => false,
+            "meta" => true,
+            other => {
+                p.add("job", Some("mode"), format!("{other:?} is not data or meta"));
+                false
+            }
+        };
+        match j.kind.as_str() {
+            "collectives" => {
+                let iterations = j.iterations.unwrap_or(1);
+                if iterations == 0 {
+                    p.add("job", Some("iterations"), "must be at least 1");
+                }
+                let list = j.collectives.as_deref().unwrap_or(&[]);
+                if list.is_empty() {
+                    p.add("job", Some("collectives"), "a collectives job needs at least one [[job.collectives]] entry");
+                }
+                let mut script = Vec::new();
+                for (i, c) in list.iter().enumerate() {
+                    let table = format!("job.collectives#{i}");
+                    if let Some(step) = collective(&mut p, &table, c, pod.as_ref(), meta) {
+                        script.push(step);
+                    }
+                }
+                program = Some(Program::Collectives { iterations, meta, script });
+            }
+            "train" => p.add("job", Some("kind"), "\"train\" jobs are not available yet (supported: collectives)"),
+            other => p.add("job", Some("kind"), format!("unknown job kind {other:?} (supported: collectives)")),
+        }
+    }
+    let output_dir = output
+        .and_then(|o| o.dir)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("runs").join(name.clone().unwrap_or_else(|| "job".into())));
+
+    match (name, pod, hardware, program) {
+        (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => Ok(JobConfig {
+            name,
+            source: path.to_path_buf(),
+            pod,
+            hardware,
+            workers,
+            bind,
+            external: launch.external.unwrap_or(false),
+            program,
+            watchdog: wd,
+            output_dir,
+        }),
+        _ => Err(ConfigErrors(p.list)),
+    }
+}
+
+fn collective(
+    p: &mut Problems<'_>,
+    table: &str,
+    c: &RawCollective,
+    pod: Option<&Pod>,
+    meta: bool,
+) -> Option<CollectiveStep> {
+    let before = p.list.len();
+    let op = c.op.parse::<OpKind>().map_err(|e| p.add(table, Some("op"), e)).ok();
+    let bytes = parse_size(&c.size).map_err(|e| p.add(table, Some("size"), e)).ok();
+    let algo = c.algo.as_deref().unwrap_or("torus").parse::<Algo>().map_err(|e| p.add(table, Some("algo"), e)).ok();
+    let reduce = c.reduce.as_deref().unwrap_or("sum").parse::<ReduceOp>().map_err(|e| p.add(table, Some("reduce"), e)).ok();
+    let dtype = match c.dtype.as_deref().unwrap_or("f32") {
+        "f32" => Some(DType::F32),
+        "bf16" if meta => Some(DType::Bf16),
+        "bf16" => {
+            p.add(table, Some("dtype"), "bf16 needs mode = \"meta\" (data mode moves f32)");
+            None
+        }
+        other => {
+            p.add(table, Some("dtype"), format!("{other:?} is not f32 or bf16"));
+            None
+        }
+    };
+    let group = pod.and_then(|pod| {
+        Group::parse(c.group.as_deref().unwrap_or("world"), pod).map_err(|e| p.add(table, Some("group"), e)).ok()
+    });
+    if let (Some(pod), Some(g), Some(root)) = (pod, group, c.root) {
+        if root >= g.size(pod) {
+            p.add(table, Some("root"), format!("root {root} is outside a group of {} chips", g.size(pod)));
+        }
+    }
+    if bytes == Some(0) {
+        p.add(table, Some("size"), "must be at least one element");
+    }
+    if p.list.len() > before {
+        return None;
+    }
+    Some(CollectiveStep {
+        op: op?,
+        bytes: bytes?,
+        algo: algo?,
+        group: group?,
+        reduce: reduce?,
+        root: c.root.unwrap_or(0),
+        dtype: dtype?,
+    })
+}

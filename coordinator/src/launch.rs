@@ -1,0 +1,436 @@
+//! Running a job across worker processes: the control service workers join, spawning them
+//! (or waiting for externally started ones), handing out the job, starting it, gathering
+//! progress and results, and making sure no worker outlives the job.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use podsim_proto::v1 as pb;
+use podsim_proto::v1::control_server::{Control, ControlServer};
+use podsim_worker::job::{JobSpec, WorkerReport};
+use podsim_worker::net::check_token;
+use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// How workers come to the job.
+#[derive(Debug, Clone)]
+pub enum Workers {
+    /// The coordinator starts them as child processes of this binary.
+    Spawn { exe: PathBuf, log_dir: Option<PathBuf> },
+    /// They are started elsewhere with `podsim worker --join ADDR --token TOKEN`.
+    External,
+}
+
+/// One worker as the coordinator knows it.
+#[derive(Debug, Clone)]
+pub struct WorkerInfo {
+    pub id: u32,
+    pub pid: u32,
+    pub link_addr: String,
+}
+
+/// What a finished job produced.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub workers: Vec<WorkerInfo>,
+    pub reports: Vec<WorkerReport>,
+    pub wall: Duration,
+}
+
+/// Why a job did not finish.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LaunchError {
+    #[error("cannot start the control service on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+    #[error("cannot start worker {id}: {reason}")]
+    Spawn { id: u32, reason: String },
+    #[error("worker {id} failed: {reason}")]
+    Worker { id: u32, reason: String },
+    #[error("{0}")]
+    Protocol(String),
+    #[error("timed out: {0}")]
+    Timeout(String),
+    #[error("interrupted")]
+    Interrupted,
+}
+
+/// A worker that joined the control session.
+struct Joined {
+    hello: pb::Hello,
+    to_worker: mpsc::Sender<Result<pb::CoordinatorMsg, Status>>,
+    from_worker: Streaming<pb::WorkerMsg>,
+}
+
+#[derive(Debug, Clone)]
+struct ControlService {
+    joined: mpsc::Sender<Joined>,
+}
+
+type CoordStream = Pin<Box<dyn Stream<Item = Result<pb::CoordinatorMsg, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Control for ControlService {
+    type SessionStream = CoordStream;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<pb::WorkerMsg>>,
+    ) -> Result<Response<CoordStream>, Status> {
+        let mut from_worker = request.into_inner();
+        let first = tokio::time::timeout(Duration::from_secs(10), from_worker.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no hello within 10 s"))??;
+        let Some(pb::WorkerMsg { body: Some(pb::worker_msg::Body::Hello(hello)) }) = first else {
+            return Err(Status::invalid_argument("a session must start with a hello"));
+        };
+        let (to_worker, rx) = mpsc::channel(16);
+        self.joined
+            .send(Joined { hello, to_worker, from_worker })
+            .await
+            .map_err(|_| Status::unavailable("the job is no longer accepting workers"))?;
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// A random job token from the OS's hash seeds (no extra dependency).
+pub fn new_token() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut out = String::new();
+    for i in 0..2u64 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(i);
+        h.write_u128(Instant::now().elapsed().as_nanos());
+        h.write_u32(std::process::id());
+        out.push_str(&format!("{:016x}", h.finish()));
+    }
+    out
+}
+
+/// The control service, bound and serving; dropped, it stops.
+pub struct ControlPlane {
+    pub addr: std::net::SocketAddr,
+    pub token: String,
+    joined: mpsc::Receiver<Joined>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ControlPlane({})", self.addr)
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+impl ControlPlane {
+    /// Binds `addr` (`host:port`, port 0 for any) and serves the control service.
+    pub async fn start(addr: &str, token: String) -> Result<ControlPlane, LaunchError> {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| LaunchError::Bind {
+            addr: addr.to_string(),
+            reason: e.to_string(),
+        })?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| LaunchError::Bind { addr: addr.to_string(), reason: e.to_string() })?;
+        let (tx, joined) = mpsc::channel(64);
+        let checked = token.clone();
+        let service = tonic::service::interceptor::InterceptedService::new(
+            ControlServer::new(ControlService { joined: tx }).max_decoding_message_size(64 << 20),
+            move |req: Request<()>| {
+                check_token(&checked, req.metadata())?;
+                Ok(req)
+            },
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .serve_with_incoming_shutdown(service, tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)), async {
+                    let _ = stopped.await;
+                })
+                .await;
+            if let Err(e) = served {
+                tracing::error!("control service stopped: {e}");
+            }
+        });
+        Ok(ControlPlane { addr: local, token, joined, stop: Some(stop) })
+    }
+}
+
+/// Child processes that are killed if they are still running when this is dropped.
+#[derive(Debug, Default)]
+pub struct Children(Vec<(u32, Child)>);
+
+impl Children {
+    /// Exit status of any worker that has already exited.
+    fn exited(&mut self) -> Option<(u32, String)> {
+        for (id, child) in &mut self.0 {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some((*id, describe_exit(status)));
+            }
+        }
+        None
+    }
+
+    /// Waits up to `grace` for every child to exit, then kills the rest.
+    pub async fn reap(&mut self, grace: Duration) {
+        let deadline = tokio::time::Instant::now() + grace;
+        for (_, child) in &mut self.0 {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if tokio::time::timeout(left, child.wait()).await.is_err() {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+            }
+        }
+        self.0.clear();
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.0 {
+            let _ = child.start_kill();
+        }
+    }
+}
+
+fn describe_exit(status: std::process::ExitStatus) -> String {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return format!("killed by signal {sig}");
+        }
+    }
+    match status.code() {
+        Some(c) => format!("exited with code {c}"),
+        None => "exited".to_string(),
+    }
+}
+
+fn spawn_workers(
+    exe: &Path,
+    log_dir: Option<&Path>,
+    control: &ControlPlane,
+    workers: u32,
+) -> Result<Children, LaunchError> {
+    let mut children = Children::default();
+    for id in 0..workers {
+        let stderr = match log_dir {
+            Some(dir) => {
+                let path = dir.join(format!("worker-{id}.log"));
+                std::fs::File::create(&path)
+                    .map(Stdio::from)
+                    .map_err(|e| LaunchError::Spawn { id, reason: format!("{}: {e}", path.display()) })?
+            }
+            None => Stdio::inherit(),
+        };
+        let child = Command::new(exe)
+            .arg("worker")
+            .arg("--join")
+            .arg(control.addr.to_string())
+            .arg("--worker-id")
+            .arg(id.to_string())
+            .arg("--bind")
+            .arg(control.addr.ip().to_string())
+            .arg("--watch-stdin")
+            .env("PODSIM_TOKEN", &control.token)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| LaunchError::Spawn { id, reason: e.to_string() })?;
+        children.0.push((id, child));
+    }
+    Ok(children)
+}
+
+/// Progress of the whole job: (units done, units in all).
+pub type ProgressFn<'a> = &'a mut (dyn FnMut(u64, u64) + Send);
+
+/// Runs `spec` on `spec.workers` workers joined to `control`.
+pub async fn run(
+    spec: &JobSpec,
+    control: &mut ControlPlane,
+    workers: &Workers,
+    join_timeout: Duration,
+    progress: ProgressFn<'_>,
+) -> Result<Outcome, LaunchError> {
+    let started = Instant::now();
+    let n = spec.workers;
+    let mut children = match workers {
+        Workers::Spawn { exe, log_dir } => spawn_workers(exe, log_dir.as_deref(), control, n)?,
+        Workers::External => Children::default(),
+    };
+    let result = drive(spec, control, &mut children, join_timeout, progress).await;
+    // Whatever happened, no worker outlives the job.
+    children.reap(Duration::from_secs(5)).await;
+    result.map(|(workers, reports)| Outcome { workers, reports, wall: started.elapsed() })
+}
+
+async fn drive(
+    spec: &JobSpec,
+    control: &mut ControlPlane,
+    children: &mut Children,
+    join_timeout: Duration,
+    progress: ProgressFn<'_>,
+) -> Result<(Vec<WorkerInfo>, Vec<WorkerReport>), LaunchError> {
+    let n = spec.workers;
+    // 1. Every worker joins.
+    let mut joined: BTreeMap<u32, Joined> = BTreeMap::new();
+    let deadline = tokio::time::Instant::now() + join_timeout;
+    let mut next_free = 0u32;
+    while (joined.len() as u32) < n {
+        if let Some((id, how)) = children.exited() {
+            return Err(LaunchError::Worker { id, reason: format!("{how} before joining") });
+        }
+        let j = match tokio::time::timeout_at(deadline.min(tokio::time::Instant::now() + Duration::from_millis(200)), control.joined.recv()).await {
+            Ok(Some(j)) => j,
+            Ok(None) => return Err(LaunchError::Protocol("control service stopped".into())),
+            Err(_) if tokio::time::Instant::now() >= deadline => {
+                return Err(LaunchError::Timeout(format!(
+                    "{} of {n} workers joined within {join_timeout:?}",
+                    joined.len()
+                )));
+            }
+            Err(_) => continue,
+        };
+        let id = match u32::try_from(j.hello.worker_id) {
+            Ok(id) => id,
+            Err(_) => {
+                while joined.contains_key(&next_free) {
+                    next_free += 1;
+                }
+                next_free
+            }
+        };
+        if id >= n || joined.contains_key(&id) {
+            let _ = j.to_worker.send(Err(Status::already_exists(format!("worker id {id} is taken or out of range")))).await;
+            continue;
+        }
+        joined.insert(id, j);
+    }
+    let infos: Vec<WorkerInfo> = joined
+        .iter()
+        .map(|(&id, j)| WorkerInfo { id, pid: j.hello.pid, link_addr: j.hello.link_addr.clone() })
+        .collect();
+    let link_addrs: HashMap<u32, String> = infos.iter().map(|w| (w.id, w.link_addr.clone())).collect();
+
+    // 2. Every worker gets the job; their messages merge into one channel.
+    let job_json = serde_json::to_vec(spec).map_err(|e| LaunchError::Protocol(e.to_string()))?;
+    let (events_tx, mut events) = mpsc::channel::<(u32, Result<pb::worker_msg::Body, String>)>(256);
+    let mut senders = BTreeMap::new();
+    for (id, j) in joined {
+        let setup = pb::Setup { worker_id: id, workers: n, job_json: job_json.clone(), link_addrs: link_addrs.clone() };
+        let msg = pb::CoordinatorMsg { body: Some(pb::coordinator_msg::Body::Setup(setup)) };
+        j.to_worker.send(Ok(msg)).await.map_err(|_| LaunchError::Worker { id, reason: "left before setup".into() })?;
+        senders.insert(id, j.to_worker);
+        let tx = events_tx.clone();
+        let mut stream = j.from_worker;
+        tokio::spawn(async move {
+            loop {
+                let item = match stream.message().await {
+                    Ok(Some(pb::WorkerMsg { body: Some(b) })) => Ok(b),
+                    Ok(Some(_)) => continue,
+                    Ok(None) => Err("closed its control session".to_string()),
+                    Err(s) => Err(format!("control session failed: {}", s.message())),
+                };
+                let end = item.is_err();
+                if tx.send((id, item)).await.is_err() || end {
+                    return;
+                }
+            }
+        });
+    }
+    drop(events_tx);
+    let broadcast = |body: pb::coordinator_msg::Body| {
+        let senders = senders.clone();
+        async move {
+            for tx in senders.values() {
+                let _ = tx.send(Ok(pb::CoordinatorMsg { body: Some(body.clone()) })).await;
+            }
+        }
+    };
+
+    // 3. Ready, start, progress, results.
+    let mut ready = 0;
+    let mut started = false;
+    let mut done: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut total: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut reports: BTreeMap<u32, WorkerReport> = BTreeMap::new();
+    let setup_deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while (reports.len() as u32) < n {
+        let wait = if started { Duration::from_millis(500) } else { setup_deadline.saturating_duration_since(tokio::time::Instant::now()) };
+        let event = match tokio::time::timeout(wait, events.recv()).await {
+            Ok(Some(e)) => e,
+            Ok(None) => return Err(LaunchError::Protocol("every worker left".into())),
+            Err(_) if !started => {
+                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: "setup timed out".into() })).await;
+                return Err(LaunchError::Timeout(format!("{ready} of {n} workers linked up within 60 s")));
+            }
+            Err(_) => {
+                if let Some((id, how)) = children.exited() {
+                    if !reports.contains_key(&id) {
+                        broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: format!("worker {id} {how}") })).await;
+                        return Err(LaunchError::Worker { id, reason: how });
+                    }
+                }
+                continue;
+            }
+        };
+        match event {
+            (_, Ok(pb::worker_msg::Body::Ready(_))) => {
+                ready += 1;
+                if ready == n {
+                    broadcast(pb::coordinator_msg::Body::Start(pb::Start {})).await;
+                    started = true;
+                }
+            }
+            (id, Ok(pb::worker_msg::Body::Progress(p))) => {
+                done.insert(id, p.done);
+                total.insert(id, p.total);
+                progress(done.values().sum(), total.values().sum());
+            }
+            (id, Ok(pb::worker_msg::Body::Result(r))) => {
+                let report: WorkerReport = serde_json::from_slice(&r.json).map_err(|e| LaunchError::Worker { id, reason: format!("unreadable result: {e}") })?;
+                done.insert(id, total.get(&id).copied().unwrap_or(0));
+                progress(done.values().sum(), total.values().sum());
+                reports.insert(id, report);
+            }
+            (id, Ok(pb::worker_msg::Body::Failure(f))) => {
+                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: format!("worker {id} failed") })).await;
+                return Err(LaunchError::Worker { id, reason: f.error });
+            }
+            (id, Ok(pb::worker_msg::Body::Hello(_))) => {
+                return Err(LaunchError::Protocol(format!("worker {id} said hello twice")));
+            }
+            (id, Err(e)) => {
+                if reports.contains_key(&id) {
+                    continue;
+                }
+                // Give a dying child a moment so its exit status can be reported.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let reason = match children.exited() {
+                    Some((cid, how)) if cid == id => format!("{e}; process {how}"),
+                    _ => e,
+                };
+                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: format!("worker {id} lost") })).await;
+                return Err(LaunchError::Worker { id, reason });
+            }
+        }
+    }
+    broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: "job finished".into() })).await;
+    Ok((infos, reports.into_values().collect()))
+}

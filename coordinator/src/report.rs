@@ -1,0 +1,249 @@
+//! `report.json` and the human summary of a job.
+
+use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
+use std::path::Path;
+
+use hdrhistogram::Histogram;
+use podsim_worker::job::{ChipStepReport, Program};
+use serde::Serialize;
+
+use crate::bench::iteration_times;
+use crate::config::JobConfig;
+use crate::launch::Outcome;
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub podsim_version: &'static str,
+    pub job: JobInfo,
+    pub topology: TopologyInfo,
+    pub workers: Vec<WorkerEntry>,
+    pub status: String,
+    pub error: Option<String>,
+    pub collectives: Vec<CollectiveEntry>,
+    /// Wall latency of every collective call (first chip in to last chip out), per op, µs.
+    pub latency_us: BTreeMap<String, Latency>,
+    pub correctness: Correctness,
+    /// Virtual time of the whole job: the latest chip clock, seconds.
+    pub virtual_s: f64,
+    pub wall_s: f64,
+    pub link_errors: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct JobInfo {
+    pub name: String,
+    pub kind: String,
+    pub mode: String,
+    pub config: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TopologyInfo {
+    pub shape: String,
+    pub wraparound: Vec<bool>,
+    pub chips: u32,
+    pub slices: u32,
+    pub hardware: podsim_topology::Hardware,
+}
+
+#[derive(Debug, Serialize)]
+pub struct WorkerEntry {
+    pub id: u32,
+    pub pid: u32,
+    pub address: String,
+    pub chips: Vec<u32>,
+    pub peak_rss_bytes: u64,
+    pub messages_sent: u64,
+    pub bytes_sent: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CollectiveEntry {
+    pub step: usize,
+    pub op: String,
+    pub bytes: u64,
+    pub algo: String,
+    pub group: String,
+    /// One entry per iteration of the script.
+    pub calls: Vec<CallTimes>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CallTimes {
+    pub iteration: u32,
+    pub wall_s: f64,
+    pub virtual_s: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Latency {
+    pub count: u64,
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Correctness {
+    pub elements_checked: u64,
+    pub wrong_elements: u64,
+}
+
+/// Builds the report of a finished (`Ok`) or failed (`Err`) job.
+pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, String>) -> Report {
+    let pod = &cfg.pod;
+    let mut report = Report {
+        podsim_version: env!("CARGO_PKG_VERSION"),
+        job: JobInfo {
+            name: cfg.name.clone(),
+            kind: cfg.kind().to_string(),
+            mode: cfg.mode().to_string(),
+            config: cfg.source.display().to_string(),
+        },
+        topology: TopologyInfo {
+            shape: pod.torus().to_string(),
+            wraparound: pod.torus().wrap().to_vec(),
+            chips: pod.chips(),
+            slices: pod.slices(),
+            hardware: cfg.hardware.clone(),
+        },
+        workers: Vec::new(),
+        status: "ok".into(),
+        error: None,
+        collectives: Vec::new(),
+        latency_us: BTreeMap::new(),
+        correctness: Correctness { elements_checked: 0, wrong_elements: 0 },
+        virtual_s: 0.0,
+        wall_s: 0.0,
+        link_errors: Vec::new(),
+    };
+    let out = match outcome {
+        Ok(out) => out,
+        Err(e) => {
+            report.status = "error".into();
+            report.error = Some(e);
+            return report;
+        }
+    };
+    report.wall_s = out.wall.as_secs_f64();
+    for info in &out.workers {
+        let r = out.reports.iter().find(|r| r.worker == info.id);
+        report.workers.push(WorkerEntry {
+            id: info.id,
+            pid: info.pid,
+            address: info.link_addr.clone(),
+            chips: r.map(|r| r.chips.clone()).unwrap_or_default(),
+            peak_rss_bytes: r.map_or(0, |r| r.peak_rss_bytes),
+            messages_sent: r.map_or(0, |r| r.messages_sent),
+            bytes_sent: r.map_or(0, |r| r.bytes_sent),
+        });
+    }
+    let steps: Vec<&ChipStepReport> = out.reports.iter().flat_map(|r| &r.steps).collect();
+    report.correctness.elements_checked = steps.iter().map(|s| s.checked).sum();
+    report.correctness.wrong_elements = steps.iter().map(|s| s.wrong).sum();
+    report.link_errors = out.reports.iter().flat_map(|r| r.link_errors.clone()).collect();
+    report.virtual_s = steps
+        .iter()
+        .flat_map(|s| s.calls.iter().map(|c| c.virtual_end_ns))
+        .fold(0.0, f64::max)
+        / 1e9;
+    let mut hists: BTreeMap<String, Histogram<u64>> = BTreeMap::new();
+    if let Program::Collectives { script, iterations, .. } = &cfg.program {
+        for (k, step) in script.iter().enumerate() {
+            let mut entry = CollectiveEntry {
+                step: k,
+                op: step.op.to_string(),
+                bytes: step.bytes,
+                algo: step.algo.to_string(),
+                group: step.group.to_string(),
+                calls: Vec::new(),
+            };
+            for it in 0..*iterations {
+                let mine: Vec<ChipStepReport> = steps
+                    .iter()
+                    .filter(|s| s.step == k && s.iteration == it)
+                    .map(|s| (*s).clone())
+                    .collect();
+                for (wall_s, virtual_s) in iteration_times(&mine) {
+                    entry.calls.push(CallTimes { iteration: it, wall_s, virtual_s });
+                    let h = match hists.entry(step.op.to_string()) {
+                        Entry::Occupied(o) => o.into_mut(),
+                        Entry::Vacant(v) => match Histogram::new(3) {
+                            Ok(h) => v.insert(h),
+                            Err(_) => continue,
+                        },
+                    };
+                    h.saturating_record((wall_s * 1e6).round().max(1.0) as u64);
+                }
+            }
+            report.collectives.push(entry);
+        }
+    }
+    for (op, h) in hists {
+        report.latency_us.insert(
+            op,
+            Latency {
+                count: h.len(),
+                p50: h.value_at_quantile(0.5) as f64,
+                p99: h.value_at_quantile(0.99) as f64,
+                max: h.max() as f64,
+            },
+        );
+    }
+    if report.correctness.wrong_elements > 0 {
+        report.status = "error".into();
+        report.error = Some(format!("{} wrong elements", report.correctness.wrong_elements));
+    }
+    report
+}
+
+/// Writes `report.json` into `dir`.
+pub fn write(dir: &Path, report: &Report) -> Result<std::path::PathBuf, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let path = dir.join("report.json");
+    let json = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
+    std::fs::write(&path, json).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// A few lines for a person.
+pub fn summary(report: &Report) -> String {
+    let mut s = format!(
+        "{} ({} job, {} mode) on {} ({} chips, {}), {} workers: {}\n",
+        report.job.name,
+        report.job.kind,
+        report.job.mode,
+        report.topology.shape,
+        report.topology.chips,
+        report.topology.hardware.name,
+        report.workers.len(),
+        report.status
+    );
+    for c in &report.collectives {
+        let n = c.calls.len().max(1) as f64;
+        let wall = c.calls.iter().map(|x| x.wall_s).sum::<f64>() / n;
+        let virt = c.calls.iter().map(|x| x.virtual_s).sum::<f64>() / n;
+        s.push_str(&format!(
+            "  #{:<2} {:<15} {:>10} {:<10} group {:<10} wall {:>9.1} us   virtual {:>9.2} us\n",
+            c.step,
+            c.op,
+            crate::units::format_size(c.bytes),
+            c.algo,
+            c.group,
+            wall * 1e6,
+            virt * 1e6
+        ));
+    }
+    s.push_str(&format!(
+        "  checked {} elements, {} wrong; virtual time {:.3} ms; wall {:.2} s\n",
+        report.correctness.elements_checked,
+        report.correctness.wrong_elements,
+        report.virtual_s * 1e3,
+        report.wall_s
+    ));
+    if let Some(e) = &report.error {
+        s.push_str(&format!("  error: {e}\n"));
+    }
+    s
+}
