@@ -12,6 +12,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     println!("cargo:rerun-if-changed=build.rs");
     let descriptors = protox::compile(PROTOS, [root])?;
-    tonic_prost_build::configure().compile_fds(descriptors)?;
+    // Payload bytes decode as `bytes::Bytes`: a slice of the received buffer, not a copy.
+    tonic_prost_build::configure()
+        .bytes(".podsim.v1.Payload.f32_le")
+        .compile_fds(descriptors)?;
     Ok(())
 }

@@ -138,7 +138,12 @@ impl Chip {
     pub fn time_snapshot(&self) -> TimeSnapshot {
         TimeSnapshot {
             clock: self.clock,
-            links: self.core.links.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            links: self
+                .core
+                .links
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
         }
     }
 

@@ -115,7 +115,9 @@ impl DType {
     }
 
     pub fn from_code(code: u32) -> Option<DType> {
-        [DType::F32, DType::Bf16].into_iter().find(|d| d.code() == code)
+        [DType::F32, DType::Bf16]
+            .into_iter()
+            .find(|d| d.code() == code)
     }
 
     pub fn name(self) -> &'static str {

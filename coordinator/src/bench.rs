@@ -203,7 +203,9 @@ impl BenchPlan {
             pod: self.pod.clone(),
             hardware: self.hardware.clone(),
             workers,
-            program: Program::Bench { cases: self.sizes.iter().map(|&s| self.case(s)).collect() },
+            program: Program::Bench {
+                cases: self.sizes.iter().map(|&s| self.case(s)).collect(),
+            },
         }
     }
 }
@@ -217,9 +219,15 @@ pub fn run_in_process(
     let fabric = LocalFabric::new(plan.pod.clone(), plan.hardware.clone());
     let mut rows = Vec::new();
     for &size in &plan.sizes {
-        let program = Program::Bench { cases: vec![plan.case(size)] };
+        let program = Program::Bench {
+            cases: vec![plan.case(size)],
+        };
         let out = rt
-            .block_on(run_program(fabric.chips(), &program, Arc::new(AtomicU64::new(0))))
+            .block_on(run_program(
+                fabric.chips(),
+                &program,
+                Arc::new(AtomicU64::new(0)),
+            ))
             .map_err(|e| format!("{} of {}: {e}", plan.op, format_size(size)))?;
         let row = make_row(plan, size, &out.steps);
         on_row(&row);
@@ -249,7 +257,14 @@ pub fn run_on_workers(
         .block_on(async {
             let mut control = ControlPlane::start("127.0.0.1:0", new_token()).await?;
             let workers = Workers::Spawn { exe, log_dir: None };
-            launch::run(&spec, &mut control, &workers, Duration::from_secs(30), &mut |_, _| {}).await
+            launch::run(
+                &spec,
+                &mut control,
+                &workers,
+                Duration::from_secs(30),
+                &mut |_, _| {},
+            )
+            .await
         })
         .map_err(|e| e.to_string())?;
     let steps: Vec<ChipStepReport> = outcome.reports.into_iter().flat_map(|r| r.steps).collect();
@@ -290,7 +305,13 @@ fn make_row(plan: &BenchPlan, size: u64, steps: &[ChipStepReport]) -> BenchRow {
     let k = times.len().max(1) as f64;
     let wall_s = times.iter().map(|t| t.0).sum::<f64>() / k;
     let virtual_s = times.iter().map(|t| t.1).fold(0.0, f64::max);
-    let gbps = |secs: f64| if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
+    let gbps = |secs: f64| {
+        if secs > 0.0 {
+            bytes as f64 / secs / 1e9
+        } else {
+            0.0
+        }
+    };
     BenchRow {
         collective: plan.op.name().to_string(),
         algo: plan.comm.algo.name().to_string(),

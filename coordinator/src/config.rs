@@ -38,7 +38,11 @@ pub struct ConfigErrors(pub Vec<ConfigError>);
 impl fmt::Display for ConfigErrors {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let n = self.0.len();
-        writeln!(f, "{n} problem{} in the config:", if n == 1 { "" } else { "s" })?;
+        writeln!(
+            f,
+            "{n} problem{} in the config:",
+            if n == 1 { "" } else { "s" }
+        )?;
         for e in &self.0 {
             writeln!(f, "  {e}")?;
         }
@@ -156,11 +160,19 @@ struct RawOutput {
 
 /// Known keys per table, for reporting every unknown key (serde stops at the first).
 const SCHEMA: &[(&str, &[&str])] = &[
-    ("", &["name", "topology", "launch", "job", "watchdog", "output", "hardware"]),
+    (
+        "",
+        &[
+            "name", "topology", "launch", "job", "watchdog", "output", "hardware",
+        ],
+    ),
     ("topology", &["shape", "wraparound", "slices", "hardware"]),
     ("launch", &["workers", "bind", "external"]),
     ("job", &["kind", "mode", "iterations", "collectives"]),
-    ("job.collectives", &["op", "size", "algo", "group", "reduce", "root", "dtype"]),
+    (
+        "job.collectives",
+        &["op", "size", "algo", "group", "reduce", "root", "dtype"],
+    ),
     ("watchdog", &["timeout_ms", "heartbeat_ms"]),
     ("output", &["dir"]),
     (
@@ -190,7 +202,12 @@ fn locate(text: &str, table: &str, key: Option<&str>) -> Option<usize> {
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
         if line.starts_with('[') {
-            let inner = line.trim_start_matches('[').split(']').next().unwrap_or("").trim();
+            let inner = line
+                .trim_start_matches('[')
+                .split(']')
+                .next()
+                .unwrap_or("")
+                .trim();
             current = inner.to_string();
             let matches = current == name;
             if matches && line.starts_with("[[") {
@@ -208,7 +225,12 @@ fn locate(text: &str, table: &str, key: Option<&str>) -> Option<usize> {
         let in_entry = index.is_none_or(|k| seen == k + 1);
         if current == name && in_entry {
             if let Some(k) = key {
-                let lhs = line.split('=').next().unwrap_or("").trim().trim_matches('"');
+                let lhs = line
+                    .split('=')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .trim_matches('"');
                 if line.contains('=') && lhs == k {
                     return Some(i + 1);
                 }
@@ -248,18 +270,27 @@ impl Problems<'_> {
 /// Applies `key.path=value` overrides (values in TOML syntax; bare words become strings).
 pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), String> {
     for set in sets {
-        let (path, value) =
-            set.split_once('=').ok_or_else(|| format!("--set {set:?}: expected key=value"))?;
+        let (path, value) = set
+            .split_once('=')
+            .ok_or_else(|| format!("--set {set:?}: expected key=value"))?;
         let value: toml::Value = match format!("v = {value}").parse::<toml::Table>() {
-            Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(value.to_string())),
+            Ok(mut t) => t
+                .remove("v")
+                .unwrap_or(toml::Value::String(value.to_string())),
             Err(_) => toml::Value::String(value.trim().to_string()),
         };
         let keys: Vec<&str> = path.trim().split('.').collect();
-        let (last, parents) = keys.split_last().ok_or_else(|| format!("--set {set:?}: empty key"))?;
+        let (last, parents) = keys
+            .split_last()
+            .ok_or_else(|| format!("--set {set:?}: empty key"))?;
         let mut t = &mut *table;
         for k in parents {
-            let entry = t.entry(k.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
-            t = entry.as_table_mut().ok_or_else(|| format!("--set {set:?}: {k} is not a table"))?;
+            let entry = t
+                .entry(k.to_string())
+                .or_insert_with(|| toml::Value::Table(Default::default()));
+            t = entry
+                .as_table_mut()
+                .ok_or_else(|| format!("--set {set:?}: {k} is not a table"))?;
         }
         t.insert(last.to_string(), value);
     }
@@ -270,22 +301,44 @@ pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), S
 pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
     let file = path.display().to_string();
     let one = |line: Option<usize>, field: &str, reason: String| {
-        ConfigErrors(vec![ConfigError { file: file.clone(), line, field: field.into(), reason }])
+        ConfigErrors(vec![ConfigError {
+            file: file.clone(),
+            line,
+            field: field.into(),
+            reason,
+        }])
     };
     let text = std::fs::read_to_string(path).map_err(|e| one(None, "file", e.to_string()))?;
     let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-        let line = e.span().map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
         one(line, "syntax", e.message().to_string())
     })?;
     apply_overrides(&mut table, sets).map_err(|e| one(None, "--set", e))?;
     parse(&file, &text, path, table)
 }
 
-fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobConfig, ConfigErrors> {
-    let mut p = Problems { file: file.to_string(), text, list: Vec::new() };
+fn parse(
+    file: &str,
+    text: &str,
+    path: &Path,
+    table: toml::Table,
+) -> Result<JobConfig, ConfigErrors> {
+    let mut p = Problems {
+        file: file.to_string(),
+        text,
+        list: Vec::new(),
+    };
 
     // 1. Unknown keys, everywhere.
-    let known = |t: &str| SCHEMA.iter().find(|(n, _)| *n == t).map(|(_, k)| *k).unwrap_or(&[]);
+    let known = |t: &str| {
+        SCHEMA
+            .iter()
+            .find(|(n, _)| *n == t)
+            .map(|(_, k)| *k)
+            .unwrap_or(&[])
+    };
     for (k, v) in &table {
         if !known("").contains(&k.as_str()) {
             p.add("", Some(k), "unknown key");
@@ -297,7 +350,11 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
             }
         }
     }
-    if let Some(list) = table.get("job").and_then(|j| j.get("collectives")).and_then(|c| c.as_array()) {
+    if let Some(list) = table
+        .get("job")
+        .and_then(|j| j.get("collectives"))
+        .and_then(|c| c.as_array())
+    {
         for (i, entry) in list.iter().enumerate() {
             for sk in entry.as_table().into_iter().flat_map(|t| t.keys()) {
                 if !known("job.collectives").contains(&sk.as_str()) {
@@ -307,7 +364,28 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
         }
     }
 
-    // 2. Types, section by section.
+    // 2. Types, section by section (unknown keys are reported already: drop them here so the
+    //    rest of each section is still checked).
+    let mut table = table;
+    for (name, keys) in SCHEMA
+        .iter()
+        .filter(|(n, _)| !n.is_empty() && !n.contains('.'))
+    {
+        if let Some(toml::Value::Table(t)) = table.get_mut(*name) {
+            t.retain(|k, _| keys.contains(&k));
+        }
+    }
+    if let Some(toml::Value::Array(list)) = table
+        .get_mut("job")
+        .and_then(|j| j.as_table_mut())
+        .and_then(|j| j.get_mut("collectives"))
+    {
+        for entry in list.iter_mut() {
+            if let toml::Value::Table(t) = entry {
+                t.retain(|k, _| known("job.collectives").contains(&k));
+            }
+        }
+    }
     fn section<T: for<'de> Deserialize<'de> + Default>(
         p: &mut Problems<'_>,
         table: &toml::Table,
@@ -340,14 +418,22 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
             p.add("topology", None, "missing [topology] table");
             None
         }
-        Some(v) => v.clone().try_into().map_err(|e: toml::de::Error| p.add("topology", None, e.message().to_string())).ok(),
+        Some(v) => v
+            .clone()
+            .try_into()
+            .map_err(|e: toml::de::Error| p.add("topology", None, e.message().to_string()))
+            .ok(),
     };
     let job: Option<RawJob> = match table.get("job") {
         None => {
             p.add("job", None, "missing [job] table");
             None
         }
-        Some(v) => v.clone().try_into().map_err(|e: toml::de::Error| p.add("job", None, e.message().to_string())).ok(),
+        Some(v) => v
+            .clone()
+            .try_into()
+            .map_err(|e: toml::de::Error| p.add("job", None, e.message().to_string()))
+            .ok(),
     };
     let launch: Option<RawLaunch> = section(&mut p, &table, "launch");
     let watchdog: Option<RawWatchdog> = section(&mut p, &table, "watchdog");
@@ -394,9 +480,16 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
             p.add("launch", Some("workers"), e.to_string());
         }
     }
-    let bind = launch.bind.clone().unwrap_or_else(|| "127.0.0.1".to_string());
+    let bind = launch
+        .bind
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1".to_string());
     if bind.trim().is_empty() || bind.contains(char::is_whitespace) {
-        p.add("launch", Some("bind"), format!("{bind:?} is not a host address"));
+        p.add(
+            "launch",
+            Some("bind"),
+            format!("{bind:?} is not a host address"),
+        );
     }
     let watchdog = watchdog.unwrap_or_default();
     let wd = Watchdog {
@@ -410,7 +503,11 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
         p.add(
             "watchdog",
             Some("timeout_ms"),
-            format!("{} ms must be at least two heartbeats ({} ms)", wd.timeout_ms, 2 * wd.heartbeat_ms),
+            format!(
+                "{} ms must be at least two heartbeats ({} ms)",
+                wd.timeout_ms,
+                2 * wd.heartbeat_ms
+            ),
         );
     }
     let mut program = None;
@@ -419,7 +516,11 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
             "data" => false,
             "meta" => true,
             other => {
-                p.add("job", Some("mode"), format!("{other:?} is not data or meta"));
+                p.add(
+                    "job",
+                    Some("mode"),
+                    format!("{other:?} is not data or meta"),
+                );
                 false
             }
         };
@@ -431,7 +532,11 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
                 }
                 let list = j.collectives.as_deref().unwrap_or(&[]);
                 if list.is_empty() {
-                    p.add("job", Some("collectives"), "a collectives job needs at least one [[job.collectives]] entry");
+                    p.add(
+                        "job",
+                        Some("collectives"),
+                        "a collectives job needs at least one [[job.collectives]] entry",
+                    );
                 }
                 let mut script = Vec::new();
                 for (i, c) in list.iter().enumerate() {
@@ -440,30 +545,46 @@ fn parse(file: &str, text: &str, path: &Path, table: toml::Table) -> Result<JobC
                         script.push(step);
                     }
                 }
-                program = Some(Program::Collectives { iterations, meta, script });
+                program = Some(Program::Collectives {
+                    iterations,
+                    meta,
+                    script,
+                });
             }
-            "train" => p.add("job", Some("kind"), "\"train\" jobs are not available yet (supported: collectives)"),
-            other => p.add("job", Some("kind"), format!("unknown job kind {other:?} (supported: collectives)")),
+            "train" => p.add(
+                "job",
+                Some("kind"),
+                "\"train\" jobs are not available yet (supported: collectives)",
+            ),
+            other => p.add(
+                "job",
+                Some("kind"),
+                format!("unknown job kind {other:?} (supported: collectives)"),
+            ),
         }
     }
     let output_dir = output
         .and_then(|o| o.dir)
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("runs").join(name.clone().unwrap_or_else(|| "job".into())));
+        .unwrap_or_else(|| {
+            PathBuf::from("runs").join(name.clone().unwrap_or_else(|| "job".into()))
+        });
 
     match (name, pod, hardware, program) {
-        (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => Ok(JobConfig {
-            name,
-            source: path.to_path_buf(),
-            pod,
-            hardware,
-            workers,
-            bind,
-            external: launch.external.unwrap_or(false),
-            program,
-            watchdog: wd,
-            output_dir,
-        }),
+        (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {
+            Ok(JobConfig {
+                name,
+                source: path.to_path_buf(),
+                pod,
+                hardware,
+                workers,
+                bind,
+                external: launch.external.unwrap_or(false),
+                program,
+                watchdog: wd,
+                output_dir,
+            })
+        }
         _ => Err(ConfigErrors(p.list)),
     }
 }
@@ -476,28 +597,59 @@ fn collective(
     meta: bool,
 ) -> Option<CollectiveStep> {
     let before = p.list.len();
-    let op = c.op.parse::<OpKind>().map_err(|e| p.add(table, Some("op"), e)).ok();
-    let bytes = parse_size(&c.size).map_err(|e| p.add(table, Some("size"), e)).ok();
-    let algo = c.algo.as_deref().unwrap_or("torus").parse::<Algo>().map_err(|e| p.add(table, Some("algo"), e)).ok();
-    let reduce = c.reduce.as_deref().unwrap_or("sum").parse::<ReduceOp>().map_err(|e| p.add(table, Some("reduce"), e)).ok();
+    let op =
+        c.op.parse::<OpKind>()
+            .map_err(|e| p.add(table, Some("op"), e))
+            .ok();
+    let bytes = parse_size(&c.size)
+        .map_err(|e| p.add(table, Some("size"), e))
+        .ok();
+    let algo = c
+        .algo
+        .as_deref()
+        .unwrap_or("torus")
+        .parse::<Algo>()
+        .map_err(|e| p.add(table, Some("algo"), e))
+        .ok();
+    let reduce = c
+        .reduce
+        .as_deref()
+        .unwrap_or("sum")
+        .parse::<ReduceOp>()
+        .map_err(|e| p.add(table, Some("reduce"), e))
+        .ok();
     let dtype = match c.dtype.as_deref().unwrap_or("f32") {
         "f32" => Some(DType::F32),
         "bf16" if meta => Some(DType::Bf16),
         "bf16" => {
-            p.add(table, Some("dtype"), "bf16 needs mode = \"meta\" (data mode moves f32)");
+            p.add(
+                table,
+                Some("dtype"),
+                "bf16 needs mode = \"meta\" (data mode moves f32)",
+            );
             None
         }
         other => {
-            p.add(table, Some("dtype"), format!("{other:?} is not f32 or bf16"));
+            p.add(
+                table,
+                Some("dtype"),
+                format!("{other:?} is not f32 or bf16"),
+            );
             None
         }
     };
     let group = pod.and_then(|pod| {
-        Group::parse(c.group.as_deref().unwrap_or("world"), pod).map_err(|e| p.add(table, Some("group"), e)).ok()
+        Group::parse(c.group.as_deref().unwrap_or("world"), pod)
+            .map_err(|e| p.add(table, Some("group"), e))
+            .ok()
     });
     if let (Some(pod), Some(g), Some(root)) = (pod, group, c.root) {
         if root >= g.size(pod) {
-            p.add(table, Some("root"), format!("root {root} is outside a group of {} chips", g.size(pod)));
+            p.add(
+                table,
+                Some("root"),
+                format!("root {root} is outside a group of {} chips", g.size(pod)),
+            );
         }
     }
     if bytes == Some(0) {

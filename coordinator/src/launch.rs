@@ -14,15 +14,18 @@ use podsim_worker::job::{JobSpec, WorkerReport};
 use podsim_worker::net::check_token;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 /// How workers come to the job.
 #[derive(Debug, Clone)]
 pub enum Workers {
     /// The coordinator starts them as child processes of this binary.
-    Spawn { exe: PathBuf, log_dir: Option<PathBuf> },
+    Spawn {
+        exe: PathBuf,
+        log_dir: Option<PathBuf>,
+    },
     /// They are started elsewhere with `podsim worker --join ADDR --token TOKEN`.
     External,
 }
@@ -86,12 +89,21 @@ impl Control for ControlService {
         let first = tokio::time::timeout(Duration::from_secs(10), from_worker.message())
             .await
             .map_err(|_| Status::deadline_exceeded("no hello within 10 s"))??;
-        let Some(pb::WorkerMsg { body: Some(pb::worker_msg::Body::Hello(hello)) }) = first else {
-            return Err(Status::invalid_argument("a session must start with a hello"));
+        let Some(pb::WorkerMsg {
+            body: Some(pb::worker_msg::Body::Hello(hello)),
+        }) = first
+        else {
+            return Err(Status::invalid_argument(
+                "a session must start with a hello",
+            ));
         };
         let (to_worker, rx) = mpsc::channel(16);
         self.joined
-            .send(Joined { hello, to_worker, from_worker })
+            .send(Joined {
+                hello,
+                to_worker,
+                from_worker,
+            })
             .await
             .map_err(|_| Status::unavailable("the job is no longer accepting workers"))?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -137,13 +149,17 @@ impl Drop for ControlPlane {
 impl ControlPlane {
     /// Binds `addr` (`host:port`, port 0 for any) and serves the control service.
     pub async fn start(addr: &str, token: String) -> Result<ControlPlane, LaunchError> {
-        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| LaunchError::Bind {
+        let listener =
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| LaunchError::Bind {
+                    addr: addr.to_string(),
+                    reason: e.to_string(),
+                })?;
+        let local = listener.local_addr().map_err(|e| LaunchError::Bind {
             addr: addr.to_string(),
             reason: e.to_string(),
         })?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| LaunchError::Bind { addr: addr.to_string(), reason: e.to_string() })?;
         let (tx, joined) = mpsc::channel(64);
         let checked = token.clone();
         let service = tonic::service::interceptor::InterceptedService::new(
@@ -156,15 +172,24 @@ impl ControlPlane {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
             let served = tonic::transport::Server::builder()
-                .serve_with_incoming_shutdown(service, tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)), async {
-                    let _ = stopped.await;
-                })
+                .serve_with_incoming_shutdown(
+                    service,
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    async {
+                        let _ = stopped.await;
+                    },
+                )
                 .await;
             if let Err(e) = served {
                 tracing::error!("control service stopped: {e}");
             }
         });
-        Ok(ControlPlane { addr: local, token, joined, stop: Some(stop) })
+        Ok(ControlPlane {
+            addr: local,
+            token,
+            joined,
+            stop: Some(stop),
+        })
     }
 }
 
@@ -232,7 +257,10 @@ fn spawn_workers(
                 let path = dir.join(format!("worker-{id}.log"));
                 std::fs::File::create(&path)
                     .map(Stdio::from)
-                    .map_err(|e| LaunchError::Spawn { id, reason: format!("{}: {e}", path.display()) })?
+                    .map_err(|e| LaunchError::Spawn {
+                        id,
+                        reason: format!("{}: {e}", path.display()),
+                    })?
             }
             None => Stdio::inherit(),
         };
@@ -251,7 +279,10 @@ fn spawn_workers(
             .stderr(stderr)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| LaunchError::Spawn { id, reason: e.to_string() })?;
+            .map_err(|e| LaunchError::Spawn {
+                id,
+                reason: e.to_string(),
+            })?;
         children.0.push((id, child));
     }
     Ok(children)
@@ -277,7 +308,11 @@ pub async fn run(
     let result = drive(spec, control, &mut children, join_timeout, progress).await;
     // Whatever happened, no worker outlives the job.
     children.reap(Duration::from_secs(5)).await;
-    result.map(|(workers, reports)| Outcome { workers, reports, wall: started.elapsed() })
+    result.map(|(workers, reports)| Outcome {
+        workers,
+        reports,
+        wall: started.elapsed(),
+    })
 }
 
 async fn drive(
@@ -294,9 +329,17 @@ async fn drive(
     let mut next_free = 0u32;
     while (joined.len() as u32) < n {
         if let Some((id, how)) = children.exited() {
-            return Err(LaunchError::Worker { id, reason: format!("{how} before joining") });
+            return Err(LaunchError::Worker {
+                id,
+                reason: format!("{how} before joining"),
+            });
         }
-        let j = match tokio::time::timeout_at(deadline.min(tokio::time::Instant::now() + Duration::from_millis(200)), control.joined.recv()).await {
+        let j = match tokio::time::timeout_at(
+            deadline.min(tokio::time::Instant::now() + Duration::from_millis(200)),
+            control.joined.recv(),
+        )
+        .await
+        {
             Ok(Some(j)) => j,
             Ok(None) => return Err(LaunchError::Protocol("control service stopped".into())),
             Err(_) if tokio::time::Instant::now() >= deadline => {
@@ -317,25 +360,48 @@ async fn drive(
             }
         };
         if id >= n || joined.contains_key(&id) {
-            let _ = j.to_worker.send(Err(Status::already_exists(format!("worker id {id} is taken or out of range")))).await;
+            let _ = j
+                .to_worker
+                .send(Err(Status::already_exists(format!(
+                    "worker id {id} is taken or out of range"
+                ))))
+                .await;
             continue;
         }
         joined.insert(id, j);
     }
     let infos: Vec<WorkerInfo> = joined
         .iter()
-        .map(|(&id, j)| WorkerInfo { id, pid: j.hello.pid, link_addr: j.hello.link_addr.clone() })
+        .map(|(&id, j)| WorkerInfo {
+            id,
+            pid: j.hello.pid,
+            link_addr: j.hello.link_addr.clone(),
+        })
         .collect();
-    let link_addrs: HashMap<u32, String> = infos.iter().map(|w| (w.id, w.link_addr.clone())).collect();
+    let link_addrs: HashMap<u32, String> =
+        infos.iter().map(|w| (w.id, w.link_addr.clone())).collect();
 
     // 2. Every worker gets the job; their messages merge into one channel.
     let job_json = serde_json::to_vec(spec).map_err(|e| LaunchError::Protocol(e.to_string()))?;
     let (events_tx, mut events) = mpsc::channel::<(u32, Result<pb::worker_msg::Body, String>)>(256);
     let mut senders = BTreeMap::new();
     for (id, j) in joined {
-        let setup = pb::Setup { worker_id: id, workers: n, job_json: job_json.clone(), link_addrs: link_addrs.clone() };
-        let msg = pb::CoordinatorMsg { body: Some(pb::coordinator_msg::Body::Setup(setup)) };
-        j.to_worker.send(Ok(msg)).await.map_err(|_| LaunchError::Worker { id, reason: "left before setup".into() })?;
+        let setup = pb::Setup {
+            worker_id: id,
+            workers: n,
+            job_json: job_json.clone(),
+            link_addrs: link_addrs.clone(),
+        };
+        let msg = pb::CoordinatorMsg {
+            body: Some(pb::coordinator_msg::Body::Setup(setup)),
+        };
+        j.to_worker
+            .send(Ok(msg))
+            .await
+            .map_err(|_| LaunchError::Worker {
+                id,
+                reason: "left before setup".into(),
+            })?;
         senders.insert(id, j.to_worker);
         let tx = events_tx.clone();
         let mut stream = j.from_worker;
@@ -359,7 +425,11 @@ async fn drive(
         let senders = senders.clone();
         async move {
             for tx in senders.values() {
-                let _ = tx.send(Ok(pb::CoordinatorMsg { body: Some(body.clone()) })).await;
+                let _ = tx
+                    .send(Ok(pb::CoordinatorMsg {
+                        body: Some(body.clone()),
+                    }))
+                    .await;
             }
         }
     };
@@ -372,18 +442,30 @@ async fn drive(
     let mut reports: BTreeMap<u32, WorkerReport> = BTreeMap::new();
     let setup_deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while (reports.len() as u32) < n {
-        let wait = if started { Duration::from_millis(500) } else { setup_deadline.saturating_duration_since(tokio::time::Instant::now()) };
+        let wait = if started {
+            Duration::from_millis(500)
+        } else {
+            setup_deadline.saturating_duration_since(tokio::time::Instant::now())
+        };
         let event = match tokio::time::timeout(wait, events.recv()).await {
             Ok(Some(e)) => e,
             Ok(None) => return Err(LaunchError::Protocol("every worker left".into())),
             Err(_) if !started => {
-                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: "setup timed out".into() })).await;
-                return Err(LaunchError::Timeout(format!("{ready} of {n} workers linked up within 60 s")));
+                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
+                    reason: "setup timed out".into(),
+                }))
+                .await;
+                return Err(LaunchError::Timeout(format!(
+                    "{ready} of {n} workers linked up within 60 s"
+                )));
             }
             Err(_) => {
                 if let Some((id, how)) = children.exited() {
                     if !reports.contains_key(&id) {
-                        broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: format!("worker {id} {how}") })).await;
+                        broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
+                            reason: format!("worker {id} {how}"),
+                        }))
+                        .await;
                         return Err(LaunchError::Worker { id, reason: how });
                     }
                 }
@@ -404,17 +486,29 @@ async fn drive(
                 progress(done.values().sum(), total.values().sum());
             }
             (id, Ok(pb::worker_msg::Body::Result(r))) => {
-                let report: WorkerReport = serde_json::from_slice(&r.json).map_err(|e| LaunchError::Worker { id, reason: format!("unreadable result: {e}") })?;
+                let report: WorkerReport =
+                    serde_json::from_slice(&r.json).map_err(|e| LaunchError::Worker {
+                        id,
+                        reason: format!("unreadable result: {e}"),
+                    })?;
                 done.insert(id, total.get(&id).copied().unwrap_or(0));
                 progress(done.values().sum(), total.values().sum());
                 reports.insert(id, report);
             }
             (id, Ok(pb::worker_msg::Body::Failure(f))) => {
-                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: format!("worker {id} failed") })).await;
-                return Err(LaunchError::Worker { id, reason: f.error });
+                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
+                    reason: format!("worker {id} failed"),
+                }))
+                .await;
+                return Err(LaunchError::Worker {
+                    id,
+                    reason: f.error,
+                });
             }
             (id, Ok(pb::worker_msg::Body::Hello(_))) => {
-                return Err(LaunchError::Protocol(format!("worker {id} said hello twice")));
+                return Err(LaunchError::Protocol(format!(
+                    "worker {id} said hello twice"
+                )));
             }
             (id, Err(e)) => {
                 if reports.contains_key(&id) {
@@ -426,11 +520,17 @@ async fn drive(
                     Some((cid, how)) if cid == id => format!("{e}; process {how}"),
                     _ => e,
                 };
-                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: format!("worker {id} lost") })).await;
+                broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
+                    reason: format!("worker {id} lost"),
+                }))
+                .await;
                 return Err(LaunchError::Worker { id, reason });
             }
         }
     }
-    broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown { reason: "job finished".into() })).await;
+    broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
+        reason: "job finished".into(),
+    }))
+    .await;
     Ok((infos, reports.into_values().collect()))
 }

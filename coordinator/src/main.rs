@@ -100,7 +100,8 @@ fn load(args: &ConfigArgs) -> Result<JobConfig, CliError> {
     if let Some(out) = &args.out {
         sets.push(format!("output.dir={:?}", out.display().to_string()));
     }
-    config::load(&args.config, &sets).map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
+    config::load(&args.config, &sets)
+        .map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
@@ -139,7 +140,11 @@ fn progress_reporter() -> impl FnMut(u64, u64) + Send {
     }
 }
 
-fn run_job(cfg: &JobConfig, listen: Option<(&str, String)>, join_timeout: Duration) -> Result<bool, CliError> {
+fn run_job(
+    cfg: &JobConfig,
+    listen: Option<(&str, String)>,
+    join_timeout: Duration,
+) -> Result<bool, CliError> {
     let rt = runtime()?;
     let spec = cfg.spec();
     let external = listen.is_some();
@@ -160,9 +165,14 @@ fn run_job(cfg: &JobConfig, listen: Option<(&str, String)>, join_timeout: Durati
                 id: 0,
                 reason: format!("cannot create {}: {e}", cfg.output_dir.display()),
             })?;
-            let exe = std::env::current_exe()
-                .map_err(|e| LaunchError::Spawn { id: 0, reason: e.to_string() })?;
-            Workers::Spawn { exe, log_dir: Some(cfg.output_dir.clone()) }
+            let exe = std::env::current_exe().map_err(|e| LaunchError::Spawn {
+                id: 0,
+                reason: e.to_string(),
+            })?;
+            Workers::Spawn {
+                exe,
+                log_dir: Some(cfg.output_dir.clone()),
+            }
         };
         let mut progress = progress_reporter();
         tokio::select! {
@@ -184,7 +194,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let result = match &cli.command {
         Command::Bench(args) => bench::main(args),
         Command::Validate(args) => load(args).map(|cfg| {
@@ -203,7 +216,11 @@ fn main() -> ExitCode {
         }
         Command::Coordinator(args) => load(&args.config).and_then(|cfg| {
             let token = args.token.clone().unwrap_or_else(new_token);
-            run_job(&cfg, Some((&args.listen, token)), Duration::from_secs(args.join_timeout))
+            run_job(
+                &cfg,
+                Some((&args.listen, token)),
+                Duration::from_secs(args.join_timeout),
+            )
         }),
         Command::Worker(args) => {
             let opts = WorkerOptions {
@@ -214,9 +231,20 @@ fn main() -> ExitCode {
                 advertise: args.advertise.clone(),
                 watch_stdin: args.watch_stdin,
             };
-            runtime().and_then(|rt| {
-                rt.block_on(session::run(opts)).map(|()| true).map_err(|e| CliError::Job(e.to_string()))
-            })
+            let done = runtime().and_then(|rt| {
+                let r = rt.block_on(session::run(opts));
+                // Do not wait for the stdin watcher's blocking read: leave at once.
+                rt.shutdown_background();
+                r.map(|()| true).map_err(|e| CliError::Job(e.to_string()))
+            });
+            // A worker's job is over: exit without waiting for anything else.
+            std::process::exit(match done {
+                Ok(_) => 0,
+                Err(e) => {
+                    eprintln!("podsim worker: {e}");
+                    i32::from(e.exit_code())
+                }
+            });
         }
     };
     match result {

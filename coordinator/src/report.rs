@@ -113,7 +113,10 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, String>) -> Report {
         error: None,
         collectives: Vec::new(),
         latency_us: BTreeMap::new(),
-        correctness: Correctness { elements_checked: 0, wrong_elements: 0 },
+        correctness: Correctness {
+            elements_checked: 0,
+            wrong_elements: 0,
+        },
         virtual_s: 0.0,
         wall_s: 0.0,
         link_errors: Vec::new(),
@@ -142,14 +145,21 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, String>) -> Report {
     let steps: Vec<&ChipStepReport> = out.reports.iter().flat_map(|r| &r.steps).collect();
     report.correctness.elements_checked = steps.iter().map(|s| s.checked).sum();
     report.correctness.wrong_elements = steps.iter().map(|s| s.wrong).sum();
-    report.link_errors = out.reports.iter().flat_map(|r| r.link_errors.clone()).collect();
+    report.link_errors = out
+        .reports
+        .iter()
+        .flat_map(|r| r.link_errors.clone())
+        .collect();
     report.virtual_s = steps
         .iter()
         .flat_map(|s| s.calls.iter().map(|c| c.virtual_end_ns))
         .fold(0.0, f64::max)
         / 1e9;
     let mut hists: BTreeMap<String, Histogram<u64>> = BTreeMap::new();
-    if let Program::Collectives { script, iterations, .. } = &cfg.program {
+    if let Program::Collectives {
+        script, iterations, ..
+    } = &cfg.program
+    {
         for (k, step) in script.iter().enumerate() {
             let mut entry = CollectiveEntry {
                 step: k,
@@ -166,7 +176,11 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, String>) -> Report {
                     .map(|s| (*s).clone())
                     .collect();
                 for (wall_s, virtual_s) in iteration_times(&mine) {
-                    entry.calls.push(CallTimes { iteration: it, wall_s, virtual_s });
+                    entry.calls.push(CallTimes {
+                        iteration: it,
+                        wall_s,
+                        virtual_s,
+                    });
                     let h = match hists.entry(step.op.to_string()) {
                         Entry::Occupied(o) => o.into_mut(),
                         Entry::Vacant(v) => match Histogram::new(3) {
@@ -193,7 +207,10 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, String>) -> Report {
     }
     if report.correctness.wrong_elements > 0 {
         report.status = "error".into();
-        report.error = Some(format!("{} wrong elements", report.correctness.wrong_elements));
+        report.error = Some(format!(
+            "{} wrong elements",
+            report.correctness.wrong_elements
+        ));
     }
     report
 }

@@ -114,7 +114,11 @@ impl Group {
             if let PodAxis::Torus(a) = axis
                 && usize::from(a) >= pod.torus().ndims()
             {
-                return Err(format!("the torus {} has no axis {}", pod.torus(), name.trim()));
+                return Err(format!(
+                    "the torus {} has no axis {}",
+                    pod.torus(),
+                    name.trim()
+                ));
             }
             g = g.with(axis);
         }

@@ -44,7 +44,9 @@ pub struct ChipBench {
 
 /// Host wall clock, ns since the Unix epoch: comparable between processes of one host.
 pub fn epoch_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 fn value(rank: usize, i: usize) -> f32 {
@@ -185,7 +187,11 @@ pub async fn bench_chip(
         Some(out) => check(case, n, rank, &out)?,
         None => (0, 0),
     };
-    Ok(ChipBench { calls, checked, wrong })
+    Ok(ChipBench {
+        calls,
+        checked,
+        wrong,
+    })
 }
 
 fn check(

@@ -21,7 +21,11 @@ pub struct JobSpec {
 #[serde(rename_all = "snake_case")]
 pub enum Program {
     /// A scripted list of collectives, repeated `iterations` times, every result checked.
-    Collectives { iterations: u32, meta: bool, script: Vec<CollectiveStep> },
+    Collectives {
+        iterations: u32,
+        meta: bool,
+        script: Vec<CollectiveStep>,
+    },
     /// `podsim bench` across processes: each case timed and checked.
     Bench { cases: Vec<BenchCase> },
 }
@@ -55,7 +59,11 @@ impl CollectiveStep {
     pub fn case(&self, pod: &Pod, meta: bool) -> BenchCase {
         BenchCase {
             op: self.op,
-            comm: Comm { group: self.group, algo: self.algo, dtype: self.dtype },
+            comm: Comm {
+                group: self.group,
+                algo: self.algo,
+                dtype: self.dtype,
+            },
             reduce: self.reduce,
             count: self.count(pod),
             meta,

@@ -11,6 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -53,7 +54,11 @@ struct Peer {
 
 impl std::fmt::Debug for Outgoing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Outgoing({} -> {}, {} bytes)", self.msg.src, self.msg.dst, self.bytes)
+        write!(
+            f,
+            "Outgoing({} -> {}, {} bytes)",
+            self.msg.src, self.msg.dst, self.bytes
+        )
     }
 }
 
@@ -68,6 +73,8 @@ pub struct NodeFabric {
     connected: Mutex<HashSet<u32>>,
     connected_changed: Notify,
     link_errors: Mutex<Vec<String>>,
+    /// Set once this worker's chips are done: peers closing their streams is then expected.
+    finished: AtomicBool,
     this: std::sync::Weak<NodeFabric>,
 }
 
@@ -76,7 +83,10 @@ impl NodeFabric {
         let placement = Placement::new(&spec.pod, spec.workers)
             .map_err(|e| WorkerError::Invalid(e.to_string()))?;
         if me >= spec.workers {
-            return Err(WorkerError::Invalid(format!("worker {me} of {}", spec.workers)));
+            return Err(WorkerError::Invalid(format!(
+                "worker {me} of {}",
+                spec.workers
+            )));
         }
         let pod = &spec.pod;
         let mut inboxes = vec![None; pod.chips() as usize];
@@ -113,6 +123,7 @@ impl NodeFabric {
             connected: Mutex::new(HashSet::new()),
             connected_changed: Notify::new(),
             link_errors: Mutex::new(Vec::new()),
+            finished: AtomicBool::new(false),
             this: this.clone(),
         }))
     }
@@ -140,20 +151,40 @@ impl NodeFabric {
             .into_iter()
             .filter_map(|id| {
                 let inbox = self.inboxes[id as usize].clone()?;
-                Some(Chip::new(id, pod.clone(), hw.clone(), inbox, router.clone()))
+                Some(Chip::new(
+                    id,
+                    pod.clone(),
+                    hw.clone(),
+                    inbox,
+                    router.clone(),
+                ))
             })
             .collect()
     }
 
     pub fn link_errors(&self) -> Vec<String> {
-        self.link_errors.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.link_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Marks this worker's part of the job as done.
+    pub fn finish(&self) {
+        self.finished.store(true, Ordering::SeqCst);
     }
 
     /// Records a link problem and fails every receive of this worker's chips with it, so a
     /// broken link ends the job with an error instead of a hang.
     fn link_failed(&self, error: String) {
+        if self.finished.load(Ordering::SeqCst) {
+            return;
+        }
         tracing::error!("{error}");
-        self.link_errors.lock().unwrap_or_else(|e| e.into_inner()).push(error.clone());
+        self.link_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(error.clone());
         for inbox in self.inboxes.iter().flatten() {
             inbox.close(&error);
         }
@@ -167,16 +198,29 @@ impl NodeFabric {
                 let notified = self.connected_changed.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                if self.connected.lock().unwrap_or_else(|e| e.into_inner()).len() >= wanted {
+                if self
+                    .connected
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .len()
+                    >= wanted
+                {
                     return;
                 }
                 notified.await;
             }
         };
         tokio::time::timeout(timeout, waiting).await.map_err(|_| {
-            let have = self.connected.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let missing: Vec<u32> =
-                self.neighbours().into_iter().filter(|w| !have.contains(w)).collect();
+            let have = self
+                .connected
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            let missing: Vec<u32> = self
+                .neighbours()
+                .into_iter()
+                .filter(|w| !have.contains(w))
+                .collect();
             WorkerError::Link(format!("no link to workers {missing:?} after {timeout:?}"))
         })
     }
@@ -195,17 +239,27 @@ impl NodeFabric {
             )));
         };
         let Some(queue) = p.queue_rx.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-            return Err(Status::already_exists(format!("worker {peer} is already linked")));
+            return Err(Status::already_exists(format!(
+                "worker {peer} is already linked"
+            )));
         };
         tokio::spawn(pump_out(queue, outgoing));
         tokio::spawn(pump_in(self.clone(), peer, incoming));
-        self.connected.lock().unwrap_or_else(|e| e.into_inner()).insert(peer);
+        self.connected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer);
         self.connected_changed.notify_waiters();
         Ok(())
     }
 
     /// Dials the link service of `peer` at `addr` and attaches the stream.
-    pub async fn dial(self: &Arc<Self>, peer: u32, addr: &str, token: &str) -> Result<(), WorkerError> {
+    pub async fn dial(
+        self: &Arc<Self>,
+        peer: u32,
+        addr: &str,
+        token: &str,
+    ) -> Result<(), WorkerError> {
         let endpoint = format!("http://{addr}");
         let mut client = connect_with_retry(&endpoint, Duration::from_secs(20)).await?;
         let (tx, rx) = mpsc::channel::<pb::Frame>(4);
@@ -221,29 +275,60 @@ impl NodeFabric {
     }
 }
 
+/// HTTP/2 windows and frames sized for bulk streams: the 64 KiB defaults would cap each link
+/// at one window per round trip.
+const STREAM_WINDOW: u32 = 32 << 20;
+const CONNECTION_WINDOW: u32 = 64 << 20;
+const H2_FRAME: u32 = (1 << 24) - 1;
+
+/// A server builder with the link transport settings.
+pub fn server_builder() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(H2_FRAME)
+        .tcp_nodelay(true)
+}
+
+/// A client endpoint with the link transport settings.
+pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, WorkerError> {
+    Ok(tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| WorkerError::Link(format!("bad address {url}: {e}")))?
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(H2_FRAME)
+        .tcp_nodelay(true))
+}
+
 async fn connect_with_retry(
-    endpoint: &str,
+    url: &str,
     patience: Duration,
 ) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
     let deadline = tokio::time::Instant::now() + patience;
+    let endpoint = endpoint(url)?;
     loop {
-        match LinkServiceClient::connect(endpoint.to_string()).await {
-            Ok(c) => {
-                return Ok(c
+        match endpoint.connect().await {
+            Ok(channel) => {
+                return Ok(LinkServiceClient::new(channel)
                     .max_decoding_message_size(MAX_FRAME_BYTES)
                     .max_encoding_message_size(MAX_FRAME_BYTES));
             }
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(WorkerError::Link(format!("cannot reach {endpoint}: {e}")));
+                return Err(WorkerError::Link(format!("cannot reach {url}: {e}")));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
 }
 
-pub fn insert_header<T>(request: &mut Request<T>, key: &'static str, value: &str) -> Result<(), WorkerError> {
-    let v: MetadataValue<_> =
-        value.parse().map_err(|_| WorkerError::Invalid(format!("bad {key} value")))?;
+pub fn insert_header<T>(
+    request: &mut Request<T>,
+    key: &'static str,
+    value: &str,
+) -> Result<(), WorkerError> {
+    let v: MetadataValue<_> = value
+        .parse()
+        .map_err(|_| WorkerError::Invalid(format!("bad {key} value")))?;
     request.metadata_mut().insert(key, v);
     Ok(())
 }
@@ -260,14 +345,24 @@ impl Router for NodeFabric {
         }
         let worker = self.placement.worker_of(msg.dst);
         let peer = self.peers.get(&worker).ok_or_else(|| {
-            CollectiveError::Transport(format!("chip {} on worker {worker} is not a neighbour", msg.dst))
+            CollectiveError::Transport(format!(
+                "chip {} on worker {worker} is not a neighbour",
+                msg.dst
+            ))
         })?;
         let bytes = (msg.payload.len() * 4).clamp(1, PEER_BUDGET_BYTES);
         let cost = u32::try_from(bytes).unwrap_or(u32::MAX);
-        let closed = move || CollectiveError::Transport(format!("link to worker {worker} is closed"));
+        let closed =
+            move || CollectiveError::Transport(format!("link to worker {worker} is closed"));
         match peer.room.clone().try_acquire_many_owned(cost) {
             Ok(room) => {
-                peer.queue.send(Outgoing { msg, bytes, _room: Some(room) }).map_err(|_| closed())?;
+                peer.queue
+                    .send(Outgoing {
+                        msg,
+                        bytes,
+                        _room: Some(room),
+                    })
+                    .map_err(|_| closed())?;
                 Ok(Delivery::Done)
             }
             Err(_) => {
@@ -275,7 +370,13 @@ impl Router for NodeFabric {
                 let queue = peer.queue.clone();
                 Ok(Delivery::Wait(Box::pin(async move {
                     let room = room.acquire_many_owned(cost).await.map_err(|_| closed())?;
-                    queue.send(Outgoing { msg, bytes, _room: Some(room) }).map_err(|_| closed())
+                    queue
+                        .send(Outgoing {
+                            msg,
+                            bytes,
+                            _room: Some(room),
+                        })
+                        .map_err(|_| closed())
                 })))
             }
         }
@@ -314,7 +415,9 @@ async fn pump_out(mut queue: mpsc::UnboundedReceiver<Outgoing>, frames: mpsc::Se
 }
 
 fn encode_batch(batch: Vec<Outgoing>) -> pb::Frame {
-    pb::Frame { envelopes: batch.into_iter().map(|o| wire::encode(o.msg)).collect() }
+    pb::Frame {
+        envelopes: batch.into_iter().map(|o| wire::encode(o.msg)).collect(),
+    }
 }
 
 /// Validates every envelope from `peer` and delivers it to the local chip's inbox.
@@ -388,10 +491,21 @@ impl LinkService for LinkServer {
 
 /// Checks the job token of a request (constant-time comparison).
 pub fn check_token(token: &str, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
-    let given = metadata.get(TOKEN_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let given = metadata
+        .get(TOKEN_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     let same = given.len() == token.len()
-        && given.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-    if same { Ok(()) } else { Err(Status::unauthenticated("missing or wrong job token")) }
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(Status::unauthenticated("missing or wrong job token"))
+    }
 }
 
 /// The link service with token checking and frame size limits, ready to serve.

@@ -13,7 +13,9 @@ use crate::job::{ChipStepReport, Program};
 /// Units of work (one chip finishing one step) a program has for `chips` chips.
 pub fn total_units(program: &Program, chips: usize) -> u64 {
     let per_chip = match program {
-        Program::Collectives { iterations, script, .. } => *iterations as usize * script.len(),
+        Program::Collectives {
+            iterations, script, ..
+        } => *iterations as usize * script.len(),
         Program::Bench { cases } => cases.len(),
     };
     (per_chip * chips) as u64
@@ -31,7 +33,11 @@ pub async fn run_program(
         async move {
             let mut reports = Vec::new();
             match &program {
-                Program::Collectives { iterations, meta, script } => {
+                Program::Collectives {
+                    iterations,
+                    meta,
+                    script,
+                } => {
                     for iteration in 0..*iterations {
                         for (step, s) in script.iter().enumerate() {
                             let case = s.case(chip.pod(), *meta);

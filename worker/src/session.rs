@@ -53,11 +53,17 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             std::process::exit(1);
         });
     }
-    let bind = if opts.bind.contains(':') { opts.bind.clone() } else { format!("{}:0", opts.bind) };
+    let bind = if opts.bind.contains(':') {
+        opts.bind.clone()
+    } else {
+        format!("{}:0", opts.bind)
+    };
     let listener = tokio::net::TcpListener::bind(&bind)
         .await
         .map_err(|e| WorkerError::Link(format!("cannot bind the link service to {bind}: {e}")))?;
-    let local = listener.local_addr().map_err(|e| WorkerError::Link(e.to_string()))?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| WorkerError::Link(e.to_string()))?;
     let link_addr = match &opts.advertise {
         Some(host) => format!("{host}:{}", local.port()),
         None => local.to_string(),
@@ -65,8 +71,11 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     let (fabric_tx, fabric_rx) = watch::channel::<Option<Arc<NodeFabric>>>(None);
     let service = net::link_service(opts.token.clone(), fabric_rx);
     tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
-            .serve_with_incoming(service, tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)))
+        let served = net::server_builder()
+            .serve_with_incoming(
+                service,
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            )
             .await;
         if let Err(e) = served {
             tracing::error!("link service stopped: {e}");
@@ -81,7 +90,11 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     insert_header(&mut request, TOKEN_HEADER, &opts.token)?;
     let send = |tx: &mpsc::Sender<pb::WorkerMsg>, body: pb::worker_msg::Body| {
         let tx = tx.clone();
-        async move { tx.send(pb::WorkerMsg { body: Some(body) }).await.map_err(session_error) }
+        async move {
+            tx.send(pb::WorkerMsg { body: Some(body) })
+                .await
+                .map_err(session_error)
+        }
     };
     send(
         &to_coord,
@@ -94,7 +107,11 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     )
     .await?;
     let mut from_coord = Inbound(
-        client.session(request).await.map_err(|s| session_error(s.message()))?.into_inner(),
+        client
+            .session(request)
+            .await
+            .map_err(|s| session_error(s.message()))?
+            .into_inner(),
     );
     drop(client);
 
@@ -136,7 +153,10 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 tick.tick().await;
                 let d = done.load(Ordering::Relaxed);
                 let msg = pb::WorkerMsg {
-                    body: Some(pb::worker_msg::Body::Progress(pb::Progress { done: d, total })),
+                    body: Some(pb::worker_msg::Body::Progress(pb::Progress {
+                        done: d,
+                        total,
+                    })),
                 };
                 if tx.send(msg).await.is_err() {
                     return;
@@ -153,6 +173,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
         }),
     };
     progress.abort();
+    fabric.finish();
     match outcome {
         Ok(out) => {
             let report = WorkerReport {
@@ -167,12 +188,18 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 link_errors: fabric.link_errors(),
             };
             let json = serde_json::to_vec(&report).map_err(session_error)?;
-            send(&to_coord, pb::worker_msg::Body::Result(pb::WorkerResult { json })).await?;
+            send(
+                &to_coord,
+                pb::worker_msg::Body::Result(pb::WorkerResult { json }),
+            )
+            .await?;
         }
         Err(e) => {
             let _ = send(
                 &to_coord,
-                pb::worker_msg::Body::Failure(pb::WorkerFailure { error: e.to_string() }),
+                pb::worker_msg::Body::Failure(pb::WorkerFailure {
+                    error: e.to_string(),
+                }),
             )
             .await;
             return Err(e);
@@ -205,7 +232,9 @@ async fn connect_control(
         match ControlClient::connect(endpoint.to_string()).await {
             Ok(c) => return Ok(c.max_decoding_message_size(64 << 20)),
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(session_error(format!("cannot reach the coordinator at {endpoint}: {e}")));
+                return Err(session_error(format!(
+                    "cannot reach the coordinator at {endpoint}: {e}"
+                )));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }

@@ -29,12 +29,18 @@ pub fn encode(msg: Message) -> pb::Envelope {
     let body = match msg.payload.resolve() {
         Payload::Meta(n) => pb::payload::Body::MetaElements(n as u64),
         other => {
-            let values = other.to_vec().unwrap_or_default();
-            let mut bytes = Vec::with_capacity(values.len() * 4);
-            for v in values {
-                bytes.extend_from_slice(&v.to_le_bytes());
+            let mut bytes = vec![0u8; other.len() * 4];
+            let mut at = 0;
+            if let Some(rope) = other.as_rope() {
+                rope.for_each_run(|run| {
+                    let out = &mut bytes[at..at + run.len() * 4];
+                    for (dst, v) in out.chunks_exact_mut(4).zip(run) {
+                        dst.copy_from_slice(&v.to_le_bytes());
+                    }
+                    at += run.len() * 4;
+                });
             }
-            pb::payload::Body::F32Le(bytes)
+            pb::payload::Body::F32Le(bytes.into())
         }
     };
     pb::Envelope {
@@ -75,10 +81,16 @@ pub fn decode(
         ));
     }
     if placement.worker_of(env.src_chip) != from {
-        return Err(format!("worker {from} sent a message from chip {} it does not host", env.src_chip));
+        return Err(format!(
+            "worker {from} sent a message from chip {} it does not host",
+            env.src_chip
+        ));
     }
     if placement.worker_of(env.dst_chip) != me {
-        return Err(format!("a message for chip {} reached worker {me}, which does not host it", env.dst_chip));
+        return Err(format!(
+            "a message for chip {} reached worker {me}, which does not host it",
+            env.dst_chip
+        ));
     }
     let l = env.link.ok_or("envelope without a link")?;
     let link = match pb::link_id::Kind::try_from(l.kind) {
@@ -86,18 +98,24 @@ pub fn decode(
             l.axis as usize,
             if l.positive { Dir::Plus } else { Dir::Minus },
         ),
-        Ok(pb::link_id::Kind::Dcn) => Link::Dcn { peer_slice: l.peer_slice },
+        Ok(pb::link_id::Kind::Dcn) => Link::Dcn {
+            peer_slice: l.peer_slice,
+        },
         _ => return Err(format!("unknown link kind {} / axis {}", l.kind, l.axis)),
     };
     if pod.peer(env.src_chip, link) != Some(env.dst_chip) {
-        return Err(format!("link {link} does not join chip {} to chip {}", env.src_chip, env.dst_chip));
+        return Err(format!(
+            "link {link} does not join chip {} to chip {}",
+            env.src_chip, env.dst_chip
+        ));
     }
     let f = env.fingerprint.ok_or("envelope without a fingerprint")?;
     let fingerprint = Fingerprint {
         group: f.group,
         seq: f.seq,
         op: OpKind::from_code(f.op).ok_or_else(|| format!("unknown op code {}", f.op))?,
-        dtype: DType::from_code(f.dtype).ok_or_else(|| format!("unknown dtype code {}", f.dtype))?,
+        dtype: DType::from_code(f.dtype)
+            .ok_or_else(|| format!("unknown dtype code {}", f.dtype))?,
         count: f.count,
         reduce: match f.reduce_op {
             0 => None,
@@ -119,10 +137,17 @@ pub fn decode(
         }
         Some(pb::payload::Body::F32Le(bytes)) => {
             if bytes.len() % 4 != 0 {
-                return Err(format!("payload of {} bytes is not whole f32 values", bytes.len()));
+                return Err(format!(
+                    "payload of {} bytes is not whole f32 values",
+                    bytes.len()
+                ));
             }
-            let values =
-                bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let mut values = Vec::with_capacity(bytes.len() / 4);
+            values.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
             Payload::from_vec(values)
         }
         None => return Err("envelope without a payload".into()),

@@ -1,0 +1,167 @@
+//! Bad configs: one test per kind of mistake, each with its message (file, line, field,
+//! reason), exit code 2, and nothing started.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+fn validate(name: &str, text: &str) -> (i32, String) {
+    let dir = temp_dir(&format!("cfg-{name}"));
+    let path = write(&dir, "job.toml", text);
+    let out = run_bounded(
+        {
+            let mut c = podsim();
+            c.arg("validate").arg(&path);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    )
+}
+
+fn base() -> String {
+    job_config(std::path::Path::new("/tmp/unused"), 2, 1, "")
+}
+
+fn expect_error(name: &str, text: &str, needles: &[&str]) {
+    let (code, err) = validate(name, text);
+    assert_eq!(code, 2, "{name}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{name}: expected {n:?} in:\n{err}");
+    }
+}
+
+#[test]
+fn good_config_validates() {
+    let (code, err) = validate("good", &base());
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn unknown_key_names_file_line_and_field() {
+    let text = base().replace("workers = 2", "workers = 2\nworkerz = 3");
+    expect_error(
+        "unknown",
+        &text,
+        &["job.toml:9: launch.workerz: unknown key"],
+    );
+}
+
+#[test]
+fn unknown_key_in_a_collective_entry() {
+    let text = base().replace(
+        "op = \"all-to-all\"",
+        "op = \"all-to-all\"\nreduction = \"sum\"",
+    );
+    expect_error(
+        "unknown-entry",
+        &text,
+        &["job.collectives[1].reduction: unknown key"],
+    );
+}
+
+#[test]
+fn wrong_type() {
+    let text = base().replace("workers = 2", "workers = \"two\"");
+    expect_error("type", &text, &["launch", "invalid type"]);
+}
+
+#[test]
+fn bad_shape() {
+    let text = base().replace("shape = \"2x2x2\"", "shape = \"2x0x2\"");
+    expect_error("shape", &text, &["job.toml:4: topology.shape", "size 0"]);
+}
+
+#[test]
+fn more_workers_than_chips() {
+    let text = base().replace("workers = 2", "workers = 9");
+    expect_error(
+        "workers",
+        &text,
+        &["launch.workers", "more workers than chips"],
+    );
+}
+
+#[test]
+fn unknown_collective_and_size() {
+    let text = base()
+        .replace("op = \"all-reduce\"", "op = \"all-scatter\"")
+        .replace("size = \"64KiB\"\nalgo", "size = \"64 parsecs\"\nalgo");
+    expect_error(
+        "op",
+        &text,
+        &[
+            "job.collectives[0].op",
+            "unknown collective",
+            "job.collectives[1].size",
+        ],
+    );
+}
+
+#[test]
+fn axis_the_torus_lacks() {
+    let text = base().replace("shape = \"2x2x2\"", "shape = \"4x2\"");
+    expect_error("axis", &text, &["job.collectives[2].group", "no axis z"]);
+}
+
+#[test]
+fn unknown_hardware_and_bad_override() {
+    let text = base().replace("hardware = \"v5p\"", "hardware = \"h100\"");
+    expect_error(
+        "hw",
+        &text,
+        &["topology.hardware", "unknown hardware preset"],
+    );
+    let text = format!("{}\n[hardware]\nici_bandwidth = -5.0\n", base());
+    expect_error("hw-override", &text, &["hardware", "ici_bandwidth"]);
+}
+
+#[test]
+fn syntax_error_has_a_line() {
+    let text = base().replace("[launch]", "[launch");
+    expect_error("syntax", &text, &["job.toml:", "syntax"]);
+}
+
+#[test]
+fn every_problem_at_once() {
+    let text = base()
+        .replace("workers = 2", "workers = 9\nbogus = 1")
+        .replace("op = \"all-reduce\"", "op = \"all-scatter\"");
+    let (code, err) = validate("many", &text);
+    assert_eq!(code, 2);
+    for n in [
+        "launch.bogus",
+        "launch.workers",
+        "job.collectives[0].op",
+        "3 problems",
+    ] {
+        assert!(err.contains(n), "missing {n:?} in:\n{err}");
+    }
+}
+
+#[test]
+fn launch_refuses_a_bad_config_without_starting_anything() {
+    let dir = temp_dir("cfg-launch-bad");
+    let out_dir = dir.join("out");
+    let text = job_config(&out_dir, 2, 1, "").replace("workers = 2", "workers = 100");
+    let path = write(&dir, "job.toml", &text);
+    let out = run_bounded(
+        {
+            let mut c = podsim();
+            c.arg("launch").arg(&path);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        !out_dir.exists(),
+        "nothing may be started or written for a bad config"
+    );
+}

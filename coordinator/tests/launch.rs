@@ -1,0 +1,196 @@
+//! `podsim launch` end to end: the quickstart on 4 workers, virtual-time identity across
+//! worker counts, external mode, a wrong token, and `bench --workers`.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use support::*;
+
+fn launch(config: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    let mut c = podsim();
+    c.arg("launch").arg(config).args(extra);
+    run_bounded(c, Duration::from_secs(120))
+}
+
+#[test]
+fn quickstart_runs_on_four_workers() {
+    let dir = temp_dir("quickstart");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/quickstart.toml");
+    let out = launch(
+        std::path::Path::new(config),
+        &["--out", dir.to_str().unwrap()],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&dir);
+    assert_eq!(r["status"], "ok");
+    let workers = r["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 4);
+    let pids: HashSet<u64> = workers.iter().map(|w| w["pid"].as_u64().unwrap()).collect();
+    assert_eq!(pids.len(), 4, "distinct pids");
+    assert!(r["correctness"]["elements_checked"].as_u64().unwrap() > 0);
+    assert_eq!(r["correctness"]["wrong_elements"], 0);
+    assert!(r["latency_us"]["all-reduce"]["p99"].as_f64().unwrap() > 0.0);
+    for w in workers {
+        assert!(w["peak_rss_bytes"].as_u64().unwrap() > 0);
+        assert!(
+            !alive(w["pid"].as_u64().unwrap() as u32),
+            "worker left behind"
+        );
+    }
+}
+
+fn virtual_times(r: &serde_json::Value) -> Vec<u64> {
+    r["collectives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| {
+            c["calls"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x["virtual_s"].as_f64().unwrap().to_bits())
+        })
+        .collect()
+}
+
+#[test]
+fn virtual_time_is_the_same_on_one_or_four_workers() {
+    let mut seen = Vec::new();
+    for workers in [1, 4] {
+        let dir = temp_dir(&format!("identity-{workers}"));
+        let config = write(&dir, "job.toml", &job_config(&dir, workers, 2, ""));
+        let out = launch(&config, &[]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r = report(&dir);
+        assert_eq!(r["workers"].as_array().unwrap().len(), workers as usize);
+        seen.push((
+            virtual_times(&r),
+            r["virtual_s"].as_f64().unwrap().to_bits(),
+        ));
+    }
+    assert!(!seen[0].0.is_empty());
+    assert_eq!(
+        seen[0], seen[1],
+        "virtual time changed with the number of workers"
+    );
+}
+
+#[test]
+fn external_mode_with_workers_started_by_hand() {
+    let dir = temp_dir("external");
+    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let token = "test-token-0123456789";
+    let mut coord = podsim();
+    coord.args([
+        "coordinator",
+        config.to_str().unwrap(),
+        "--listen",
+        &addr,
+        "--token",
+        token,
+    ]);
+    let coord = coord
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A worker with the wrong token is refused and exits with an error.
+    let mut bad = podsim();
+    bad.args(["worker", "--join", &addr, "--token", "wrong"]);
+    let refused = run_bounded(bad, Duration::from_secs(60));
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("token"), "{err}");
+    // Two proper workers join (ids assigned by the coordinator).
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            let mut w = podsim();
+            w.args(["worker", "--join", &addr, "--token", token]);
+            w.stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let out = wait_bounded(coord, Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for w in workers {
+        let o = wait_bounded(w, Duration::from_secs(30));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let r = report(&dir);
+    assert_eq!(r["status"], "ok");
+    assert_eq!(r["workers"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn bench_across_worker_processes() {
+    let mut c = podsim();
+    c.args([
+        "bench",
+        "--topology",
+        "8",
+        "--workers",
+        "4",
+        "--sizes",
+        "64KiB,1MiB",
+        "--iters",
+        "2",
+        "--json",
+    ]);
+    let out = run_bounded(c, Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_eq!(r["errors"], 0);
+        assert!(r["checked"].as_u64().unwrap() > 0);
+    }
+    // Same virtual time as in one process.
+    let mut c = podsim();
+    c.args([
+        "bench",
+        "--topology",
+        "8",
+        "--sizes",
+        "64KiB,1MiB",
+        "--iters",
+        "2",
+        "--json",
+    ]);
+    let local = run_bounded(c, Duration::from_secs(120));
+    let local: Vec<serde_json::Value> = String::from_utf8(local.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (a, b) in rows.iter().zip(&local) {
+        assert_eq!(a["virtual_s"], b["virtual_s"]);
+    }
+}
