@@ -223,17 +223,18 @@ fn locate(text: &str, table: &str, key: Option<&str>) -> Option<usize> {
             continue;
         }
         let in_entry = index.is_none_or(|k| seen == k + 1);
-        if current == name && in_entry {
-            if let Some(k) = key {
-                let lhs = line
-                    .split('=')
-                    .next()
-                    .unwrap_or("")
-                    .trim()
-                    .trim_matches('"');
-                if line.contains('=') && lhs == k {
-                    return Some(i + 1);
-                }
+        if current == name
+            && in_entry
+            && let Some(k) = key
+        {
+            let lhs = line
+                .split('=')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .trim_matches('"');
+            if line.contains('=') && lhs == k {
+                return Some(i + 1);
             }
         }
     }
@@ -475,10 +476,10 @@ fn parse(
     }
     let launch = launch.unwrap_or_default();
     let workers = launch.workers.unwrap_or(1);
-    if let Some(pod) = &pod {
-        if let Err(e) = Placement::new(pod, workers) {
-            p.add("launch", Some("workers"), e.to_string());
-        }
+    if let Some(pod) = &pod
+        && let Err(e) = Placement::new(pod, workers)
+    {
+        p.add("launch", Some("workers"), e.to_string());
     }
     let bind = launch
         .bind
@@ -643,14 +644,14 @@ fn collective(
             .map_err(|e| p.add(table, Some("group"), e))
             .ok()
     });
-    if let (Some(pod), Some(g), Some(root)) = (pod, group, c.root) {
-        if root >= g.size(pod) {
-            p.add(
-                table,
-                Some("root"),
-                format!("root {root} is outside a group of {} chips", g.size(pod)),
-            );
-        }
+    if let (Some(pod), Some(g), Some(root)) = (pod, group, c.root)
+        && root >= g.size(pod)
+    {
+        p.add(
+            table,
+            Some("root"),
+            format!("root {root} is outside a group of {} chips", g.size(pod)),
+        );
     }
     if bytes == Some(0) {
         p.add(table, Some("size"), "must be at least one element");

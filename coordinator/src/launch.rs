@@ -460,14 +460,14 @@ async fn drive(
                 )));
             }
             Err(_) => {
-                if let Some((id, how)) = children.exited() {
-                    if !reports.contains_key(&id) {
-                        broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
-                            reason: format!("worker {id} {how}"),
-                        }))
-                        .await;
-                        return Err(LaunchError::Worker { id, reason: how });
-                    }
+                if let Some((id, how)) = children.exited()
+                    && !reports.contains_key(&id)
+                {
+                    broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
+                        reason: format!("worker {id} {how}"),
+                    }))
+                    .await;
+                    return Err(LaunchError::Worker { id, reason: how });
                 }
                 continue;
             }

@@ -1,0 +1,216 @@
+//! Garbage on the wire: raw bytes, a missing token, out-of-protocol and oversized messages,
+//! and malformed envelopes sent to the control service and to a worker's link service. Each
+//! is refused with an error; nothing panics and both services keep serving.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use podsim_collectives::{Algo, Comm, DType, OpKind, ReduceOp};
+use podsim_coordinator::launch::ControlPlane;
+use podsim_proto::v1 as pb;
+use podsim_proto::v1::control_client::ControlClient;
+use podsim_proto::v1::link_service_client::LinkServiceClient;
+use podsim_topology::{Group, Hardware, Pod};
+use podsim_worker::bench::BenchCase;
+use podsim_worker::job::{JobSpec, Program};
+use podsim_worker::net::{self, NodeFabric, TOKEN_HEADER, WORKER_HEADER};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Request;
+
+const TOKEN: &str = "secret-token";
+
+async fn send_raw_garbage(addr: std::net::SocketAddr) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let junk: Vec<u8> = (0..100_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let _ = s.write_all(&junk).await;
+    let mut buf = vec![0u8; 4096];
+    // The server answers with an HTTP/2 error or closes the connection, within a bound.
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
+}
+
+fn with_token<T>(body: T, token: Option<&str>) -> Request<T> {
+    let mut r = Request::new(body);
+    if let Some(t) = token {
+        r.metadata_mut().insert(TOKEN_HEADER, t.parse().unwrap());
+    }
+    r
+}
+
+async fn session(
+    addr: std::net::SocketAddr,
+    token: Option<&str>,
+    msgs: Vec<pb::WorkerMsg>,
+) -> Result<(), tonic::Status> {
+    let mut client = ControlClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_encoding_message_size(512 << 20);
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    for m in msgs {
+        tx.send(m).await.unwrap();
+    }
+    let r = client
+        .session(with_token(ReceiverStream::new(rx), token))
+        .await;
+    drop(tx);
+    r.map(|_| ())
+}
+
+fn hello() -> pb::WorkerMsg {
+    pb::WorkerMsg {
+        body: Some(pb::worker_msg::Body::Hello(pb::Hello {
+            worker_id: 0,
+            pid: 1,
+            link_addr: "127.0.0.1:1".into(),
+            host: "127.0.0.1".into(),
+        })),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_service_refuses_garbage_and_keeps_serving() {
+    let control = ControlPlane::start("127.0.0.1:0", TOKEN.to_string())
+        .await
+        .unwrap();
+    let addr = control.addr;
+    let run = async {
+        send_raw_garbage(addr).await;
+        let e = session(addr, None, vec![hello()]).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = session(addr, Some("wrong"), vec![hello()])
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let ready = pb::WorkerMsg {
+            body: Some(pb::worker_msg::Body::Ready(pb::Ready {})),
+        };
+        let e = session(addr, Some(TOKEN), vec![ready]).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+        let huge = pb::WorkerMsg {
+            body: Some(pb::worker_msg::Body::Result(pb::WorkerResult {
+                json: vec![b'x'; 65 << 20],
+            })),
+        };
+        assert!(
+            session(addr, Some(TOKEN), vec![huge]).await.is_err(),
+            "oversized message accepted"
+        );
+        // Still serving: a proper hello is accepted.
+        session(addr, Some(TOKEN), vec![hello()]).await.unwrap();
+    };
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("bounded");
+}
+
+fn spec() -> JobSpec {
+    let pod = Pod::single("4".parse().unwrap());
+    JobSpec {
+        name: "garbage".into(),
+        pod: pod.clone(),
+        hardware: Hardware::preset("v5p").unwrap(),
+        workers: 2,
+        program: Program::Bench {
+            cases: vec![BenchCase {
+                op: OpKind::AllReduce,
+                comm: Comm {
+                    group: Group::world(&pod),
+                    algo: Algo::Ring,
+                    dtype: DType::F32,
+                },
+                reduce: ReduceOp::Sum,
+                count: 4,
+                meta: false,
+                warmup: 0,
+                iters: 1,
+                root: 0,
+            }],
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn link_service_refuses_garbage_and_bad_frames() {
+    // Worker 0 of a 4-chip ring on 2 workers: chips 0 and 1; worker 1 hosts 2 and 3.
+    let fabric = NodeFabric::new(spec(), 0).unwrap();
+    let (_tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = net::link_service(TOKEN.to_string(), rx);
+    tokio::spawn(net::server_builder().serve_with_incoming(
+        service,
+        tonic::transport::server::TcpIncoming::from(listener),
+    ));
+    let run = async {
+        send_raw_garbage(addr).await;
+        let connect = || async {
+            LinkServiceClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap()
+        };
+        let open = |token: Option<&'static str>, worker: &'static str| {
+            let (tx, rx) = tokio::sync::mpsc::channel::<pb::Frame>(4);
+            let mut r = with_token(ReceiverStream::new(rx), token);
+            r.metadata_mut()
+                .insert(WORKER_HEADER, worker.parse().unwrap());
+            (tx, r)
+        };
+        // No token.
+        let (_t, r) = open(None, "1");
+        assert_eq!(
+            connect().await.exchange(r).await.unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+        // A worker that shares no link (there is no worker 7).
+        let (_t, r) = open(Some(TOKEN), "7");
+        assert_eq!(
+            connect().await.exchange(r).await.unwrap_err().code(),
+            tonic::Code::PermissionDenied
+        );
+        // A proper peer that sends an envelope from a chip it does not host.
+        let (tx, r) = open(Some(TOKEN), "1");
+        let mut back = connect().await.exchange(r).await.unwrap().into_inner();
+        let forged = pb::Envelope {
+            src_chip: 0,
+            dst_chip: 1,
+            ..Default::default()
+        };
+        tx.send(pb::Frame {
+            envelopes: vec![forged],
+        })
+        .await
+        .unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_secs(5), async {
+                loop {
+                    if !fabric.link_errors().is_empty() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await
+            .is_ok(),
+            "the forged envelope was not refused"
+        );
+        let errors = fabric.link_errors();
+        assert!(errors[0].contains("does not host"), "{errors:?}");
+        // Nothing arrived in any inbox: the chips' receives fail with that error.
+        drop(tx);
+        let _ = tokio::time::timeout(Duration::from_secs(5), back.message()).await;
+        // The service still answers.
+        let (_t, r) = open(None, "1");
+        assert_eq!(
+            connect().await.exchange(r).await.unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+    };
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("bounded");
+    let _ = Arc::strong_count(&fabric);
+}
