@@ -251,6 +251,9 @@ fn spawn_workers(
     workers: u32,
 ) -> Result<Children, LaunchError> {
     let mut children = Children::default();
+    // Workers share this machine's cores: give each its share of runtime threads.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cores / workers as usize).max(1);
     for id in 0..workers {
         let stderr = match log_dir {
             Some(dir) => {
@@ -273,6 +276,8 @@ fn spawn_workers(
             .arg("--bind")
             .arg(control.addr.ip().to_string())
             .arg("--watch-stdin")
+            .arg("--threads")
+            .arg(threads.to_string())
             .env("PODSIM_TOKEN", &control.token)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
