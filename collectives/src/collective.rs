@@ -16,7 +16,7 @@ use podsim_topology::Group;
 
 use crate::algo::Algo;
 use crate::algo::schedule::Schedule;
-use crate::chip::{Call, Chip};
+use crate::chip::{Call, Chip, Nanos};
 use crate::error::CollectiveError;
 use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
@@ -56,14 +56,16 @@ impl Chip {
         Ok(())
     }
 
-    /// Reduce-scatter then all-gather of `input` under fingerprint `fp`.
-    async fn reduce_then_gather(
-        &mut self,
+    /// The reduce-scatter every reducing collective starts with: pads `input` to whole
+    /// blocks and returns this chip's reduced block (divided for `avg`), the block length, the
+    /// schedule and the clock after it.
+    async fn reduce_own_block(
+        &self,
         comm: &Comm,
         fp: Fingerprint,
         input: Payload,
         op: ReduceOp,
-    ) -> Result<Payload, CollectiveError> {
+    ) -> Result<(Payload, usize, Schedule, Nanos), CollectiveError> {
         let call = Call::new(self, fp);
         let sched = Schedule::new(&call, comm.group, comm.algo);
         let n = sched.size();
@@ -76,6 +78,20 @@ impl Chip {
         if op == ReduceOp::Avg {
             own = own.divide(n as f32);
         }
+        Ok((own, l, sched, t))
+    }
+
+    /// Reduce-scatter then all-gather of `input` under fingerprint `fp`.
+    async fn reduce_then_gather(
+        &mut self,
+        comm: &Comm,
+        fp: Fingerprint,
+        input: Payload,
+        op: ReduceOp,
+    ) -> Result<Payload, CollectiveError> {
+        let c = input.len();
+        let (own, l, sched, t) = self.reduce_own_block(comm, fp, input, op).await?;
+        let call = Call::new(self, fp);
         let (all, t) = sched.all_gather(call, &own, l, sched.phases(), t).await?;
         self.set_clock(t);
         Ok(all.truncate(c))
@@ -115,18 +131,9 @@ impl Chip {
             input.len(),
             Some(op),
         );
-        let call = Call::new(self, fp);
-        let sched = Schedule::new(&call, comm.group, comm.algo);
-        let (n, r) = (sched.size(), sched.rank());
         let c = input.len();
-        let l = c.div_ceil(n);
-        let padded = input.clone().pad(n * l - c);
-        let (mut own, t) = sched
-            .reduce_scatter(call, &padded, l, op, 0, self.clock())
-            .await?;
-        if op == ReduceOp::Avg {
-            own = own.divide(n as f32);
-        }
+        let (own, l, sched, t) = self.reduce_own_block(comm, fp, input.clone(), op).await?;
+        let r = sched.rank();
         self.set_clock(t);
         Ok(own.truncate(chunk_len(c, l, r)))
     }

@@ -387,20 +387,16 @@ fn parse(
             }
         }
     }
+    /// An optional section: its defaults when absent.
     fn section<T: for<'de> Deserialize<'de> + Default>(
         p: &mut Problems<'_>,
         table: &toml::Table,
         name: &str,
     ) -> Option<T> {
-        match table.get(name) {
-            None => Some(T::default()),
-            Some(v) => match v.clone().try_into::<T>() {
-                Ok(t) => Some(t),
-                Err(e) => {
-                    p.add(name, None, e.message().to_string());
-                    None
-                }
-            },
+        if table.contains_key(name) {
+            required(p, table, name)
+        } else {
+            Some(T::default())
         }
     }
     let name = match table.get("name") {
@@ -414,28 +410,23 @@ fn parse(
             None
         }
     };
-    let topology: Option<RawTopology> = match table.get("topology") {
-        None => {
-            p.add("topology", None, "missing [topology] table");
-            None
-        }
-        Some(v) => v
-            .clone()
+    /// A section that must be present.
+    fn required<T: for<'de> Deserialize<'de>>(
+        p: &mut Problems<'_>,
+        table: &toml::Table,
+        name: &str,
+    ) -> Option<T> {
+        let Some(v) = table.get(name) else {
+            p.add(name, None, format!("missing [{name}] table"));
+            return None;
+        };
+        v.clone()
             .try_into()
-            .map_err(|e: toml::de::Error| p.add("topology", None, e.message().to_string()))
-            .ok(),
-    };
-    let job: Option<RawJob> = match table.get("job") {
-        None => {
-            p.add("job", None, "missing [job] table");
-            None
-        }
-        Some(v) => v
-            .clone()
-            .try_into()
-            .map_err(|e: toml::de::Error| p.add("job", None, e.message().to_string()))
-            .ok(),
-    };
+            .map_err(|e: toml::de::Error| p.add(name, None, e.message().to_string()))
+            .ok()
+    }
+    let topology: Option<RawTopology> = required(&mut p, &table, "topology");
+    let job: Option<RawJob> = required(&mut p, &table, "job");
     let launch: Option<RawLaunch> = section(&mut p, &table, "launch");
     let watchdog: Option<RawWatchdog> = section(&mut p, &table, "watchdog");
     let output: Option<RawOutput> = section(&mut p, &table, "output");

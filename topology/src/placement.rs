@@ -136,10 +136,9 @@ mod tests {
     fn splits_the_slowest_axis_of_a_cube() {
         let pod = Pod::single("4x4x4".parse::<Torus>().unwrap());
         let p = Placement::new(&pod, 4).unwrap();
-        // Four 4x4x1 planes cross 2 * 16 links each way per cut, 4 cuts on the ring: 128 directed.
-        // A 2x2 split of two axes would cross 4 cuts of 16 links in each of two directions too:
-        // the placement must pick a minimum, and its blocks must be equal.
-        assert!(p.crossing_links() <= 128);
+        // Four 4x4x1 planes: 4 cuts around the z ring, 16 links each, both directions = 128
+        // directed links. No 4-way box split of a 4x4x4 torus crosses fewer.
+        assert_eq!(p.crossing_links(), 128);
         for w in 0..4 {
             assert_eq!(p.chips_of(w).len(), 16);
         }
