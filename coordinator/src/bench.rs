@@ -263,6 +263,7 @@ pub fn run_on_workers(
                 &workers,
                 Duration::from_secs(30),
                 &mut |_, _| {},
+                &mut Vec::new(),
             )
             .await
         })

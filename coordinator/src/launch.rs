@@ -208,6 +208,12 @@ impl Children {
         None
     }
 
+    /// Exit status of worker `id`, if it was spawned here and has exited.
+    fn exit_of(&mut self, id: u32) -> Option<String> {
+        let (_, child) = self.0.iter_mut().find(|(i, _)| *i == id)?;
+        child.try_wait().ok().flatten().map(describe_exit)
+    }
+
     /// Waits up to `grace` for every child to exit, then kills the rest.
     pub async fn reap(&mut self, grace: Duration) {
         let deadline = tokio::time::Instant::now() + grace;
@@ -296,13 +302,15 @@ fn spawn_workers(
 /// Progress of the whole job: (units done, units in all).
 pub type ProgressFn<'a> = &'a mut (dyn FnMut(u64, u64) + Send);
 
-/// Runs `spec` on `spec.workers` workers joined to `control`.
+/// Runs `spec` on `spec.workers` workers joined to `control`. `roster` receives the workers
+/// as soon as they have all joined, so a failed job can still say who took part.
 pub async fn run(
     spec: &JobSpec,
     control: &mut ControlPlane,
     workers: &Workers,
     join_timeout: Duration,
     progress: ProgressFn<'_>,
+    roster: &mut Vec<WorkerInfo>,
 ) -> Result<Outcome, LaunchError> {
     let started = Instant::now();
     let n = spec.workers;
@@ -310,7 +318,7 @@ pub async fn run(
         Workers::Spawn { exe, log_dir } => spawn_workers(exe, log_dir.as_deref(), control, n)?,
         Workers::External => Children::default(),
     };
-    let result = drive(spec, control, &mut children, join_timeout, progress).await;
+    let result = drive(spec, control, &mut children, join_timeout, progress, roster).await;
     // Whatever happened, no worker outlives the job.
     children.reap(Duration::from_secs(5)).await;
     result.map(|(workers, reports)| Outcome {
@@ -326,6 +334,7 @@ async fn drive(
     children: &mut Children,
     join_timeout: Duration,
     progress: ProgressFn<'_>,
+    roster: &mut Vec<WorkerInfo>,
 ) -> Result<(Vec<WorkerInfo>, Vec<WorkerReport>), LaunchError> {
     let n = spec.workers;
     // 1. Every worker joins.
@@ -383,6 +392,7 @@ async fn drive(
             link_addr: j.hello.link_addr.clone(),
         })
         .collect();
+    roster.clone_from(&infos);
     let link_addrs: HashMap<u32, String> =
         infos.iter().map(|w| (w.id, w.link_addr.clone())).collect();
 
@@ -519,12 +529,15 @@ async fn drive(
                 if reports.contains_key(&id) {
                     continue;
                 }
-                // Give a dying child a moment so its exit status can be reported.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                let reason = match children.exited() {
-                    Some((cid, how)) if cid == id => format!("{e}; process {how}"),
-                    _ => e,
-                };
+                // Give a dying child up to a second so its exit status can be reported.
+                let mut reason = e;
+                for _ in 0..20 {
+                    if let Some(how) = children.exit_of(id) {
+                        reason = format!("{reason}; process {how}");
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
                 broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                     reason: format!("worker {id} lost"),
                 }))

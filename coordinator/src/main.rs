@@ -165,6 +165,7 @@ fn run_job(
     let rt = runtime()?;
     let spec = cfg.spec();
     let external = listen.is_some();
+    let mut roster = Vec::new();
     let result = rt.block_on(async {
         let (addr, token) = match &listen {
             Some((addr, token)) => (addr.to_string(), token.clone()),
@@ -193,11 +194,16 @@ fn run_job(
         };
         let mut progress = progress_reporter();
         tokio::select! {
-            r = launch::run(&spec, &mut control, &workers, join_timeout, &mut progress) => r,
+            r = launch::run(&spec, &mut control, &workers, join_timeout, &mut progress, &mut roster) => r,
             _ = tokio::signal::ctrl_c() => Err(LaunchError::Interrupted),
         }
     });
-    let report = report::build(cfg, result.as_ref().map_err(|e| e.to_string()));
+    let report = report::build(
+        cfg,
+        result
+            .as_ref()
+            .map_err(|e| (e.to_string(), roster.as_slice())),
+    );
     let path = report::write(&cfg.output_dir, &report).map_err(CliError::Job)?;
     print!("{}", report::summary(&report));
     println!("report: {}", path.display());

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::bench::iteration_times;
 use crate::config::JobConfig;
-use crate::launch::Outcome;
+use crate::launch::{Outcome, WorkerInfo};
 
 #[derive(Debug, Serialize)]
 pub struct Report {
@@ -91,7 +91,9 @@ pub struct Correctness {
 }
 
 /// Builds the report of a finished (`Ok`) or failed (`Err`) job.
-pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, String>) -> Report {
+/// A failed job still lists the workers that had joined (`roster`), with the chips placed on
+/// each.
+pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>) -> Report {
     let pod = &cfg.pod;
     let mut report = Report {
         podsim_version: env!("CARGO_PKG_VERSION"),
@@ -123,9 +125,25 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, String>) -> Report {
     };
     let out = match outcome {
         Ok(out) => out,
-        Err(e) => {
+        Err((e, roster)) => {
             report.status = "error".into();
             report.error = Some(e);
+            let placement = podsim_topology::Placement::new(pod, cfg.workers).ok();
+            report.workers = roster
+                .iter()
+                .map(|w| WorkerEntry {
+                    id: w.id,
+                    pid: w.pid,
+                    address: w.link_addr.clone(),
+                    chips: placement
+                        .as_ref()
+                        .map(|p| p.chips_of(w.id))
+                        .unwrap_or_default(),
+                    peak_rss_bytes: 0,
+                    messages_sent: 0,
+                    bytes_sent: 0,
+                })
+                .collect();
             return report;
         }
     };

@@ -10,6 +10,11 @@ use support::*;
 
 /// Starts a long job and returns the coordinator and its worker pids once they are running.
 fn start_long_job(name: &str) -> (std::process::Child, Vec<u32>) {
+    let (coord, workers, _) = start_long_job_in(name);
+    (coord, workers)
+}
+
+fn start_long_job_in(name: &str) -> (std::process::Child, Vec<u32>, std::path::PathBuf) {
     let dir = temp_dir(name);
     let config = write(&dir, "job.toml", &job_config(&dir, 4, 100_000, ""));
     let mut c = podsim();
@@ -30,7 +35,7 @@ fn start_long_job(name: &str) -> (std::process::Child, Vec<u32>) {
     // Let the job get going.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(workers.iter().all(|&p| alive(p)));
-    (coord, workers)
+    (coord, workers, dir)
 }
 
 #[test]
@@ -60,4 +65,34 @@ fn ctrl_c_stops_the_job_and_its_workers() {
     assert!(eventually(Duration::from_secs(5), || workers
         .iter()
         .all(|&p| !alive(p))));
+}
+
+#[test]
+fn a_worker_killed_mid_job_fails_the_job_and_names_it() {
+    let (coord, workers, dir) = start_long_job_in("orphans-worker-killed");
+    let victim = workers[1];
+    let status = std::process::Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = wait_bounded(coord, Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(1));
+    assert!(eventually(Duration::from_secs(5), || workers
+        .iter()
+        .all(|&p| !alive(p))));
+    let r = report(&dir);
+    assert_eq!(r["status"], "error");
+    let error = r["error"].as_str().unwrap();
+    assert!(error.contains("signal 9"), "{error}");
+    let listed = r["workers"].as_array().unwrap();
+    assert_eq!(listed.len(), 4);
+    let named = listed
+        .iter()
+        .find(|w| w["pid"].as_u64() == Some(u64::from(victim)))
+        .expect("victim listed");
+    assert!(
+        error.contains(&format!("worker {}", named["id"])),
+        "{error}"
+    );
 }
