@@ -511,13 +511,29 @@ async fn drive(
                 reports.insert(id, report);
             }
             (id, Ok(pb::worker_msg::Body::Failure(f))) => {
+                // A worker whose peer died usually reports the broken link first: if a worker
+                // process has exited, that one is the cause.
+                let mut dead = None;
+                for _ in 0..10 {
+                    dead = children.exited();
+                    if dead.is_some() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
                 broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                     reason: format!("worker {id} failed"),
                 }))
                 .await;
-                return Err(LaunchError::Worker {
-                    id,
-                    reason: f.error,
+                return Err(match dead {
+                    Some((d, how)) if d != id => LaunchError::Worker {
+                        id: d,
+                        reason: format!("process {how}; worker {id} then reported: {}", f.error),
+                    },
+                    _ => LaunchError::Worker {
+                        id,
+                        reason: f.error,
+                    },
                 });
             }
             (id, Ok(pb::worker_msg::Body::Hello(_))) => {
