@@ -282,6 +282,33 @@ impl Payload {
         Payload::Data(Rope::from_vec(values))
     }
 
+    /// Values decoded from little-endian f32 bytes (a peer's message), into a reused buffer.
+    /// `None` if the byte count is not a whole number of values.
+    pub fn from_f32_le(bytes: &[u8]) -> Option<Payload> {
+        if bytes.len() % 4 != 0 {
+            return None;
+        }
+        let mut values = buffer::take(bytes.len() / 4);
+        values.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
+        Some(Payload::from_vec(values))
+    }
+
+    /// The values as little-endian bytes appended to `out` (data mode; meta adds nothing).
+    pub fn write_f32_le(&self, out: &mut Vec<u8>) {
+        match self {
+            Payload::Meta(_) => {}
+            Payload::Data(r) => {
+                out.reserve(r.len() * 4);
+                r.for_each_run(|run| out.extend(run.iter().flat_map(|v| v.to_le_bytes())));
+            }
+            Payload::Pending(_) => self.resolved().write_f32_le(out),
+        }
+    }
+
     /// A payload of `len` zeros in the same mode as `self`.
     pub fn zeros_like(&self, len: usize) -> Payload {
         match self {

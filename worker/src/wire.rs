@@ -29,17 +29,8 @@ pub fn encode(msg: Message) -> pb::Envelope {
     let body = match msg.payload.resolve() {
         Payload::Meta(n) => pb::payload::Body::MetaElements(n as u64),
         other => {
-            let mut bytes = vec![0u8; other.len() * 4];
-            let mut at = 0;
-            if let Some(rope) = other.as_rope() {
-                rope.for_each_run(|run| {
-                    let out = &mut bytes[at..at + run.len() * 4];
-                    for (dst, v) in out.chunks_exact_mut(4).zip(run) {
-                        dst.copy_from_slice(&v.to_le_bytes());
-                    }
-                    at += run.len() * 4;
-                });
-            }
+            let mut bytes = Vec::new();
+            other.write_f32_le(&mut bytes);
             pb::payload::Body::F32Le(bytes.into())
         }
     };
@@ -135,21 +126,8 @@ pub fn decode(
         Some(pb::payload::Body::MetaElements(n)) => {
             Payload::Meta(usize::try_from(n).map_err(|_| format!("{n} elements"))?)
         }
-        Some(pb::payload::Body::F32Le(bytes)) => {
-            if bytes.len() % 4 != 0 {
-                return Err(format!(
-                    "payload of {} bytes is not whole f32 values",
-                    bytes.len()
-                ));
-            }
-            let mut values = Vec::with_capacity(bytes.len() / 4);
-            values.extend(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            );
-            Payload::from_vec(values)
-        }
+        Some(pb::payload::Body::F32Le(bytes)) => Payload::from_f32_le(&bytes)
+            .ok_or_else(|| format!("payload of {} bytes is not whole f32 values", bytes.len()))?,
         None => return Err("envelope without a payload".into()),
     };
     Ok(Message {
