@@ -285,7 +285,7 @@ impl Payload {
     /// Values decoded from little-endian f32 bytes (a peer's message), into a reused buffer.
     /// `None` if the byte count is not a whole number of values.
     pub fn from_f32_le(bytes: &[u8]) -> Option<Payload> {
-        if bytes.len() % 4 != 0 {
+        if !bytes.len().is_multiple_of(4) {
             return None;
         }
         let mut values = buffer::take(bytes.len() / 4);
