@@ -208,10 +208,43 @@ impl Children {
         None
     }
 
-    /// Exit status of worker `id`, if it was spawned here and has exited.
-    fn exit_of(&mut self, id: u32) -> Option<String> {
-        let (_, child) = self.0.iter_mut().find(|(i, _)| *i == id)?;
-        child.try_wait().ok().flatten().map(describe_exit)
+    /// Every spawned worker that has exited, with how; `abnormal` is true unless it ended
+    /// the way a worker that reports its own error does (exit code 1).
+    fn all_exited(&mut self) -> Vec<(u32, String, bool)> {
+        let mut out = Vec::new();
+        for (id, child) in &mut self.0 {
+            if let Ok(Some(status)) = child.try_wait() {
+                out.push((*id, describe_exit(status), status.code() != Some(1)));
+            }
+        }
+        out
+    }
+
+    /// The worker to blame when worker `id` failed or went away with `reason`: a worker that
+    /// died abnormally (killed, crashed) is the cause, and its neighbours' reports of broken
+    /// links are consequences. Waits up to a second for exit statuses to show.
+    async fn blame(&mut self, id: u32, reason: String) -> LaunchError {
+        let mut seen = Vec::new();
+        for _ in 0..20 {
+            seen = self.all_exited();
+            if seen.iter().any(|e| e.2) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if let Some((dead, how, _)) = seen.iter().find(|e| e.2 && e.0 != id) {
+            return LaunchError::Worker {
+                id: *dead,
+                reason: format!("process {how}; worker {id} then reported: {reason}"),
+            };
+        }
+        match seen.iter().find(|e| e.0 == id) {
+            Some((_, how, _)) => LaunchError::Worker {
+                id,
+                reason: format!("{reason}; process {how}"),
+            },
+            None => LaunchError::Worker { id, reason },
+        }
     }
 
     /// Waits up to `grace` for every child to exit, then kills the rest.
@@ -511,30 +544,12 @@ async fn drive(
                 reports.insert(id, report);
             }
             (id, Ok(pb::worker_msg::Body::Failure(f))) => {
-                // A worker whose peer died usually reports the broken link first: if a worker
-                // process has exited, that one is the cause.
-                let mut dead = None;
-                for _ in 0..10 {
-                    dead = children.exited();
-                    if dead.is_some() {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
+                let error = children.blame(id, f.error).await;
                 broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                     reason: format!("worker {id} failed"),
                 }))
                 .await;
-                return Err(match dead {
-                    Some((d, how)) if d != id => LaunchError::Worker {
-                        id: d,
-                        reason: format!("process {how}; worker {id} then reported: {}", f.error),
-                    },
-                    _ => LaunchError::Worker {
-                        id,
-                        reason: f.error,
-                    },
-                });
+                return Err(error);
             }
             (id, Ok(pb::worker_msg::Body::Hello(_))) => {
                 return Err(LaunchError::Protocol(format!(
@@ -545,20 +560,12 @@ async fn drive(
                 if reports.contains_key(&id) {
                     continue;
                 }
-                // Give a dying child up to a second so its exit status can be reported.
-                let mut reason = e;
-                for _ in 0..20 {
-                    if let Some(how) = children.exit_of(id) {
-                        reason = format!("{reason}; process {how}");
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
+                let error = children.blame(id, e).await;
                 broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                     reason: format!("worker {id} lost"),
                 }))
                 .await;
-                return Err(LaunchError::Worker { id, reason });
+                return Err(error);
             }
         }
     }
