@@ -121,19 +121,6 @@ impl Chip {
         self.clock
     }
 
-    /// Moves the clock forward to `t` (never backwards).
-    pub fn advance_to(&mut self, t: Nanos) {
-        self.clock = self.clock.max(t);
-    }
-
-    /// Charges a compute op of `flops` touching `bytes` of HBM: `t += max(F/peak, B/hbm_bw)`.
-    pub fn compute(&mut self, flops: f64, bytes: f64) -> Nanos {
-        let hw = &self.core.hardware;
-        let dt = (flops / hw.peak_flops).max(bytes / hw.hbm_bandwidth) * 1e9;
-        self.clock += dt;
-        dt
-    }
-
     /// The chip's virtual time state (clock and link occupancy).
     pub fn time_snapshot(&self) -> TimeSnapshot {
         TimeSnapshot {

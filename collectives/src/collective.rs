@@ -46,14 +46,21 @@ fn chunk_len(c: usize, l: usize, r: usize) -> usize {
 }
 
 impl Chip {
-    fn check_input(&self, comm: &Comm, input: &Payload) -> Result<(), CollectiveError> {
+    /// Checks `input` and opens the next collective of `comm.group`: its fingerprint.
+    fn start(
+        &mut self,
+        comm: &Comm,
+        op: OpKind,
+        input: &Payload,
+        reduce: Option<ReduceOp>,
+    ) -> Result<Fingerprint, CollectiveError> {
         if !input.is_meta() && comm.dtype != DType::F32 {
             return Err(CollectiveError::Invalid(format!(
                 "data mode moves f32 values; {} is only supported in meta mode",
                 comm.dtype.name()
             )));
         }
-        Ok(())
+        Ok(self.begin(comm.group, op, comm.dtype, input.len(), reduce))
     }
 
     /// The reduce-scatter every reducing collective starts with: pads `input` to whole
@@ -104,14 +111,7 @@ impl Chip {
         input: &Payload,
         op: ReduceOp,
     ) -> Result<Payload, CollectiveError> {
-        self.check_input(comm, input)?;
-        let fp = self.begin(
-            comm.group,
-            OpKind::AllReduce,
-            comm.dtype,
-            input.len(),
-            Some(op),
-        );
+        let fp = self.start(comm, OpKind::AllReduce, input, Some(op))?;
         self.reduce_then_gather(comm, fp, input.clone(), op).await
     }
 
@@ -123,14 +123,7 @@ impl Chip {
         input: &Payload,
         op: ReduceOp,
     ) -> Result<Payload, CollectiveError> {
-        self.check_input(comm, input)?;
-        let fp = self.begin(
-            comm.group,
-            OpKind::ReduceScatter,
-            comm.dtype,
-            input.len(),
-            Some(op),
-        );
+        let fp = self.start(comm, OpKind::ReduceScatter, input, Some(op))?;
         let c = input.len();
         let (own, l, sched, t) = self.reduce_own_block(comm, fp, input.clone(), op).await?;
         let r = sched.rank();
@@ -144,8 +137,7 @@ impl Chip {
         comm: &Comm,
         input: &Payload,
     ) -> Result<Payload, CollectiveError> {
-        self.check_input(comm, input)?;
-        let fp = self.begin(comm.group, OpKind::AllGather, comm.dtype, input.len(), None);
+        let fp = self.start(comm, OpKind::AllGather, input, None)?;
         let call = Call::new(self, fp);
         let sched = Schedule::new(&call, comm.group, comm.algo);
         let (all, t) = sched
@@ -163,14 +155,13 @@ impl Chip {
         input: &Payload,
         root: u32,
     ) -> Result<Payload, CollectiveError> {
-        self.check_input(comm, input)?;
         let n = comm.group.size(self.pod());
         if root >= n {
             return Err(CollectiveError::Invalid(format!(
                 "broadcast root {root} is outside a group of {n} chips"
             )));
         }
-        let fp = self.begin(comm.group, OpKind::Broadcast, comm.dtype, input.len(), None);
+        let fp = self.start(comm, OpKind::Broadcast, input, None)?;
         let mine = comm.group.rank_of(self.pod(), self.id()) == root;
         let contribution = if mine {
             input.clone()
@@ -188,8 +179,7 @@ impl Chip {
         comm: &Comm,
         input: &Payload,
     ) -> Result<Payload, CollectiveError> {
-        self.check_input(comm, input)?;
-        let fp = self.begin(comm.group, OpKind::AllToAll, comm.dtype, input.len(), None);
+        let fp = self.start(comm, OpKind::AllToAll, input, None)?;
         let call = Call::new(self, fp);
         let sched = Schedule::new(&call, comm.group, comm.algo);
         let (n, r) = (sched.size(), sched.rank());

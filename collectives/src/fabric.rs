@@ -111,11 +111,6 @@ impl Inbox {
         self.notify.notify_waiters();
     }
 
-    /// Messages waiting to be received.
-    pub fn backlog(&self) -> usize {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
     /// Waits for the message `want` names. Any pending message of the same group that belongs
     /// to another call of it (other fingerprint, same seq; or an older seq) is a desync.
     pub(crate) async fn receive(&self, want: &Expect) -> Result<Message, CollectiveError> {

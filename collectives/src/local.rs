@@ -63,11 +63,6 @@ impl LocalFabric {
             self.router.clone(),
         )
     }
-
-    /// Wakes every waiting receive with an error.
-    pub fn close(&self, reason: &str) {
-        self.router.inboxes.iter().for_each(|i| i.close(reason));
-    }
 }
 
 /// Runs `program` on every chip concurrently and returns the results in chip order. The first

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp};
 use podsim_topology::{Group, Hardware, Pod, Torus};
-use podsim_worker::bench::BenchCase;
+use podsim_worker::bench::{BenchCase, buffer_bytes, elements_for_buffer};
 use podsim_worker::job::{ChipStepReport, JobSpec, Program};
 use podsim_worker::programs::run_program;
 use serde::Serialize;
@@ -164,23 +164,18 @@ impl BenchPlan {
 
     /// Elements per chip input buffer for a row of `bytes` (nccl-tests convention).
     fn count(&self, bytes: u64) -> usize {
-        let elem = self.comm.dtype.size() as u64;
-        let n = u64::from(self.comm.group.size(&self.pod));
-        let count = match self.op {
-            OpKind::AllGather => bytes / elem / n,
-            _ => bytes / elem,
-        };
-        count.max(1) as usize
+        let n = self.comm.group.size(&self.pod);
+        elements_for_buffer(self.op, bytes, self.comm.dtype, n)
     }
 
     /// The buffer size a row reports for `count` elements.
     fn reported_bytes(&self, count: usize) -> u64 {
-        let elem = self.comm.dtype.size() as u64;
-        let n = u64::from(self.comm.group.size(&self.pod));
-        match self.op {
-            OpKind::AllGather => count as u64 * elem * n,
-            _ => count as u64 * elem,
-        }
+        buffer_bytes(
+            self.op,
+            count,
+            self.comm.dtype,
+            self.comm.group.size(&self.pod),
+        )
     }
 
     fn case(&self, size: u64) -> BenchCase {

@@ -589,27 +589,32 @@ fn collective(
     meta: bool,
 ) -> Option<CollectiveStep> {
     let before = p.list.len();
-    let op =
-        c.op.parse::<OpKind>()
-            .map_err(|e| p.add(table, Some("op"), e))
-            .ok();
-    let bytes = parse_size(&c.size)
-        .map_err(|e| p.add(table, Some("size"), e))
-        .ok();
-    let algo = c
-        .algo
-        .as_deref()
-        .unwrap_or("torus")
-        .parse::<Algo>()
-        .map_err(|e| p.add(table, Some("algo"), e))
-        .ok();
-    let reduce = c
-        .reduce
-        .as_deref()
-        .unwrap_or("sum")
-        .parse::<ReduceOp>()
-        .map_err(|e| p.add(table, Some("reduce"), e))
-        .ok();
+    // Parses one field (or its default), recording a problem under `key` when it is invalid.
+    fn field<T>(
+        p: &mut Problems<'_>,
+        table: &str,
+        key: &str,
+        text: &str,
+        parse: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Option<T> {
+        parse(text).map_err(|e| p.add(table, Some(key), e)).ok()
+    }
+    let op = field(p, table, "op", &c.op, |t| t.parse::<OpKind>());
+    let bytes = field(p, table, "size", &c.size, parse_size);
+    let algo = field(
+        p,
+        table,
+        "algo",
+        c.algo.as_deref().unwrap_or("torus"),
+        |t| t.parse::<Algo>(),
+    );
+    let reduce = field(
+        p,
+        table,
+        "reduce",
+        c.reduce.as_deref().unwrap_or("sum"),
+        |t| t.parse::<ReduceOp>(),
+    );
     let dtype = match c.dtype.as_deref().unwrap_or("f32") {
         "f32" => Some(DType::F32),
         "bf16" if meta => Some(DType::Bf16),

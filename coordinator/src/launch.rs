@@ -200,12 +200,10 @@ pub struct Children(Vec<(u32, Child)>);
 impl Children {
     /// Exit status of any worker that has already exited.
     fn exited(&mut self) -> Option<(u32, String)> {
-        for (id, child) in &mut self.0 {
-            if let Ok(Some(status)) = child.try_wait() {
-                return Some((*id, describe_exit(status)));
-            }
-        }
-        None
+        self.all_exited()
+            .into_iter()
+            .next()
+            .map(|(id, how, _)| (id, how))
     }
 
     /// Every spawned worker that has exited, with how; `abnormal` is true unless it ended

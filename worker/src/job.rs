@@ -4,7 +4,7 @@ use podsim_collectives::{Algo, Comm, DType, OpKind, ReduceOp};
 use podsim_topology::{Group, Hardware, Pod};
 use serde::{Deserialize, Serialize};
 
-use crate::bench::BenchCase;
+use crate::bench::{BenchCase, elements_for_buffer};
 
 /// One job, as every worker receives it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -46,13 +46,7 @@ pub struct CollectiveStep {
 impl CollectiveStep {
     /// Elements in each chip's input for this step on `pod`.
     pub fn count(&self, pod: &Pod) -> usize {
-        let elem = self.dtype.size() as u64;
-        let n = u64::from(self.group.size(pod)).max(1);
-        let count = match self.op {
-            OpKind::AllGather => self.bytes / elem / n,
-            _ => self.bytes / elem,
-        };
-        count.max(1) as usize
+        elements_for_buffer(self.op, self.bytes, self.dtype, self.group.size(pod))
     }
 
     /// The step as a one-iteration benchmark case (timed once, checked).

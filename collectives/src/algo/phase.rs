@@ -35,6 +35,23 @@ fn lane<'a>(call: Call<'a>, path: &AxisPath, id: PhaseId, dir: Dir) -> Lane<'a> 
     }
 }
 
+/// The two lanes of a phase: towards higher and towards lower positions.
+fn lanes<'a>(call: Call<'a>, path: &AxisPath, id: PhaseId) -> (Lane<'a>, Lane<'a>) {
+    (
+        lane(call, path, id, Dir::Plus),
+        lane(call, path, id, Dir::Minus),
+    )
+}
+
+/// Joins what the two lanes received: `minus` is in mirrored positions; each position came
+/// from one lane or the other.
+fn merge_received(plus: Vec<Option<Payload>>, minus: Vec<Option<Payload>>) -> Vec<Option<Payload>> {
+    plus.into_iter()
+        .zip(minus.into_iter().rev())
+        .map(|(x, y)| x.or(y))
+        .collect()
+}
+
 fn mirrored<T: Clone>(v: &[T]) -> Vec<T> {
     v.iter().rev().cloned().collect()
 }
@@ -44,8 +61,16 @@ fn halves(p: &Payload) -> (Payload, Payload) {
     (p.slice(0, lo), p.slice(lo, p.len() - lo))
 }
 
-fn missing() -> CollectiveError {
-    CollectiveError::Internal("a lane finished without the group it owed".into())
+/// What the lanes received, with this chip's own group in its position: every position.
+fn with_own(
+    mut got: Vec<Option<Payload>>,
+    pos: usize,
+    own: Payload,
+) -> Result<Vec<Payload>, CollectiveError> {
+    got[pos] = Some(own);
+    got.into_iter().collect::<Option<Vec<_>>>().ok_or_else(|| {
+        CollectiveError::Internal("a lane finished without the group it owed".into())
+    })
 }
 
 /// Reduce-scatter along one axis: `groups[q]` is this chip's contribution to position `q`;
@@ -59,8 +84,7 @@ pub(crate) async fn reduce_scatter(
     op: ReduceOp,
     t0: Nanos,
 ) -> Result<(Payload, Nanos), CollectiveError> {
-    let plus = lane(call, path, id, Dir::Plus);
-    let minus = lane(call, path, id, Dir::Minus);
+    let (plus, minus) = lanes(call, path, id);
     match kind {
         PhaseKind::UniRing => {
             let (own, t) = plus.ring_reduce_scatter(&groups, op, t0).await?;
@@ -106,10 +130,8 @@ pub(crate) async fn all_gather(
     own: Payload,
     t0: Nanos,
 ) -> Result<(Vec<Payload>, Nanos), CollectiveError> {
-    let plus = lane(call, path, id, Dir::Plus);
-    let minus = lane(call, path, id, Dir::Minus);
-    let n = path.n;
-    let (mut got, t) = match kind {
+    let (plus, minus) = lanes(call, path, id);
+    let (got, t) = match kind {
         PhaseKind::UniRing => plus.ring_all_gather(own.clone(), t0).await?,
         PhaseKind::BidirRing => {
             let (lo, hi) = halves(&own);
@@ -132,18 +154,10 @@ pub(crate) async fn all_gather(
                 minus.line_all_gather(own.clone(), t0),
             )
             .await?;
-            let b = mirrored(&b);
-            let merged = a.into_iter().zip(b).map(|(x, y)| x.or(y)).collect();
-            (merged, ta.max(tb))
+            (merge_received(a, b), ta.max(tb))
         }
     };
-    got[path.pos] = Some(own);
-    let groups = got
-        .into_iter()
-        .collect::<Option<Vec<_>>>()
-        .ok_or_else(missing)?;
-    debug_assert_eq!(groups.len(), n);
-    Ok((groups, t))
+    Ok((with_own(got, path.pos, own)?, t))
 }
 
 /// All-to-all along one axis: `groups[q]` goes to position `q`; returns what every position
@@ -156,10 +170,9 @@ pub(crate) async fn all_to_all(
     groups: Vec<Payload>,
     t0: Nanos,
 ) -> Result<(Vec<Payload>, Nanos), CollectiveError> {
-    let plus = lane(call, path, id, Dir::Plus);
-    let minus = lane(call, path, id, Dir::Minus);
+    let (plus, minus) = lanes(call, path, id);
     let n = path.n;
-    let (mut got, t) = match kind {
+    let (got, t) = match kind {
         PhaseKind::UniRing => plus.ring_all_to_all(&groups, n - 1, t0).await?,
         PhaseKind::BidirRing => {
             let mirror = mirrored(&groups);
@@ -168,11 +181,7 @@ pub(crate) async fn all_to_all(
                 minus.ring_all_to_all(&mirror, (n - 1) / 2, t0),
             )
             .await?;
-            let b = mirrored(&b);
-            (
-                a.into_iter().zip(b).map(|(x, y)| x.or(y)).collect(),
-                ta.max(tb),
-            )
+            (merge_received(a, b), ta.max(tb))
         }
         PhaseKind::Line => {
             let mirror = mirrored(&groups);
@@ -181,20 +190,9 @@ pub(crate) async fn all_to_all(
                 minus.line_all_to_all(&mirror, t0),
             )
             .await?;
-            let b = mirrored(&b);
-            (
-                a.into_iter()
-                    .zip(b)
-                    .map(|(x, y)| x.or(y))
-                    .collect::<Vec<_>>(),
-                ta.max(tb),
-            )
+            (merge_received(a, b), ta.max(tb))
         }
     };
-    got[path.pos] = Some(groups[path.pos].clone());
-    let received = got
-        .into_iter()
-        .collect::<Option<Vec<_>>>()
-        .ok_or_else(missing)?;
-    Ok((received, t))
+    let own = groups[path.pos].clone();
+    Ok((with_own(got, path.pos, own)?, t))
 }
