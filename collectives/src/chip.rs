@@ -173,8 +173,22 @@ impl Chip {
         &self.core
     }
 
-    pub(crate) fn set_clock(&mut self, t: Nanos) {
+    /// Moves the chip's clock to `t`. Programs that model several streams (compute, and
+    /// communication overlapping it) run each collective with the clock set to when its
+    /// stream issues it, then set it back; link occupancy stays shared, so overlapping
+    /// traffic still contends for the links.
+    pub fn set_clock(&mut self, t: Nanos) {
         self.clock = t;
+    }
+
+    /// Charges a computation of `flops` floating-point operations touching `hbm_bytes` bytes of
+    /// HBM: the clock advances by `max(flops / peak_flops, hbm_bytes / hbm_bandwidth)` (a
+    /// roofline). Returns the time charged, ns.
+    pub fn compute(&mut self, flops: f64, hbm_bytes: f64) -> Nanos {
+        let hw = &self.core.hardware;
+        let ns = (flops / hw.peak_flops).max(hbm_bytes / hw.hbm_bandwidth) * 1e9;
+        self.clock += ns;
+        ns
     }
 }
 

@@ -28,6 +28,11 @@ pub struct Comm {
     pub group: Group,
     pub algo: Algo,
     pub dtype: DType,
+    /// Debug mode: before each collective the members exchange fingerprints and a mismatch
+    /// fails with both chips and both fingerprints named (data mode; in meta mode the fabric's
+    /// per-message check is the only one). Costs one small all-gather per collective.
+    #[serde(default)]
+    pub verify: bool,
 }
 
 impl Comm {
@@ -36,8 +41,53 @@ impl Comm {
             group,
             algo,
             dtype: DType::F32,
+            verify: false,
         }
     }
+
+    /// The same communicator with debug fingerprint checks on or off.
+    pub fn verified(self, verify: bool) -> Comm {
+        Comm { verify, ..self }
+    }
+}
+
+/// Marks the group id of debug fingerprint exchanges, outside the range of real group masks,
+/// so that the check never shares sequence numbers with the collectives it checks.
+const VERIFY_GROUP_BIT: u64 = 1 << 40;
+
+/// Bits per f32 value in an encoded fingerprint: integers below 2^24 are exact in f32.
+const PIECE_BITS: u32 = 22;
+
+fn encode_fingerprint(fp: &Fingerprint) -> Vec<f32> {
+    let mut out = Vec::with_capacity(12);
+    for word in [fp.group, fp.seq, fp.count] {
+        for i in 0..3 {
+            out.push(((word >> (i * PIECE_BITS)) & ((1 << PIECE_BITS) - 1)) as f32);
+        }
+    }
+    out.push(fp.op.code() as f32);
+    out.push(fp.dtype.code() as f32);
+    out.push(fp.reduce.map_or(0, ReduceOp::code) as f32);
+    out
+}
+
+fn decode_fingerprint(v: &[f32]) -> Option<Fingerprint> {
+    let word = |i: usize| {
+        (0..3).fold(0u64, |w, k| {
+            w | ((v[i * 3 + k] as u64) << (k as u32 * PIECE_BITS))
+        })
+    };
+    Some(Fingerprint {
+        group: word(0),
+        seq: word(1),
+        count: word(2),
+        op: OpKind::from_code(v[9] as u32)?,
+        dtype: DType::from_code(v[10] as u32)?,
+        reduce: match v[11] as u32 {
+            0 => None,
+            code => Some(ReduceOp::from_code(code)?),
+        },
+    })
 }
 
 /// Real length of block `r` when `c` elements are cut into blocks of `l` (`torch.chunk`).
@@ -47,7 +97,7 @@ fn chunk_len(c: usize, l: usize, r: usize) -> usize {
 
 impl Chip {
     /// Checks `input` and opens the next collective of `comm.group`: its fingerprint.
-    fn start(
+    async fn start(
         &mut self,
         comm: &Comm,
         op: OpKind,
@@ -60,7 +110,51 @@ impl Chip {
                 comm.dtype.name()
             )));
         }
-        Ok(self.begin(comm.group, op, comm.dtype, input.len(), reduce))
+        let fp = self.begin(comm.group, op, comm.dtype, input.len(), reduce);
+        if comm.verify && !input.is_meta() {
+            self.verify_fingerprint(comm, fp).await?;
+        }
+        Ok(fp)
+    }
+
+    /// Debug mode: all-gathers every member's fingerprint of the collective about to run and
+    /// fails on the first member whose fingerprint differs from this chip's.
+    async fn verify_fingerprint(
+        &mut self,
+        comm: &Comm,
+        fp: Fingerprint,
+    ) -> Result<(), CollectiveError> {
+        let mine = encode_fingerprint(&fp);
+        let width = mine.len();
+        let check = Fingerprint {
+            group: fp.group | VERIFY_GROUP_BIT,
+            seq: fp.seq,
+            op: OpKind::AllGather,
+            dtype: DType::F32,
+            count: width as u64,
+            reduce: None,
+        };
+        let call = Call::new(self, check);
+        let sched = Schedule::new(&call, comm.group, comm.algo);
+        let (all, t) = sched
+            .all_gather(call, &Payload::from_vec(mine), width, 0, self.clock())
+            .await?;
+        self.set_clock(t);
+        let all = all.to_vec().unwrap_or_default();
+        let members = comm.group.members(self.pod(), self.id());
+        for (rank, values) in all.chunks(width).enumerate() {
+            let theirs = decode_fingerprint(values);
+            if theirs != Some(fp) {
+                return Err(CollectiveError::Mismatch {
+                    chip: self.id(),
+                    mine: fp,
+                    peer: members.get(rank).copied().unwrap_or(u32::MAX),
+                    theirs: theirs
+                        .map_or_else(|| "an undecodable fingerprint".into(), |t| t.to_string()),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The reduce-scatter every reducing collective starts with: pads `input` to whole
@@ -111,7 +205,7 @@ impl Chip {
         input: &Payload,
         op: ReduceOp,
     ) -> Result<Payload, CollectiveError> {
-        let fp = self.start(comm, OpKind::AllReduce, input, Some(op))?;
+        let fp = self.start(comm, OpKind::AllReduce, input, Some(op)).await?;
         self.reduce_then_gather(comm, fp, input.clone(), op).await
     }
 
@@ -123,7 +217,9 @@ impl Chip {
         input: &Payload,
         op: ReduceOp,
     ) -> Result<Payload, CollectiveError> {
-        let fp = self.start(comm, OpKind::ReduceScatter, input, Some(op))?;
+        let fp = self
+            .start(comm, OpKind::ReduceScatter, input, Some(op))
+            .await?;
         let c = input.len();
         let (own, l, sched, t) = self.reduce_own_block(comm, fp, input.clone(), op).await?;
         let r = sched.rank();
@@ -137,7 +233,7 @@ impl Chip {
         comm: &Comm,
         input: &Payload,
     ) -> Result<Payload, CollectiveError> {
-        let fp = self.start(comm, OpKind::AllGather, input, None)?;
+        let fp = self.start(comm, OpKind::AllGather, input, None).await?;
         let call = Call::new(self, fp);
         let sched = Schedule::new(&call, comm.group, comm.algo);
         let (all, t) = sched
@@ -161,7 +257,7 @@ impl Chip {
                 "broadcast root {root} is outside a group of {n} chips"
             )));
         }
-        let fp = self.start(comm, OpKind::Broadcast, input, None)?;
+        let fp = self.start(comm, OpKind::Broadcast, input, None).await?;
         let mine = comm.group.rank_of(self.pod(), self.id()) == root;
         let contribution = if mine {
             input.clone()
@@ -179,7 +275,7 @@ impl Chip {
         comm: &Comm,
         input: &Payload,
     ) -> Result<Payload, CollectiveError> {
-        let fp = self.start(comm, OpKind::AllToAll, input, None)?;
+        let fp = self.start(comm, OpKind::AllToAll, input, None).await?;
         let call = Call::new(self, fp);
         let sched = Schedule::new(&call, comm.group, comm.algo);
         let (n, r) = (sched.size(), sched.rank());

@@ -19,6 +19,14 @@ pub enum CollectiveError {
         got: Fingerprint,
         link: Link,
     },
+    /// Debug mode: the members of a collective disagree on what they are calling.
+    #[error("desync: chip {chip} is in {mine} but chip {peer} of its group is in {theirs}")]
+    Mismatch {
+        chip: ChipId,
+        mine: Fingerprint,
+        peer: ChipId,
+        theirs: String,
+    },
     /// The algorithm needs a link that does not exist in this topology.
     #[error("chip {chip} has no link {link}")]
     NoLink { chip: ChipId, link: Link },

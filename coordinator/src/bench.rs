@@ -147,7 +147,12 @@ impl BenchPlan {
         if threads == 0 {
             return Err("--threads must be at least 1".into());
         }
-        let comm = Comm { group, algo, dtype };
+        let comm = Comm {
+            group,
+            algo,
+            dtype,
+            verify: false,
+        };
         Ok(BenchPlan {
             pod,
             hardware,

@@ -121,6 +121,7 @@ fn spec() -> JobSpec {
                     group: Group::world(&pod),
                     algo: Algo::Ring,
                     dtype: DType::F32,
+                    verify: false,
                 },
                 reduce: ReduceOp::Sum,
                 count: 4,

@@ -14,4 +14,21 @@ pub enum WorkerError {
     Link(String),
     #[error("control session: {0}")]
     Session(String),
+    /// A chip's HBM budget is exceeded.
+    #[error(
+        "out of memory: chip {chip} needs {need} more bytes for {what} with {in_use} of {capacity} bytes of HBM in use (peak so far {peak})"
+    )]
+    OutOfMemory {
+        chip: u32,
+        what: String,
+        need: u64,
+        in_use: u64,
+        peak: u64,
+        capacity: u64,
+    },
+    /// Debug mode: replicas that must hold the same values do not.
+    #[error("replicas diverged after step {step}: {detail}")]
+    Diverged { step: u64, detail: String },
+    #[error("internal error: {0}")]
+    Internal(String),
 }

@@ -57,6 +57,7 @@ impl CollectiveStep {
                 group: self.group,
                 algo: self.algo,
                 dtype: self.dtype,
+                verify: false,
             },
             reduce: self.reduce,
             count: self.count(pod),

@@ -8,6 +8,7 @@ pub mod job;
 pub mod net;
 pub mod programs;
 pub mod session;
+pub mod train;
 pub mod wire;
 
 pub use error::WorkerError;

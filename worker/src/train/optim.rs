@@ -1,0 +1,163 @@
+//! Optimizers with PyTorch's update rules (`torch.optim.SGD`, `torch.optim.AdamW`), applied
+//! element-wise to whatever piece of a parameter a chip holds: a shard updates exactly as the
+//! same elements of the whole tensor would.
+
+use ndarray::{ArrayD, Zip};
+use serde::{Deserialize, Serialize};
+
+/// Which optimizer and its hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum OptimizerSpec {
+    Sgd {
+        lr: f32,
+        momentum: f32,
+        weight_decay: f32,
+    },
+    Adamw {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+    },
+}
+
+impl OptimizerSpec {
+    /// State tensors kept per parameter element.
+    pub fn state_per_param(&self) -> usize {
+        match self {
+            OptimizerSpec::Sgd { momentum, .. } if *momentum == 0.0 => 0,
+            OptimizerSpec::Sgd { .. } => 1,
+            OptimizerSpec::Adamw { .. } => 2,
+        }
+    }
+
+    /// Flops per parameter element of one update (for the virtual-time charge).
+    pub fn flops_per_param(&self) -> f64 {
+        match self {
+            OptimizerSpec::Sgd { .. } => 4.0,
+            OptimizerSpec::Adamw { .. } => 12.0,
+        }
+    }
+}
+
+/// The optimizer state of one parameter piece.
+#[derive(Debug, Clone)]
+pub struct ParamState {
+    step: u32,
+    buffers: Vec<ArrayD<f32>>,
+}
+
+impl ParamState {
+    pub fn new() -> ParamState {
+        ParamState {
+            step: 0,
+            buffers: Vec::new(),
+        }
+    }
+
+    /// One update of `param` with gradient `grad`.
+    pub fn step(&mut self, spec: &OptimizerSpec, param: &mut ArrayD<f32>, grad: &ArrayD<f32>) {
+        self.step += 1;
+        match *spec {
+            OptimizerSpec::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+            } => {
+                if momentum == 0.0 {
+                    Zip::from(param).and(grad).for_each(|p, &g| {
+                        *p -= lr * (g + weight_decay * *p);
+                    });
+                    return;
+                }
+                let first = self.buffers.is_empty();
+                if first {
+                    self.buffers.push(ArrayD::zeros(param.raw_dim()));
+                }
+                Zip::from(param)
+                    .and(grad)
+                    .and(&mut self.buffers[0])
+                    .for_each(|p, &g, buf| {
+                        let d = g + weight_decay * *p;
+                        // torch: the first step initialises the buffer with the gradient itself.
+                        *buf = if first { d } else { momentum * *buf + d };
+                        *p -= lr * *buf;
+                    });
+            }
+            OptimizerSpec::Adamw {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                if self.buffers.is_empty() {
+                    self.buffers.push(ArrayD::zeros(param.raw_dim()));
+                    self.buffers.push(ArrayD::zeros(param.raw_dim()));
+                }
+                let t = self.step as i32;
+                let bc1 = 1.0 - beta1.powi(t);
+                let bc2 = 1.0 - beta2.powi(t);
+                let (m, v) = self.buffers.split_at_mut(1);
+                Zip::from(param)
+                    .and(grad)
+                    .and(&mut m[0])
+                    .and(&mut v[0])
+                    .for_each(|p, &g, m, v| {
+                        *p *= 1.0 - lr * weight_decay;
+                        *m = beta1 * *m + (1.0 - beta1) * g;
+                        *v = beta2 * *v + (1.0 - beta2) * g * g;
+                        let denom = (*v / bc2).sqrt() + eps;
+                        *p -= lr / bc1 * *m / denom;
+                    });
+            }
+        }
+    }
+}
+
+impl Default for ParamState {
+    fn default() -> Self {
+        ParamState::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::IxDyn;
+
+    #[test]
+    fn sgd_with_momentum_matches_torch() {
+        // torch.optim.SGD([p], lr=0.1, momentum=0.9), p=1, grads 1 then 1: p = 0.9, then 0.71.
+        let spec = OptimizerSpec::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        let mut p = ArrayD::from_elem(IxDyn(&[1]), 1.0f32);
+        let g = ArrayD::from_elem(IxDyn(&[1]), 1.0f32);
+        let mut s = ParamState::new();
+        s.step(&spec, &mut p, &g);
+        assert!((p[[0]] - 0.9).abs() < 1e-7);
+        s.step(&spec, &mut p, &g);
+        assert!((p[[0]] - 0.71).abs() < 1e-6);
+    }
+
+    #[test]
+    fn adamw_first_step_moves_by_lr() {
+        // With bias correction the first Adam step is lr * g / (|g| + eps) ~ lr * sign(g).
+        let spec = OptimizerSpec::Adamw {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut p = ArrayD::from_elem(IxDyn(&[2]), 0.5f32);
+        let g = ArrayD::from_shape_vec(IxDyn(&[2]), vec![3.0, -0.2]).unwrap();
+        ParamState::new().step(&spec, &mut p, &g);
+        assert!((p[[0]] - 0.49).abs() < 1e-6 && (p[[1]] - 0.51).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,71 @@
+//! The yardstick: the same model trained on one chip on the global batch (every sample every
+//! data-parallel rank saw in a step, mean loss), with no strategy and no collective. A
+//! strategy is correct when its final parameters match these.
+
+use crate::error::WorkerError;
+use crate::train::mlp::{self, Dataset};
+use crate::train::optim::ParamState;
+use crate::train::tensor::Tensor;
+use crate::train::trainer::TrainSpec;
+
+/// Final parameters (weight and bias of each layer in order) of single-chip training with
+/// `data_parallel` replicas' worth of samples per step.
+pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, WorkerError> {
+    let layers = spec.model.layers();
+    let mut params: Vec<Tensor> = (0..layers)
+        .flat_map(|l| spec.model.init_layer(l, spec.seed, 0, false))
+        .collect();
+    let mut states: Vec<ParamState> = params.iter().map(|_| ParamState::new()).collect();
+    let data = Dataset::new(&spec.model, spec.seed);
+    let global = spec.batch * data_parallel * spec.grad_accum.max(1) as usize;
+    for step in 0..u64::from(spec.steps) {
+        let (x, labels) = data.batch(step * global as u64, global);
+        let mut acts = vec![Tensor::Data(x.into_dyn())];
+        for l in 0..layers {
+            let (mut z, _) = mlp::linear(&acts[l], &params[2 * l], Some(&params[2 * l + 1]))?;
+            if l + 1 < layers {
+                mlp::relu(&mut z);
+            }
+            acts.push(z);
+        }
+        let (_, mut dz, _) = mlp::cross_entropy(&acts[layers], &labels, 1.0)?;
+        let mut grads = vec![None; 2 * layers];
+        for l in (0..layers).rev() {
+            if l + 1 < layers {
+                mlp::relu_backward(&mut dz, &acts[l + 1]);
+            }
+            let (dw, db, dx, _) = mlp::linear_backward(&acts[l], &params[2 * l], &dz, l > 0)?;
+            grads[2 * l] = Some(dw);
+            grads[2 * l + 1] = Some(db);
+            if let Some(dx) = dx {
+                dz = dx;
+            }
+        }
+        for ((p, g), s) in params.iter_mut().zip(grads).zip(&mut states) {
+            if let (Some(p), Some(Tensor::Data(g))) = (p.values_mut(), g) {
+                s.step(&spec.optimizer, p, &g);
+            }
+        }
+    }
+    Ok(params)
+}
+
+/// Largest absolute difference, and largest `max |a - b| / max |b|` over the tensors.
+pub fn compare(got: &[Tensor], want: &[Tensor]) -> (f64, f64) {
+    let mut abs = 0.0f64;
+    let mut rel = 0.0f64;
+    for (a, b) in got.iter().zip(want) {
+        let d = f64::from(a.max_abs_diff(b));
+        let scale = b
+            .values()
+            .map_or(0.0, |v| v.iter().fold(0.0f32, |m, x| m.max(x.abs())));
+        abs = abs.max(d);
+        if scale > 0.0 {
+            rel = rel.max(d / f64::from(scale));
+        }
+    }
+    if got.len() != want.len() {
+        return (f64::INFINITY, f64::INFINITY);
+    }
+    (abs, rel)
+}

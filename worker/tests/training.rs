@@ -1,0 +1,168 @@
+#![allow(clippy::unwrap_used)]
+//! Every strategy on 8 chips (2x2x2) against single-chip training on the global batch.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use podsim_collectives::{Algo, LocalFabric, run_chips};
+use podsim_topology::{Hardware, Pod};
+use podsim_worker::WorkerError;
+use podsim_worker::train::{
+    ChipTrainReport, Eager, MlpSpec, OptimizerSpec, Strategy, Tensor, TrainSpec,
+    train_chip_with_parameters,
+};
+
+fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
+    TrainSpec {
+        strategy,
+        eager,
+        // Uneven widths on purpose: 13 and 10 do not divide by 8 or 4.
+        model: MlpSpec {
+            widths: vec![16, 13, 24, 10],
+        },
+        steps: 20,
+        batch: 4,
+        grad_accum: 1,
+        optimizer: OptimizerSpec::Sgd {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        seed: 42,
+        bucket_cap_mb: 25.0,
+        reshard_after_forward: true,
+        tp: 4,
+        replicas: 2,
+        algo: Algo::Torus,
+        meta: false,
+        check: true,
+    }
+}
+
+fn run(spec: &TrainSpec, shape: &str) -> (Vec<ChipTrainReport>, Vec<Tensor>) {
+    let pod = Pod::single(shape.parse().unwrap());
+    let fabric = LocalFabric::new(pod, Hardware::preset("v5p").unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    let spec = spec.clone();
+    let out = rt
+        .block_on(async move {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(120),
+                run_chips(fabric.chips(), move |mut chip| {
+                    let spec = spec.clone();
+                    async move {
+                        train_chip_with_parameters(&mut chip, &spec, Arc::new(AtomicU64::new(0)))
+                            .await
+                    }
+                }),
+            )
+            .await
+        })
+        .expect("training timed out")
+        .unwrap();
+    let params = out[0].1.clone();
+    (out.into_iter().map(|(r, _)| r).collect::<Vec<_>>(), params)
+}
+
+fn losses(reports: &[ChipTrainReport]) -> Vec<f64> {
+    let steps = reports[0].steps.len();
+    (0..steps)
+        .map(|s| {
+            reports
+                .iter()
+                .map(|r| r.steps[s].loss.unwrap())
+                .sum::<f64>()
+                / reports.len() as f64
+        })
+        .collect()
+}
+
+#[test]
+fn every_strategy_matches_single_chip_training_in_every_mode() {
+    for strategy in Strategy::ALL {
+        let mut finals: Vec<Vec<Tensor>> = Vec::new();
+        for eager in Eager::ALL {
+            let s = spec(strategy, eager);
+            let (reports, params) = run(&s, "2x2x2");
+            let r0 = &reports[0];
+            let rel = r0.max_rel_diff.unwrap();
+            println!(
+                "{strategy} {}: max_abs_diff {:e} rel {rel:e}",
+                eager.name(),
+                r0.max_abs_diff.unwrap()
+            );
+            assert!(
+                rel <= 1e-5,
+                "{strategy} {}: relative difference {rel}",
+                eager.name()
+            );
+            assert!(
+                reports.iter().all(|r| r.replicas_identical == Some(true)),
+                "{strategy}"
+            );
+            let l = losses(&reports);
+            assert!(
+                l[19] < 0.8 * l[0],
+                "{strategy} {}: loss {l:?}",
+                eager.name()
+            );
+            finals.push(params);
+        }
+        for other in &finals[1..] {
+            for (a, b) in finals[0].iter().zip(other) {
+                assert!(a.max_abs_diff(b) <= 1e-5, "{strategy}: modes disagree");
+            }
+        }
+    }
+}
+
+#[test]
+fn fsdp_without_reshard_and_adamw_with_accumulation_match_too() {
+    let mut s = spec(Strategy::Fsdp, Eager::Fused);
+    s.reshard_after_forward = false;
+    let (reports, _) = run(&s, "2x2x2");
+    assert!(reports[0].max_rel_diff.unwrap() <= 1e-5);
+    let mut s = spec(Strategy::Ddp, Eager::Fused);
+    s.grad_accum = 3;
+    s.optimizer = OptimizerSpec::Adamw {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    let (reports, _) = run(&s, "2x2x2");
+    assert!(
+        reports[0].max_rel_diff.unwrap() <= 1e-4,
+        "{:?}",
+        reports[0].max_rel_diff
+    );
+}
+
+#[test]
+fn a_chip_over_its_hbm_budget_fails_naming_it() {
+    let pod = Pod::single("2x2x2".parse().unwrap());
+    let mut hw = Hardware::preset("v5p").unwrap();
+    hw.hbm_bytes = 4000.0;
+    let fabric = LocalFabric::new(pod, hw);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let s = spec(Strategy::Ddp, Eager::Fused);
+    let err = rt
+        .block_on(run_chips(fabric.chips(), move |mut chip| {
+            let s = s.clone();
+            async move { train_chip_with_parameters(&mut chip, &s, Arc::new(AtomicU64::new(0))).await }
+        }))
+        .unwrap_err();
+    let WorkerError::OutOfMemory { what, capacity, .. } = &err else {
+        panic!("{err}")
+    };
+    assert_eq!(*capacity, 4000);
+    assert!(what.contains("layers."), "{err}");
+}
