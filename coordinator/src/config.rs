@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
 use podsim_topology::{Group, Hardware, HardwareOverrides, Placement, Pod, Torus};
 use podsim_worker::job::{CollectiveStep, JobSpec, Program};
+use podsim_worker::train::strategy::Plan;
+use podsim_worker::train::{Eager, MlpSpec, OptimizerSpec, Strategy, TrainSpec};
 use serde::Deserialize;
 
 use crate::units::parse_size;
@@ -86,6 +88,7 @@ impl JobConfig {
     pub fn mode(&self) -> &'static str {
         match &self.program {
             Program::Collectives { meta: true, .. } => "meta",
+            Program::Train(spec) if spec.meta => "meta",
             _ => "data",
         }
     }
@@ -94,6 +97,7 @@ impl JobConfig {
         match &self.program {
             Program::Collectives { .. } => "collectives",
             Program::Bench { .. } => "bench",
+            Program::Train(_) => "train",
         }
     }
 }
@@ -131,6 +135,38 @@ struct RawJob {
     mode: Option<String>,
     iterations: Option<u32>,
     collectives: Option<Vec<RawCollective>>,
+    strategy: Option<String>,
+    eager: Option<String>,
+    steps: Option<u32>,
+    batch: Option<usize>,
+    grad_accum: Option<u32>,
+    seed: Option<u64>,
+    bucket_cap_mb: Option<f64>,
+    reshard_after_forward: Option<bool>,
+    tp: Option<u32>,
+    replicas: Option<u32>,
+    algo: Option<String>,
+    check: Option<bool>,
+    model: Option<RawModel>,
+    optimizer: Option<RawOptimizer>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    widths: Vec<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOptimizer {
+    kind: Option<String>,
+    lr: Option<f32>,
+    momentum: Option<f32>,
+    weight_decay: Option<f32>,
+    beta1: Option<f32>,
+    beta2: Option<f32>,
+    eps: Option<f32>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -168,7 +204,42 @@ const SCHEMA: &[(&str, &[&str])] = &[
     ),
     ("topology", &["shape", "wraparound", "slices", "hardware"]),
     ("launch", &["workers", "bind", "external"]),
-    ("job", &["kind", "mode", "iterations", "collectives"]),
+    (
+        "job",
+        &[
+            "kind",
+            "mode",
+            "iterations",
+            "collectives",
+            "strategy",
+            "eager",
+            "steps",
+            "batch",
+            "grad_accum",
+            "seed",
+            "bucket_cap_mb",
+            "reshard_after_forward",
+            "tp",
+            "replicas",
+            "algo",
+            "check",
+            "model",
+            "optimizer",
+        ],
+    ),
+    ("job.model", &["widths"]),
+    (
+        "job.optimizer",
+        &[
+            "kind",
+            "lr",
+            "momentum",
+            "weight_decay",
+            "beta1",
+            "beta2",
+            "eps",
+        ],
+    ),
     (
         "job.collectives",
         &["op", "size", "algo", "group", "reduce", "root", "dtype"],
@@ -351,6 +422,18 @@ fn parse(
             }
         }
     }
+    for nested in ["model", "optimizer"] {
+        let path = format!("job.{nested}");
+        if let Some(t) = table
+            .get("job")
+            .and_then(|j| j.get(nested))
+            .and_then(|t| t.as_table())
+        {
+            for sk in t.keys().filter(|sk| !known(&path).contains(&sk.as_str())) {
+                p.add(&path, Some(sk), "unknown key");
+            }
+        }
+    }
     if let Some(list) = table
         .get("job")
         .and_then(|j| j.get("collectives"))
@@ -374,6 +457,16 @@ fn parse(
     {
         if let Some(toml::Value::Table(t)) = table.get_mut(*name) {
             t.retain(|k, _| keys.contains(&k));
+        }
+    }
+    for nested in ["model", "optimizer"] {
+        let path = format!("job.{nested}");
+        if let Some(toml::Value::Table(t)) = table
+            .get_mut("job")
+            .and_then(|j| j.as_table_mut())
+            .and_then(|j| j.get_mut(nested))
+        {
+            t.retain(|k, _| known(&path).contains(&k));
         }
     }
     if let Some(toml::Value::Array(list)) = table
@@ -516,6 +609,37 @@ fn parse(
                 false
             }
         };
+        let train_keys = [
+            ("strategy", j.strategy.is_some()),
+            ("eager", j.eager.is_some()),
+            ("steps", j.steps.is_some()),
+            ("batch", j.batch.is_some()),
+            ("grad_accum", j.grad_accum.is_some()),
+            ("seed", j.seed.is_some()),
+            ("bucket_cap_mb", j.bucket_cap_mb.is_some()),
+            ("reshard_after_forward", j.reshard_after_forward.is_some()),
+            ("tp", j.tp.is_some()),
+            ("replicas", j.replicas.is_some()),
+            ("algo", j.algo.is_some()),
+            ("check", j.check.is_some()),
+            ("model", j.model.is_some()),
+            ("optimizer", j.optimizer.is_some()),
+        ];
+        let collective_keys = [
+            ("iterations", j.iterations.is_some()),
+            ("collectives", j.collectives.is_some()),
+        ];
+        let (foreign, owner): (&[(&str, bool)], &str) = match j.kind.as_str() {
+            "train" => (&collective_keys, "collectives"),
+            _ => (&train_keys, "train"),
+        };
+        for (key, _) in foreign.iter().filter(|(_, set)| *set) {
+            p.add(
+                "job",
+                Some(key),
+                format!("applies to kind = \"{owner}\" jobs only"),
+            );
+        }
         match j.kind.as_str() {
             "collectives" => {
                 let iterations = j.iterations.unwrap_or(1);
@@ -543,15 +667,11 @@ fn parse(
                     script,
                 });
             }
-            "train" => p.add(
-                "job",
-                Some("kind"),
-                "\"train\" jobs are not available yet (supported: collectives)",
-            ),
+            "train" => program = train(&mut p, j, pod.as_ref(), meta).map(Program::Train),
             other => p.add(
                 "job",
                 Some("kind"),
-                format!("unknown job kind {other:?} (supported: collectives)"),
+                format!("unknown job kind {other:?} (supported: collectives, train)"),
             ),
         }
     }
@@ -663,5 +783,160 @@ fn collective(
         reduce: reduce?,
         root: c.root.unwrap_or(0),
         dtype: dtype?,
+    })
+}
+
+/// The training part of a `kind = "train"` job.
+fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Option<TrainSpec> {
+    let before = p.list.len();
+    let strategy = j
+        .strategy
+        .as_deref()
+        .map(|s| {
+            s.parse::<Strategy>()
+                .map_err(|e| p.add("job", Some("strategy"), e))
+                .ok()
+        })
+        .unwrap_or_else(|| {
+            p.add(
+                "job",
+                Some("strategy"),
+                "missing (ddp, fsdp, hsdp, tp or fsdp+tp)",
+            );
+            None
+        });
+    let eager = j
+        .eager
+        .as_deref()
+        .unwrap_or("fused")
+        .parse::<Eager>()
+        .map_err(|e| p.add("job", Some("eager"), e))
+        .ok();
+    let algo = j
+        .algo
+        .as_deref()
+        .unwrap_or("torus")
+        .parse::<Algo>()
+        .map_err(|e| p.add("job", Some("algo"), e))
+        .ok();
+    let mut at_least_one = |key: &str, v: u64| {
+        if v == 0 {
+            p.add("job", Some(key), "must be at least 1");
+        }
+    };
+    let steps = j.steps.unwrap_or(20);
+    at_least_one("steps", u64::from(steps));
+    let batch = j.batch.unwrap_or(32);
+    at_least_one("batch", batch as u64);
+    let grad_accum = j.grad_accum.unwrap_or(1);
+    at_least_one("grad_accum", u64::from(grad_accum));
+    let bucket_cap_mb = j.bucket_cap_mb.unwrap_or(25.0);
+    if !(bucket_cap_mb > 0.0 && bucket_cap_mb.is_finite()) {
+        p.add(
+            "job",
+            Some("bucket_cap_mb"),
+            "must be a positive number of MiB",
+        );
+    }
+    let model = match &j.model {
+        None => {
+            p.add(
+                "job",
+                Some("model"),
+                "missing: [job.model] widths = [inputs, hidden..., classes]",
+            );
+            None
+        }
+        Some(m) if m.widths.len() < 2 || m.widths.contains(&0) => {
+            p.add(
+                "job.model",
+                Some("widths"),
+                "needs at least two widths (inputs and classes), each at least 1",
+            );
+            None
+        }
+        Some(m) => Some(MlpSpec {
+            widths: m.widths.clone(),
+        }),
+    };
+    let o = j.optimizer.as_ref();
+    let get = |f: fn(&RawOptimizer) -> Option<f32>, default: f32| o.and_then(f).unwrap_or(default);
+    let weight_decay = get(|o| o.weight_decay, 0.0);
+    let optimizer = match o.and_then(|o| o.kind.as_deref()).unwrap_or("sgd") {
+        "sgd" => Some(OptimizerSpec::Sgd {
+            lr: get(|o| o.lr, 0.05),
+            momentum: get(|o| o.momentum, 0.0),
+            weight_decay,
+        }),
+        "adamw" => Some(OptimizerSpec::Adamw {
+            lr: get(|o| o.lr, 1e-3),
+            beta1: get(|o| o.beta1, 0.9),
+            beta2: get(|o| o.beta2, 0.999),
+            eps: get(|o| o.eps, 1e-8),
+            weight_decay: get(|o| o.weight_decay, 0.01),
+        }),
+        other => {
+            p.add(
+                "job.optimizer",
+                Some("kind"),
+                format!("{other:?} is not sgd or adamw"),
+            );
+            None
+        }
+    };
+    // Mesh sizes: `tp` for fsdp+tp (default: the torus's first axis), the whole pod for tp;
+    // `replicas` for hsdp (default: the pod's outermost axis).
+    let chips = pod.map_or(1, Pod::chips);
+    let first_axis = pod.map_or(1, |pod| pod.torus().dims()[0]);
+    let outermost = pod.map_or(1, |pod| {
+        Group::world(pod)
+            .axes(pod)
+            .last()
+            .map_or(1, |a| a.size(pod))
+    });
+    let tp = match strategy {
+        Some(Strategy::Tp) => {
+            if let Some(t) = j.tp.filter(|t| *t != chips) {
+                p.add(
+                    "job",
+                    Some("tp"),
+                    format!("strategy tp spans the whole pod ({chips} chips), not {t}; use fsdp+tp to combine"),
+                );
+            }
+            chips
+        }
+        _ => j.tp.unwrap_or(first_axis),
+    };
+    let replicas = j.replicas.unwrap_or(outermost);
+    if let (Some(pod), Some(strategy), Some(model), Some(algo), true) =
+        (pod, strategy, &model, algo, p.list.len() == before)
+        && let Err(e) = Plan::new(pod, strategy, model.layers(), tp, replicas, algo, false)
+    {
+        let key = match strategy {
+            Strategy::Hsdp => "replicas",
+            Strategy::FsdpTp => "tp",
+            _ => "strategy",
+        };
+        p.add("job", Some(key), e.to_string());
+    }
+    if p.list.len() > before {
+        return None;
+    }
+    Some(TrainSpec {
+        strategy: strategy?,
+        eager: eager?,
+        model: model?,
+        steps,
+        batch,
+        grad_accum,
+        optimizer: optimizer?,
+        seed: j.seed.unwrap_or(0),
+        bucket_cap_mb,
+        reshard_after_forward: j.reshard_after_forward.unwrap_or(true),
+        tp,
+        replicas,
+        algo: algo?,
+        meta,
+        check: j.check.unwrap_or(true) && !meta,
     })
 }

@@ -24,6 +24,9 @@ pub struct Report {
     /// Wall latency of every collective call (first chip in to last chip out), per op, µs.
     pub latency_us: BTreeMap<String, Latency>,
     pub correctness: Correctness,
+    /// Training jobs: the strategy, every step and each chip's memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub training: Option<Training>,
     /// Virtual time of the whole job: the latest chip clock, seconds.
     pub virtual_s: f64,
     pub wall_s: f64,
@@ -88,6 +91,47 @@ pub struct Latency {
 pub struct Correctness {
     pub elements_checked: u64,
     pub wrong_elements: u64,
+    /// Training: largest difference of the final parameters to single-chip training on the
+    /// global batch (absolute, and relative to each tensor's largest value).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_abs_diff: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_rel_diff: Option<f64>,
+    /// Training: every chip ends with the same full parameters, bit for bit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replicas_identical: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Training {
+    pub strategy: String,
+    pub eager: String,
+    pub model_widths: Vec<usize>,
+    pub parameters: usize,
+    pub global_batch: usize,
+    pub steps: Vec<TrainStep>,
+    /// Steps per second of wall time (median step, slowest chip).
+    pub steps_per_s: f64,
+    pub hbm: Vec<ChipMemory>,
+}
+
+/// One step over the whole pod: loss averaged over chips, times of the slowest chip.
+#[derive(Debug, Serialize)]
+pub struct TrainStep {
+    pub step: u32,
+    pub loss: Option<f64>,
+    pub virtual_ms: f64,
+    pub compute_ms: f64,
+    pub comm_ms: f64,
+    pub exposed_comm_ms: f64,
+    pub wall_ms: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChipMemory {
+    pub chip: u32,
+    #[serde(flatten)]
+    pub hbm: podsim_worker::train::HbmReport,
 }
 
 /// Builds the report of a finished (`Ok`) or failed (`Err`) job.
@@ -118,7 +162,11 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         correctness: Correctness {
             elements_checked: 0,
             wrong_elements: 0,
+            max_abs_diff: None,
+            max_rel_diff: None,
+            replicas_identical: None,
         },
+        training: None,
         virtual_s: 0.0,
         wall_s: 0.0,
         link_errors: Vec::new(),
@@ -223,6 +271,9 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
             },
         );
     }
+    if let Program::Train(spec) = &cfg.program {
+        training(&mut report, &cfg.pod, spec, out);
+    }
     if report.correctness.wrong_elements > 0 {
         report.status = "error".into();
         report.error = Some(format!(
@@ -231,6 +282,81 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         ));
     }
     report
+}
+
+fn training(
+    report: &mut Report,
+    pod: &podsim_topology::Pod,
+    spec: &podsim_worker::train::TrainSpec,
+    out: &Outcome,
+) {
+    let mut chips: Vec<&podsim_worker::train::ChipTrainReport> =
+        out.reports.iter().flat_map(|r| &r.train).collect();
+    chips.sort_by_key(|c| c.chip);
+    let max = |f: &dyn Fn(&podsim_worker::train::StepRecord) -> f64, s: usize| {
+        chips
+            .iter()
+            .filter_map(|c| c.steps.get(s))
+            .map(f)
+            .fold(0.0, f64::max)
+    };
+    let steps: Vec<TrainStep> = (0..spec.steps as usize)
+        .map(|s| {
+            let losses: Vec<f64> = chips
+                .iter()
+                .filter_map(|c| c.steps.get(s).and_then(|r| r.loss))
+                .collect();
+            TrainStep {
+                step: s as u32,
+                loss: (!losses.is_empty())
+                    .then(|| losses.iter().sum::<f64>() / losses.len() as f64),
+                virtual_ms: max(&|r| r.virtual_ns, s) / 1e6,
+                compute_ms: max(&|r| r.compute_ns, s) / 1e6,
+                comm_ms: max(&|r| r.comm_ns, s) / 1e6,
+                exposed_comm_ms: max(&|r| r.exposed_ns, s) / 1e6,
+                wall_ms: max(&|r| r.wall_ns as f64, s) / 1e6,
+            }
+        })
+        .collect();
+    let mut walls: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
+    walls.sort_by(f64::total_cmp);
+    let median = walls.get(walls.len() / 2).copied().unwrap_or(0.0);
+    report.virtual_s = steps.iter().map(|s| s.virtual_ms).sum::<f64>() / 1e3;
+    let replicas: Vec<bool> = chips.iter().filter_map(|c| c.replicas_identical).collect();
+    report.correctness.replicas_identical =
+        (!replicas.is_empty()).then(|| replicas.iter().all(|r| *r));
+    report.correctness.max_abs_diff = chips.iter().find_map(|c| c.max_abs_diff);
+    report.correctness.max_rel_diff = chips.iter().find_map(|c| c.max_rel_diff);
+    if report.correctness.replicas_identical == Some(false) {
+        report.status = "error".into();
+        report.error = Some("replicas ended with different parameters".into());
+    }
+    let data_parallel = podsim_worker::train::strategy::Plan::new(
+        pod,
+        spec.strategy,
+        spec.model.layers(),
+        spec.tp,
+        spec.replicas,
+        spec.algo,
+        false,
+    )
+    .map_or(1, |plan| plan.data_parallel(&vec![0; plan.mesh.ndim()]).0);
+    report.training = Some(Training {
+        strategy: spec.strategy.to_string(),
+        eager: spec.eager.name().to_string(),
+        model_widths: spec.model.widths.clone(),
+        parameters: spec.model.parameters(),
+        global_batch: spec.batch * data_parallel * spec.grad_accum as usize,
+        steps,
+        steps_per_s: if median > 0.0 { 1e3 / median } else { 0.0 },
+        hbm: chips
+            .iter()
+            .map(|c| ChipMemory {
+                chip: c.chip,
+                hbm: c.hbm.clone(),
+            })
+            .collect(),
+    });
 }
 
 /// Writes `report.json` into `dir`.
@@ -270,13 +396,63 @@ pub fn summary(report: &Report) -> String {
             virt * 1e6
         ));
     }
-    s.push_str(&format!(
-        "  checked {} elements, {} wrong; virtual time {:.3} ms; wall {:.2} s\n",
-        report.correctness.elements_checked,
-        report.correctness.wrong_elements,
-        report.virtual_s * 1e3,
-        report.wall_s
-    ));
+    if let Some(t) = &report.training {
+        s.push_str(&format!(
+            "  {} ({} mode), MLP {:?} ({} parameters), global batch {}\n",
+            t.strategy, t.eager, t.model_widths, t.parameters, t.global_batch
+        ));
+        s.push_str("  step      loss   virtual us  (compute     comm  exposed)   wall ms\n");
+        for st in &t.steps {
+            let loss = st.loss.map_or("-".to_string(), |l| format!("{l:.4}"));
+            s.push_str(&format!(
+                "  {:>4}  {:>8}  {:>10.2}  ({:>7.2} {:>8.2} {:>8.2})  {:>8.1}\n",
+                st.step,
+                loss,
+                st.virtual_ms * 1e3,
+                st.compute_ms * 1e3,
+                st.comm_ms * 1e3,
+                st.exposed_comm_ms * 1e3,
+                st.wall_ms
+            ));
+        }
+        let peak = t.hbm.iter().map(|c| c.hbm.peak_bytes).max().unwrap_or(0);
+        let state = t
+            .hbm
+            .iter()
+            .map(|c| c.hbm.peak_state_bytes)
+            .max()
+            .unwrap_or(0);
+        s.push_str(&format!(
+            "  peak HBM per chip {} (parameters + gradients + optimizer {}); {:.1} steps/s wall\n",
+            crate::units::format_size(peak),
+            crate::units::format_size(state),
+            t.steps_per_s
+        ));
+        let c = &report.correctness;
+        if let (Some(abs), Some(rel)) = (c.max_abs_diff, c.max_rel_diff) {
+            s.push_str(&format!(
+                "  vs single-chip training on the global batch: max |diff| {abs:.3e} (relative {rel:.3e})\n"
+            ));
+        }
+        if let Some(same) = c.replicas_identical {
+            s.push_str(&format!("  replicas identical: {same}\n"));
+        }
+    }
+    if report.training.is_some() {
+        s.push_str(&format!(
+            "  virtual time {:.3} ms; wall {:.2} s\n",
+            report.virtual_s * 1e3,
+            report.wall_s
+        ));
+    } else {
+        s.push_str(&format!(
+            "  checked {} elements, {} wrong; virtual time {:.3} ms; wall {:.2} s\n",
+            report.correctness.elements_checked,
+            report.correctness.wrong_elements,
+            report.virtual_s * 1e3,
+            report.wall_s
+        ));
+    }
     if let Some(e) = &report.error {
         s.push_str(&format!("  error: {e}\n"));
     }

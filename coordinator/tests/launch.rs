@@ -1,4 +1,4 @@
-//! `podsim launch` end to end: the quickstart on 4 workers, virtual-time identity across
+//! `podsim launch` end to end: the collectives config on 4 workers, virtual-time identity across
 //! worker counts, external mode, a wrong token, and `bench --workers`.
 #![allow(clippy::unwrap_used)]
 
@@ -16,9 +16,9 @@ fn launch(config: &std::path::Path, extra: &[&str]) -> std::process::Output {
 }
 
 #[test]
-fn quickstart_runs_on_four_workers() {
-    let dir = temp_dir("quickstart");
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/quickstart.toml");
+fn collectives_config_runs_on_four_workers() {
+    let dir = temp_dir("collectives");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/collectives.toml");
     let out = launch(
         std::path::Path::new(config),
         &["--out", dir.to_str().unwrap()],

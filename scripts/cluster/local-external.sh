@@ -2,9 +2,9 @@
 # External mode on one machine, by hand: a coordinator that waits, and workers that join it.
 # The same commands, with real host names, run a job across machines.
 #
-#   bash scripts/cluster/local-external.sh configs/quickstart.toml
+#   bash scripts/cluster/local-external.sh configs/collectives.toml
 set -euo pipefail
-CONFIG=${1:-configs/quickstart.toml}
+CONFIG=${1:-configs/collectives.toml}
 PODSIM=${PODSIM:-target/release/podsim}
 WORKERS=$(sed -n 's/^workers *= *\([0-9]*\).*/\1/p' "$CONFIG" | head -n 1)
 WORKERS=${WORKERS:-1}

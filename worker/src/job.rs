@@ -5,6 +5,7 @@ use podsim_topology::{Group, Hardware, Pod};
 use serde::{Deserialize, Serialize};
 
 use crate::bench::{BenchCase, elements_for_buffer};
+use crate::train::{ChipTrainReport, TrainSpec};
 
 /// One job, as every worker receives it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -28,6 +29,8 @@ pub enum Program {
     },
     /// `podsim bench` across processes: each case timed and checked.
     Bench { cases: Vec<BenchCase> },
+    /// Training steps of a model under a parallel strategy.
+    Train(TrainSpec),
 }
 
 /// One collective of a script.
@@ -105,4 +108,7 @@ pub struct WorkerReport {
     pub peak_rss_bytes: u64,
     /// Problems seen on link streams (bad frames, peers that went away).
     pub link_errors: Vec<String>,
+    /// Training jobs: one report per chip.
+    #[serde(default)]
+    pub train: Vec<ChipTrainReport>,
 }

@@ -9,6 +9,7 @@ use podsim_collectives::{Chip, run_chips};
 use crate::bench::bench_chip;
 use crate::error::WorkerError;
 use crate::job::{ChipStepReport, Program};
+use crate::train::{ChipTrainReport, train_chip};
 
 /// Units of work (one chip finishing one step) a program has for `chips` chips.
 pub fn total_units(program: &Program, chips: usize) -> u64 {
@@ -17,6 +18,7 @@ pub fn total_units(program: &Program, chips: usize) -> u64 {
             iterations, script, ..
         } => *iterations as usize * script.len(),
         Program::Bench { cases } => cases.len(),
+        Program::Train(spec) => spec.steps as usize,
     };
     (per_chip * chips) as u64
 }
@@ -32,6 +34,7 @@ pub async fn run_program(
         let done = done.clone();
         async move {
             let mut reports = Vec::new();
+            let mut train = None;
             match &program {
                 Program::Collectives {
                     iterations,
@@ -68,19 +71,23 @@ pub async fn run_program(
                         done.fetch_add(1, Ordering::Relaxed);
                     }
                 }
+                Program::Train(spec) => {
+                    train = Some(train_chip(&mut chip, spec, done.clone()).await?);
+                }
             }
             let stats = chip.stats();
             let sent = (
                 stats.messages_sent.load(Ordering::Relaxed),
                 stats.bytes_sent.load(Ordering::Relaxed),
             );
-            Ok::<_, WorkerError>((reports, sent))
+            Ok::<_, WorkerError>((reports, train, sent))
         }
     })
     .await?;
     let mut out = ProgramOutput::default();
-    for (reports, (messages, bytes)) in per_chip {
+    for (reports, train, (messages, bytes)) in per_chip {
         out.steps.extend(reports);
+        out.train.extend(train);
         out.messages_sent += messages;
         out.bytes_sent += bytes;
     }
@@ -91,6 +98,7 @@ pub async fn run_program(
 #[derive(Debug, Default)]
 pub struct ProgramOutput {
     pub steps: Vec<ChipStepReport>,
+    pub train: Vec<ChipTrainReport>,
     pub messages_sent: u64,
     pub bytes_sent: u64,
 }

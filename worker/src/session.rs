@@ -182,6 +182,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 link_addr,
                 chips: local_chips,
                 steps: out.steps,
+                train: out.train,
                 messages_sent: out.messages_sent,
                 bytes_sent: out.bytes_sent,
                 peak_rss_bytes: net::peak_rss_bytes(),

@@ -156,7 +156,7 @@ impl Plan {
     ) -> Result<Plan, WorkerError> {
         let chips = pod.chips();
         let divide = |by: u32, what: &str| {
-            if by == 0 || chips % by != 0 {
+            if by == 0 || !chips.is_multiple_of(by) {
                 Err(WorkerError::Invalid(format!(
                     "{what} = {by} does not divide the pod's {chips} chips"
                 )))
