@@ -80,3 +80,40 @@ fn different_size_or_reduce_op_is_a_desync() {
     let err = run_mismatch("2x3x4", 0, OpKind::AllReduce, 999);
     assert_names_both(&err, 0, OpKind::AllReduce);
 }
+
+#[test]
+fn debug_mode_compares_fingerprints_before_any_data_moves() {
+    let fabric = fabric("2x2x2", true, 1);
+    let comm = Comm::new(Group::world(fabric.pod()), Algo::Torus).verified(true);
+    let rt = runtime(2);
+    let result = rt.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            run_chips(fabric.chips(), move |mut chip| async move {
+                // Agreeing collectives pass the check.
+                let sum = chip
+                    .all_reduce(&comm, &Payload::from_vec(vec![1.0; 10]), ReduceOp::Sum)
+                    .await?;
+                assert_eq!(sum.to_vec().unwrap(), vec![8.0; 10]);
+                let count = if chip.id() == 6 { 999 } else { 1000 };
+                chip.all_reduce(&comm, &Payload::from_vec(vec![1.0; count]), ReduceOp::Sum)
+                    .await?;
+                Ok::<(), CollectiveError>(())
+            }),
+        )
+        .await
+    });
+    let err = result.expect("no hang").unwrap_err();
+    let CollectiveError::Mismatch {
+        chip,
+        mine,
+        peer,
+        theirs,
+    } = &err
+    else {
+        panic!("expected a fingerprint mismatch, got {err}");
+    };
+    assert!(*chip == 6 || *peer == 6, "{err}");
+    assert_eq!(mine.seq, 1);
+    assert!(theirs.contains("999") || mine.count == 999, "{err}");
+}

@@ -438,7 +438,7 @@ pub fn summary(report: &Report) -> String {
             s.push_str(&format!("  replicas identical: {same}\n"));
         }
     }
-    if report.training.is_some() {
+    if report.job.kind == "train" {
         s.push_str(&format!(
             "  virtual time {:.3} ms; wall {:.2} s\n",
             report.virtual_s * 1e3,

@@ -203,6 +203,9 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 }),
             )
             .await;
+            // Stay until the coordinator has read it (it answers with a shutdown), or the
+            // message could die with this process.
+            let _ = tokio::time::timeout(Duration::from_secs(10), from_coord.next()).await;
             return Err(e);
         }
     }
