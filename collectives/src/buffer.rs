@@ -9,7 +9,7 @@ use std::sync::Mutex;
 /// Buffers smaller than this come from the allocator's heap cheaply; not worth pooling.
 const MIN_POOLED_ELEMENTS: usize = 1 << 12;
 /// Upper bound on the memory the pool may hold.
-const MAX_POOLED_BYTES: usize = 1 << 30;
+const MAX_POOLED_BYTES: usize = 256 << 20;
 const MAX_POOLED_BUFFERS: usize = 256;
 
 static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());

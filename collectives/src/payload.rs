@@ -282,6 +282,14 @@ impl Payload {
         Payload::Data(Rope::from_vec(values))
     }
 
+    /// The values of `iter` (exactly `len` of them) in a reused buffer: for callers that
+    /// build a payload every step (training), so that steady state allocates nothing new.
+    pub fn collect_from(len: usize, iter: impl IntoIterator<Item = f32>) -> Payload {
+        let mut v = buffer::take(len);
+        v.extend(iter.into_iter().take(len));
+        Payload::from_vec(v)
+    }
+
     /// Values decoded from little-endian f32 bytes (a peer's message), into a reused buffer.
     /// `None` if the byte count is not a whole number of values.
     pub fn from_f32_le(bytes: &[u8]) -> Option<Payload> {

@@ -107,10 +107,27 @@ impl JobConfig {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawTopology {
-    shape: String,
+    shape: Shape,
     wraparound: Option<Wrap>,
     slices: Option<u32>,
     hardware: Option<String>,
+}
+
+/// `"4x4x4"`, or a bare number for a ring (`shape = 8`, `--set topology.shape=8`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Shape {
+    Text(String),
+    Ring(u32),
+}
+
+impl Shape {
+    fn text(&self) -> String {
+        match self {
+            Shape::Text(t) => t.clone(),
+            Shape::Ring(n) => n.to_string(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -529,7 +546,7 @@ fn parse(
     let mut pod = None;
     let mut hardware = None;
     if let Some(t) = &topology {
-        match t.shape.parse::<Torus>() {
+        match t.shape.text().parse::<Torus>() {
             Err(e) => p.add("topology", Some("shape"), e.to_string()),
             Ok(torus) => {
                 let wrap = match &t.wraparound {
@@ -917,7 +934,11 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
             Strategy::FsdpTp => "tp",
             _ => "strategy",
         };
-        p.add("job", Some(key), e.to_string());
+        let reason = match e {
+            podsim_worker::WorkerError::Invalid(m) => m,
+            other => other.to_string(),
+        };
+        p.add("job", Some(key), reason);
     }
     if p.list.len() > before {
         return None;

@@ -165,3 +165,62 @@ fn launch_refuses_a_bad_config_without_starting_anything() {
         "nothing may be started or written for a bad config"
     );
 }
+
+fn train_config(extra_job: &str, model: &str) -> String {
+    format!(
+        "name = \"t\"\n\n[topology]\nshape = \"2x2x2\"\n\n[launch]\nworkers = 2\n\n[job]\nkind = \"train\"\nstrategy = \"fsdp+tp\"\n{extra_job}\n[job.model]\n{model}\n\n[job.optimizer]\nkind = \"sgd\"\nlr = 0.1\n"
+    )
+}
+
+#[test]
+fn shipped_configs_validate() {
+    for name in [
+        "quickstart",
+        "collectives",
+        "ddp",
+        "fsdp",
+        "hsdp",
+        "tp",
+        "fsdp_tp",
+        "ddp_small_layers",
+        "ddp_mlp_bench",
+    ] {
+        let path = format!("{}/../configs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let (code, err) = validate(name, &text);
+        assert_eq!(code, 0, "{name}: {err}");
+    }
+}
+
+#[test]
+fn train_job_problems_are_all_reported() {
+    let (code, err) = validate("train-good", &train_config("tp = 4", "widths = [8, 16, 4]"));
+    assert_eq!(code, 0, "{err}");
+    // A strategy that does not exist, an unknown key in [job.model], a key of another kind.
+    let text = train_config(
+        "iterations = 3\neager = \"lazy\"",
+        "widths = [8, 16, 4]\ndepth = 3",
+    )
+    .replace("strategy = \"fsdp+tp\"", "strategy = \"zero3\"");
+    expect_error(
+        "train-bad",
+        &text,
+        &[
+            "job.model.depth: unknown key",
+            "job.iterations: applies to kind = \"collectives\" jobs only",
+            "job.strategy: unknown strategy \"zero3\"",
+            "job.eager: unknown eager mode \"lazy\"",
+        ],
+    );
+    // A tensor-parallel degree that does not factor the torus, and a model without layers.
+    expect_error(
+        "train-tp",
+        &train_config("tp = 3", "widths = [8, 16, 4]"),
+        &["job.tp: ", "tp = 3"],
+    );
+    expect_error(
+        "train-model",
+        &train_config("", "widths = [8]"),
+        &["job.model.widths: needs at least two widths"],
+    );
+}

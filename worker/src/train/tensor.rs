@@ -102,7 +102,7 @@ impl Tensor {
     /// The values in row-major order as a collective payload.
     pub fn to_payload(&self) -> Payload {
         match self {
-            Tensor::Data(a) => Payload::from_vec(a.iter().copied().collect()),
+            Tensor::Data(a) => Payload::collect_from(a.len(), a.iter().copied()),
             Tensor::Meta(s) => Payload::Meta(s.iter().product()),
         }
     }
@@ -173,7 +173,7 @@ impl Tensor {
                 for d in (0..dim).rev() {
                     a.swap_axes(d, d + 1);
                 }
-                Payload::from_vec(a.iter().copied().collect())
+                Payload::collect_from(a.len(), a.iter().copied())
             }
             Tensor::Meta(s) => Payload::Meta(s.iter().product()),
         }
