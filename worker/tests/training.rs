@@ -166,3 +166,25 @@ fn a_chip_over_its_hbm_budget_fails_naming_it() {
     assert_eq!(*capacity, 4000);
     assert!(what.contains("layers."), "{err}");
 }
+
+#[test]
+fn meta_mode_costs_the_same_virtual_time_and_memory_as_data_mode() {
+    for strategy in Strategy::ALL {
+        let data = spec(strategy, Eager::Fused);
+        let meta = TrainSpec {
+            meta: true,
+            check: false,
+            ..data.clone()
+        };
+        let (d, _) = run(&data, "2x2x2");
+        let (m, _) = run(&meta, "2x2x2");
+        for (a, b) in d.iter().zip(&m) {
+            assert_eq!(a.hbm, b.hbm, "{strategy}");
+            for (x, y) in a.steps.iter().zip(&b.steps) {
+                assert_eq!(x.virtual_ns.to_bits(), y.virtual_ns.to_bits(), "{strategy}");
+                assert_eq!(x.exposed_ns.to_bits(), y.exposed_ns.to_bits(), "{strategy}");
+                assert!(y.loss.is_none());
+            }
+        }
+    }
+}
