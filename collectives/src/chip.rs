@@ -17,6 +17,8 @@ use podsim_topology::{ChipId, Coord, Group, Hardware, Link, MAX_AXES, Pod};
 
 use crate::error::CollectiveError;
 use crate::fabric::{Delivery, Expect, Inbox, Message, Router, Tag};
+use crate::faults::{FaultHook, OnSend};
+use crate::recorder::{self, Blocked, FlightRecorder};
 use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
 use crate::reduce::ReduceOp;
@@ -64,6 +66,8 @@ pub struct ChipCore {
     router: Arc<dyn Router>,
     links: Mutex<LinkClocks>,
     stats: ChipStats,
+    recorder: Arc<FlightRecorder>,
+    faults: Option<Arc<dyn FaultHook>>,
 }
 
 /// An emulated chip: a rank with torus coordinates, a virtual clock and a fabric endpoint.
@@ -72,6 +76,10 @@ pub struct Chip {
     core: ChipCore,
     clock: Nanos,
     seqs: HashMap<u64, u64>,
+    /// Flight-recorder index of the collective in progress.
+    current: Option<u64>,
+    /// The collective in progress checks message payloads (debug mode).
+    verify: bool,
 }
 
 impl Chip {
@@ -91,10 +99,35 @@ impl Chip {
                 router,
                 links: Mutex::new(LinkClocks::default()),
                 stats: ChipStats::default(),
+                recorder: Arc::new(FlightRecorder::new(id, recorder::DEFAULT_CAPACITY)),
+                faults: None,
             },
             clock: 0.0,
             seqs: HashMap::new(),
+            current: None,
+            verify: false,
         }
+    }
+
+    /// Injects faults through `hook` (see [`FaultHook`]).
+    pub fn set_faults(&mut self, hook: Arc<dyn FaultHook>) {
+        self.core.faults = Some(hook);
+    }
+
+    /// The program moves to training step (or script iteration) `step`: recorded, and an
+    /// injected fault may stop the chip here.
+    pub async fn enter_step(&mut self, step: u64) {
+        self.core.recorder.set_step(step);
+        if let Some(hook) = self.core.faults.clone()
+            && hook.at_step(self.core.id, step) == crate::faults::BeforeCollective::Stall
+        {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// The chip's flight recorder (shared with whoever reports on the chip).
+    pub fn recorder(&self) -> Arc<FlightRecorder> {
+        self.core.recorder.clone()
     }
 
     pub fn id(&self) -> ChipId {
@@ -147,8 +180,7 @@ impl Chip {
         *self.core.links.lock().unwrap_or_else(|e| e.into_inner()) = LinkClocks::default();
     }
 
-    /// Starts the next collective on `group`: its fingerprint and the shared per-call context.
-    pub(crate) fn begin(
+    fn next_fingerprint(
         &mut self,
         group: Group,
         op: OpKind,
@@ -169,6 +201,47 @@ impl Chip {
         fp
     }
 
+    /// Starts the next collective on `group`: its fingerprint, recorded in the flight
+    /// recorder. An injected fault may alter it, skip a sequence number, or stall here.
+    pub(crate) async fn begin(
+        &mut self,
+        group: Group,
+        op: OpKind,
+        dtype: DType,
+        count: usize,
+        reduce: Option<ReduceOp>,
+    ) -> Fingerprint {
+        let mut fp = self.next_fingerprint(group, op, dtype, count, reduce);
+        if let Some(hook) = self.core.faults.clone() {
+            let index = self.core.recorder.started_count();
+            match hook.before_collective(self.core.id, index, &mut fp) {
+                crate::faults::BeforeCollective::Proceed => {}
+                crate::faults::BeforeCollective::Stall => std::future::pending::<()>().await,
+                crate::faults::BeforeCollective::Skip => {
+                    let skipped = fp;
+                    fp = self.next_fingerprint(group, op, dtype, count, reduce);
+                    fp.op = skipped.op;
+                    fp.count = skipped.count;
+                    fp.reduce = skipped.reduce;
+                }
+            }
+        }
+        self.current = Some(self.core.recorder.started(fp, self.clock));
+        fp
+    }
+
+    /// The collective in progress finished.
+    pub(crate) fn finish(&mut self) {
+        if let Some(index) = self.current.take() {
+            self.core.recorder.completed(index, self.clock);
+        }
+    }
+
+    /// Debug mode for the collective being started: messages carry payload checksums.
+    pub(crate) fn set_verify(&mut self, verify: bool) {
+        self.verify = verify;
+    }
+
     pub(crate) fn core(&self) -> &ChipCore {
         &self.core
     }
@@ -185,6 +258,7 @@ impl Chip {
     /// HBM: the clock advances by `max(flops / peak_flops, hbm_bytes / hbm_bandwidth)` (a
     /// roofline). Returns the time charged, ns.
     pub fn compute(&mut self, flops: f64, hbm_bytes: f64) -> Nanos {
+        self.core.recorder.compute_finished();
         let hw = &self.core.hardware;
         let ns = (flops / hw.peak_flops).max(hbm_bytes / hw.hbm_bandwidth) * 1e9;
         self.clock += ns;
@@ -198,6 +272,7 @@ pub(crate) struct Call<'a> {
     pub chip: &'a ChipCore,
     pub fingerprint: Fingerprint,
     pub elem_bytes: f64,
+    pub verify: bool,
 }
 
 impl<'a> Call<'a> {
@@ -206,6 +281,7 @@ impl<'a> Call<'a> {
             chip: chip.core(),
             fingerprint,
             elem_bytes: fingerprint.dtype.size() as f64,
+            verify: chip.verify,
         }
     }
 
@@ -238,11 +314,32 @@ impl<'a> Call<'a> {
         let dst = self.peer(link)?;
         let hw = &self.chip.hardware;
         let bytes = payload.len() as f64 * self.elem_bytes;
-        let (bandwidth, latency) = if link.is_dcn() {
+        let (bandwidth, mut latency) = if link.is_dcn() {
             (hw.dcn_bandwidth, hw.dcn_latency_ns)
         } else {
             (hw.ici_bandwidth, hw.ici_latency_ns)
         };
+        let mut msg = Message {
+            src: self.chip.id,
+            dst,
+            link,
+            fingerprint: self.fingerprint,
+            tag,
+            checksum: None,
+            arrive_ns: 0.0,
+            payload,
+        };
+        if self.verify {
+            msg.checksum = msg.payload.checksum();
+        }
+        let fault = match &self.chip.faults {
+            Some(hook) => hook.on_send(&mut msg, self.chip.recorder.busy_since_last_send()),
+            None => OnSend::Deliver,
+        };
+        if let OnSend::Delay { wall, virtual_ns } = fault {
+            latency += virtual_ns;
+            tokio::time::sleep(wall).await;
+        }
         let arrive_ns = {
             let mut links = self.chip.links.lock().unwrap_or_else(|e| e.into_inner());
             let busy = links.slot(link);
@@ -258,15 +355,12 @@ impl<'a> Call<'a> {
             .stats
             .bytes_sent
             .fetch_add(bytes as u64, Ordering::Relaxed);
-        let delivery = self.chip.router.deliver(Message {
-            src: self.chip.id,
-            dst,
-            link,
-            fingerprint: self.fingerprint,
-            tag,
-            arrive_ns,
-            payload,
-        })?;
+        self.chip.recorder.sent(link);
+        if fault == OnSend::Drop {
+            return Ok(());
+        }
+        msg.arrive_ns = arrive_ns;
+        let delivery = self.chip.router.deliver(msg)?;
         match delivery {
             Delivery::Done => Ok(()),
             Delivery::Wait(room) => room.await,
@@ -292,7 +386,26 @@ impl<'a> Call<'a> {
             tag,
             chips_per_slice: pod.chips_per_slice(),
         };
-        let msg = self.chip.inbox.receive(&want).await?;
+        self.chip.recorder.waiting(Blocked {
+            link,
+            peer: src,
+            tag,
+            fingerprint: self.fingerprint,
+            since_wall_ns: recorder::wall_ns(),
+        });
+        let got = self.chip.inbox.receive(&want).await;
+        self.chip.recorder.done_waiting(link, tag, got.is_ok());
+        let msg = got?;
+        if let Some(sum) = msg.checksum
+            && msg.payload.checksum() != Some(sum)
+        {
+            return Err(CollectiveError::Corrupt {
+                chip: self.chip.id,
+                peer: src,
+                link: link.reverse(pod.slice_of(self.chip.id)),
+                fingerprint: self.fingerprint,
+            });
+        }
         *t = t.max(msg.arrive_ns);
         Ok(msg.payload)
     }

@@ -110,7 +110,8 @@ impl Chip {
                 comm.dtype.name()
             )));
         }
-        let fp = self.begin(comm.group, op, comm.dtype, input.len(), reduce);
+        let fp = self.begin(comm.group, op, comm.dtype, input.len(), reduce).await;
+        self.set_verify(comm.verify);
         if comm.verify && !input.is_meta() {
             self.verify_fingerprint(comm, fp).await?;
         }
@@ -195,6 +196,7 @@ impl Chip {
         let call = Call::new(self, fp);
         let (all, t) = sched.all_gather(call, &own, l, sched.phases(), t).await?;
         self.set_clock(t);
+        self.finish();
         Ok(all.truncate(c))
     }
 
@@ -224,6 +226,7 @@ impl Chip {
         let (own, l, sched, t) = self.reduce_own_block(comm, fp, input.clone(), op).await?;
         let r = sched.rank();
         self.set_clock(t);
+        self.finish();
         Ok(own.truncate(chunk_len(c, l, r)))
     }
 
@@ -240,6 +243,7 @@ impl Chip {
             .all_gather(call, input, input.len(), 0, self.clock())
             .await?;
         self.set_clock(t);
+        self.finish();
         Ok(all)
     }
 
@@ -284,6 +288,7 @@ impl Chip {
         let padded = input.clone().pad(n * l - c);
         let (blocks, t) = sched.all_to_all(call, &padded, l, self.clock()).await?;
         self.set_clock(t);
+        self.finish();
         let keep = chunk_len(c, l, r);
         let per_source = blocks.split_even(n);
         Ok(Payload::concat(
@@ -294,7 +299,8 @@ impl Chip {
     /// Returns once every member of the group has entered the barrier.
     pub async fn barrier(&mut self, comm: &Comm) -> Result<(), CollectiveError> {
         let n = comm.group.size(self.pod()) as usize;
-        let fp = self.begin(comm.group, OpKind::Barrier, comm.dtype, 0, None);
+        let fp = self.begin(comm.group, OpKind::Barrier, comm.dtype, 0, None).await;
+        self.set_verify(false);
         // One token per member, reduced and gathered: nobody leaves before everybody arrived.
         self.reduce_then_gather(comm, fp, Payload::Meta(n), ReduceOp::Sum)
             .await

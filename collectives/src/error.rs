@@ -27,6 +27,14 @@ pub enum CollectiveError {
         peer: ChipId,
         theirs: String,
     },
+    /// Debug mode: a message's payload does not match the checksum its sender computed.
+    #[error("corrupt message: chip {chip} received {fingerprint} from chip {peer} on link {link} with a payload that does not match its sender's checksum")]
+    Corrupt {
+        chip: ChipId,
+        peer: ChipId,
+        link: Link,
+        fingerprint: Fingerprint,
+    },
     /// The algorithm needs a link that does not exist in this topology.
     #[error("chip {chip} has no link {link}")]
     NoLink { chip: ChipId, link: Link },

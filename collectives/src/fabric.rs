@@ -38,6 +38,8 @@ pub struct Message {
     /// Virtual arrival time at the receiver, ns.
     pub arrive_ns: f64,
     pub payload: Payload,
+    /// Debug mode: a checksum of the payload as sent, checked on receipt.
+    pub checksum: Option<u64>,
 }
 
 /// A send that must wait for room in a bounded queue before it is handed over.

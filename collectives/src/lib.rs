@@ -27,9 +27,11 @@ mod chip;
 mod collective;
 mod error;
 mod fabric;
+pub mod faults;
 mod fingerprint;
 mod local;
 mod payload;
+mod recorder;
 mod reduce;
 pub mod reference;
 
@@ -41,4 +43,5 @@ pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
 pub use payload::{Payload, Rope};
+pub use recorder::{Blocked, ChipStatus, FlightRecorder, OpState, RecordEntry, link_slot, wall_ns};
 pub use reduce::ReduceOp;

@@ -384,6 +384,25 @@ impl Payload {
         self.clone().resolve()
     }
 
+    /// FNV-1a over the values' f32 bits (debug-mode message checksums); `None` in meta mode.
+    pub fn checksum(&self) -> Option<u64> {
+        let resolved;
+        let rope = match self {
+            Payload::Pending(_) => {
+                resolved = self.resolved();
+                resolved.as_rope()?
+            }
+            _ => self.as_rope()?,
+        };
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        rope.for_each_run(|run| {
+            for v in run {
+                h = (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3);
+            }
+        });
+        Some(h)
+    }
+
     /// The values as one vector (a copy); `None` in meta mode.
     pub fn to_vec(&self) -> Option<Vec<f32>> {
         match self {

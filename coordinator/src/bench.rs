@@ -206,6 +206,9 @@ impl BenchPlan {
             program: Program::Bench {
                 cases: self.sizes.iter().map(|&s| self.case(s)).collect(),
             },
+            faults: Vec::new(),
+            heartbeat_ms: 100,
+            watchdog_ms: 2000,
         }
     }
 }

@@ -7,7 +7,8 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
-use podsim_topology::{Group, Hardware, HardwareOverrides, Placement, Pod, Torus};
+use podsim_topology::{Group, Hardware, HardwareOverrides, Link, Placement, Pod, Torus};
+use podsim_worker::faults::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::job::{CollectiveStep, JobSpec, Program};
 use podsim_worker::train::strategy::Plan;
 use podsim_worker::train::{Eager, MlpSpec, OptimizerSpec, Strategy, TrainSpec};
@@ -72,6 +73,7 @@ pub struct JobConfig {
     pub program: Program,
     pub watchdog: Watchdog,
     pub output_dir: PathBuf,
+    pub faults: Vec<FaultSpec>,
 }
 
 impl JobConfig {
@@ -82,6 +84,9 @@ impl JobConfig {
             hardware: self.hardware.clone(),
             workers: self.workers,
             program: self.program.clone(),
+            faults: self.faults.clone(),
+            heartbeat_ms: self.watchdog.heartbeat_ms,
+            watchdog_ms: self.watchdog.timeout_ms,
         }
     }
 
@@ -198,6 +203,22 @@ struct RawCollective {
     dtype: Option<String>,
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFault {
+    kind: String,
+    chip: Option<u32>,
+    worker: Option<u32>,
+    link: Option<String>,
+    groups: Option<Vec<Vec<u32>>>,
+    at_step: Option<u64>,
+    at_seq: Option<u64>,
+    after_ms: Option<u64>,
+    mode: Option<String>,
+    delay_ms: Option<f64>,
+    factor: Option<f64>,
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawWatchdog {
@@ -216,7 +237,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
     (
         "",
         &[
-            "name", "topology", "launch", "job", "watchdog", "output", "hardware",
+            "name", "topology", "launch", "job", "watchdog", "output", "hardware", "faults",
         ],
     ),
     ("topology", &["shape", "wraparound", "slices", "hardware"]),
@@ -262,6 +283,13 @@ const SCHEMA: &[(&str, &[&str])] = &[
         &["op", "size", "algo", "group", "reduce", "root", "dtype"],
     ),
     ("watchdog", &["timeout_ms", "heartbeat_ms"]),
+    (
+        "faults",
+        &[
+            "kind", "chip", "worker", "link", "groups", "at_step", "at_seq", "after_ms", "mode",
+            "delay_ms", "factor",
+        ],
+    ),
     ("output", &["dir"]),
     (
         "hardware",
@@ -451,6 +479,15 @@ fn parse(
             }
         }
     }
+    if let Some(list) = table.get("faults").and_then(|c| c.as_array()) {
+        for (i, entry) in list.iter().enumerate() {
+            for sk in entry.as_table().into_iter().flat_map(|t| t.keys()) {
+                if !known("faults").contains(&sk.as_str()) {
+                    p.add(&format!("faults#{i}"), Some(sk), "unknown key");
+                }
+            }
+        }
+    }
     if let Some(list) = table
         .get("job")
         .and_then(|j| j.get("collectives"))
@@ -484,6 +521,13 @@ fn parse(
             .and_then(|j| j.get_mut(nested))
         {
             t.retain(|k, _| known(&path).contains(&k));
+        }
+    }
+    if let Some(toml::Value::Array(list)) = table.get_mut("faults") {
+        for entry in list.iter_mut() {
+            if let toml::Value::Table(t) = entry {
+                t.retain(|k, _| known("faults").contains(&k));
+            }
         }
     }
     if let Some(toml::Value::Array(list)) = table
@@ -541,6 +585,14 @@ fn parse(
     let watchdog: Option<RawWatchdog> = section(&mut p, &table, "watchdog");
     let output: Option<RawOutput> = section(&mut p, &table, "output");
     let overrides: Option<HardwareOverrides> = section(&mut p, &table, "hardware");
+    let raw_faults: Vec<RawFault> = match table.get("faults") {
+        None => Vec::new(),
+        Some(v) => v
+            .clone()
+            .try_into()
+            .map_err(|e: toml::de::Error| p.add("faults", None, e.message().to_string()))
+            .unwrap_or_default(),
+    };
 
     // 3. Meaning.
     let mut pod = None;
@@ -595,7 +647,7 @@ fn parse(
     }
     let watchdog = watchdog.unwrap_or_default();
     let wd = Watchdog {
-        timeout_ms: watchdog.timeout_ms.unwrap_or(3000),
+        timeout_ms: watchdog.timeout_ms.unwrap_or(2000),
         heartbeat_ms: watchdog.heartbeat_ms.unwrap_or(100),
     };
     if wd.heartbeat_ms == 0 {
@@ -692,6 +744,12 @@ fn parse(
             ),
         }
     }
+    let mut faults = Vec::new();
+    for (i, f) in raw_faults.iter().enumerate() {
+        if let Some(spec) = fault(&mut p, &format!("faults#{i}"), f, pod.as_ref(), workers) {
+            faults.push(spec);
+        }
+    }
     let output_dir = output
         .and_then(|o| o.dir)
         .map(PathBuf::from)
@@ -712,6 +770,7 @@ fn parse(
                 program,
                 watchdog: wd,
                 output_dir,
+                faults,
             })
         }
         _ => Err(ConfigErrors(p.list)),
@@ -959,5 +1018,97 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         algo: algo?,
         meta,
         check: j.check.unwrap_or(true) && !meta,
+    })
+}
+
+/// One `[[faults]]` entry.
+fn fault(p: &mut Problems<'_>, table: &str, f: &RawFault, pod: Option<&Pod>, workers: u32) -> Option<FaultSpec> {
+    let before = p.list.len();
+    let kind = FaultKind::ALL.into_iter().find(|k| k.name() == f.kind);
+    if kind.is_none() {
+        let names: Vec<_> = FaultKind::ALL.iter().map(|k| k.name()).collect();
+        p.add(table, Some("kind"), format!("unknown fault {:?} (expected one of {})", f.kind, names.join(", ")));
+    }
+    let chips = pod.map_or(u32::MAX, Pod::chips);
+    if let Some(c) = f.chip.filter(|c| *c >= chips) {
+        p.add(table, Some("chip"), format!("chip {c} is outside the pod's {chips} chips"));
+    }
+    if let Some(w) = f.worker.filter(|w| *w >= workers) {
+        p.add(table, Some("worker"), format!("worker {w} is outside the job's {workers} workers"));
+    }
+    // `link = "5:+x"`: chip 5's link +x.
+    let mut chip = f.chip;
+    let link = f.link.as_deref().and_then(|text| {
+        let (c, l) = match text.split_once(':') {
+            Some((c, l)) => (c.trim().parse::<u32>().ok(), l),
+            None => (f.chip, text),
+        };
+        let parsed = Link::parse(l).map_err(|e| p.add(table, Some("link"), e)).ok()?;
+        let Some(c) = c else {
+            p.add(table, Some("link"), format!("{text:?}: name the sending chip, e.g. \"3:+x\""));
+            return None;
+        };
+        chip = Some(c);
+        if let Some(pod) = pod
+            && (c >= pod.chips() || pod.peer(c, parsed).is_none())
+        {
+            p.add(table, Some("link"), format!("chip {c} has no link {parsed} in this topology"));
+        }
+        Some(parsed)
+    });
+    let needs = |p: &mut Problems<'_>, ok: bool, what: &str| {
+        if !ok {
+            p.add(table, None, format!("a {} fault needs {what}", f.kind));
+        }
+    };
+    match kind {
+        Some(FaultKind::Stall | FaultKind::Slow | FaultKind::Desync) => needs(p, f.chip.is_some(), "chip = N"),
+        Some(FaultKind::Crash | FaultKind::Freeze) => needs(p, f.chip.is_some() || f.worker.is_some(), "worker = N or chip = N"),
+        Some(FaultKind::Drop | FaultKind::Delay | FaultKind::Corrupt) => needs(p, f.link.is_some(), "link = \"chip:link\" (e.g. \"3:+x\")"),
+        Some(FaultKind::Partition) => {
+            let groups = f.groups.clone().unwrap_or_default();
+            needs(p, groups.len() == 2 && groups.iter().all(|g| !g.is_empty()), "groups = [[workers...], [workers...]]");
+            if let Some(w) = groups.iter().flatten().find(|w| **w >= workers) {
+                p.add(table, Some("groups"), format!("worker {w} is outside the job's {workers} workers"));
+            }
+        }
+        None => {}
+    }
+    let factor = f.factor.unwrap_or(10.0);
+    if kind == Some(FaultKind::Slow) && !(factor >= 1.0 && factor.is_finite()) {
+        p.add(table, Some("factor"), "must be at least 1");
+    }
+    let delay_ms = f.delay_ms.unwrap_or(50.0);
+    if !(delay_ms >= 0.0 && delay_ms.is_finite()) {
+        p.add(table, Some("delay_ms"), "must be a non-negative number of ms");
+    }
+    let (once, desync) = match (kind, f.mode.as_deref()) {
+        (Some(FaultKind::Drop), None | Some("always")) => (false, DesyncMode::Skip),
+        (Some(FaultKind::Drop), Some("once")) => (true, DesyncMode::Skip),
+        (Some(FaultKind::Desync), None | Some("skip")) => (false, DesyncMode::Skip),
+        (Some(FaultKind::Desync), Some("op")) => (false, DesyncMode::Op),
+        (Some(FaultKind::Desync), Some("size")) => (false, DesyncMode::Size),
+        (_, None) => (false, DesyncMode::Skip),
+        (_, Some(m)) => {
+            p.add(table, Some("mode"), format!("{m:?} is not a mode of this fault (drop: once, always; desync: skip, op, size)"));
+            (false, DesyncMode::Skip)
+        }
+    };
+    if p.list.len() > before {
+        return None;
+    }
+    Some(FaultSpec {
+        kind: kind?,
+        chip,
+        worker: f.worker,
+        link,
+        groups: f.groups.clone().unwrap_or_default(),
+        at_step: f.at_step,
+        at_seq: f.at_seq,
+        after_ms: f.after_ms,
+        once,
+        delay_ms,
+        factor,
+        desync,
     })
 }

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_server::{Control, ControlServer};
-use podsim_worker::job::{JobSpec, WorkerReport};
+use podsim_worker::job::{DesyncReport, HeartbeatStatus, JobSpec, WorkerReport};
+
+use crate::watchdog::{Finding, HangKind, Watchdog};
 use podsim_worker::net::check_token;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
@@ -44,6 +46,10 @@ pub struct Outcome {
     pub workers: Vec<WorkerInfo>,
     pub reports: Vec<WorkerReport>,
     pub wall: Duration,
+    /// Chips the others spent much of the run waiting on (slow, not hung).
+    pub stragglers: Vec<crate::watchdog::Straggler>,
+    /// Faults the workers reported firing.
+    pub faults: Vec<podsim_worker::faults::FaultEvent>,
 }
 
 /// Why a job did not finish.
@@ -61,6 +67,22 @@ pub enum LaunchError {
     Timeout(String),
     #[error("interrupted")]
     Interrupted,
+    /// The watchdog found a hang (or a desync): the diagnosis and the evidence.
+    #[error("{} detected: {}", serde_json::to_value(.0.finding.kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(), .0.finding.explanation)]
+    Hang(Box<HangReport>),
+}
+
+/// A diagnosed hang: what the watchdog found, the flight recorders it collected, the faults
+/// the workers reported firing, and when it was detected.
+#[derive(Debug, Clone)]
+pub struct HangReport {
+    pub finding: Finding,
+    /// Per worker, its chips' flight recorders (JSON).
+    pub recorders: BTreeMap<u32, serde_json::Value>,
+    pub faults: Vec<podsim_worker::faults::FaultEvent>,
+    pub detected_wall_ns: u64,
+    /// Pid of each worker that joined.
+    pub pids: BTreeMap<u32, u32>,
 }
 
 /// A worker that joined the control session.
@@ -212,7 +234,8 @@ impl Children {
         let mut out = Vec::new();
         for (id, child) in &mut self.0 {
             if let Ok(Some(status)) = child.try_wait() {
-                out.push((*id, describe_exit(status), status.code() != Some(1)));
+                let normal = matches!(status.code(), Some(0 | 1));
+                out.push((*id, describe_exit(status), !normal));
             }
         }
         out
@@ -264,6 +287,94 @@ impl Drop for Children {
         for (_, child) in &mut self.0 {
             let _ = child.start_kill();
         }
+    }
+}
+
+enum WorkersKind {
+    Spawned,
+    External,
+}
+
+fn workers_kind(children: &Children) -> WorkersKind {
+    if children.0.is_empty() { WorkersKind::External } else { WorkersKind::Spawned }
+}
+
+/// Asks every worker for its flight recorders and waits up to a second for the answers (a
+/// dead or frozen worker sends none).
+async fn collect_recorders<F, Fut>(
+    events: &mut mpsc::Receiver<(u32, Result<pb::worker_msg::Body, String>)>,
+    broadcast: &F,
+    finding: &Finding,
+) -> BTreeMap<u32, serde_json::Value>
+where
+    F: Fn(pb::coordinator_msg::Body) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    broadcast(pb::coordinator_msg::Body::Dump(pb::DumpRequest {})).await;
+    let mut out = BTreeMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    while let Ok(Some((id, msg))) = tokio::time::timeout_at(deadline, events.recv()).await {
+        if let Ok(pb::worker_msg::Body::Dump(d)) = msg
+            && let Ok(v) = serde_json::from_slice(&d.json)
+        {
+            out.insert(id, v);
+        }
+    }
+    tracing::info!("collected {} flight recorders for a {:?}", out.len(), finding.kind);
+    out
+}
+
+fn dead_worker(watchdog: &Watchdog, id: u32, how: &str, pid: Option<u32>) -> Finding {
+    let current = watchdog.current_of(id);
+    let pid = pid.map_or(String::new(), |p| format!(", pid {p}"));
+    Finding {
+        kind: HangKind::DeadWorker,
+        chip: current.as_ref().map(|c| c.0),
+        worker: Some(id),
+        link: None,
+        seq: current.as_ref().map(|c| c.1),
+        op: current.as_ref().map(|c| c.2.clone()),
+        waiting: watchdog.waiting_chips(),
+        explanation: format!(
+            "Worker {id}{pid} {how}{}, leaving its peers waiting: check its log (worker-{id}.log) and the host (out of memory, a crash, a kill).",
+            current.map_or(String::new(), |c| format!(" during {} #{} on chip {}", c.2, c.1, c.0))
+        ),
+        // The process died after its last heartbeat: the earliest it can have taken effect.
+        effect_wall_ns: watchdog.last_heard(id).unwrap_or_else(podsim_collectives::wall_ns),
+    }
+}
+
+fn desync(watchdog: &Watchdog, d: &DesyncReport, worker: u32) -> Finding {
+    if d.kind == "corrupt" {
+        let link = d.link.map_or("?".to_string(), |l| l.to_string());
+        return Finding {
+            kind: HangKind::Corrupt,
+            chip: Some(d.peer),
+            worker: None,
+            link: d.link,
+            seq: Some(d.mine.seq),
+            op: Some(d.mine.op.to_string()),
+            waiting: watchdog.waiting_chips(),
+            explanation: format!(
+                "Chip {}'s message of {} on link {link} reached chip {} with bits flipped (its checksum does not match): the link corrupts data; check that link's transport.",
+                d.peer, d.mine, d.chip
+            ),
+            effect_wall_ns: podsim_collectives::wall_ns(),
+        };
+    }
+    Finding {
+        kind: HangKind::Desync,
+        chip: Some(d.chip),
+        worker: Some(worker),
+        link: d.link,
+        seq: Some(d.mine.seq),
+        op: Some(d.mine.op.to_string()),
+        waiting: watchdog.waiting_chips(),
+        explanation: format!(
+            "Chip {} is in {} but chip {} is in {}: the chips' programs diverged (a skipped or different collective); check the control flow that leads to this collective on both chips.",
+            d.chip, d.mine, d.peer, d.theirs
+        ),
+        effect_wall_ns: podsim_collectives::wall_ns(),
     }
 }
 
@@ -361,10 +472,12 @@ pub async fn run(
     let result = drive(spec, control, &mut children, join_timeout, progress, roster).await;
     // Whatever happened, no worker outlives the job.
     children.reap(Duration::from_secs(5)).await;
-    result.map(|(workers, reports)| Outcome {
+    result.map(|(workers, reports, stragglers, faults)| Outcome {
         workers,
         reports,
         wall: started.elapsed(),
+        stragglers,
+        faults,
     })
 }
 
@@ -375,7 +488,7 @@ async fn drive(
     join_timeout: Duration,
     progress: ProgressFn<'_>,
     roster: &mut Vec<WorkerInfo>,
-) -> Result<(Vec<WorkerInfo>, Vec<WorkerReport>), LaunchError> {
+) -> Result<Finished, LaunchError> {
     let n = spec.workers;
     // 1. Every worker joins.
     let mut joined: BTreeMap<u32, Joined> = BTreeMap::new();
@@ -489,7 +602,16 @@ async fn drive(
         }
     };
 
-    // 3. Ready, start, progress, results.
+    // 3. Ready, start, progress (heartbeats), results; the watchdog reads the heartbeats.
+    let mut watchdog = Watchdog::new(
+        spec.pod.clone(),
+        Duration::from_millis(spec.watchdog_ms.max(1)),
+        Duration::from_millis(spec.heartbeat_ms.max(1)),
+    );
+    let tick = Duration::from_millis(spec.heartbeat_ms.clamp(1, 500));
+    let pids: BTreeMap<u32, u32> = infos.iter().map(|w| (w.id, w.pid)).collect();
+    let mut found: Option<Finding> = None;
+    let mut detected_wall_ns = 0;
     let mut ready = 0;
     let mut started = false;
     let mut done: BTreeMap<u32, u64> = BTreeMap::new();
@@ -497,8 +619,40 @@ async fn drive(
     let mut reports: BTreeMap<u32, WorkerReport> = BTreeMap::new();
     let setup_deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while (reports.len() as u32) < n {
+        if let Some(finding) = found.take() {
+            if detected_wall_ns == 0 {
+                detected_wall_ns = podsim_collectives::wall_ns();
+            }
+            let recorders = collect_recorders(&mut events, &broadcast, &finding).await;
+            broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
+                reason: "hang detected".into(),
+            }))
+            .await;
+            return Err(LaunchError::Hang(Box::new(HangReport {
+                finding,
+                recorders,
+                faults: watchdog.faults().to_vec(),
+                detected_wall_ns,
+                pids,
+            })));
+        }
+        if started {
+            // A worker that died (crash, kill) while others run is a dead worker.
+            for (id, how, abnormal) in children.all_exited() {
+                if abnormal && !reports.contains_key(&id) {
+                    found = Some(dead_worker(&watchdog, id, &how, pids.get(&id).copied()));
+                }
+            }
+            if found.is_none() {
+                found = watchdog.check(std::time::Instant::now());
+            }
+            if found.is_some() {
+                detected_wall_ns = podsim_collectives::wall_ns();
+                continue;
+            }
+        }
         let wait = if started {
-            Duration::from_millis(500)
+            tick
         } else {
             setup_deadline.saturating_duration_since(tokio::time::Instant::now())
         };
@@ -536,6 +690,9 @@ async fn drive(
                 }
             }
             (id, Ok(pb::worker_msg::Body::Progress(p))) => {
+                if let Ok(hb) = serde_json::from_slice::<HeartbeatStatus>(&p.status_json) {
+                    watchdog.heartbeat(id, hb, std::time::Instant::now());
+                }
                 done.insert(id, p.done);
                 total.insert(id, p.total);
                 progress(done.values().sum(), total.values().sum());
@@ -549,8 +706,15 @@ async fn drive(
                 done.insert(id, total.get(&id).copied().unwrap_or(0));
                 progress(done.values().sum(), total.values().sum());
                 reports.insert(id, report);
+                watchdog.finished(id);
             }
             (id, Ok(pb::worker_msg::Body::Failure(f))) => {
+                if let Ok(d) = serde_json::from_slice::<DesyncReport>(&f.error_json) {
+                    watchdog.faults_fired(&d.faults);
+                    found = Some(desync(&watchdog, &d, id));
+                    detected_wall_ns = podsim_collectives::wall_ns();
+                    continue;
+                }
                 let error = children.blame(id, f.error).await;
                 broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                     reason: format!("worker {id} failed"),
@@ -558,6 +722,7 @@ async fn drive(
                 .await;
                 return Err(error);
             }
+            (_, Ok(pb::worker_msg::Body::Dump(_))) => {}
             (id, Ok(pb::worker_msg::Body::Hello(_))) => {
                 return Err(LaunchError::Protocol(format!(
                     "worker {id} said hello twice"
@@ -566,6 +731,21 @@ async fn drive(
             (id, Err(e)) => {
                 if reports.contains_key(&id) {
                     continue;
+                }
+                if started {
+                    // A dead process shows as a lost session first: give its exit status a
+                    // moment to appear, then let the checks above name it.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    if let Some((dead, how, _)) = children.all_exited().into_iter().find(|e| e.2) {
+                        found = Some(dead_worker(&watchdog, dead, &how, pids.get(&dead).copied()));
+                        detected_wall_ns = podsim_collectives::wall_ns();
+                        continue;
+                    }
+                    if matches!(workers_kind(children), WorkersKind::External) {
+                        found = Some(dead_worker(&watchdog, id, &e, pids.get(&id).copied()));
+                        detected_wall_ns = podsim_collectives::wall_ns();
+                        continue;
+                    }
                 }
                 let error = children.blame(id, e).await;
                 broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
@@ -580,5 +760,18 @@ async fn drive(
         reason: "job finished".into(),
     }))
     .await;
-    Ok((infos, reports.into_values().collect()))
+    Ok((
+        infos,
+        reports.into_values().collect(),
+        watchdog.stragglers(),
+        watchdog.faults().to_vec(),
+    ))
 }
+
+/// What a finished job leaves: workers, their reports, stragglers, faults fired.
+type Finished = (
+    Vec<WorkerInfo>,
+    Vec<WorkerReport>,
+    Vec<crate::watchdog::Straggler>,
+    Vec<podsim_worker::faults::FaultEvent>,
+);

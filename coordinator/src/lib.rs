@@ -6,6 +6,7 @@ pub mod config;
 pub mod launch;
 pub mod report;
 pub mod units;
+pub mod watchdog;
 
 use thiserror::Error;
 
@@ -18,6 +19,9 @@ pub enum CliError {
     /// The job itself failed (exit 1).
     #[error("{0}")]
     Job(String),
+    /// A hang (exit 3) or a desync (exit 4) was detected.
+    #[error("{message}")]
+    Hang { code: u8, message: String },
 }
 
 impl CliError {
@@ -25,6 +29,7 @@ impl CliError {
         match self {
             CliError::Usage(_) => 2,
             CliError::Job(_) => 1,
+            CliError::Hang { code, .. } => *code,
         }
     }
 }

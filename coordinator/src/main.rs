@@ -198,17 +198,24 @@ fn run_job(
             _ = tokio::signal::ctrl_c() => Err(LaunchError::Interrupted),
         }
     });
-    let report = report::build(
+    let mut report = report::build(
         cfg,
         result
             .as_ref()
             .map_err(|e| (e.to_string(), roster.as_slice())),
     );
+    if let Err(LaunchError::Hang(h)) = &result {
+        report::add_hang(&mut report, cfg, h);
+    }
     let path = report::write(&cfg.output_dir, &report).map_err(CliError::Job)?;
     print!("{}", report::summary(&report));
     println!("report: {}", path.display());
     match result {
         Ok(_) => Ok(report.status == "ok"),
+        Err(LaunchError::Hang(h)) => Err(CliError::Hang {
+            code: h.finding.kind.exit_code(),
+            message: h.finding.explanation.clone(),
+        }),
         Err(e) => Err(CliError::Job(e.to_string())),
     }
 }

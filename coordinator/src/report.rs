@@ -24,6 +24,13 @@ pub struct Report {
     /// Wall latency of every collective call (first chip in to last chip out), per op, µs.
     pub latency_us: BTreeMap<String, Latency>,
     pub correctness: Correctness,
+    /// The diagnosis of a detected hang or desync.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hang: Option<Hang>,
+    /// Faults the workers reported firing.
+    pub faults_injected: Vec<podsim_worker::faults::FaultEvent>,
+    /// Chips that were slow but kept making progress.
+    pub stragglers: Vec<crate::watchdog::Straggler>,
     /// Training jobs: the strategy, every step and each chip's memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub training: Option<Training>,
@@ -103,6 +110,77 @@ pub struct Correctness {
 }
 
 #[derive(Debug, Serialize)]
+pub struct Hang {
+    pub kind: crate::watchdog::HangKind,
+    pub culprit: Culprit,
+    /// The collective at fault (the culprit's, or the one waited for).
+    pub seq: Option<u64>,
+    pub op: Option<String>,
+    /// From the moment the fault took effect (the injected fault firing, else the culprit's
+    /// last sign of life) to the diagnosis.
+    pub detected_after_ms: f64,
+    pub waiting_chips: Vec<u32>,
+    pub explanation: String,
+    /// Flight-recorder files written beside the report.
+    pub flight_recorders: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Culprit {
+    pub chip: Option<u32>,
+    pub coordinates: Option<Vec<u32>>,
+    pub worker: Option<u32>,
+    pub pid: Option<u32>,
+    /// Named from its sending chip.
+    pub link: Option<String>,
+}
+
+/// Fills `report.hang` from a diagnosed hang and writes the flight recorders into `dir`.
+pub fn add_hang(report: &mut Report, cfg: &JobConfig, h: &crate::launch::HangReport) {
+    let f = &h.finding;
+    let mut files = Vec::new();
+    for (worker, dump) in &h.recorders {
+        let name = format!("flight-recorder-worker-{worker}.json");
+        let path = cfg.output_dir.join(&name);
+        if let Ok(text) = serde_json::to_string_pretty(dump)
+            && std::fs::create_dir_all(&cfg.output_dir).is_ok()
+            && std::fs::write(&path, text).is_ok()
+        {
+            files.push(name);
+        }
+    }
+    let effect = h
+        .faults
+        .iter()
+        .map(|e| e.at_wall_ns)
+        .min()
+        .unwrap_or(f.effect_wall_ns)
+        .min(h.detected_wall_ns);
+    report.status = match f.kind {
+        crate::watchdog::HangKind::Desync => "desync".into(),
+        crate::watchdog::HangKind::Corrupt => "error".into(),
+        _ => "hang".into(),
+    };
+    report.faults_injected = h.faults.clone();
+    report.hang = Some(Hang {
+        kind: f.kind,
+        culprit: Culprit {
+            chip: f.chip,
+            coordinates: f.chip.map(|c| cfg.pod.coord(c).to_vec()),
+            worker: f.worker,
+            pid: f.worker.and_then(|w| h.pids.get(&w).copied()),
+            link: f.link.map(|l| l.to_string()),
+        },
+        seq: f.seq,
+        op: f.op.clone(),
+        detected_after_ms: h.detected_wall_ns.saturating_sub(effect) as f64 / 1e6,
+        waiting_chips: f.waiting.clone(),
+        explanation: f.explanation.clone(),
+        flight_recorders: files,
+    });
+}
+
+#[derive(Debug, Serialize)]
 pub struct Training {
     pub strategy: String,
     pub eager: String,
@@ -167,6 +245,9 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
             replicas_identical: None,
         },
         training: None,
+        hang: None,
+        faults_injected: Vec::new(),
+        stragglers: Vec::new(),
         virtual_s: 0.0,
         wall_s: 0.0,
         link_errors: Vec::new(),
@@ -196,6 +277,8 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         }
     };
     report.wall_s = out.wall.as_secs_f64();
+    report.stragglers = out.stragglers.clone();
+    report.faults_injected = out.faults.clone();
     for info in &out.workers {
         let r = out.reports.iter().find(|r| r.worker == info.id);
         report.workers.push(WorkerEntry {

@@ -131,6 +131,9 @@ fn spec() -> JobSpec {
                 root: 0,
             }],
         },
+        faults: Vec::new(),
+        heartbeat_ms: 100,
+        watchdog_ms: 2000,
     }
 }
 

@@ -1,10 +1,11 @@
 //! What a worker is asked to run (sent by the coordinator as JSON) and what it reports back.
 
-use podsim_collectives::{Algo, Comm, DType, OpKind, ReduceOp};
-use podsim_topology::{Group, Hardware, Pod};
+use podsim_collectives::{Algo, ChipStatus, CollectiveError, Comm, DType, Fingerprint, OpKind, ReduceOp};
+use podsim_topology::{Group, Hardware, Link, Pod};
 use serde::{Deserialize, Serialize};
 
 use crate::bench::{BenchCase, elements_for_buffer};
+use crate::faults::{FaultEvent, FaultSpec};
 use crate::train::{ChipTrainReport, TrainSpec};
 
 /// One job, as every worker receives it.
@@ -15,6 +16,101 @@ pub struct JobSpec {
     pub hardware: Hardware,
     pub workers: u32,
     pub program: Program,
+    /// Faults to inject (`[[faults]]`).
+    #[serde(default)]
+    pub faults: Vec<FaultSpec>,
+    /// How often workers report each chip's status, ms.
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// The coordinator's hang timeout, ms (workers do not use it).
+    #[serde(default = "default_watchdog_ms")]
+    pub watchdog_ms: u64,
+}
+
+fn default_heartbeat_ms() -> u64 {
+    100
+}
+
+fn default_watchdog_ms() -> u64 {
+    2000
+}
+
+/// What a heartbeat carries: every local chip's status and the faults fired so far.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct HeartbeatStatus {
+    pub chips: Vec<ChipStatus>,
+    pub faults: Vec<FaultEvent>,
+}
+
+/// One chip's flight recorder as dumped for a diagnosis.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecorderDump {
+    pub status: ChipStatus,
+    pub entries: Vec<podsim_collectives::RecordEntry>,
+}
+
+/// A desync as a worker reports it: both chips and both collectives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DesyncReport {
+    /// `desync`, or `corrupt` (a payload that failed its checksum).
+    #[serde(default = "desync_kind")]
+    pub kind: String,
+    pub chip: u32,
+    pub peer: u32,
+    pub mine: Fingerprint,
+    /// The peer's collective as seen (a fingerprint, or its description).
+    pub theirs: String,
+    /// The link the mismatching message came over (absent for debug-mode checks).
+    pub link: Option<Link>,
+    /// Faults fired in the reporting worker (an injected desync among them).
+    #[serde(default)]
+    pub faults: Vec<FaultEvent>,
+}
+
+fn desync_kind() -> String {
+    "desync".into()
+}
+
+impl DesyncReport {
+    /// The desync inside `e`, if it is one.
+    pub fn from_error(e: &crate::WorkerError) -> Option<DesyncReport> {
+        match e {
+            crate::WorkerError::Collective(CollectiveError::Desync { chip, expected, peer, got, link }) => {
+                Some(DesyncReport {
+                    kind: desync_kind(),
+                    chip: *chip,
+                    peer: *peer,
+                    mine: *expected,
+                    theirs: got.to_string(),
+                    link: Some(*link),
+                    faults: Vec::new(),
+                })
+            }
+            crate::WorkerError::Collective(CollectiveError::Mismatch { chip, mine, peer, theirs }) => {
+                Some(DesyncReport {
+                    kind: desync_kind(),
+                    chip: *chip,
+                    peer: *peer,
+                    mine: *mine,
+                    theirs: theirs.clone(),
+                    link: None,
+                    faults: Vec::new(),
+                })
+            }
+            crate::WorkerError::Collective(CollectiveError::Corrupt { chip, peer, link, fingerprint }) => {
+                Some(DesyncReport {
+                    kind: "corrupt".into(),
+                    chip: *chip,
+                    peer: *peer,
+                    mine: *fingerprint,
+                    theirs: String::new(),
+                    link: Some(*link),
+                    faults: Vec::new(),
+                })
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The program every chip runs.

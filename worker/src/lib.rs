@@ -4,6 +4,7 @@
 
 pub mod bench;
 mod error;
+pub mod faults;
 pub mod job;
 pub mod net;
 pub mod programs;

@@ -140,6 +140,10 @@ impl NodeFabric {
     }
 
     /// Chip objects for the chips this worker hosts.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
     pub fn chips(&self) -> Vec<Chip> {
         let pod = Arc::new(self.spec.pod.clone());
         let hw = Arc::new(self.spec.hardware.clone());

@@ -42,6 +42,7 @@ pub async fn run_program(
                     script,
                 } => {
                     for iteration in 0..*iterations {
+                        chip.enter_step(u64::from(iteration)).await;
                         for (step, s) in script.iter().enumerate() {
                             let case = s.case(chip.pod(), *meta);
                             let r = bench_chip(&mut chip, &case, false).await?;

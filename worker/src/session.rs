@@ -17,8 +17,11 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Request;
 
+use podsim_collectives::FlightRecorder;
+
 use crate::error::WorkerError;
-use crate::job::{JobSpec, WorkerReport};
+use crate::faults::FaultPlan;
+use crate::job::{DesyncReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
 use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
 use crate::programs::{run_program, total_units};
 
@@ -140,22 +143,41 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
         other => return Err(session_error(format!("expected start, got {other:?}"))),
     }
 
-    let chips = fabric.chips();
+    let mut chips = fabric.chips();
+    let faults = Arc::new(FaultPlan::new(
+        fabric.spec.faults.clone(),
+        fabric.placement().clone(),
+        me,
+        fabric.spec.pod.chips() as usize,
+    ));
+    if !faults.is_empty() {
+        for chip in &mut chips {
+            chip.set_faults(faults.clone());
+        }
+    }
+    let recorders: Vec<Arc<FlightRecorder>> = chips.iter().map(|c| c.recorder()).collect();
     let local_chips = fabric.local_chips();
     let program = fabric.spec.program.clone();
     let total = total_units(&program, chips.len());
     let done = Arc::new(AtomicU64::new(0));
+    // Heartbeats: progress and every chip's live status, on their own task so that they keep
+    // coming while chips wait (a chip stuck in a kernel shows as computing).
     let progress = {
-        let (tx, done) = (to_coord.clone(), done.clone());
+        let (tx, done, recorders, faults) = (to_coord.clone(), done.clone(), recorders.clone(), faults.clone());
+        let every = Duration::from_millis(fabric.spec.heartbeat_ms.max(1));
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            let mut tick = tokio::time::interval(every);
             loop {
                 tick.tick().await;
-                let d = done.load(Ordering::Relaxed);
+                let status = HeartbeatStatus {
+                    chips: recorders.iter().map(|r| r.status()).collect(),
+                    faults: faults.events(),
+                };
                 let msg = pb::WorkerMsg {
                     body: Some(pb::worker_msg::Body::Progress(pb::Progress {
-                        done: d,
+                        done: done.load(Ordering::Relaxed),
                         total,
+                        status_json: serde_json::to_vec(&status).unwrap_or_default(),
                     })),
                 };
                 if tx.send(msg).await.is_err() {
@@ -164,13 +186,25 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             }
         })
     };
-    let outcome = tokio::select! {
-        r = run_program(chips, &program, done.clone()) => r,
-        m = from_coord.next() => Err(match m {
-            Ok(pb::coordinator_msg::Body::Shutdown(s)) => session_error(format!("stopped: {}", s.reason)),
-            Ok(other) => session_error(format!("unexpected {other:?} during the job")),
-            Err(e) => e,
-        }),
+    let run = run_program(chips, &program, done.clone());
+    tokio::pin!(run);
+    let outcome = loop {
+        tokio::select! {
+            r = &mut run => break r,
+            m = from_coord.next() => match m {
+                Ok(pb::coordinator_msg::Body::Dump(_)) => {
+                    let dump: Vec<RecorderDump> = recorders
+                        .iter()
+                        .map(|r| RecorderDump { status: r.status(), entries: r.entries() })
+                        .collect();
+                    let json = serde_json::to_vec(&dump).unwrap_or_default();
+                    send(&to_coord, pb::worker_msg::Body::Dump(pb::FlightRecorderDump { json })).await?;
+                }
+                Ok(pb::coordinator_msg::Body::Shutdown(s)) => break Err(session_error(format!("stopped: {}", s.reason))),
+                Ok(other) => break Err(session_error(format!("unexpected {other:?} during the job"))),
+                Err(e) => break Err(e),
+            },
+        }
     };
     progress.abort();
     fabric.finish();
@@ -200,6 +234,10 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 &to_coord,
                 pb::worker_msg::Body::Failure(pb::WorkerFailure {
                     error: e.to_string(),
+                    error_json: DesyncReport::from_error(&e)
+                        .map(|d| DesyncReport { faults: faults.events(), ..d })
+                        .and_then(|d| serde_json::to_vec(&d).ok())
+                        .unwrap_or_default(),
                 }),
             )
             .await;

@@ -53,6 +53,7 @@ pub fn encode(msg: Message) -> pb::Envelope {
         }),
         arrive_ns: msg.arrive_ns,
         payload: Some(pb::Payload { body: Some(body) }),
+        checksum: msg.checksum,
     }
 }
 
@@ -138,5 +139,6 @@ pub fn decode(
         tag,
         arrive_ns: env.arrive_ns,
         payload,
+        checksum: env.checksum,
     })
 }

@@ -214,6 +214,7 @@ pub async fn train_chip_with_parameters(
     let mut t = Trainer::new(chip, spec).await?;
     let mut steps = Vec::with_capacity(spec.steps as usize);
     for step in 0..spec.steps {
+        chip.enter_step(u64::from(step)).await;
         steps.push(t.step(chip, step).await?);
         done.fetch_add(1, Ordering::Relaxed);
     }

@@ -1,0 +1,256 @@
+//! The flight recorder: each chip's ring buffer of its last collectives (sequence number,
+//! fingerprint, state, virtual and wall start and end) and a live view of what it is doing
+//! right now: the receives it is blocked on (link, tag, peer chip), whether it is computing,
+//! and counters of messages per link. Heartbeats carry the live view; on a hang the whole
+//! recorder is dumped for the diagnosis.
+//!
+//! Every update is a short critical section on the chip's own lock, taken by the chip's own
+//! task (and by the heartbeat reader every 100 ms), so recording costs little next to a
+//! message.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use podsim_topology::{ChipId, Link, MAX_AXES};
+use serde::{Deserialize, Serialize};
+
+use crate::fabric::Tag;
+use crate::fingerprint::Fingerprint;
+
+/// Collectives a recorder keeps by default.
+pub const DEFAULT_CAPACITY: usize = 2000;
+
+/// Wall clock, ns since the Unix epoch.
+pub fn wall_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OpState {
+    Scheduled,
+    Started,
+    Completed,
+}
+
+/// One collective in the recorder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordEntry {
+    /// Per-chip running number of the collective (all groups).
+    pub index: u64,
+    pub fingerprint: Fingerprint,
+    pub state: OpState,
+    pub virtual_start_ns: f64,
+    pub virtual_end_ns: Option<f64>,
+    pub wall_start_ns: u64,
+    pub wall_end_ns: Option<u64>,
+}
+
+/// A receive a chip is waiting for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Blocked {
+    /// The link as this chip names it.
+    pub link: Link,
+    /// The chip at the other end.
+    pub peer: ChipId,
+    pub tag: Tag,
+    pub fingerprint: Fingerprint,
+    pub since_wall_ns: u64,
+}
+
+/// Messages over each link of a chip: slots are ICI (axis, direction) then DCN.
+pub const LINK_SLOTS: usize = 2 * MAX_AXES + 1;
+
+/// The counter slot of `link`.
+pub fn link_slot(link: Link) -> usize {
+    match link {
+        Link::Ici { axis, dir } => 2 * usize::from(axis) + dir.index(),
+        Link::Dcn { .. } => 2 * MAX_AXES,
+    }
+}
+
+/// What a chip is doing now (a heartbeat's view of it).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChipStatus {
+    pub chip: ChipId,
+    /// Bumped by every message sent or received, every collective started or finished and
+    /// every compute kernel: a chip whose counter moves is alive and working.
+    pub progress: u64,
+    /// Collectives completed.
+    pub completed: u64,
+    /// The collective in progress, if any.
+    pub current: Option<RecordEntry>,
+    pub blocked: Vec<Blocked>,
+    /// Wall time a compute kernel started, while one runs.
+    pub computing_since_ns: Option<u64>,
+    /// Training step or script iteration the chip is in.
+    pub step: u64,
+    /// Messages sent and received per link slot.
+    pub sent: Vec<u64>,
+    pub received: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    entries: VecDeque<RecordEntry>,
+    blocked: Vec<Blocked>,
+    computing_since_ns: Option<u64>,
+    next_index: u64,
+    completed: u64,
+    step: u64,
+}
+
+/// A chip's flight recorder.
+#[derive(Debug)]
+pub struct FlightRecorder {
+    chip: ChipId,
+    capacity: usize,
+    inner: Mutex<Inner>,
+    progress: AtomicU64,
+    sent: [AtomicU64; LINK_SLOTS],
+    received: [AtomicU64; LINK_SLOTS],
+    /// Wall time spent blocked in receives, in all, ns.
+    waited_ns: AtomicU64,
+    /// Wall clock and `waited_ns` at the last send.
+    last_send: Mutex<(u64, u64)>,
+}
+
+impl FlightRecorder {
+    pub fn new(chip: ChipId, capacity: usize) -> FlightRecorder {
+        FlightRecorder {
+            chip,
+            capacity: capacity.max(1),
+            inner: Mutex::new(Inner {
+                entries: VecDeque::new(),
+                blocked: Vec::new(),
+                computing_since_ns: None,
+                next_index: 0,
+                completed: 0,
+                step: 0,
+            }),
+            progress: AtomicU64::new(0),
+            sent: Default::default(),
+            received: Default::default(),
+            waited_ns: AtomicU64::new(0),
+            last_send: Mutex::new((wall_ns(), 0)),
+        }
+    }
+
+    /// Wall time since the chip's last send that it spent on its own work (not blocked on a
+    /// receive): what a slower chip would take longer over.
+    pub fn busy_since_last_send(&self) -> std::time::Duration {
+        let (at, waited_then) = *self.last_send.lock().unwrap_or_else(|e| e.into_inner());
+        let waited = self.waited_ns.load(Ordering::Relaxed).saturating_sub(waited_then);
+        std::time::Duration::from_nanos(wall_ns().saturating_sub(at).saturating_sub(waited))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bump(&self) {
+        self.progress.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A collective starts; returns its per-chip index.
+    pub fn started(&self, fingerprint: Fingerprint, virtual_ns: f64) -> u64 {
+        self.bump();
+        let mut g = self.lock();
+        let index = g.next_index;
+        g.next_index += 1;
+        if g.entries.len() == self.capacity {
+            g.entries.pop_front();
+        }
+        g.entries.push_back(RecordEntry {
+            index,
+            fingerprint,
+            state: OpState::Started,
+            virtual_start_ns: virtual_ns,
+            virtual_end_ns: None,
+            wall_start_ns: wall_ns(),
+            wall_end_ns: None,
+        });
+        index
+    }
+
+    /// Collectives started so far (the index the next one gets).
+    pub fn started_count(&self) -> u64 {
+        self.lock().next_index
+    }
+
+    /// The collective `index` finished.
+    pub fn completed(&self, index: u64, virtual_ns: f64) {
+        self.bump();
+        let mut g = self.lock();
+        g.completed += 1;
+        if let Some(e) = g.entries.iter_mut().rev().find(|e| e.index == index) {
+            e.state = OpState::Completed;
+            e.virtual_end_ns = Some(virtual_ns);
+            e.wall_end_ns = Some(wall_ns());
+        }
+    }
+
+    pub fn sent(&self, link: Link) {
+        self.sent[link_slot(link)].fetch_add(1, Ordering::Relaxed);
+        *self.last_send.lock().unwrap_or_else(|e| e.into_inner()) = (wall_ns(), self.waited_ns.load(Ordering::Relaxed));
+        self.bump();
+    }
+
+    pub fn waiting(&self, b: Blocked) {
+        self.lock().blocked.push(b);
+    }
+
+    /// The receive on `link` with `tag` is over (received, or failed).
+    pub fn done_waiting(&self, link: Link, tag: Tag, received: bool) {
+        if received {
+            self.received[link_slot(link)].fetch_add(1, Ordering::Relaxed);
+            self.bump();
+        }
+        let mut g = self.lock();
+        if let Some(i) = g.blocked.iter().position(|b| b.link == link && b.tag == tag) {
+            let b = g.blocked.swap_remove(i);
+            self.waited_ns.fetch_add(wall_ns().saturating_sub(b.since_wall_ns), Ordering::Relaxed);
+        }
+    }
+
+    pub fn compute_started(&self) {
+        self.bump();
+        self.lock().computing_since_ns = Some(wall_ns());
+    }
+
+    pub fn compute_finished(&self) {
+        self.bump();
+        self.lock().computing_since_ns = None;
+    }
+
+    /// The program moved to training step or script iteration `step`.
+    pub fn set_step(&self, step: u64) {
+        self.bump();
+        self.lock().step = step;
+    }
+
+    /// The live view for a heartbeat.
+    pub fn status(&self) -> ChipStatus {
+        let g = self.lock();
+        ChipStatus {
+            chip: self.chip,
+            progress: self.progress.load(Ordering::Relaxed),
+            completed: g.completed,
+            current: g.entries.back().filter(|e| e.state != OpState::Completed).cloned(),
+            blocked: g.blocked.clone(),
+            computing_since_ns: g.computing_since_ns,
+            step: g.step,
+            sent: self.sent.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+            received: self.received.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+        }
+    }
+
+    /// Every entry still held, oldest first.
+    pub fn entries(&self) -> Vec<RecordEntry> {
+        self.lock().entries.iter().cloned().collect()
+    }
+}

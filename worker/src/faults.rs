@@ -1,0 +1,302 @@
+//! Fault injection from a job's `[[faults]]`: what each fault does, when it fires, and the
+//! record of what fired (sent to the coordinator with the heartbeats, so a diagnosis can say
+//! how long after the fault it was made).
+//!
+//! | kind | target | effect |
+//! |---|---|---|
+//! | `stall` | chip | the chip stops making progress (not waiting on anyone) |
+//! | `crash` | worker (or a chip's worker) | the process aborts |
+//! | `freeze` | worker (or a chip's worker) | the process stops itself with SIGSTOP |
+//! | `drop` | link | messages on it vanish (the sender believes they left): `once` or always |
+//! | `delay` | link | every message is `delay_ms` late, in wall and virtual time |
+//! | `slow` | chip | the chip runs `factor` times slower (each send waits for the extra time) |
+//! | `desync` | chip | the chip skips a collective, calls another op, or another size |
+//! | `corrupt` | link | a bit of each message's payload flips (data mode) |
+//! | `partition` | worker groups | every message between two groups vanishes |
+//!
+//! A fault fires when its target reaches `at_step` (training step or script iteration),
+//! `at_seq` (the chip's collective number, from 0), or `after_ms` of job time; without a
+//! trigger it is active from the start.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use podsim_collectives::faults::{BeforeCollective, FaultHook, OnSend};
+use podsim_collectives::{Fingerprint, Message, OpKind, Payload, wall_ns};
+use podsim_topology::{ChipId, Link, Placement};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    Stall,
+    Crash,
+    Freeze,
+    Drop,
+    Delay,
+    Slow,
+    Desync,
+    Corrupt,
+    Partition,
+}
+
+impl FaultKind {
+    pub const ALL: [FaultKind; 9] = [
+        FaultKind::Stall,
+        FaultKind::Crash,
+        FaultKind::Freeze,
+        FaultKind::Drop,
+        FaultKind::Delay,
+        FaultKind::Slow,
+        FaultKind::Desync,
+        FaultKind::Corrupt,
+        FaultKind::Partition,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::Stall => "stall",
+            FaultKind::Crash => "crash",
+            FaultKind::Freeze => "freeze",
+            FaultKind::Drop => "drop",
+            FaultKind::Delay => "delay",
+            FaultKind::Slow => "slow",
+            FaultKind::Desync => "desync",
+            FaultKind::Corrupt => "corrupt",
+            FaultKind::Partition => "partition",
+        }
+    }
+}
+
+/// How a `desync` fault makes its chip differ from the group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DesyncMode {
+    Skip,
+    Op,
+    Size,
+}
+
+/// One fault of a job, validated.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FaultSpec {
+    pub kind: FaultKind,
+    /// Target chip (stall, slow, desync; crash/freeze: its worker; drop/delay/corrupt: the
+    /// sending chip of `link`).
+    pub chip: Option<ChipId>,
+    /// Target worker (crash, freeze).
+    pub worker: Option<u32>,
+    pub link: Option<Link>,
+    /// Partition: the two groups of workers cut apart.
+    pub groups: Vec<Vec<u32>>,
+    pub at_step: Option<u64>,
+    pub at_seq: Option<u64>,
+    pub after_ms: Option<u64>,
+    /// Drop: only the first message after the trigger.
+    pub once: bool,
+    pub delay_ms: f64,
+    pub factor: f64,
+    pub desync: DesyncMode,
+}
+
+/// A fault that fired.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FaultEvent {
+    /// Index in the job's fault list.
+    pub fault: usize,
+    pub kind: FaultKind,
+    pub at_wall_ns: u64,
+    pub detail: String,
+}
+
+/// A worker's faults, consulted by its chips.
+#[derive(Debug)]
+pub struct FaultPlan {
+    faults: Vec<FaultSpec>,
+    placement: Placement,
+    me: u32,
+    start: Instant,
+    steps: Vec<AtomicU64>,
+    seqs: Vec<AtomicU64>,
+    fired: Vec<AtomicBool>,
+    events: Mutex<Vec<FaultEvent>>,
+}
+
+impl FaultPlan {
+    pub fn new(faults: Vec<FaultSpec>, placement: Placement, me: u32, chips: usize) -> FaultPlan {
+        let n = faults.len();
+        FaultPlan {
+            faults,
+            placement,
+            me,
+            start: Instant::now(),
+            steps: (0..chips).map(|_| AtomicU64::new(0)).collect(),
+            seqs: (0..chips).map(|_| AtomicU64::new(0)).collect(),
+            fired: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.faults.is_empty()
+    }
+
+    /// Faults fired in this process so far.
+    pub fn events(&self) -> Vec<FaultEvent> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn triggered(&self, f: &FaultSpec, chip: ChipId) -> bool {
+        let i = chip as usize;
+        let step = self.steps.get(i).map_or(0, |s| s.load(Ordering::Relaxed));
+        let seq = self.seqs.get(i).map_or(0, |s| s.load(Ordering::Relaxed));
+        f.at_step.is_none_or(|n| step >= n)
+            && f.at_seq.is_none_or(|n| seq >= n)
+            && f.after_ms.is_none_or(|n| self.start.elapsed() >= Duration::from_millis(n))
+    }
+
+    /// Records that fault `i` fired (once); returns whether this call was the first.
+    fn fire(&self, i: usize, detail: String) -> bool {
+        if self.fired[i].swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        tracing::warn!("fault {i} ({}) fired: {detail}", self.faults[i].kind.name());
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).push(FaultEvent {
+            fault: i,
+            kind: self.faults[i].kind,
+            at_wall_ns: wall_ns(),
+            detail,
+        });
+        true
+    }
+
+    fn worker_target(&self, f: &FaultSpec) -> Option<u32> {
+        f.worker.or_else(|| f.chip.map(|c| self.placement.worker_of(c)))
+    }
+
+    /// Process-level faults (crash, freeze) due for `chip` now.
+    fn process_faults(&self, chip: ChipId) {
+        for (i, f) in self.faults.iter().enumerate() {
+            let hits = matches!(f.kind, FaultKind::Crash | FaultKind::Freeze)
+                && self.worker_target(f) == Some(self.me)
+                && self.placement.worker_of(chip) == self.me
+                && self.triggered(f, chip);
+            if !hits || !self.fire(i, format!("worker {} at chip {chip}", self.me)) {
+                continue;
+            }
+            match f.kind {
+                FaultKind::Crash => std::process::abort(),
+                _ => {
+                    // SIGSTOP to ourselves, as `kill -STOP <pid>` from outside would.
+                    let _ = std::process::Command::new("kill")
+                        .arg("-STOP")
+                        .arg(std::process::id().to_string())
+                        .status();
+                }
+            }
+        }
+    }
+
+}
+
+fn other_op(op: OpKind) -> OpKind {
+    if op == OpKind::AllGather { OpKind::AllReduce } else { OpKind::AllGather }
+}
+
+impl FaultHook for FaultPlan {
+    fn at_step(&self, chip: ChipId, step: u64) -> BeforeCollective {
+        if let Some(s) = self.steps.get(chip as usize) {
+            s.store(step, Ordering::Relaxed);
+        }
+        self.process_faults(chip);
+        for (i, f) in self.faults.iter().enumerate() {
+            if f.kind == FaultKind::Stall
+                && f.chip == Some(chip)
+                && f.at_step.is_some()
+                && self.triggered(f, chip)
+                && self.fire(i, format!("chip {chip} stalls at step {step}"))
+            {
+                return BeforeCollective::Stall;
+            }
+        }
+        BeforeCollective::Proceed
+    }
+
+    fn before_collective(&self, chip: ChipId, index: u64, fp: &mut Fingerprint) -> BeforeCollective {
+        if let Some(s) = self.seqs.get(chip as usize) {
+            s.store(index, Ordering::Relaxed);
+        }
+        self.process_faults(chip);
+        for (i, f) in self.faults.iter().enumerate() {
+            if f.chip != Some(chip) || !self.triggered(f, chip) {
+                continue;
+            }
+            match f.kind {
+                FaultKind::Stall if self.fire(i, format!("chip {chip} stalls before collective {index} ({fp})")) => {
+                    return BeforeCollective::Stall;
+                }
+                FaultKind::Desync if self.fire(i, format!("chip {chip} desyncs at collective {index} ({fp})")) => {
+                    match f.desync {
+                        DesyncMode::Skip => return BeforeCollective::Skip,
+                        DesyncMode::Op => fp.op = other_op(fp.op),
+                        DesyncMode::Size => fp.count += 1,
+                    }
+                }
+                _ => {}
+            }
+        }
+        BeforeCollective::Proceed
+    }
+
+    fn on_send(&self, msg: &mut Message, busy: Duration) -> OnSend {
+        let mut action = OnSend::Deliver;
+        for (i, f) in self.faults.iter().enumerate() {
+            let on_link = f.chip == Some(msg.src) && f.link == Some(msg.link);
+            match f.kind {
+                FaultKind::Drop if on_link && self.triggered(f, msg.src) => {
+                    let first = self.fire(i, format!("chip {} link {} drops {}", msg.src, msg.link, msg.fingerprint));
+                    if first || !f.once {
+                        return OnSend::Drop;
+                    }
+                }
+                FaultKind::Partition if self.triggered(f, msg.src) => {
+                    let (a, b) = (self.placement.worker_of(msg.src), self.placement.worker_of(msg.dst));
+                    let side = |w: u32| f.groups.iter().position(|g| g.contains(&w));
+                    if let (Some(x), Some(y)) = (side(a), side(b))
+                        && x != y
+                    {
+                        self.fire(i, format!("workers {:?} cut apart", f.groups));
+                        return OnSend::Drop;
+                    }
+                }
+                FaultKind::Delay if on_link && self.triggered(f, msg.src) => {
+                    self.fire(i, format!("chip {} link {} delayed by {} ms", msg.src, msg.link, f.delay_ms));
+                    action = OnSend::Delay {
+                        wall: Duration::from_secs_f64(f.delay_ms / 1e3),
+                        virtual_ns: f.delay_ms * 1e6,
+                    };
+                }
+                FaultKind::Corrupt if on_link && self.triggered(f, msg.src) => {
+                    if let Some(mut v) = msg.payload.to_vec()
+                        && let Some(x) = v.first_mut()
+                    {
+                        self.fire(i, format!("chip {} link {} flips bits", msg.src, msg.link));
+                        *x = f32::from_bits(x.to_bits() ^ 0x0040_0000);
+                        msg.payload = Payload::from_vec(v);
+                    }
+                }
+                FaultKind::Slow if f.chip == Some(msg.src) && self.triggered(f, msg.src) => {
+                    // The chip's own work since its last send takes `factor` times as long.
+                    self.fire(i, format!("chip {} runs {}x slower", msg.src, f.factor));
+                    action = OnSend::Delay {
+                        wall: busy.mul_f64(f.factor - 1.0).min(Duration::from_secs(1)),
+                        virtual_ns: 0.0,
+                    };
+                }
+                _ => {}
+            }
+        }
+        action
+    }
+}
