@@ -18,9 +18,9 @@ use podsim_topology::{ChipId, Coord, Group, Hardware, Link, MAX_AXES, Pod};
 use crate::error::CollectiveError;
 use crate::fabric::{Delivery, Expect, Inbox, Message, Router, Tag};
 use crate::faults::{FaultHook, OnSend};
-use crate::recorder::{self, Blocked, FlightRecorder};
 use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
+use crate::recorder::{self, Blocked, FlightRecorder};
 use crate::reduce::ReduceOp;
 
 /// Virtual time in nanoseconds of modelled hardware.

@@ -110,7 +110,9 @@ impl Chip {
                 comm.dtype.name()
             )));
         }
-        let fp = self.begin(comm.group, op, comm.dtype, input.len(), reduce).await;
+        let fp = self
+            .begin(comm.group, op, comm.dtype, input.len(), reduce)
+            .await;
         self.set_verify(comm.verify);
         if comm.verify && !input.is_meta() {
             self.verify_fingerprint(comm, fp).await?;
@@ -299,7 +301,9 @@ impl Chip {
     /// Returns once every member of the group has entered the barrier.
     pub async fn barrier(&mut self, comm: &Comm) -> Result<(), CollectiveError> {
         let n = comm.group.size(self.pod()) as usize;
-        let fp = self.begin(comm.group, OpKind::Barrier, comm.dtype, 0, None).await;
+        let fp = self
+            .begin(comm.group, OpKind::Barrier, comm.dtype, 0, None)
+            .await;
         self.set_verify(false);
         // One token per member, reduced and gathered: nobody leaves before everybody arrived.
         self.reduce_then_gather(comm, fp, Payload::Meta(n), ReduceOp::Sum)

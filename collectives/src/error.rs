@@ -28,7 +28,9 @@ pub enum CollectiveError {
         theirs: String,
     },
     /// Debug mode: a message's payload does not match the checksum its sender computed.
-    #[error("corrupt message: chip {chip} received {fingerprint} from chip {peer} on link {link} with a payload that does not match its sender's checksum")]
+    #[error(
+        "corrupt message: chip {chip} received {fingerprint} from chip {peer} on link {link} with a payload that does not match its sender's checksum"
+    )]
     Corrupt {
         chip: ChipId,
         peer: ChipId,

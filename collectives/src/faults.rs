@@ -27,7 +27,10 @@ pub enum OnSend {
     /// Lose it silently (the sender believes it was sent).
     Drop,
     /// Deliver it late: `wall` of real time, `virtual_ns` of extra modelled latency.
-    Delay { wall: Duration, virtual_ns: f64 },
+    Delay {
+        wall: Duration,
+        virtual_ns: f64,
+    },
 }
 
 /// Fault injection as the collectives see it.
@@ -37,7 +40,12 @@ pub trait FaultHook: Send + Sync + std::fmt::Debug {
 
     /// Chip `chip` is about to start its `index`-th collective; the hook may alter its
     /// fingerprint (a chip calling a different collective or size).
-    fn before_collective(&self, chip: ChipId, index: u64, fingerprint: &mut Fingerprint) -> BeforeCollective;
+    fn before_collective(
+        &self,
+        chip: ChipId,
+        index: u64,
+        fingerprint: &mut Fingerprint,
+    ) -> BeforeCollective;
 
     /// `msg` is about to leave; the hook may alter its payload (flipped bits). `busy` is the
     /// wall time the sender spent on its own work since its previous send.

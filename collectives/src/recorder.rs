@@ -144,7 +144,10 @@ impl FlightRecorder {
     /// receive): what a slower chip would take longer over.
     pub fn busy_since_last_send(&self) -> std::time::Duration {
         let (at, waited_then) = *self.last_send.lock().unwrap_or_else(|e| e.into_inner());
-        let waited = self.waited_ns.load(Ordering::Relaxed).saturating_sub(waited_then);
+        let waited = self
+            .waited_ns
+            .load(Ordering::Relaxed)
+            .saturating_sub(waited_then);
         std::time::Duration::from_nanos(wall_ns().saturating_sub(at).saturating_sub(waited))
     }
 
@@ -196,7 +199,8 @@ impl FlightRecorder {
 
     pub fn sent(&self, link: Link) {
         self.sent[link_slot(link)].fetch_add(1, Ordering::Relaxed);
-        *self.last_send.lock().unwrap_or_else(|e| e.into_inner()) = (wall_ns(), self.waited_ns.load(Ordering::Relaxed));
+        *self.last_send.lock().unwrap_or_else(|e| e.into_inner()) =
+            (wall_ns(), self.waited_ns.load(Ordering::Relaxed));
         self.bump();
     }
 
@@ -211,9 +215,14 @@ impl FlightRecorder {
             self.bump();
         }
         let mut g = self.lock();
-        if let Some(i) = g.blocked.iter().position(|b| b.link == link && b.tag == tag) {
+        if let Some(i) = g
+            .blocked
+            .iter()
+            .position(|b| b.link == link && b.tag == tag)
+        {
             let b = g.blocked.swap_remove(i);
-            self.waited_ns.fetch_add(wall_ns().saturating_sub(b.since_wall_ns), Ordering::Relaxed);
+            self.waited_ns
+                .fetch_add(wall_ns().saturating_sub(b.since_wall_ns), Ordering::Relaxed);
         }
     }
 
@@ -240,12 +249,24 @@ impl FlightRecorder {
             chip: self.chip,
             progress: self.progress.load(Ordering::Relaxed),
             completed: g.completed,
-            current: g.entries.back().filter(|e| e.state != OpState::Completed).cloned(),
+            current: g
+                .entries
+                .back()
+                .filter(|e| e.state != OpState::Completed)
+                .cloned(),
             blocked: g.blocked.clone(),
             computing_since_ns: g.computing_since_ns,
             step: g.step,
-            sent: self.sent.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
-            received: self.received.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+            sent: self
+                .sent
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect(),
+            received: self
+                .received
+                .iter()
+                .map(|c| c.load(Ordering::Relaxed))
+                .collect(),
         }
     }
 

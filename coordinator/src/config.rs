@@ -1022,19 +1022,41 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
 }
 
 /// One `[[faults]]` entry.
-fn fault(p: &mut Problems<'_>, table: &str, f: &RawFault, pod: Option<&Pod>, workers: u32) -> Option<FaultSpec> {
+fn fault(
+    p: &mut Problems<'_>,
+    table: &str,
+    f: &RawFault,
+    pod: Option<&Pod>,
+    workers: u32,
+) -> Option<FaultSpec> {
     let before = p.list.len();
     let kind = FaultKind::ALL.into_iter().find(|k| k.name() == f.kind);
     if kind.is_none() {
         let names: Vec<_> = FaultKind::ALL.iter().map(|k| k.name()).collect();
-        p.add(table, Some("kind"), format!("unknown fault {:?} (expected one of {})", f.kind, names.join(", ")));
+        p.add(
+            table,
+            Some("kind"),
+            format!(
+                "unknown fault {:?} (expected one of {})",
+                f.kind,
+                names.join(", ")
+            ),
+        );
     }
     let chips = pod.map_or(u32::MAX, Pod::chips);
     if let Some(c) = f.chip.filter(|c| *c >= chips) {
-        p.add(table, Some("chip"), format!("chip {c} is outside the pod's {chips} chips"));
+        p.add(
+            table,
+            Some("chip"),
+            format!("chip {c} is outside the pod's {chips} chips"),
+        );
     }
     if let Some(w) = f.worker.filter(|w| *w >= workers) {
-        p.add(table, Some("worker"), format!("worker {w} is outside the job's {workers} workers"));
+        p.add(
+            table,
+            Some("worker"),
+            format!("worker {w} is outside the job's {workers} workers"),
+        );
     }
     // `link = "5:+x"`: chip 5's link +x.
     let mut chip = f.chip;
@@ -1043,16 +1065,26 @@ fn fault(p: &mut Problems<'_>, table: &str, f: &RawFault, pod: Option<&Pod>, wor
             Some((c, l)) => (c.trim().parse::<u32>().ok(), l),
             None => (f.chip, text),
         };
-        let parsed = Link::parse(l).map_err(|e| p.add(table, Some("link"), e)).ok()?;
+        let parsed = Link::parse(l)
+            .map_err(|e| p.add(table, Some("link"), e))
+            .ok()?;
         let Some(c) = c else {
-            p.add(table, Some("link"), format!("{text:?}: name the sending chip, e.g. \"3:+x\""));
+            p.add(
+                table,
+                Some("link"),
+                format!("{text:?}: name the sending chip, e.g. \"3:+x\""),
+            );
             return None;
         };
         chip = Some(c);
         if let Some(pod) = pod
             && (c >= pod.chips() || pod.peer(c, parsed).is_none())
         {
-            p.add(table, Some("link"), format!("chip {c} has no link {parsed} in this topology"));
+            p.add(
+                table,
+                Some("link"),
+                format!("chip {c} has no link {parsed} in this topology"),
+            );
         }
         Some(parsed)
     });
@@ -1062,14 +1094,30 @@ fn fault(p: &mut Problems<'_>, table: &str, f: &RawFault, pod: Option<&Pod>, wor
         }
     };
     match kind {
-        Some(FaultKind::Stall | FaultKind::Slow | FaultKind::Desync) => needs(p, f.chip.is_some(), "chip = N"),
-        Some(FaultKind::Crash | FaultKind::Freeze) => needs(p, f.chip.is_some() || f.worker.is_some(), "worker = N or chip = N"),
-        Some(FaultKind::Drop | FaultKind::Delay | FaultKind::Corrupt) => needs(p, f.link.is_some(), "link = \"chip:link\" (e.g. \"3:+x\")"),
+        Some(FaultKind::Stall | FaultKind::Slow | FaultKind::Desync) => {
+            needs(p, f.chip.is_some(), "chip = N")
+        }
+        Some(FaultKind::Crash | FaultKind::Freeze) => needs(
+            p,
+            f.chip.is_some() || f.worker.is_some(),
+            "worker = N or chip = N",
+        ),
+        Some(FaultKind::Drop | FaultKind::Delay | FaultKind::Corrupt) => {
+            needs(p, f.link.is_some(), "link = \"chip:link\" (e.g. \"3:+x\")")
+        }
         Some(FaultKind::Partition) => {
             let groups = f.groups.clone().unwrap_or_default();
-            needs(p, groups.len() == 2 && groups.iter().all(|g| !g.is_empty()), "groups = [[workers...], [workers...]]");
+            needs(
+                p,
+                groups.len() == 2 && groups.iter().all(|g| !g.is_empty()),
+                "groups = [[workers...], [workers...]]",
+            );
             if let Some(w) = groups.iter().flatten().find(|w| **w >= workers) {
-                p.add(table, Some("groups"), format!("worker {w} is outside the job's {workers} workers"));
+                p.add(
+                    table,
+                    Some("groups"),
+                    format!("worker {w} is outside the job's {workers} workers"),
+                );
             }
         }
         None => {}
@@ -1080,7 +1128,11 @@ fn fault(p: &mut Problems<'_>, table: &str, f: &RawFault, pod: Option<&Pod>, wor
     }
     let delay_ms = f.delay_ms.unwrap_or(50.0);
     if !(delay_ms >= 0.0 && delay_ms.is_finite()) {
-        p.add(table, Some("delay_ms"), "must be a non-negative number of ms");
+        p.add(
+            table,
+            Some("delay_ms"),
+            "must be a non-negative number of ms",
+        );
     }
     let (once, desync) = match (kind, f.mode.as_deref()) {
         (Some(FaultKind::Drop), None | Some("always")) => (false, DesyncMode::Skip),
@@ -1090,7 +1142,13 @@ fn fault(p: &mut Problems<'_>, table: &str, f: &RawFault, pod: Option<&Pod>, wor
         (Some(FaultKind::Desync), Some("size")) => (false, DesyncMode::Size),
         (_, None) => (false, DesyncMode::Skip),
         (_, Some(m)) => {
-            p.add(table, Some("mode"), format!("{m:?} is not a mode of this fault (drop: once, always; desync: skip, op, size)"));
+            p.add(
+                table,
+                Some("mode"),
+                format!(
+                    "{m:?} is not a mode of this fault (drop: once, always; desync: skip, op, size)"
+                ),
+            );
             (false, DesyncMode::Skip)
         }
     };

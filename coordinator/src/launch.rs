@@ -241,6 +241,20 @@ impl Children {
         out
     }
 
+    /// A worker that died abnormally, waiting up to `patience` for its exit status to show.
+    async fn dead(&mut self, patience: Duration) -> Option<(u32, String)> {
+        let deadline = tokio::time::Instant::now() + patience;
+        loop {
+            if let Some((id, how, _)) = self.all_exited().into_iter().find(|e| e.2) {
+                return Some((id, how));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The worker to blame when worker `id` failed or went away with `reason`: a worker that
     /// died abnormally (killed, crashed) is the cause, and its neighbours' reports of broken
     /// links are consequences. Waits up to a second for exit statuses to show.
@@ -296,7 +310,11 @@ enum WorkersKind {
 }
 
 fn workers_kind(children: &Children) -> WorkersKind {
-    if children.0.is_empty() { WorkersKind::External } else { WorkersKind::Spawned }
+    if children.0.is_empty() {
+        WorkersKind::External
+    } else {
+        WorkersKind::Spawned
+    }
 }
 
 /// Asks every worker for its flight recorders and waits up to a second for the answers (a
@@ -320,7 +338,11 @@ where
             out.insert(id, v);
         }
     }
-    tracing::info!("collected {} flight recorders for a {:?}", out.len(), finding.kind);
+    tracing::info!(
+        "collected {} flight recorders for a {:?}",
+        out.len(),
+        finding.kind
+    );
     out
 }
 
@@ -337,10 +359,15 @@ fn dead_worker(watchdog: &Watchdog, id: u32, how: &str, pid: Option<u32>) -> Fin
         waiting: watchdog.waiting_chips(),
         explanation: format!(
             "Worker {id}{pid} {how}{}, leaving its peers waiting: check its log (worker-{id}.log) and the host (out of memory, a crash, a kill).",
-            current.map_or(String::new(), |c| format!(" during {} #{} on chip {}", c.2, c.1, c.0))
+            current.map_or(String::new(), |c| format!(
+                " during {} #{} on chip {}",
+                c.2, c.1, c.0
+            ))
         ),
         // The process died after its last heartbeat: the earliest it can have taken effect.
-        effect_wall_ns: watchdog.last_heard(id).unwrap_or_else(podsim_collectives::wall_ns),
+        effect_wall_ns: watchdog
+            .last_heard(id)
+            .unwrap_or_else(podsim_collectives::wall_ns),
     }
 }
 
@@ -686,6 +713,7 @@ async fn drive(
                 ready += 1;
                 if ready == n {
                     broadcast(pb::coordinator_msg::Body::Start(pb::Start {})).await;
+                    watchdog.start(pids.keys().copied(), std::time::Instant::now());
                     started = true;
                 }
             }
@@ -715,6 +743,12 @@ async fn drive(
                     detected_wall_ns = podsim_collectives::wall_ns();
                     continue;
                 }
+                if started && let Some((dead, how)) = children.dead(Duration::from_secs(1)).await {
+                    // A neighbour of a dead worker reports the broken link first.
+                    found = Some(dead_worker(&watchdog, dead, &how, pids.get(&dead).copied()));
+                    detected_wall_ns = podsim_collectives::wall_ns();
+                    continue;
+                }
                 let error = children.blame(id, f.error).await;
                 broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                     reason: format!("worker {id} failed"),
@@ -735,8 +769,7 @@ async fn drive(
                 if started {
                     // A dead process shows as a lost session first: give its exit status a
                     // moment to appear, then let the checks above name it.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    if let Some((dead, how, _)) = children.all_exited().into_iter().find(|e| e.2) {
+                    if let Some((dead, how)) = children.dead(Duration::from_millis(500)).await {
                         found = Some(dead_worker(&watchdog, dead, &how, pids.get(&dead).copied()));
                         detected_wall_ns = podsim_collectives::wall_ns();
                         continue;

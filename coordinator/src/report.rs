@@ -536,7 +536,25 @@ pub fn summary(report: &Report) -> String {
             report.wall_s
         ));
     }
-    if let Some(e) = &report.error {
+    for st in &report.stragglers {
+        s.push_str(&format!(
+            "  straggler: chip {} held its peers up for {:.0} ms ({:.1}x the median chip)\n",
+            st.chip, st.waited_on_ms, st.slowdown
+        ));
+    }
+    if let Some(h) = &report.hang {
+        let kind = serde_json::to_value(h.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default();
+        s.push_str(&format!(
+            "  {} detected after {:.0} ms: {}\n  flight recorders: {}\n",
+            kind.to_uppercase(),
+            h.detected_after_ms,
+            h.explanation,
+            h.flight_recorders.join(", ")
+        ));
+    } else if let Some(e) = &report.error {
         s.push_str(&format!("  error: {e}\n"));
     }
     s

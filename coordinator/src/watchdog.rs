@@ -115,6 +115,13 @@ impl Watchdog {
         }
     }
 
+    /// The job starts: from now on every worker owes heartbeats.
+    pub fn start(&mut self, workers: impl IntoIterator<Item = u32>, now: Instant) {
+        for w in workers {
+            self.workers.entry(w).or_insert((now, wall_ns()));
+        }
+    }
+
     /// Faults a worker reports as fired (once each).
     pub fn faults_fired(&mut self, events: &[FaultEvent]) {
         for f in events {
@@ -162,7 +169,11 @@ impl Watchdog {
 
     /// Chips whose status shows them waiting right now (for a dead worker's report).
     pub fn waiting_chips(&self) -> Vec<ChipId> {
-        self.chips.iter().filter(|(_, s)| !s.status.blocked.is_empty()).map(|(c, _)| *c).collect()
+        self.chips
+            .iter()
+            .filter(|(_, s)| !s.status.blocked.is_empty())
+            .map(|(c, _)| *c)
+            .collect()
     }
 
     /// The chip a worker's chips were in, for reports on a dead worker.
@@ -170,21 +181,37 @@ impl Watchdog {
         self.chips
             .iter()
             .filter(|(_, s)| s.worker == worker)
-            .find_map(|(c, s)| s.status.current.as_ref().map(|e| (*c, e.fingerprint.seq, e.fingerprint.op.to_string())))
+            .find_map(|(c, s)| {
+                s.status
+                    .current
+                    .as_ref()
+                    .map(|e| (*c, e.fingerprint.seq, e.fingerprint.op.to_string()))
+            })
     }
 
     /// Chips that held others up for a large share of the run: while peers waited on them
     /// they were not waiting themselves (working, or slow to send).
     pub fn stragglers(&self) -> Vec<Straggler> {
-        let run = self.first_tick.zip(self.last_tick).map_or(0.0, |(a, b)| b.duration_since(a).as_secs_f64() * 1e3);
-        let mut held: Vec<f64> = self.seen.iter().map(|c| self.waited_on.get(c).map_or(0.0, |d| d.as_secs_f64() * 1e3)).collect();
+        let run = self
+            .first_tick
+            .zip(self.last_tick)
+            .map_or(0.0, |(a, b)| b.duration_since(a).as_secs_f64() * 1e3);
+        let mut held: Vec<f64> = self
+            .seen
+            .iter()
+            .map(|c| self.waited_on.get(c).map_or(0.0, |d| d.as_secs_f64() * 1e3))
+            .collect();
         held.sort_by(f64::total_cmp);
         let median = held.get(held.len() / 2).copied().unwrap_or(0.0).max(1.0);
         self.waited_on
             .iter()
             .map(|(c, d)| (*c, d.as_secs_f64() * 1e3))
             // Sampled at heartbeats: a few samples are noise, not evidence.
-            .filter(|(_, ms)| *ms > 3.0 * median && *ms > 0.2 * run && *ms >= 3.5 * self.heartbeat.as_secs_f64() * 1e3)
+            .filter(|(_, ms)| {
+                *ms > 3.0 * median
+                    && *ms > 0.2 * run
+                    && *ms >= 3.5 * self.heartbeat.as_secs_f64() * 1e3
+            })
             .map(|(chip, ms)| Straggler {
                 chip,
                 waited_on_ms: ms,
@@ -211,7 +238,11 @@ impl Watchdog {
                 .chips
                 .values()
                 .flat_map(|s| s.status.blocked.iter().map(|b| b.peer))
-                .filter(|t| self.chips.get(t).is_some_and(|s| s.status.blocked.is_empty()))
+                .filter(|t| {
+                    self.chips
+                        .get(t)
+                        .is_some_and(|s| s.status.blocked.is_empty())
+                })
                 .collect();
             for t in targets {
                 *self.waited_on.entry(t).or_default() += dt;
@@ -225,13 +256,31 @@ impl Watchdog {
                 return Some(self.frozen(w, now.duration_since(at), wall));
             }
         }
-        let stale: BTreeSet<ChipId> = self.chips.iter().filter(|(_, s)| self.stale(s, now)).map(|(c, _)| *c).collect();
+        let stale: BTreeSet<ChipId> = self
+            .chips
+            .iter()
+            .filter(|(_, s)| self.stale(s, now))
+            .map(|(c, _)| *c)
+            .collect();
         for (&c, s) in &self.chips {
             if s.status.blocked.is_empty() || !stale.contains(&c) {
                 continue;
             }
             let closure = self.closure(c);
-            if closure.iter().all(|x| stale.contains(x) || !self.chips.contains_key(x)) {
+            if closure
+                .iter()
+                .all(|x| stale.contains(x) || !self.chips.contains_key(x))
+            {
+                // Chips of a worker whose heartbeats stopped look stuck too: name the worker.
+                let late = (5 * self.heartbeat).max(self.timeout / 2);
+                let silent = closure
+                    .iter()
+                    .filter_map(|x| self.chips.get(x).map(|s| s.worker))
+                    .filter_map(|w| self.workers.get(&w).map(|h| (w, *h)))
+                    .find(|(_, (at, _))| now.duration_since(*at) >= late);
+                if let Some((w, (at, wall))) = silent {
+                    return Some(self.frozen(w, now.duration_since(at), wall));
+                }
                 return Some(self.diagnose(&closure));
             }
         }
@@ -255,12 +304,23 @@ impl Watchdog {
     }
 
     fn describe_chip(&self, c: ChipId) -> String {
-        let worker = self.chips.get(&c).map_or(String::from("?"), |s| s.worker.to_string());
-        format!("chip {c} (coordinates {:?}, worker {worker})", self.pod.coord(c))
+        let worker = self
+            .chips
+            .get(&c)
+            .map_or(String::from("?"), |s| s.worker.to_string());
+        format!(
+            "chip {c} (coordinates {:?}, worker {worker})",
+            self.pod.coord(c)
+        )
     }
 
     fn frozen(&self, w: u32, quiet: Duration, last_wall: u64) -> Finding {
-        let chips: Vec<ChipId> = self.chips.iter().filter(|(_, s)| s.worker == w).map(|(c, _)| *c).collect();
+        let chips: Vec<ChipId> = self
+            .chips
+            .iter()
+            .filter(|(_, s)| s.worker == w)
+            .map(|(c, _)| *c)
+            .collect();
         let current = self.current_of(w);
         Finding {
             kind: HangKind::FrozenWorker,
@@ -269,7 +329,11 @@ impl Watchdog {
             link: None,
             seq: current.as_ref().map(|c| c.1),
             op: current.map(|c| c.2),
-            waiting: self.waiting_chips().into_iter().filter(|c| !chips.contains(c)).collect(),
+            waiting: self
+                .waiting_chips()
+                .into_iter()
+                .filter(|c| !chips.contains(c))
+                .collect(),
             explanation: format!(
                 "Worker {w} is alive but has sent no heartbeat for {:.1} s, so its chips {chips:?} make no progress: the process is stopped or frozen (e.g. SIGSTOP); resume it with kill -CONT or kill it.",
                 quiet.as_secs_f64()
@@ -279,13 +343,29 @@ impl Watchdog {
     }
 
     fn diagnose(&self, closure: &BTreeSet<ChipId>) -> Finding {
-        let waiting: Vec<ChipId> = closure.iter().copied().filter(|c| self.chips.get(c).is_some_and(|s| !s.status.blocked.is_empty())).collect();
+        let waiting: Vec<ChipId> = closure
+            .iter()
+            .copied()
+            .filter(|c| {
+                self.chips
+                    .get(c)
+                    .is_some_and(|s| !s.status.blocked.is_empty())
+            })
+            .collect();
         // Roots: chips in the closure that wait on no one.
         let mut roots: Vec<(usize, ChipId)> = closure
             .iter()
-            .filter(|c| self.chips.get(c).is_some_and(|s| s.status.blocked.is_empty()))
+            .filter(|c| {
+                self.chips
+                    .get(c)
+                    .is_some_and(|s| s.status.blocked.is_empty())
+            })
             .map(|&c| {
-                let waiters = self.chips.values().filter(|s| s.status.blocked.iter().any(|b| b.peer == c)).count();
+                let waiters = self
+                    .chips
+                    .values()
+                    .filter(|s| s.status.blocked.iter().any(|b| b.peer == c))
+                    .count();
                 (waiters, c)
             })
             .collect();
@@ -301,7 +381,9 @@ impl Watchdog {
                 .map(|b| b.fingerprint);
             let current = s.status.current.as_ref();
             let fp = current.map(|e| e.fingerprint).or(waited);
-            let what = current.map_or("between collectives".to_string(), |e| format!("in {}", e.fingerprint));
+            let what = current.map_or("between collectives".to_string(), |e| {
+                format!("in {}", e.fingerprint)
+            });
             return Finding {
                 kind: HangKind::StalledChip,
                 chip: Some(root),
@@ -322,24 +404,45 @@ impl Watchdog {
         // Everyone waits: find receives whose message the sender did send.
         let mut lost: Vec<(ChipId, Link, ChipId, u64)> = Vec::new();
         for &a in closure {
-            let Some(sa) = self.chips.get(&a) else { continue };
+            let Some(sa) = self.chips.get(&a) else {
+                continue;
+            };
             for b in &sa.status.blocked {
-                let Some(sb) = self.chips.get(&b.peer) else { continue };
+                let Some(sb) = self.chips.get(&b.peer) else {
+                    continue;
+                };
                 let sender_link = b.link.reverse(self.pod.slice_of(a));
-                let sent = sb.status.sent.get(link_slot(sender_link)).copied().unwrap_or(0);
-                let got = sa.status.received.get(link_slot(b.link)).copied().unwrap_or(0);
+                let sent = sb
+                    .status
+                    .sent
+                    .get(link_slot(sender_link))
+                    .copied()
+                    .unwrap_or(0);
+                let got = sa
+                    .status
+                    .received
+                    .get(link_slot(b.link))
+                    .copied()
+                    .unwrap_or(0);
                 if sent > got {
                     lost.push((b.peer, sender_link, a, b.since_wall_ns));
                 }
             }
         }
         let worker = |c: ChipId| self.chips.get(&c).map_or(u32::MAX, |s| s.worker);
-        let pairs: BTreeSet<(u32, u32)> = lost.iter().map(|(s, _, d, _)| (worker(*s).min(worker(*d)), worker(*s).max(worker(*d)))).collect();
+        let pairs: BTreeSet<(u32, u32)> = lost
+            .iter()
+            .map(|(s, _, d, _)| (worker(*s).min(worker(*d)), worker(*s).max(worker(*d))))
+            .collect();
         let links: BTreeSet<(ChipId, Link)> = lost.iter().map(|(s, l, _, _)| (*s, *l)).collect();
         let since = lost.iter().map(|l| l.3).min().unwrap_or_else(wall_ns);
         if links.len() >= 2 && pairs.iter().all(|(a, b)| a != b) {
             let (first, ..) = lost[0];
-            let fp = self.chips[&first].status.current.as_ref().map(|e| e.fingerprint);
+            let fp = self.chips[&first]
+                .status
+                .current
+                .as_ref()
+                .map(|e| e.fingerprint);
             return Finding {
                 kind: HangKind::Partition,
                 chip: Some(first),
@@ -356,7 +459,12 @@ impl Watchdog {
             };
         }
         if let Some(&(src, link, dst, since)) = lost.first() {
-            let fp = self.chips[&dst].status.blocked.iter().find(|b| b.peer == src).map(|b| b.fingerprint);
+            let fp = self.chips[&dst]
+                .status
+                .blocked
+                .iter()
+                .find(|b| b.peer == src)
+                .map(|b| b.fingerprint);
             return Finding {
                 kind: HangKind::LostMessage,
                 chip: Some(src),
@@ -376,7 +484,11 @@ impl Watchdog {
             };
         }
         // A cycle with nothing lost: the oldest quiet chip.
-        let oldest = closure.iter().filter_map(|c| self.chips.get(c).map(|s| (s.changed, *c))).min().map_or(0, |x| x.1);
+        let oldest = closure
+            .iter()
+            .filter_map(|c| self.chips.get(c).map(|s| (s.changed, *c)))
+            .min()
+            .map_or(0, |x| x.1);
         let s = self.chips.get(&oldest);
         Finding {
             kind: HangKind::StalledChip,
@@ -384,7 +496,12 @@ impl Watchdog {
             worker: s.map(|s| s.worker),
             link: None,
             seq: s.and_then(|s| s.status.current.as_ref().map(|e| e.fingerprint.seq)),
-            op: s.and_then(|s| s.status.current.as_ref().map(|e| e.fingerprint.op.to_string())),
+            op: s.and_then(|s| {
+                s.status
+                    .current
+                    .as_ref()
+                    .map(|e| e.fingerprint.op.to_string())
+            }),
             waiting,
             explanation: format!(
                 "Chips {closure:?} all wait on each other and nothing was lost on the way: a deadlock; {} went quiet first.",

@@ -49,7 +49,10 @@ impl Link {
     /// Parses `+x`, `-y`, `ici+z` (as displayed) or `dcn1` / `dcn->slice1`.
     pub fn parse(text: &str) -> Result<Link, String> {
         let t = text.trim();
-        if let Some(slice) = t.strip_prefix("dcn->slice").or_else(|| t.strip_prefix("dcn")) {
+        if let Some(slice) = t
+            .strip_prefix("dcn->slice")
+            .or_else(|| t.strip_prefix("dcn"))
+        {
             return slice
                 .parse()
                 .map(|peer_slice| Link::Dcn { peer_slice })
@@ -60,13 +63,21 @@ impl Link {
         let dir = match chars.next() {
             Some('+') => Dir::Plus,
             Some('-') => Dir::Minus,
-            _ => return Err(format!("{text:?} is not a link (use +x, -y, +z or dcn<slice>)")),
+            _ => {
+                return Err(format!(
+                    "{text:?} is not a link (use +x, -y, +z or dcn<slice>)"
+                ));
+            }
         };
         let axis = match chars.as_str() {
             "x" => 0,
             "y" => 1,
             "z" => 2,
-            _ => return Err(format!("{text:?} is not a link (use +x, -y, +z or dcn<slice>)")),
+            _ => {
+                return Err(format!(
+                    "{text:?} is not a link (use +x, -y, +z or dcn<slice>)"
+                ));
+            }
         };
         Ok(Link::ici(axis, dir))
     }

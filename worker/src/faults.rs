@@ -144,7 +144,10 @@ impl FaultPlan {
 
     /// Faults fired in this process so far.
     pub fn events(&self) -> Vec<FaultEvent> {
-        self.events.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn triggered(&self, f: &FaultSpec, chip: ChipId) -> bool {
@@ -153,7 +156,8 @@ impl FaultPlan {
         let seq = self.seqs.get(i).map_or(0, |s| s.load(Ordering::Relaxed));
         f.at_step.is_none_or(|n| step >= n)
             && f.at_seq.is_none_or(|n| seq >= n)
-            && f.after_ms.is_none_or(|n| self.start.elapsed() >= Duration::from_millis(n))
+            && f.after_ms
+                .is_none_or(|n| self.start.elapsed() >= Duration::from_millis(n))
     }
 
     /// Records that fault `i` fired (once); returns whether this call was the first.
@@ -162,17 +166,21 @@ impl FaultPlan {
             return false;
         }
         tracing::warn!("fault {i} ({}) fired: {detail}", self.faults[i].kind.name());
-        self.events.lock().unwrap_or_else(|e| e.into_inner()).push(FaultEvent {
-            fault: i,
-            kind: self.faults[i].kind,
-            at_wall_ns: wall_ns(),
-            detail,
-        });
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(FaultEvent {
+                fault: i,
+                kind: self.faults[i].kind,
+                at_wall_ns: wall_ns(),
+                detail,
+            });
         true
     }
 
     fn worker_target(&self, f: &FaultSpec) -> Option<u32> {
-        f.worker.or_else(|| f.chip.map(|c| self.placement.worker_of(c)))
+        f.worker
+            .or_else(|| f.chip.map(|c| self.placement.worker_of(c)))
     }
 
     /// Process-level faults (crash, freeze) due for `chip` now.
@@ -197,11 +205,14 @@ impl FaultPlan {
             }
         }
     }
-
 }
 
 fn other_op(op: OpKind) -> OpKind {
-    if op == OpKind::AllGather { OpKind::AllReduce } else { OpKind::AllGather }
+    if op == OpKind::AllGather {
+        OpKind::AllReduce
+    } else {
+        OpKind::AllGather
+    }
 }
 
 impl FaultHook for FaultPlan {
@@ -223,7 +234,12 @@ impl FaultHook for FaultPlan {
         BeforeCollective::Proceed
     }
 
-    fn before_collective(&self, chip: ChipId, index: u64, fp: &mut Fingerprint) -> BeforeCollective {
+    fn before_collective(
+        &self,
+        chip: ChipId,
+        index: u64,
+        fp: &mut Fingerprint,
+    ) -> BeforeCollective {
         if let Some(s) = self.seqs.get(chip as usize) {
             s.store(index, Ordering::Relaxed);
         }
@@ -233,10 +249,20 @@ impl FaultHook for FaultPlan {
                 continue;
             }
             match f.kind {
-                FaultKind::Stall if self.fire(i, format!("chip {chip} stalls before collective {index} ({fp})")) => {
+                FaultKind::Stall
+                    if self.fire(
+                        i,
+                        format!("chip {chip} stalls before collective {index} ({fp})"),
+                    ) =>
+                {
                     return BeforeCollective::Stall;
                 }
-                FaultKind::Desync if self.fire(i, format!("chip {chip} desyncs at collective {index} ({fp})")) => {
+                FaultKind::Desync
+                    if self.fire(
+                        i,
+                        format!("chip {chip} desyncs at collective {index} ({fp})"),
+                    ) =>
+                {
                     match f.desync {
                         DesyncMode::Skip => return BeforeCollective::Skip,
                         DesyncMode::Op => fp.op = other_op(fp.op),
@@ -255,13 +281,22 @@ impl FaultHook for FaultPlan {
             let on_link = f.chip == Some(msg.src) && f.link == Some(msg.link);
             match f.kind {
                 FaultKind::Drop if on_link && self.triggered(f, msg.src) => {
-                    let first = self.fire(i, format!("chip {} link {} drops {}", msg.src, msg.link, msg.fingerprint));
+                    let first = self.fire(
+                        i,
+                        format!(
+                            "chip {} link {} drops {}",
+                            msg.src, msg.link, msg.fingerprint
+                        ),
+                    );
                     if first || !f.once {
                         return OnSend::Drop;
                     }
                 }
                 FaultKind::Partition if self.triggered(f, msg.src) => {
-                    let (a, b) = (self.placement.worker_of(msg.src), self.placement.worker_of(msg.dst));
+                    let (a, b) = (
+                        self.placement.worker_of(msg.src),
+                        self.placement.worker_of(msg.dst),
+                    );
                     let side = |w: u32| f.groups.iter().position(|g| g.contains(&w));
                     if let (Some(x), Some(y)) = (side(a), side(b))
                         && x != y
@@ -271,7 +306,13 @@ impl FaultHook for FaultPlan {
                     }
                 }
                 FaultKind::Delay if on_link && self.triggered(f, msg.src) => {
-                    self.fire(i, format!("chip {} link {} delayed by {} ms", msg.src, msg.link, f.delay_ms));
+                    self.fire(
+                        i,
+                        format!(
+                            "chip {} link {} delayed by {} ms",
+                            msg.src, msg.link, f.delay_ms
+                        ),
+                    );
                     action = OnSend::Delay {
                         wall: Duration::from_secs_f64(f.delay_ms / 1e3),
                         virtual_ns: f.delay_ms * 1e6,

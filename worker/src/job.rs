@@ -1,6 +1,8 @@
 //! What a worker is asked to run (sent by the coordinator as JSON) and what it reports back.
 
-use podsim_collectives::{Algo, ChipStatus, CollectiveError, Comm, DType, Fingerprint, OpKind, ReduceOp};
+use podsim_collectives::{
+    Algo, ChipStatus, CollectiveError, Comm, DType, Fingerprint, OpKind, ReduceOp,
+};
 use podsim_topology::{Group, Hardware, Link, Pod};
 use serde::{Deserialize, Serialize};
 
@@ -75,39 +77,49 @@ impl DesyncReport {
     /// The desync inside `e`, if it is one.
     pub fn from_error(e: &crate::WorkerError) -> Option<DesyncReport> {
         match e {
-            crate::WorkerError::Collective(CollectiveError::Desync { chip, expected, peer, got, link }) => {
-                Some(DesyncReport {
-                    kind: desync_kind(),
-                    chip: *chip,
-                    peer: *peer,
-                    mine: *expected,
-                    theirs: got.to_string(),
-                    link: Some(*link),
-                    faults: Vec::new(),
-                })
-            }
-            crate::WorkerError::Collective(CollectiveError::Mismatch { chip, mine, peer, theirs }) => {
-                Some(DesyncReport {
-                    kind: desync_kind(),
-                    chip: *chip,
-                    peer: *peer,
-                    mine: *mine,
-                    theirs: theirs.clone(),
-                    link: None,
-                    faults: Vec::new(),
-                })
-            }
-            crate::WorkerError::Collective(CollectiveError::Corrupt { chip, peer, link, fingerprint }) => {
-                Some(DesyncReport {
-                    kind: "corrupt".into(),
-                    chip: *chip,
-                    peer: *peer,
-                    mine: *fingerprint,
-                    theirs: String::new(),
-                    link: Some(*link),
-                    faults: Vec::new(),
-                })
-            }
+            crate::WorkerError::Collective(CollectiveError::Desync {
+                chip,
+                expected,
+                peer,
+                got,
+                link,
+            }) => Some(DesyncReport {
+                kind: desync_kind(),
+                chip: *chip,
+                peer: *peer,
+                mine: *expected,
+                theirs: got.to_string(),
+                link: Some(*link),
+                faults: Vec::new(),
+            }),
+            crate::WorkerError::Collective(CollectiveError::Mismatch {
+                chip,
+                mine,
+                peer,
+                theirs,
+            }) => Some(DesyncReport {
+                kind: desync_kind(),
+                chip: *chip,
+                peer: *peer,
+                mine: *mine,
+                theirs: theirs.clone(),
+                link: None,
+                faults: Vec::new(),
+            }),
+            crate::WorkerError::Collective(CollectiveError::Corrupt {
+                chip,
+                peer,
+                link,
+                fingerprint,
+            }) => Some(DesyncReport {
+                kind: "corrupt".into(),
+                chip: *chip,
+                peer: *peer,
+                mine: *fingerprint,
+                theirs: String::new(),
+                link: Some(*link),
+                faults: Vec::new(),
+            }),
             _ => None,
         }
     }

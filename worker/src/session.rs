@@ -163,7 +163,12 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     // Heartbeats: progress and every chip's live status, on their own task so that they keep
     // coming while chips wait (a chip stuck in a kernel shows as computing).
     let progress = {
-        let (tx, done, recorders, faults) = (to_coord.clone(), done.clone(), recorders.clone(), faults.clone());
+        let (tx, done, recorders, faults) = (
+            to_coord.clone(),
+            done.clone(),
+            recorders.clone(),
+            faults.clone(),
+        );
         let every = Duration::from_millis(fabric.spec.heartbeat_ms.max(1));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
@@ -235,7 +240,10 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 pb::worker_msg::Body::Failure(pb::WorkerFailure {
                     error: e.to_string(),
                     error_json: DesyncReport::from_error(&e)
-                        .map(|d| DesyncReport { faults: faults.events(), ..d })
+                        .map(|d| DesyncReport {
+                            faults: faults.events(),
+                            ..d
+                        })
                         .and_then(|d| serde_json::to_vec(&d).ok())
                         .unwrap_or_default(),
                 }),

@@ -1,0 +1,332 @@
+//! Fault injection end to end: every fault kind at several targets (a corner chip, an interior
+//! chip, a chip on a worker boundary; first and later steps) is diagnosed with the right kind,
+//! culprit and link; slow or delayed jobs finish `ok` with stragglers; SIGSTOP and SIGKILL
+//! sent to a worker from outside are diagnosed and leave no process behind.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use support::*;
+
+/// A DDP training job on a 4x4 torus (16 chips, 4 workers of one row each: chip
+/// `4y + x` is on worker `y`), with `fault` as its `[[faults]]` entry.
+fn config(dir: &std::path::Path, steps: u32, fault: &str) -> std::path::PathBuf {
+    let text = format!(
+        r#"name = "faults"
+
+[topology]
+shape = "4x4"
+hardware = "v5e"
+
+[launch]
+workers = 4
+
+[job]
+kind = "train"
+strategy = "ddp"
+eager = "fused"
+steps = {steps}
+batch = 8
+check = false
+
+[job.model]
+widths = [16, 32, 10]
+
+{fault}
+
+[output]
+dir = "{}"
+"#,
+        dir.display()
+    );
+    write(dir, "job.toml", &text)
+}
+
+fn launch(tag: &str, steps: u32, fault: &str) -> (i32, serde_json::Value) {
+    let dir = temp_dir(&format!("fault-{tag}"));
+    let path = config(&dir, steps, fault);
+    let mut c = podsim();
+    c.arg("launch").arg(&path);
+    let out = run_bounded(c, Duration::from_secs(90));
+    let r = report(&dir);
+    for w in r["workers"].as_array().unwrap() {
+        assert!(
+            !alive(w["pid"].as_u64().unwrap() as u32),
+            "{tag}: worker left behind"
+        );
+    }
+    (out.status.code().unwrap_or(-1), r)
+}
+
+struct Expect {
+    code: i32,
+    kind: &'static str,
+    chip: Option<u64>,
+    worker: Option<u64>,
+    link: Option<&'static str>,
+}
+
+fn check(tag: &str, fault: &str, e: Expect) {
+    let (code, r) = launch(tag, 30, fault);
+    let h = &r["hang"];
+    assert_eq!(code, e.code, "{tag}: {r}");
+    assert_eq!(h["kind"], e.kind, "{tag}: {h}");
+    if let Some(chip) = e.chip {
+        assert_eq!(h["culprit"]["chip"], chip, "{tag}: {h}");
+    }
+    if let Some(worker) = e.worker {
+        assert_eq!(h["culprit"]["worker"], worker, "{tag}: {h}");
+        assert!(h["culprit"]["pid"].as_u64().unwrap() > 0);
+    }
+    if let Some(link) = e.link {
+        assert_eq!(h["culprit"]["link"], link, "{tag}: {h}");
+    }
+    let explanation = h["explanation"].as_str().unwrap();
+    assert!(explanation.len() > 40, "{tag}: {explanation}");
+    let after = h["detected_after_ms"].as_f64().unwrap();
+    let limit = if e.kind == "desync" { 1000.0 } else { 3000.0 };
+    assert!(after < limit, "{tag}: detected after {after} ms");
+}
+
+fn hang(
+    kind: &'static str,
+    chip: Option<u64>,
+    worker: Option<u64>,
+    link: Option<&'static str>,
+) -> Expect {
+    Expect {
+        code: 3,
+        kind,
+        chip,
+        worker,
+        link,
+    }
+}
+
+// Chip 0 is a corner of the 4x4 grid, chip 5 (1, 1) an interior chip, chip 7 (3, 1) sits on
+// worker 1 with neighbours on workers 0 and 2.
+
+#[test]
+fn stalled_chips_are_named() {
+    check(
+        "stall-corner-first",
+        "[[faults]]\nkind = \"stall\"\nchip = 0\nat_step = 0",
+        hang("stalled_chip", Some(0), Some(0), None),
+    );
+    check(
+        "stall-interior-later",
+        "[[faults]]\nkind = \"stall\"\nchip = 5\nat_step = 4",
+        hang("stalled_chip", Some(5), Some(1), None),
+    );
+    check(
+        "stall-boundary-seq",
+        "[[faults]]\nkind = \"stall\"\nchip = 7\nat_seq = 6",
+        hang("stalled_chip", Some(7), Some(1), None),
+    );
+}
+
+#[test]
+fn dead_and_frozen_workers_are_named() {
+    check(
+        "crash-first",
+        "[[faults]]\nkind = \"crash\"\nchip = 0\nat_step = 0",
+        hang("dead_worker", None, Some(0), None),
+    );
+    check(
+        "crash-later",
+        "[[faults]]\nkind = \"crash\"\nworker = 2\nat_step = 5",
+        hang("dead_worker", None, Some(2), None),
+    );
+    check(
+        "freeze-first",
+        "[[faults]]\nkind = \"freeze\"\nworker = 3\nat_step = 0",
+        hang("frozen_worker", None, Some(3), None),
+    );
+    check(
+        "freeze-later",
+        "[[faults]]\nkind = \"freeze\"\nchip = 5\nat_step = 4",
+        hang("frozen_worker", None, Some(1), None),
+    );
+}
+
+#[test]
+fn lost_messages_name_the_link() {
+    check(
+        "drop-corner-first",
+        "[[faults]]\nkind = \"drop\"\nlink = \"0:+x\"\nmode = \"once\"\nat_seq = 0",
+        hang("lost_message", Some(0), Some(0), Some("ici+x")),
+    );
+    check(
+        "drop-interior",
+        "[[faults]]\nkind = \"drop\"\nlink = \"5:-x\"\nmode = \"once\"\nat_step = 3",
+        hang("lost_message", Some(5), Some(1), Some("ici-x")),
+    );
+    check(
+        "drop-boundary",
+        "[[faults]]\nkind = \"drop\"\nlink = \"7:+y\"\nat_step = 2",
+        hang("lost_message", Some(7), Some(1), Some("ici+y")),
+    );
+}
+
+#[test]
+fn partitions_desyncs_and_corruption_are_diagnosed() {
+    check(
+        "partition",
+        "[[faults]]\nkind = \"partition\"\ngroups = [[0, 1], [2, 3]]\nat_step = 2",
+        hang("partition", None, None, None),
+    );
+    for (tag, chip, mode, at) in [
+        ("desync-skip", 0, "skip", "at_seq = 0"),
+        ("desync-op", 5, "op", "at_step = 3"),
+        ("desync-size", 7, "size", "at_seq = 9"),
+    ] {
+        let fault =
+            format!("[[faults]]\nkind = \"desync\"\nchip = {chip}\nmode = \"{mode}\"\n{at}");
+        let (code, r) = launch(tag, 30, &fault);
+        assert_eq!(code, 4, "{tag}: {r}");
+        let h = &r["hang"];
+        assert_eq!(h["kind"], "desync", "{tag}");
+        // Either end of the mismatch may see it first: both chips are named in the sentence.
+        let text = h["explanation"].as_str().unwrap();
+        assert!(text.contains(&format!("hip {chip} ")), "{tag}: {text}");
+        assert!(
+            h["detected_after_ms"].as_f64().unwrap() < 1000.0,
+            "{tag}: {h}"
+        );
+    }
+    let (code, r) = launch(
+        "corrupt",
+        30,
+        "[[faults]]\nkind = \"corrupt\"\nlink = \"6:+y\"\nat_step = 2",
+    );
+    // Without debug mode corruption is silent, but the replicas end up different.
+    assert_eq!(code, 1, "{r}");
+    let dir = temp_dir("fault-corrupt-debug");
+    let path = config(
+        &dir,
+        30,
+        "[[faults]]\nkind = \"corrupt\"\nlink = \"6:+y\"\nat_step = 2",
+    );
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("eager = \"fused\"", "eager = \"debug\"");
+    std::fs::write(&path, text).unwrap();
+    let mut c = podsim();
+    c.arg("launch").arg(&path);
+    let out = run_bounded(c, Duration::from_secs(90));
+    assert_eq!(out.status.code(), Some(1));
+    let h = &report(&dir)["hang"];
+    assert_eq!(h["kind"], "corrupt");
+    assert_eq!(h["culprit"]["chip"], 6);
+    assert_eq!(h["culprit"]["link"], "ici+y");
+}
+
+#[test]
+fn slow_and_delayed_jobs_are_not_hangs() {
+    for (tag, fault, straggler) in [
+        ("none", "", None),
+        (
+            "slow",
+            "[[faults]]\nkind = \"slow\"\nchip = 5\nfactor = 10",
+            Some(5),
+        ),
+        (
+            "delay",
+            "[[faults]]\nkind = \"delay\"\nlink = \"7:+y\"\ndelay_ms = 30",
+            Some(7),
+        ),
+    ] {
+        let (code, r) = launch(&format!("ok-{tag}"), 120, fault);
+        assert_eq!(code, 0, "{tag}: {r}");
+        assert_eq!(r["status"], "ok", "{tag}");
+        assert!(r.get("hang").is_none(), "{tag}");
+        let stragglers: Vec<u64> = r["stragglers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["chip"].as_u64().unwrap())
+            .collect();
+        match straggler {
+            Some(c) => assert!(stragglers.contains(&c), "{tag}: stragglers {stragglers:?}"),
+            None => assert!(stragglers.is_empty(), "{tag}: stragglers {stragglers:?}"),
+        }
+    }
+}
+
+/// Starts a long job, waits for its 4 workers, applies `signal` to worker 2's process.
+fn signal_a_worker(tag: &str, signal: &str) -> (i32, serde_json::Value, u32) {
+    let dir = temp_dir(&format!("fault-{tag}"));
+    let path = config(&dir, 100_000, "");
+    let mut c = podsim();
+    c.arg("launch")
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = c.spawn().unwrap();
+    let coordinator = child.id();
+    assert!(
+        eventually(Duration::from_secs(20), || children_of(coordinator).len()
+            == 4),
+        "workers did not start"
+    );
+    // Let the job get going, then find worker 2 by its command line.
+    std::thread::sleep(Duration::from_millis(1500));
+    let victim = children_of(coordinator)
+        .into_iter()
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cmdline")).is_ok_and(|cmd| {
+                cmd.split('\0')
+                    .collect::<Vec<_>>()
+                    .windows(2)
+                    .any(|w| w == ["--worker-id", "2"])
+            })
+        })
+        .expect("worker 2");
+    let status = std::process::Command::new("kill")
+        .arg(signal)
+        .arg(victim.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = wait_bounded(child, Duration::from_secs(30));
+    let r = report(&dir);
+    assert!(
+        eventually(Duration::from_secs(5), || !alive(victim)),
+        "{tag}: worker {victim} left behind"
+    );
+    for w in r["workers"].as_array().unwrap() {
+        assert!(
+            !alive(w["pid"].as_u64().unwrap() as u32),
+            "{tag}: worker left behind"
+        );
+    }
+    (out.status.code().unwrap_or(-1), r, victim)
+}
+
+#[test]
+fn sigstop_from_outside_is_a_frozen_worker() {
+    let (code, r, victim) = signal_a_worker("sigstop", "-STOP");
+    assert_eq!(code, 3, "{r}");
+    let h = &r["hang"];
+    assert_eq!(h["kind"], "frozen_worker");
+    assert_eq!(h["culprit"]["worker"], 2);
+    assert_eq!(h["culprit"]["pid"], u64::from(victim));
+    assert!(h["detected_after_ms"].as_f64().unwrap() < 3000.0, "{h}");
+}
+
+#[test]
+fn sigkill_from_outside_is_a_dead_worker() {
+    let (code, r, victim) = signal_a_worker("sigkill", "-KILL");
+    assert_eq!(code, 3, "{r}");
+    let h = &r["hang"];
+    assert_eq!(h["kind"], "dead_worker");
+    assert_eq!(h["culprit"]["worker"], 2);
+    assert_eq!(h["culprit"]["pid"], u64::from(victim));
+    assert!(
+        h["explanation"].as_str().unwrap().contains("signal 9"),
+        "{h}"
+    );
+}
