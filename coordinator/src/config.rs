@@ -74,6 +74,8 @@ pub struct JobConfig {
     pub watchdog: Watchdog,
     pub output_dir: PathBuf,
     pub faults: Vec<FaultSpec>,
+    /// Restarts allowed after a hang or a dead worker (train jobs with checkpoints).
+    pub max_restarts: u32,
 }
 
 impl JobConfig {
@@ -221,6 +223,13 @@ struct RawFault {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawRecovery {
+    checkpoint_every: Option<u32>,
+    max_restarts: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawWatchdog {
     timeout_ms: Option<u64>,
     heartbeat_ms: Option<u64>,
@@ -238,6 +247,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
         "",
         &[
             "name", "topology", "launch", "job", "watchdog", "output", "hardware", "faults",
+            "recovery",
         ],
     ),
     ("topology", &["shape", "wraparound", "slices", "hardware"]),
@@ -283,6 +293,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
         &["op", "size", "algo", "group", "reduce", "root", "dtype"],
     ),
     ("watchdog", &["timeout_ms", "heartbeat_ms"]),
+    ("recovery", &["checkpoint_every", "max_restarts"]),
     (
         "faults",
         &[
@@ -583,6 +594,7 @@ fn parse(
     let job: Option<RawJob> = required(&mut p, &table, "job");
     let launch: Option<RawLaunch> = section(&mut p, &table, "launch");
     let watchdog: Option<RawWatchdog> = section(&mut p, &table, "watchdog");
+    let recovery: Option<RawRecovery> = section(&mut p, &table, "recovery");
     let output: Option<RawOutput> = section(&mut p, &table, "output");
     let overrides: Option<HardwareOverrides> = section(&mut p, &table, "hardware");
     let raw_faults: Vec<RawFault> = match table.get("faults") {
@@ -757,6 +769,26 @@ fn parse(
             PathBuf::from("runs").join(name.clone().unwrap_or_else(|| "job".into()))
         });
 
+    let recovery = recovery.unwrap_or_default();
+    let checkpoint_every = recovery.checkpoint_every.unwrap_or(0);
+    let max_restarts = recovery.max_restarts.unwrap_or(0);
+    if table.contains_key("recovery") {
+        match &mut program {
+            Some(Program::Train(spec)) => {
+                if checkpoint_every == 0 {
+                    p.add(
+                        "recovery",
+                        Some("checkpoint_every"),
+                        "must be at least 1 (steps between checkpoints)",
+                    );
+                }
+                spec.checkpoint_every = checkpoint_every;
+                spec.checkpoint_dir = Some(output_dir.join("checkpoints").display().to_string());
+            }
+            Some(_) => p.add("recovery", None, "applies to kind = \"train\" jobs only"),
+            None => {}
+        }
+    }
     match (name, pod, hardware, program) {
         (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {
             Ok(JobConfig {
@@ -771,6 +803,7 @@ fn parse(
                 watchdog: wd,
                 output_dir,
                 faults,
+                max_restarts,
             })
         }
         _ => Err(ConfigErrors(p.list)),
@@ -1018,6 +1051,9 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         algo: algo?,
         meta,
         check: j.check.unwrap_or(true) && !meta,
+        checkpoint_every: 0,
+        checkpoint_dir: None,
+        resume_from: None,
     })
 }
 

@@ -81,6 +81,8 @@ pub struct HangReport {
     pub recorders: BTreeMap<u32, serde_json::Value>,
     pub faults: Vec<podsim_worker::faults::FaultEvent>,
     pub detected_wall_ns: u64,
+    /// The step the job had reached (the slowest chip's).
+    pub step_reached: u64,
     /// Pid of each worker that joined.
     pub pids: BTreeMap<u32, u32>,
 }
@@ -360,7 +362,7 @@ fn dead_worker(watchdog: &Watchdog, id: u32, how: &str, pid: Option<u32>) -> Fin
         explanation: format!(
             "Worker {id}{pid} {how}{}, leaving its peers waiting: check its log (worker-{id}.log) and the host (out of memory, a crash, a kill).",
             current.map_or(String::new(), |c| format!(
-                " during {} #{} on chip {}",
+                " (last seen in {} #{} on chip {})",
                 c.2, c.1, c.0
             ))
         ),
@@ -651,6 +653,14 @@ async fn drive(
                 detected_wall_ns = podsim_collectives::wall_ns();
             }
             let recorders = collect_recorders(&mut events, &broadcast, &finding).await;
+            // The live chips' recorders are fresher than the last heartbeats.
+            let step_reached = recorders
+                .values()
+                .filter_map(|d| d.as_array())
+                .flatten()
+                .filter_map(|c| c["status"]["step"].as_u64())
+                .max()
+                .unwrap_or_else(|| watchdog.step_reached());
             broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                 reason: "hang detected".into(),
             }))
@@ -660,6 +670,7 @@ async fn drive(
                 recorders,
                 faults: watchdog.faults().to_vec(),
                 detected_wall_ns,
+                step_reached,
                 pids,
             })));
         }

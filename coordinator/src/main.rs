@@ -9,7 +9,9 @@ use clap::{Args, Parser, Subcommand};
 use podsim_coordinator::bench::{self, BenchArgs};
 use podsim_coordinator::config::{self, JobConfig};
 use podsim_coordinator::launch::{self, ControlPlane, LaunchError, Workers, new_token};
+use podsim_coordinator::watchdog::HangKind;
 use podsim_coordinator::{CliError, report};
+use podsim_worker::job::{JobSpec, Program};
 use podsim_worker::session::{self, WorkerOptions};
 
 /// Large message buffers are allocated and freed at a high rate; the system allocator hands
@@ -157,17 +159,18 @@ fn progress_reporter() -> impl FnMut(u64, u64) + Send {
     }
 }
 
-fn run_job(
+/// One launch of the job's workers (several when it recovers from failures).
+fn run_attempt(
     cfg: &JobConfig,
-    listen: Option<(&str, String)>,
+    spec: &JobSpec,
+    listen: Option<&(&str, String)>,
     join_timeout: Duration,
-) -> Result<bool, CliError> {
-    let rt = runtime()?;
-    let spec = cfg.spec();
+    roster: &mut Vec<launch::WorkerInfo>,
+    rt: &tokio::runtime::Runtime,
+) -> Result<launch::Outcome, LaunchError> {
     let external = listen.is_some();
-    let mut roster = Vec::new();
-    let result = rt.block_on(async {
-        let (addr, token) = match &listen {
+    rt.block_on(async {
+        let (addr, token) = match listen {
             Some((addr, token)) => (addr.to_string(), token.clone()),
             None => (format!("{}:0", cfg.bind), new_token()),
         };
@@ -194,10 +197,66 @@ fn run_job(
         };
         let mut progress = progress_reporter();
         tokio::select! {
-            r = launch::run(&spec, &mut control, &workers, join_timeout, &mut progress, &mut roster) => r,
+            r = launch::run(spec, &mut control, &workers, join_timeout, &mut progress, roster) => r,
             _ = tokio::signal::ctrl_c() => Err(LaunchError::Interrupted),
         }
-    });
+    })
+}
+
+fn run_job(
+    cfg: &JobConfig,
+    listen: Option<(&str, String)>,
+    join_timeout: Duration,
+) -> Result<bool, CliError> {
+    let rt = runtime()?;
+    let mut spec = cfg.spec();
+    let external = listen.is_some();
+    let mut roster = Vec::new();
+    let checkpoints = match &spec.program {
+        Program::Train(t) => t.checkpoint_dir.clone().map(std::path::PathBuf::from),
+        _ => None,
+    };
+    if let Some(dir) = &checkpoints {
+        // Checkpoints of an earlier run of this config must not be resumed from.
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let mut restarts: Vec<report::Restart> = Vec::new();
+    let result = loop {
+        let result = run_attempt(cfg, &spec, listen.as_ref(), join_timeout, &mut roster, &rt);
+        let Err(LaunchError::Hang(h)) = &result else {
+            break result;
+        };
+        let restartable = !external
+            && checkpoints.is_some()
+            && (restarts.len() as u32) < cfg.max_restarts
+            && !matches!(h.finding.kind, HangKind::Desync | HangKind::Corrupt);
+        if !restartable {
+            break result;
+        }
+        let resume = checkpoints
+            .as_deref()
+            .and_then(|d| podsim_worker::train::checkpoint::latest_complete(d, cfg.pod.chips()));
+        let resumed_from = resume.unwrap_or(0);
+        restarts.push(report::Restart {
+            attempt: restarts.len() as u32 + 1,
+            kind: h.finding.kind,
+            explanation: h.finding.explanation.clone(),
+            failed_at_step: h.step_reached,
+            resumed_from_step: resumed_from,
+            steps_lost: h.step_reached.saturating_sub(u64::from(resumed_from)),
+        });
+        println!(
+            "restart {} of {}: {}; resuming from the checkpoint after step {resumed_from}",
+            restarts.len(),
+            cfg.max_restarts,
+            h.finding.explanation
+        );
+        if let Program::Train(t) = &mut spec.program {
+            t.resume_from = resume;
+        }
+        // An injected fault models a transient failure: the relaunched job runs without it.
+        spec.faults.clear();
+    };
     let mut report = report::build(
         cfg,
         result
@@ -207,6 +266,7 @@ fn run_job(
     if let Err(LaunchError::Hang(h)) = &result {
         report::add_hang(&mut report, cfg, h);
     }
+    report::add_recovery(&mut report, cfg, restarts);
     let path = report::write(&cfg.output_dir, &report).map_err(CliError::Job)?;
     print!("{}", report::summary(&report));
     println!("report: {}", path.display());

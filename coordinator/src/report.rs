@@ -29,6 +29,9 @@ pub struct Report {
     pub hang: Option<Hang>,
     /// Faults the workers reported firing.
     pub faults_injected: Vec<podsim_worker::faults::FaultEvent>,
+    /// Checkpoints and the restarts after failures (train jobs with `[recovery]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<Recovery>,
     /// Chips that were slow but kept making progress.
     pub stragglers: Vec<crate::watchdog::Straggler>,
     /// Training jobs: the strategy, every step and each chip's memory.
@@ -104,6 +107,9 @@ pub struct Correctness {
     pub max_abs_diff: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_rel_diff: Option<f64>,
+    /// Training: a hash of the final parameters' bits (equal hashes: bit-identical runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_params_hash: Option<String>,
     /// Training: every chip ends with the same full parameters, bit for bit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replicas_identical: Option<bool>,
@@ -123,6 +129,40 @@ pub struct Hang {
     pub explanation: String,
     /// Flight-recorder files written beside the report.
     pub flight_recorders: Vec<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Recovery {
+    pub checkpoint_every: u32,
+    pub max_restarts: u32,
+    pub restarts: Vec<Restart>,
+    /// Steps run again because they came after the checkpoint a restart resumed from.
+    pub steps_lost: u64,
+}
+
+/// One failure the job recovered from.
+#[derive(Debug, Serialize)]
+pub struct Restart {
+    pub attempt: u32,
+    pub kind: crate::watchdog::HangKind,
+    pub explanation: String,
+    pub failed_at_step: u64,
+    pub resumed_from_step: u32,
+    pub steps_lost: u64,
+}
+
+/// Fills `report.recovery` for train jobs that checkpoint.
+pub fn add_recovery(report: &mut Report, cfg: &JobConfig, restarts: Vec<Restart>) {
+    if let Program::Train(t) = &cfg.program
+        && t.checkpoint_every > 0
+    {
+        report.recovery = Some(Recovery {
+            checkpoint_every: t.checkpoint_every,
+            max_restarts: cfg.max_restarts,
+            steps_lost: restarts.iter().map(|r| r.steps_lost).sum(),
+            restarts,
+        });
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -242,12 +282,14 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
             wrong_elements: 0,
             max_abs_diff: None,
             max_rel_diff: None,
+            final_params_hash: None,
             replicas_identical: None,
         },
         training: None,
         hang: None,
         faults_injected: Vec::new(),
         stragglers: Vec::new(),
+        recovery: None,
         virtual_s: 0.0,
         wall_s: 0.0,
         link_errors: Vec::new(),
@@ -376,28 +418,31 @@ fn training(
     let mut chips: Vec<&podsim_worker::train::ChipTrainReport> =
         out.reports.iter().flat_map(|r| &r.train).collect();
     chips.sort_by_key(|c| c.chip);
-    let max = |f: &dyn Fn(&podsim_worker::train::StepRecord) -> f64, s: usize| {
-        chips
-            .iter()
-            .filter_map(|c| c.steps.get(s))
-            .map(f)
-            .fold(0.0, f64::max)
-    };
-    let steps: Vec<TrainStep> = (0..spec.steps as usize)
-        .map(|s| {
-            let losses: Vec<f64> = chips
+    // Steps by number (a resumed run reports the steps after its checkpoint).
+    let numbers: std::collections::BTreeSet<u32> = chips
+        .iter()
+        .flat_map(|c| c.steps.iter().map(|r| r.step))
+        .collect();
+    let steps: Vec<TrainStep> = numbers
+        .into_iter()
+        .map(|n| {
+            let records: Vec<&podsim_worker::train::StepRecord> = chips
                 .iter()
-                .filter_map(|c| c.steps.get(s).and_then(|r| r.loss))
+                .filter_map(|c| c.steps.iter().find(|r| r.step == n))
                 .collect();
+            let losses: Vec<f64> = records.iter().filter_map(|r| r.loss).collect();
+            let max = |f: &dyn Fn(&podsim_worker::train::StepRecord) -> f64| {
+                records.iter().map(|r| f(r)).fold(0.0, f64::max)
+            };
             TrainStep {
-                step: s as u32,
+                step: n,
                 loss: (!losses.is_empty())
                     .then(|| losses.iter().sum::<f64>() / losses.len() as f64),
-                virtual_ms: max(&|r| r.virtual_ns, s) / 1e6,
-                compute_ms: max(&|r| r.compute_ns, s) / 1e6,
-                comm_ms: max(&|r| r.comm_ns, s) / 1e6,
-                exposed_comm_ms: max(&|r| r.exposed_ns, s) / 1e6,
-                wall_ms: max(&|r| r.wall_ns as f64, s) / 1e6,
+                virtual_ms: max(&|r| r.virtual_ns) / 1e6,
+                compute_ms: max(&|r| r.compute_ns) / 1e6,
+                comm_ms: max(&|r| r.comm_ns) / 1e6,
+                exposed_comm_ms: max(&|r| r.exposed_ns) / 1e6,
+                wall_ms: max(&|r| r.wall_ns as f64) / 1e6,
             }
         })
         .collect();
@@ -410,6 +455,7 @@ fn training(
         (!replicas.is_empty()).then(|| replicas.iter().all(|r| *r));
     report.correctness.max_abs_diff = chips.iter().find_map(|c| c.max_abs_diff);
     report.correctness.max_rel_diff = chips.iter().find_map(|c| c.max_rel_diff);
+    report.correctness.final_params_hash = chips.iter().find_map(|c| c.params_hash.clone());
     if report.correctness.replicas_identical == Some(false) {
         report.status = "error".into();
         report.error = Some("replicas ended with different parameters".into());

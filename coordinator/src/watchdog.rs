@@ -162,6 +162,15 @@ impl Watchdog {
         &self.faults
     }
 
+    /// The step every chip has reached (the slowest chip's current step).
+    pub fn step_reached(&self) -> u64 {
+        self.chips
+            .values()
+            .map(|s| s.status.step)
+            .min()
+            .unwrap_or(0)
+    }
+
     /// The last heartbeat of `worker` (wall ns), if any.
     pub fn last_heard(&self, worker: u32) -> Option<u64> {
         self.workers.get(&worker).map(|w| w.1)
@@ -509,5 +518,153 @@ impl Watchdog {
             ),
             effect_wall_ns: s.map_or(0, |s| s.changed_wall_ns),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podsim_collectives::{Blocked, DType, Fingerprint, OpKind, Tag};
+    use podsim_topology::Dir;
+
+    const T: Duration = Duration::from_millis(100);
+
+    fn fp() -> Fingerprint {
+        Fingerprint {
+            group: 1,
+            seq: 3,
+            op: OpKind::AllReduce,
+            dtype: DType::F32,
+            count: 8,
+            reduce: None,
+        }
+    }
+
+    fn status(chip: ChipId, progress: u64, waits_on: &[(ChipId, Link)]) -> ChipStatus {
+        ChipStatus {
+            chip,
+            progress,
+            blocked: waits_on
+                .iter()
+                .map(|&(peer, link)| Blocked {
+                    link,
+                    peer,
+                    tag: Tag {
+                        lane: 0,
+                        phase: 0,
+                        step: 0,
+                    },
+                    fingerprint: fp(),
+                    since_wall_ns: 0,
+                })
+                .collect(),
+            sent: vec![0; 7],
+            received: vec![0; 7],
+            ..ChipStatus::default()
+        }
+    }
+
+    fn watchdog() -> Watchdog {
+        Watchdog::new(
+            Pod::single("4".parse().unwrap()),
+            T,
+            Duration::from_millis(10),
+        )
+    }
+
+    fn beat(w: &mut Watchdog, worker: u32, chips: Vec<ChipStatus>, at: Instant) {
+        w.heartbeat(
+            worker,
+            HeartbeatStatus {
+                chips,
+                faults: Vec::new(),
+            },
+            at,
+        );
+    }
+
+    const PLUS: Link = Link::Ici {
+        axis: 0,
+        dir: Dir::Plus,
+    };
+    const MINUS: Link = Link::Ici {
+        axis: 0,
+        dir: Dir::Minus,
+    };
+
+    #[test]
+    fn a_quiet_chip_nobody_waits_for_is_not_a_hang_and_progress_is_never_one() {
+        let mut w = watchdog();
+        let t0 = Instant::now();
+        for i in 0..10u64 {
+            // Chip 0 waits on chip 1, but chip 1 keeps making progress.
+            let at = t0 + T * i as u32;
+            beat(
+                &mut w,
+                0,
+                vec![status(0, 1, &[(1, PLUS)]), status(1, i, &[])],
+                at,
+            );
+            assert_eq!(w.check(at), None, "tick {i}");
+        }
+    }
+
+    #[test]
+    fn the_root_of_the_waits_is_the_stalled_chip() {
+        let mut w = watchdog();
+        let t0 = Instant::now();
+        let chips = || {
+            vec![
+                status(0, 5, &[(1, PLUS)]),
+                status(1, 5, &[(2, PLUS)]),
+                status(2, 5, &[]),
+                status(3, 9, &[]),
+            ]
+        };
+        beat(&mut w, 0, chips(), t0);
+        assert_eq!(w.check(t0 + T / 2), None);
+        beat(&mut w, 0, chips(), t0 + T * 2);
+        let f = w.check(t0 + T * 2).unwrap();
+        assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(2)));
+        assert_eq!(f.waiting, vec![0, 1]);
+        assert_eq!(f.seq, Some(3));
+    }
+
+    #[test]
+    fn a_message_sent_but_never_received_names_the_link() {
+        let mut w = watchdog();
+        let t0 = Instant::now();
+        let mut a = status(0, 5, &[(1, PLUS)]);
+        let mut b = status(1, 5, &[(0, MINUS)]);
+        // Chip 1 sent 4 messages on its -x link (to chip 0); chip 0 took 3 from its +x link.
+        b.sent[link_slot(MINUS)] = 4;
+        a.received[link_slot(PLUS)] = 3;
+        a.sent[link_slot(PLUS)] = 3;
+        b.received[link_slot(MINUS)] = 3;
+        beat(&mut w, 0, vec![a, b], t0);
+        beat(&mut w, 0, vec![], t0 + T * 2);
+        let f = w.check(t0 + T * 2).unwrap();
+        assert_eq!(
+            (f.kind, f.chip, f.link),
+            (HangKind::LostMessage, Some(1), Some(MINUS))
+        );
+    }
+
+    #[test]
+    fn a_worker_that_stops_heartbeating_is_frozen() {
+        let mut w = watchdog();
+        let t0 = Instant::now();
+        w.start([0, 1], t0);
+        for i in 0..3u32 {
+            beat(
+                &mut w,
+                0,
+                vec![status(0, u64::from(i), &[])],
+                t0 + T * i / 2,
+            );
+        }
+        let f = w.check(t0 + T + T / 2).unwrap();
+        assert_eq!((f.kind, f.worker), (HangKind::FrozenWorker, Some(1)));
+        w.finished(1);
     }
 }

@@ -224,3 +224,22 @@ fn train_job_problems_are_all_reported() {
         &["job.model.widths: needs at least two widths"],
     );
 }
+
+#[test]
+fn fault_entries_are_checked() {
+    let text = format!(
+        "{}\n[[faults]]\nkind = \"melt\"\nchip = 3\n\n[[faults]]\nkind = \"drop\"\nlink = \"0:+w\"\n\n[[faults]]\nkind = \"stall\"\nchip = 99\nwhen = 3\n\n[[faults]]\nkind = \"partition\"\ngroups = [[0], [7]]\n",
+        base()
+    );
+    expect_error(
+        "faults",
+        &text,
+        &[
+            "faults[0].kind: unknown fault \"melt\"",
+            "faults[1].link: \"+w\" is not a link",
+            "faults[2].when: unknown key",
+            "faults[2].chip: chip 99 is outside the pod's 8 chips",
+            "faults[3].groups: worker 7 is outside the job's 2 workers",
+        ],
+    );
+}

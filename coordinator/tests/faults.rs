@@ -330,3 +330,49 @@ fn sigkill_from_outside_is_a_dead_worker() {
         "{h}"
     );
 }
+
+#[test]
+fn a_crash_is_recovered_from_the_last_checkpoint_bit_identically() {
+    let config = format!(
+        "{}/../configs/faults/recovery.toml",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let run = |tag: &str, extra: &[&str]| {
+        let dir = temp_dir(&format!("recovery-{tag}"));
+        let mut c = podsim();
+        c.arg("launch")
+            .arg(&config)
+            .arg("--out")
+            .arg(&dir)
+            .args(extra);
+        let out = run_bounded(c, Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "{tag}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        report(&dir)
+    };
+    let crashed = run("crash", &[]);
+    let clean = run("clean", &["--set", "faults=[]"]);
+    let rec = &crashed["recovery"];
+    assert_eq!(rec["restarts"].as_array().unwrap().len(), 1, "{rec}");
+    let restart = &rec["restarts"][0];
+    assert_eq!(restart["kind"], "dead_worker");
+    assert_eq!(restart["failed_at_step"], 7);
+    assert_eq!(restart["resumed_from_step"], 5);
+    assert_eq!(rec["steps_lost"], 2);
+    assert_eq!(clean["recovery"]["restarts"].as_array().unwrap().len(), 0);
+    let hash = |r: &serde_json::Value| {
+        r["correctness"]["final_params_hash"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        hash(&crashed),
+        hash(&clean),
+        "recovered run differs from the clean one"
+    );
+    assert_eq!(crashed["status"], "ok");
+}

@@ -36,6 +36,9 @@ fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
         algo: Algo::Torus,
         meta: false,
         check: true,
+        checkpoint_every: 0,
+        checkpoint_dir: None,
+        resume_from: None,
     }
 }
 

@@ -9,6 +9,7 @@
 //!   and syncs gradients; [`trainer`]: the step loop with its compute and communication
 //!   streams; [`reference`]: single-chip training on the global batch, the yardstick.
 
+pub mod checkpoint;
 pub mod dtensor;
 pub mod memory;
 pub mod mlp;

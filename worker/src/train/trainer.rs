@@ -24,9 +24,9 @@ use crate::train::dtensor::{self, DTensor, Placement};
 use crate::train::memory::{Hbm, HbmReport, MemKind};
 use crate::train::mlp::{self, Cost, Dataset, MlpSpec};
 use crate::train::optim::{OptimizerSpec, ParamState};
-use crate::train::reference;
 use crate::train::strategy::{Eager, Plan, Strategy, Style, buckets};
 use crate::train::tensor::Tensor;
+use crate::train::{checkpoint, reference};
 
 /// A training job as every chip receives it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,6 +54,14 @@ pub struct TrainSpec {
     pub meta: bool,
     /// Compare the final parameters with single-chip training on the global batch.
     pub check: bool,
+    /// Write a checkpoint every this many steps (0: never) under `checkpoint_dir`.
+    #[serde(default)]
+    pub checkpoint_every: u32,
+    #[serde(default)]
+    pub checkpoint_dir: Option<String>,
+    /// Resume from the checkpoint written after this many steps.
+    #[serde(default)]
+    pub resume_from: Option<u32>,
 }
 
 /// DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`).
@@ -84,6 +92,9 @@ pub struct ChipTrainReport {
     pub max_abs_diff: Option<f64>,
     /// `max |a - b| / max |b|` over each parameter tensor, the largest.
     pub max_rel_diff: Option<f64>,
+    /// FNV-1a of every final full parameter's f32 bits (data mode), to compare runs.
+    #[serde(default)]
+    pub params_hash: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -212,11 +223,28 @@ pub async fn train_chip_with_parameters(
     done: Arc<AtomicU64>,
 ) -> Result<(ChipTrainReport, Vec<Tensor>), WorkerError> {
     let mut t = Trainer::new(chip, spec).await?;
+    let dir = spec.checkpoint_dir.as_deref().map(std::path::Path::new);
+    let first = match (spec.resume_from, dir) {
+        (Some(step), Some(dir)) if !spec.meta => {
+            t.restore(&checkpoint::read(dir, step, chip.id())?)?;
+            done.fetch_add(u64::from(step), Ordering::Relaxed);
+            step
+        }
+        _ => 0,
+    };
     let mut steps = Vec::with_capacity(spec.steps as usize);
-    for step in 0..spec.steps {
+    for step in first..spec.steps {
         chip.enter_step(u64::from(step)).await;
         steps.push(t.step(chip, step).await?);
         done.fetch_add(1, Ordering::Relaxed);
+        let finished = step + 1;
+        if let Some(dir) = dir
+            && spec.checkpoint_every > 0
+            && finished % spec.checkpoint_every == 0
+            && !spec.meta
+        {
+            checkpoint::write(dir, finished, chip.id(), &t.save())?;
+        }
     }
     // Verification below is not part of the modelled job: it costs no virtual time.
     let time = chip.time_snapshot();
@@ -234,6 +262,12 @@ pub async fn train_chip_with_parameters(
         (None, None)
     };
     chip.restore_time(time);
+    let params_hash = (!spec.meta).then(|| {
+        let h = full
+            .iter()
+            .fold(0u64, |acc, t| acc.rotate_left(5) ^ bits_hash(t));
+        format!("{h:016x}")
+    });
     let report = ChipTrainReport {
         chip: chip.id(),
         steps,
@@ -241,6 +275,7 @@ pub async fn train_chip_with_parameters(
         replicas_identical,
         max_abs_diff,
         max_rel_diff,
+        params_hash,
     };
     Ok((report, full))
 }
@@ -800,6 +835,39 @@ impl<'a> Trainer<'a> {
                     ),
                 });
             }
+        }
+        Ok(())
+    }
+
+    /// The chip's training state for a checkpoint: per parameter its values, the number of
+    /// optimizer tensors (as bits) and those tensors.
+    fn save(&self) -> Vec<Vec<f32>> {
+        let mut out = Vec::new();
+        for p in &self.params {
+            out.push(
+                p.stored
+                    .local()
+                    .values()
+                    .map(|v| v.iter().copied().collect())
+                    .unwrap_or_default(),
+            );
+            let state = p.state.save();
+            out.push(vec![f32::from_bits(state.len() as u32)]);
+            out.extend(state);
+        }
+        out
+    }
+
+    fn restore(&mut self, saved: &[Vec<f32>]) -> Result<(), WorkerError> {
+        let bad = || WorkerError::Invalid("a checkpoint that does not fit this job".into());
+        let mut it = saved.iter();
+        for p in &mut self.params {
+            let shape = p.stored.local().shape().to_vec();
+            let values = it.next().ok_or_else(bad)?;
+            *p.stored.local_mut() = Tensor::from_vec(&shape, values.clone())?;
+            let n = it.next().and_then(|c| c.first()).ok_or_else(bad)?.to_bits() as usize;
+            let state: Vec<Vec<f32>> = it.by_ref().take(n).cloned().collect();
+            p.state = ParamState::load(&state, &shape).ok_or_else(bad)?;
         }
         Ok(())
     }
