@@ -68,7 +68,7 @@ fn ctrl_c_stops_the_job_and_its_workers() {
 }
 
 #[test]
-fn a_worker_killed_mid_job_fails_the_job_and_names_it() {
+fn a_worker_killed_mid_job_is_diagnosed_as_a_dead_worker() {
     let (coord, workers, dir) = start_long_job_in("orphans-worker-killed");
     let victim = workers[1];
     let status = std::process::Command::new("kill")
@@ -77,22 +77,22 @@ fn a_worker_killed_mid_job_fails_the_job_and_names_it() {
         .unwrap();
     assert!(status.success());
     let out = wait_bounded(coord, Duration::from_secs(20));
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(3));
     assert!(eventually(Duration::from_secs(5), || workers
         .iter()
         .all(|&p| !alive(p))));
     let r = report(&dir);
-    assert_eq!(r["status"], "error");
-    let error = r["error"].as_str().unwrap();
-    assert!(error.contains("signal 9"), "{error}");
+    assert_eq!(r["status"], "hang");
+    let hang = &r["hang"];
+    assert_eq!(hang["kind"], "dead_worker");
+    let explanation = hang["explanation"].as_str().unwrap();
+    assert!(explanation.contains("signal 9"), "{explanation}");
     let listed = r["workers"].as_array().unwrap();
     assert_eq!(listed.len(), 4);
     let named = listed
         .iter()
         .find(|w| w["pid"].as_u64() == Some(u64::from(victim)))
         .expect("victim listed");
-    assert!(
-        error.contains(&format!("worker {}", named["id"])),
-        "{error}"
-    );
+    assert_eq!(hang["culprit"]["worker"], named["id"]);
+    assert_eq!(hang["culprit"]["pid"], u64::from(victim));
 }
