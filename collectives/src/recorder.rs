@@ -29,10 +29,11 @@ pub fn wall_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
+/// A collective's state. (There is no separate "scheduled" state: a chip starts a collective
+/// the moment its program calls it; waiting for peers shows as `blocked` while started.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OpState {
-    Scheduled,
     Started,
     Completed,
 }

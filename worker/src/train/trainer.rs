@@ -530,6 +530,8 @@ impl<'a> Trainer<'a> {
         let style = self.plan.styles[l];
         let [w, b] = working(&self.working, &self.params, l);
         let bias = (style != Style::Row).then_some(b);
+        // The watchdog sees a chip inside a kernel as computing, not as stuck.
+        chip.recorder().compute_started();
         let (mut z, cost) = mlp::linear(x, w, bias)?;
         self.tl.compute(chip, cost);
         if style == Style::Row {
@@ -555,6 +557,7 @@ impl<'a> Trainer<'a> {
         dz: &Tensor,
     ) -> Result<Option<Tensor>, WorkerError> {
         let [w, _] = working(&self.working, &self.params, l);
+        chip.recorder().compute_started();
         let (dw, db, dx, cost) = mlp::linear_backward(x, w, dz, l > 0)?;
         self.tl.compute(chip, cost);
         let dx = match (dx, self.plan.styles[l]) {
