@@ -391,7 +391,7 @@ impl<'a> Call<'a> {
             peer: src,
             tag,
             fingerprint: self.fingerprint,
-            since_wall_ns: recorder::wall_ns(),
+            since_wall_ns: recorder::coarse_wall_ns(),
         });
         let got = self.chip.inbox.receive(&want).await;
         self.chip.recorder.done_waiting(link, tag, got.is_ok());
