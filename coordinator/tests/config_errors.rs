@@ -174,7 +174,7 @@ fn train_config(extra_job: &str, model: &str) -> String {
 
 #[test]
 fn shipped_configs_validate() {
-    for name in [
+    let main = [
         "quickstart",
         "collectives",
         "ddp",
@@ -184,10 +184,27 @@ fn shipped_configs_validate() {
         "fsdp_tp",
         "ddp_small_layers",
         "ddp_mlp_bench",
-    ] {
+    ];
+    let faults = [
+        "stall",
+        "crash",
+        "freeze",
+        "drop",
+        "delay",
+        "slow",
+        "desync",
+        "corrupt",
+        "partition",
+        "recovery",
+    ];
+    let names = main
+        .into_iter()
+        .map(String::from)
+        .chain(faults.iter().map(|f| format!("faults/{f}")));
+    for name in names {
         let path = format!("{}/../configs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
         let text = std::fs::read_to_string(&path).unwrap();
-        let (code, err) = validate(name, &text);
+        let (code, err) = validate(&name.replace('/', "-"), &text);
         assert_eq!(code, 0, "{name}: {err}");
     }
 }
