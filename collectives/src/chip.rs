@@ -338,7 +338,10 @@ impl<'a> Call<'a> {
         };
         if let OnSend::Delay { wall, virtual_ns } = fault {
             latency += virtual_ns;
+            // Held up by the fault: busy, not stuck, as far as the watchdog is concerned.
+            self.chip.recorder.compute_started();
             tokio::time::sleep(wall).await;
+            self.chip.recorder.compute_finished();
         }
         let arrive_ns = {
             let mut links = self.chip.links.lock().unwrap_or_else(|e| e.into_inner());

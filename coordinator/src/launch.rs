@@ -432,7 +432,8 @@ fn spawn_workers(
     let mut children = Children::default();
     // Workers share this machine's cores: give each its share of runtime threads.
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = (cores / workers as usize).max(1);
+    // At least two, so that heartbeats go out while a chip runs a long kernel on the other.
+    let threads = (cores / workers as usize).max(2);
     for id in 0..workers {
         let stderr = match log_dir {
             Some(dir) => {
@@ -659,7 +660,7 @@ async fn drive(
                 .filter_map(|d| d.as_array())
                 .flatten()
                 .filter_map(|c| c["status"]["step"].as_u64())
-                .max()
+                .min()
                 .unwrap_or_else(|| watchdog.step_reached());
             broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                 reason: "hang detected".into(),

@@ -50,7 +50,8 @@ pub fn read(dir: &Path, step: u32, chip: u32) -> Result<Vec<Vec<f32>>, WorkerErr
     let bytes = std::fs::read(&p).map_err(|e| bad(&e.to_string()))?;
     let mut at = 0usize;
     let mut take = |n: usize| -> Result<&[u8], WorkerError> {
-        let s = bytes.get(at..at + n).ok_or_else(|| bad("truncated"))?;
+        let end = at.checked_add(n).ok_or_else(|| bad("truncated"))?;
+        let s = bytes.get(at..end).ok_or_else(|| bad("truncated"))?;
         at += n;
         Ok(s)
     };

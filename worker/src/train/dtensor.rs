@@ -324,10 +324,15 @@ impl DTensor {
             if !leave[i] {
                 continue;
             }
+            // One collective along mesh dimension `i` is enough when no inner dimension
+            // shards the same tensor dimensions and no outer one that does is changing (an
+            // unchanged outer shard only narrows the extent the collective works on).
             let direct = |dims: &[usize]| {
                 (0..n).filter(|&k| k != i).all(|k| {
                     dims.iter().all(|&d| {
-                        cur.placements[k] != Placement::Shard(d) && target[k] != Placement::Shard(d)
+                        let shards = cur.placements[k] == Placement::Shard(d)
+                            || target[k] == Placement::Shard(d);
+                        !shards || (k < i && cur.placements[k] == target[k])
                     })
                 })
             };

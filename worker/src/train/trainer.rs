@@ -101,12 +101,14 @@ pub struct ChipTrainReport {
 enum Stream {
     Gather = 0,
     Reduce = 1,
+    /// Tensor-parallel activations: on the critical path, never queued behind gradients.
+    Tensor = 2,
 }
 
 /// The clocks of a step (see the module docs).
 #[derive(Debug, Default)]
 struct Timeline {
-    stream_free: [Nanos; 2],
+    stream_free: [Nanos; 3],
     compute_ns: f64,
     comm_ns: f64,
     /// When the last overlapped collective finishes.
@@ -425,7 +427,7 @@ impl<'a> Trainer<'a> {
         let wall = Instant::now();
         let t0 = chip.clock();
         self.tl = Timeline {
-            stream_free: [t0; 2],
+            stream_free: [t0; 3],
             ..Timeline::default()
         };
         let k = self.spec.grad_accum.max(1);
@@ -480,10 +482,10 @@ impl<'a> Trainer<'a> {
             .alloc(MemKind::Activations, x.bytes(), || "the input batch".into())?;
         let mut acts = vec![x];
         for l in 0..layers {
+            self.unshard(chip, l).await?;
             if self.overlapped() && l + 1 < layers {
                 self.prefetch(chip, l + 1).await?;
             }
-            self.unshard(chip, l).await?;
             let z = self.layer_forward(chip, l, &acts[l]).await?;
             self.hbm.alloc(MemKind::Activations, z.bytes(), || {
                 format!("activations of layer {l}")
@@ -493,14 +495,15 @@ impl<'a> Trainer<'a> {
                 self.release(l);
             }
         }
+        chip.recorder().compute_started();
         let (loss, mut dz, cost) =
             mlp::cross_entropy(&acts[layers], labels, 1.0 / micro_batches as f32)?;
         self.tl.compute(chip, cost);
         for l in (0..layers).rev() {
+            self.unshard(chip, l).await?;
             if self.overlapped() && l > 0 && self.spec.reshard_after_forward {
                 self.prefetch(chip, l - 1).await?;
             }
-            self.unshard(chip, l).await?;
             if l + 1 < layers {
                 let cost = mlp::relu_backward(&mut dz, &acts[l + 1]);
                 self.tl.compute(chip, cost);
@@ -590,7 +593,7 @@ impl<'a> Trainer<'a> {
                 "a tensor-parallel layer without a tp dimension".into(),
             ));
         };
-        let issued = self.tl.begin(chip, Stream::Reduce, false);
+        let issued = self.tl.begin(chip, Stream::Tensor, false);
         let out = chip
             .all_reduce(&self.plan.mesh.comm(dim), &t.to_payload(), ReduceOp::Sum)
             .await?;
@@ -789,11 +792,12 @@ impl<'a> Trainer<'a> {
             })?;
             let n = p.stored.local().numel();
             let reads = 2.0 + spec.state_per_param() as f64;
-            self.tl
-                .compute(chip, Cost::elementwise(n, spec.flops_per_param(), reads));
+            chip.recorder().compute_started();
             if let (Some(param), Some(g)) = (p.stored.local_mut().values_mut(), g.values()) {
                 p.state.step(spec, param, g);
             }
+            self.tl
+                .compute(chip, Cost::elementwise(n, spec.flops_per_param(), reads));
             p.grad = None;
         }
         self.next_bucket = 0;
