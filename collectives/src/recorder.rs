@@ -269,6 +269,18 @@ impl FlightRecorder {
         self.lock().step = step;
     }
 
+    /// What a heartbeat needs to know changed: progress, number of receives waited on,
+    /// whether in a kernel, step.
+    pub fn summary(&self) -> (u64, usize, bool, u64) {
+        let g = self.lock();
+        (
+            self.progress.load(Ordering::Relaxed),
+            g.blocked.len(),
+            g.computing_since_ns.is_some(),
+            g.step,
+        )
+    }
+
     /// The live view for a heartbeat.
     pub fn status(&self) -> ChipStatus {
         let g = self.lock();

@@ -172,10 +172,25 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
         let every = Duration::from_millis(fabric.spec.heartbeat_ms.max(1));
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
+            // Only chips whose state moved since the last heartbeat are sent (the coordinator
+            // keeps the last status of the others, which is what "unchanged" means to the
+            // watchdog), with a full refresh every ten heartbeats.
+            let mut last: Vec<Option<(u64, usize, bool, u64)>> = vec![None; recorders.len()];
+            let mut beat = 0u64;
             loop {
                 tick.tick().await;
+                let full = beat.is_multiple_of(10);
+                beat += 1;
+                let mut chips = Vec::new();
+                for (r, seen) in recorders.iter().zip(last.iter_mut()) {
+                    let key = Some(r.summary());
+                    if full || *seen != key {
+                        *seen = key;
+                        chips.push(r.status());
+                    }
+                }
                 let status = HeartbeatStatus {
-                    chips: recorders.iter().map(|r| r.status()).collect(),
+                    chips,
                     faults: faults.events(),
                 };
                 let msg = pb::WorkerMsg {
