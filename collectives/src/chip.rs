@@ -125,6 +125,12 @@ impl Chip {
         }
     }
 
+    /// Keeps the last `entries` collectives in the flight recorder (before the program runs;
+    /// the recorder starts afresh).
+    pub fn set_recorder_entries(&mut self, entries: usize) {
+        self.core.recorder = Arc::new(FlightRecorder::new(self.core.id, entries));
+    }
+
     /// The chip's flight recorder (shared with whoever reports on the chip).
     pub fn recorder(&self) -> Arc<FlightRecorder> {
         self.core.recorder.clone()

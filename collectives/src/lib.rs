@@ -43,5 +43,6 @@ pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
 pub use payload::{Payload, Rope};
+pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{Blocked, ChipStatus, FlightRecorder, OpState, RecordEntry, link_slot, wall_ns};
 pub use reduce::ReduceOp;

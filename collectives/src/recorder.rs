@@ -314,3 +314,54 @@ impl FlightRecorder {
         self.lock().entries.iter().cloned().collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::{DType, OpKind};
+    use podsim_topology::Dir;
+
+    fn fp(seq: u64) -> Fingerprint {
+        Fingerprint {
+            group: 1,
+            seq,
+            op: OpKind::AllReduce,
+            dtype: DType::F32,
+            count: 4,
+            reduce: None,
+        }
+    }
+
+    #[test]
+    fn keeps_the_last_entries_and_the_live_view() {
+        let r = FlightRecorder::new(7, 3);
+        for seq in 0..5 {
+            let i = r.started(fp(seq), seq as f64);
+            r.completed(i, seq as f64 + 0.5);
+        }
+        let kept: Vec<u64> = r.entries().iter().map(|e| e.fingerprint.seq).collect();
+        assert_eq!(kept, vec![2, 3, 4]);
+        assert!(r.entries().iter().all(|e| e.state == OpState::Completed));
+        let link = Link::ici(0, Dir::Plus);
+        let tag = Tag {
+            lane: 0,
+            phase: 0,
+            step: 1,
+        };
+        r.started(fp(5), 9.0);
+        r.waiting(Blocked {
+            link,
+            peer: 3,
+            tag,
+            fingerprint: fp(5),
+            since_wall_ns: 0,
+        });
+        let s = r.status();
+        assert_eq!((s.chip, s.completed, s.blocked.len()), (7, 5, 1));
+        assert_eq!(s.current.map(|e| e.fingerprint.seq), Some(5));
+        r.done_waiting(link, tag, true);
+        let s = r.status();
+        assert!(s.blocked.is_empty());
+        assert_eq!(s.received[link_slot(link)], 1);
+    }
+}

@@ -208,6 +208,7 @@ impl BenchPlan {
             },
             faults: Vec::new(),
             heartbeat_ms: 100,
+            recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
             watchdog_ms: 2000,
         }
     }

@@ -58,6 +58,8 @@ impl fmt::Display for ConfigErrors {
 pub struct Watchdog {
     pub timeout_ms: u64,
     pub heartbeat_ms: u64,
+    /// Collectives each chip's flight recorder keeps.
+    pub recorder_entries: usize,
 }
 
 /// A validated job config.
@@ -88,6 +90,7 @@ impl JobConfig {
             program: self.program.clone(),
             faults: self.faults.clone(),
             heartbeat_ms: self.watchdog.heartbeat_ms,
+            recorder_entries: self.watchdog.recorder_entries,
             watchdog_ms: self.watchdog.timeout_ms,
         }
     }
@@ -233,6 +236,7 @@ struct RawRecovery {
 struct RawWatchdog {
     timeout_ms: Option<u64>,
     heartbeat_ms: Option<u64>,
+    recorder_entries: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -292,7 +296,10 @@ const SCHEMA: &[(&str, &[&str])] = &[
         "job.collectives",
         &["op", "size", "algo", "group", "reduce", "root", "dtype"],
     ),
-    ("watchdog", &["timeout_ms", "heartbeat_ms"]),
+    (
+        "watchdog",
+        &["timeout_ms", "heartbeat_ms", "recorder_entries"],
+    ),
     ("recovery", &["checkpoint_every", "max_restarts"]),
     (
         "faults",
@@ -661,7 +668,11 @@ fn parse(
     let wd = Watchdog {
         timeout_ms: watchdog.timeout_ms.unwrap_or(2000),
         heartbeat_ms: watchdog.heartbeat_ms.unwrap_or(100),
+        recorder_entries: watchdog.recorder_entries.unwrap_or(2000),
     };
+    if wd.recorder_entries == 0 {
+        p.add("watchdog", Some("recorder_entries"), "must be at least 1");
+    }
     if wd.heartbeat_ms == 0 {
         p.add("watchdog", Some("heartbeat_ms"), "must be at least 1");
     }

@@ -133,6 +133,7 @@ fn spec() -> JobSpec {
         },
         faults: Vec::new(),
         heartbeat_ms: 100,
+        recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
         watchdog_ms: 2000,
     }
 }

@@ -24,6 +24,9 @@ pub struct JobSpec {
     /// How often workers report each chip's status, ms.
     #[serde(default = "default_heartbeat_ms")]
     pub heartbeat_ms: u64,
+    /// Collectives each chip's flight recorder keeps.
+    #[serde(default = "default_recorder_entries")]
+    pub recorder_entries: usize,
     /// The coordinator's hang timeout, ms (workers do not use it).
     #[serde(default = "default_watchdog_ms")]
     pub watchdog_ms: u64,
@@ -31,6 +34,10 @@ pub struct JobSpec {
 
 fn default_heartbeat_ms() -> u64 {
     100
+}
+
+fn default_recorder_entries() -> usize {
+    podsim_collectives::DEFAULT_RECORDER_ENTRIES
 }
 
 fn default_watchdog_ms() -> u64 {

@@ -150,8 +150,9 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
         me,
         fabric.spec.pod.chips() as usize,
     ));
-    if !faults.is_empty() {
-        for chip in &mut chips {
+    for chip in &mut chips {
+        chip.set_recorder_entries(fabric.spec.recorder_entries);
+        if !faults.is_empty() {
             chip.set_faults(faults.clone());
         }
     }
