@@ -81,7 +81,7 @@ pub struct HangReport {
     pub recorders: BTreeMap<u32, serde_json::Value>,
     pub faults: Vec<podsim_worker::faults::FaultEvent>,
     pub detected_wall_ns: u64,
-    /// The step the job had reached (the slowest chip's).
+    /// The step the job failed in (the furthest step a live chip had entered).
     pub step_reached: u64,
     /// Pid of each worker that joined.
     pub pids: BTreeMap<u32, u32>,
@@ -654,13 +654,14 @@ async fn drive(
                 detected_wall_ns = podsim_collectives::wall_ns();
             }
             let recorders = collect_recorders(&mut events, &broadcast, &finding).await;
-            // The live chips' recorders are fresher than the last heartbeats.
+            // The furthest step any live chip entered: the step the job failed in (the live
+            // chips' recorders are fresher than the last heartbeats).
             let step_reached = recorders
                 .values()
                 .filter_map(|d| d.as_array())
                 .flatten()
                 .filter_map(|c| c["status"]["step"].as_u64())
-                .min()
+                .max()
                 .unwrap_or_else(|| watchdog.step_reached());
             broadcast(pb::coordinator_msg::Body::Shutdown(pb::Shutdown {
                 reason: "hang detected".into(),
