@@ -213,14 +213,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
         tokio::select! {
             r = &mut run => break r,
             m = from_coord.next() => match m {
-                Ok(pb::coordinator_msg::Body::Dump(_)) => {
-                    let dump: Vec<RecorderDump> = recorders
-                        .iter()
-                        .map(|r| RecorderDump { status: r.status(), entries: r.entries() })
-                        .collect();
-                    let json = serde_json::to_vec(&dump).unwrap_or_default();
-                    send(&to_coord, pb::worker_msg::Body::Dump(pb::FlightRecorderDump { json })).await?;
-                }
+                Ok(pb::coordinator_msg::Body::Dump(_)) => send_dump(&to_coord, &recorders).await?,
                 Ok(pb::coordinator_msg::Body::Shutdown(s)) => break Err(session_error(format!("stopped: {}", s.reason))),
                 Ok(other) => break Err(session_error(format!("unexpected {other:?} during the job"))),
                 Err(e) => break Err(e),
@@ -266,14 +259,40 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             )
             .await;
             // Stay until the coordinator has read it (it answers with a shutdown), or the
-            // message could die with this process.
-            let _ = tokio::time::timeout(Duration::from_secs(10), from_coord.next()).await;
+            // message could die with this process; a diagnosis may ask for the recorders.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while let Ok(Ok(pb::coordinator_msg::Body::Dump(_))) =
+                tokio::time::timeout_at(deadline, from_coord.next()).await
+            {
+                let _ = send_dump(&to_coord, &recorders).await;
+            }
             return Err(e);
         }
     }
     // Wait for the coordinator to let go (it may still need our links for other workers).
     let _ = tokio::time::timeout(Duration::from_secs(60), from_coord.next()).await;
     Ok(())
+}
+
+/// Sends every local chip's flight recorder to the coordinator.
+async fn send_dump(
+    to_coord: &mpsc::Sender<pb::WorkerMsg>,
+    recorders: &[Arc<FlightRecorder>],
+) -> Result<(), WorkerError> {
+    let dump: Vec<RecorderDump> = recorders
+        .iter()
+        .map(|r| RecorderDump {
+            status: r.status(),
+            entries: r.entries(),
+        })
+        .collect();
+    let json = serde_json::to_vec(&dump).unwrap_or_default();
+    to_coord
+        .send(pb::WorkerMsg {
+            body: Some(pb::worker_msg::Body::Dump(pb::FlightRecorderDump { json })),
+        })
+        .await
+        .map_err(session_error)
 }
 
 /// Messages from the coordinator.
