@@ -224,11 +224,9 @@ impl Chip {
                 crate::faults::BeforeCollective::Proceed => {}
                 crate::faults::BeforeCollective::Stall => std::future::pending::<()>().await,
                 crate::faults::BeforeCollective::Skip => {
-                    let skipped = fp;
-                    fp = self.next_fingerprint(group, op, dtype, count, reduce);
-                    fp.op = skipped.op;
-                    fp.count = skipped.count;
-                    fp.reduce = skipped.reduce;
+                    // As if the previous call had been skipped: one sequence number ahead.
+                    *self.seqs.entry(group.id()).or_insert(0) += 1;
+                    fp.seq += 1;
                 }
             }
         }

@@ -16,6 +16,7 @@ use podsim_topology::Group;
 
 use crate::algo::Algo;
 use crate::algo::schedule::Schedule;
+use crate::bits::{f32s_to_word, word_to_f32s};
 use crate::chip::{Call, Chip, Nanos};
 use crate::error::CollectiveError;
 use crate::fingerprint::{DType, Fingerprint, OpKind};
@@ -55,16 +56,16 @@ impl Comm {
 /// so that the check never shares sequence numbers with the collectives it checks.
 const VERIFY_GROUP_BIT: u64 = 1 << 40;
 
-/// Bits per f32 value in an encoded fingerprint: integers below 2^24 are exact in f32.
-const PIECE_BITS: u32 = 22;
+/// Real length of block `r` when `c` elements are cut into blocks of `l` (`torch.chunk`).
+pub fn chunk_len(c: usize, l: usize, r: usize) -> usize {
+    c.saturating_sub(r * l).min(l)
+}
 
 fn encode_fingerprint(fp: &Fingerprint) -> Vec<f32> {
-    let mut out = Vec::with_capacity(12);
-    for word in [fp.group, fp.seq, fp.count] {
-        for i in 0..3 {
-            out.push(((word >> (i * PIECE_BITS)) & ((1 << PIECE_BITS) - 1)) as f32);
-        }
-    }
+    let mut out: Vec<f32> = [fp.group, fp.seq, fp.count]
+        .into_iter()
+        .flat_map(word_to_f32s)
+        .collect();
     out.push(fp.op.code() as f32);
     out.push(fp.dtype.code() as f32);
     out.push(fp.reduce.map_or(0, ReduceOp::code) as f32);
@@ -72,27 +73,17 @@ fn encode_fingerprint(fp: &Fingerprint) -> Vec<f32> {
 }
 
 fn decode_fingerprint(v: &[f32]) -> Option<Fingerprint> {
-    let word = |i: usize| {
-        (0..3).fold(0u64, |w, k| {
-            w | ((v[i * 3 + k] as u64) << (k as u32 * PIECE_BITS))
-        })
-    };
     Some(Fingerprint {
-        group: word(0),
-        seq: word(1),
-        count: word(2),
-        op: OpKind::from_code(v[9] as u32)?,
-        dtype: DType::from_code(v[10] as u32)?,
-        reduce: match v[11] as u32 {
+        group: f32s_to_word(v.get(0..3)?),
+        seq: f32s_to_word(v.get(3..6)?),
+        count: f32s_to_word(v.get(6..9)?),
+        op: OpKind::from_code(*v.get(9)? as u32)?,
+        dtype: DType::from_code(*v.get(10)? as u32)?,
+        reduce: match *v.get(11)? as u32 {
             0 => None,
             code => Some(ReduceOp::from_code(code)?),
         },
     })
-}
-
-/// Real length of block `r` when `c` elements are cut into blocks of `l` (`torch.chunk`).
-fn chunk_len(c: usize, l: usize, r: usize) -> usize {
-    c.saturating_sub(r * l).min(l)
 }
 
 impl Chip {

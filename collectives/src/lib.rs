@@ -22,6 +22,7 @@
 //! ```
 
 mod algo;
+pub mod bits;
 mod buffer;
 mod chip;
 mod collective;
@@ -37,7 +38,7 @@ pub mod reference;
 
 pub use algo::Algo;
 pub use chip::{Chip, ChipStats, Nanos, TimeSnapshot};
-pub use collective::Comm;
+pub use collective::{Comm, chunk_len};
 pub use error::CollectiveError;
 pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, OpKind};

@@ -394,12 +394,8 @@ impl Payload {
             }
             _ => self.as_rope()?,
         };
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        rope.for_each_run(|run| {
-            for v in run {
-                h = (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3);
-            }
-        });
+        let mut h = crate::bits::fnv1a_f32([]);
+        rope.for_each_run(|run| h = crate::bits::fnv1a_f32_from(h, run.iter().copied()));
         Some(h)
     }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_server::{Control, ControlServer};
-use podsim_worker::job::{DesyncReport, HeartbeatStatus, JobSpec, WorkerReport};
+use podsim_worker::job::{FailureReport, HeartbeatStatus, JobSpec, WorkerReport};
 
 use crate::watchdog::{Finding, HangKind, Watchdog};
 use podsim_worker::net::check_token;
@@ -373,7 +373,7 @@ fn dead_worker(watchdog: &Watchdog, id: u32, how: &str, pid: Option<u32>) -> Fin
     }
 }
 
-fn desync(watchdog: &Watchdog, d: &DesyncReport, worker: u32) -> Finding {
+fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Finding {
     if d.kind == "corrupt" {
         let link = d.link.map_or("?".to_string(), |l| l.to_string());
         return Finding {
@@ -750,9 +750,9 @@ async fn drive(
                 watchdog.finished(id);
             }
             (id, Ok(pb::worker_msg::Body::Failure(f))) => {
-                if let Ok(d) = serde_json::from_slice::<DesyncReport>(&f.error_json) {
+                if let Ok(d) = serde_json::from_slice::<FailureReport>(&f.error_json) {
                     watchdog.faults_fired(&d.faults);
-                    found = Some(desync(&watchdog, &d, id));
+                    found = Some(diagnosed_failure(&watchdog, &d, id));
                     detected_wall_ns = podsim_collectives::wall_ns();
                     continue;
                 }

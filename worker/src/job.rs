@@ -58,9 +58,10 @@ pub struct RecorderDump {
     pub entries: Vec<podsim_collectives::RecordEntry>,
 }
 
-/// A desync as a worker reports it: both chips and both collectives.
+/// A failure the watchdog can diagnose, as a worker reports it: a desync (both chips and both
+/// collectives) or a corrupt message (receiver, sender and link).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DesyncReport {
+pub struct FailureReport {
     /// `desync`, or `corrupt` (a payload that failed its checksum).
     #[serde(default = "desync_kind")]
     pub kind: String,
@@ -80,9 +81,9 @@ fn desync_kind() -> String {
     "desync".into()
 }
 
-impl DesyncReport {
+impl FailureReport {
     /// The desync inside `e`, if it is one.
-    pub fn from_error(e: &crate::WorkerError) -> Option<DesyncReport> {
+    pub fn from_error(e: &crate::WorkerError) -> Option<FailureReport> {
         match e {
             crate::WorkerError::Collective(CollectiveError::Desync {
                 chip,
@@ -90,7 +91,7 @@ impl DesyncReport {
                 peer,
                 got,
                 link,
-            }) => Some(DesyncReport {
+            }) => Some(FailureReport {
                 kind: desync_kind(),
                 chip: *chip,
                 peer: *peer,
@@ -104,7 +105,7 @@ impl DesyncReport {
                 mine,
                 peer,
                 theirs,
-            }) => Some(DesyncReport {
+            }) => Some(FailureReport {
                 kind: desync_kind(),
                 chip: *chip,
                 peer: *peer,
@@ -118,7 +119,7 @@ impl DesyncReport {
                 peer,
                 link,
                 fingerprint,
-            }) => Some(DesyncReport {
+            }) => Some(FailureReport {
                 kind: "corrupt".into(),
                 chip: *chip,
                 peer: *peer,

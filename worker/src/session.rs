@@ -21,7 +21,7 @@ use podsim_collectives::FlightRecorder;
 
 use crate::error::WorkerError;
 use crate::faults::FaultPlan;
-use crate::job::{DesyncReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
+use crate::job::{FailureReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
 use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
 use crate::programs::{run_program, total_units};
 
@@ -248,8 +248,8 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 &to_coord,
                 pb::worker_msg::Body::Failure(pb::WorkerFailure {
                     error: e.to_string(),
-                    error_json: DesyncReport::from_error(&e)
-                        .map(|d| DesyncReport {
+                    error_json: FailureReport::from_error(&e)
+                        .map(|d| FailureReport {
                             faults: faults.events(),
                             ..d
                         })

@@ -11,10 +11,9 @@ use podsim_collectives::Payload;
 use crate::error::WorkerError;
 
 /// Length of `torch.chunk` piece `i` when `size` is cut into `n`: pieces of `ceil(size / n)`,
-/// the last ones shorter or empty.
+/// the last ones shorter or empty (the collectives' own block rule).
 pub fn chunk_len(size: usize, n: usize, i: usize) -> usize {
-    let l = size.div_ceil(n.max(1));
-    size.saturating_sub(i * l).min(l)
+    podsim_collectives::chunk_len(size, size.div_ceil(n.max(1)), i)
 }
 
 /// Where `torch.chunk` piece `i` starts.

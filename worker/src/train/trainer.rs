@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use podsim_collectives::bits::{fnv1a_f32, word_to_f32s};
 use podsim_collectives::{Algo, Chip, Comm, Nanos, Payload, ReduceOp};
 use podsim_topology::Group;
 use serde::{Deserialize, Serialize};
@@ -283,21 +284,7 @@ pub async fn train_chip_with_parameters(
 }
 
 fn bits_hash(t: &Tensor) -> u64 {
-    // FNV-1a over the f32 bit patterns: equal only if every value is bit-identical.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    if let Some(a) = t.values() {
-        for v in a.iter() {
-            for byte in v.to_bits().to_le_bytes() {
-                h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-            }
-        }
-    }
-    h
-}
-
-/// A 64-bit hash as three exact f32 values (22 bits each) for an all-gather.
-fn hash_values(h: u64) -> [f32; 3] {
-    [0, 22, 44].map(|s| ((h >> s) & ((1 << 22) - 1)) as f32)
+    fnv1a_f32(t.values().into_iter().flat_map(|a| a.iter().copied()))
 }
 
 /// All-gathers `hashes` over `group`; returns the first member whose hashes differ from
@@ -307,7 +294,7 @@ async fn first_mismatch(
     comm: &Comm,
     hashes: &[u64],
 ) -> Result<Option<(u32, usize)>, WorkerError> {
-    let mine: Vec<f32> = hashes.iter().flat_map(|h| hash_values(*h)).collect();
+    let mine: Vec<f32> = hashes.iter().flat_map(|h| word_to_f32s(*h)).collect();
     let width = mine.len();
     let all = chip
         .all_gather(comm, &Payload::from_vec(mine.clone()))
