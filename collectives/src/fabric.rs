@@ -8,15 +8,15 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Poll, Waker};
 
 use podsim_topology::{ChipId, Link};
 use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
 
 use crate::error::CollectiveError;
 use crate::fingerprint::Fingerprint;
 use crate::payload::Payload;
+use crate::recorder::{LINK_SLOTS, link_slot};
 
 /// Where a message belongs inside its collective: the algorithm lane, phase and step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -70,12 +70,24 @@ pub trait Router: Send + Sync + std::fmt::Debug {
 }
 
 /// A chip's incoming messages, matched by link and tag when the chip asks for them.
+///
+/// A receive that finds nothing parks its waker on the slot of the link it receives from,
+/// under the same lock as the pending messages, and a message wakes only that slot: a chip
+/// runs up to six lanes at once (three torus parts, two directions), and waking all of them
+/// for every message, through a separate notifier with its own lock, was most of the
+/// per-message cost at scale.
 #[derive(Debug, Default)]
 pub struct Inbox {
-    pending: Mutex<Vec<Message>>,
-    notify: Notify,
-    closed: AtomicBool,
-    close_reason: Mutex<String>,
+    state: Mutex<InboxState>,
+}
+
+#[derive(Debug, Default)]
+struct InboxState {
+    pending: Vec<Message>,
+    /// Receives parked on each link slot.
+    parked: [Vec<Waker>; LINK_SLOTS],
+    /// Why the inbox was closed, once it is.
+    closed: Option<String>,
 }
 
 /// What a receive waits for.
@@ -98,73 +110,88 @@ impl Inbox {
         Inbox::default()
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, InboxState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn push(&self, msg: Message) {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(msg);
-        self.notify.notify_waiters();
+        // The receiver's name for the link has the same slot whatever the sender's slice.
+        let slot = link_slot(msg.link.reverse(0));
+        let parked = {
+            let mut st = self.lock();
+            st.pending.push(msg);
+            std::mem::take(&mut st.parked[slot])
+        };
+        parked.into_iter().for_each(Waker::wake);
     }
 
     /// Wakes every receive on this inbox with an error (the job is being torn down).
     pub fn close(&self, reason: &str) {
-        *self.close_reason.lock().unwrap_or_else(|e| e.into_inner()) = reason.to_string();
-        self.closed.store(true, Ordering::SeqCst);
-        self.notify.notify_waiters();
+        let parked: Vec<Waker> = {
+            let mut st = self.lock();
+            st.closed = Some(reason.to_string());
+            st.parked.iter_mut().flat_map(std::mem::take).collect()
+        };
+        parked.into_iter().for_each(Waker::wake);
     }
 
     /// Waits for the message `want` names. Any pending message of the same group that belongs
     /// to another call of it (other fingerprint, same seq; or an older seq) is a desync.
     pub(crate) async fn receive(&self, want: &Expect) -> Result<Message, CollectiveError> {
-        loop {
-            let notified = self.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(msg) = self.take(want)? {
-                return Ok(msg);
+        let slot = link_slot(want.my_link);
+        std::future::poll_fn(|cx| {
+            let mut st = self.lock();
+            if let Some(msg) = take_from(&mut st.pending, want)? {
+                return Poll::Ready(Ok(msg));
             }
-            if self.closed.load(Ordering::SeqCst) {
-                let reason = self
-                    .close_reason
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
-                return Err(CollectiveError::Closed {
+            if let Some(reason) = &st.closed {
+                return Poll::Ready(Err(CollectiveError::Closed {
                     chip: want.me,
                     link: want.my_link,
-                    reason,
-                });
+                    reason: reason.clone(),
+                }));
             }
-            notified.await;
-        }
+            let parked = &mut st.parked[slot];
+            if !parked.iter().any(|w| w.will_wake(cx.waker())) {
+                parked.push(cx.waker().clone());
+            }
+            Poll::Pending
+        })
+        .await
     }
 
-    fn take(&self, want: &Expect) -> Result<Option<Message>, CollectiveError> {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let fp = &want.fingerprint;
-        let mut found = None;
-        for (i, m) in pending.iter().enumerate() {
-            let other = &m.fingerprint;
-            if other.group == fp.group
-                && (other.seq < fp.seq || (other.seq == fp.seq && other != fp))
-            {
-                return Err(CollectiveError::Desync {
-                    chip: want.me,
-                    expected: *fp,
-                    peer: m.src,
-                    got: *other,
-                    link: m.link.reverse(m.src / want.chips_per_slice),
-                });
-            }
-            if found.is_none()
-                && other == fp
-                && m.src == want.src
-                && m.link == want.sender_link
-                && m.tag == want.tag
-            {
-                found = Some(i);
-            }
-        }
-        Ok(found.map(|i| pending.swap_remove(i)))
+    /// The message `want` names if it has arrived (desyncs as in [`Inbox::receive`]).
+    pub(crate) fn take(&self, want: &Expect) -> Result<Option<Message>, CollectiveError> {
+        take_from(&mut self.lock().pending, want)
     }
+}
+
+/// Removes the message `want` names from `pending`, if there.
+fn take_from(
+    pending: &mut Vec<Message>,
+    want: &Expect,
+) -> Result<Option<Message>, CollectiveError> {
+    let fp = &want.fingerprint;
+    let mut found = None;
+    for (i, m) in pending.iter().enumerate() {
+        let other = &m.fingerprint;
+        if other.group == fp.group && (other.seq < fp.seq || (other.seq == fp.seq && other != fp)) {
+            return Err(CollectiveError::Desync {
+                chip: want.me,
+                expected: *fp,
+                peer: m.src,
+                got: *other,
+                link: m.link.reverse(m.src / want.chips_per_slice),
+            });
+        }
+        if found.is_none()
+            && other == fp
+            && m.src == want.src
+            && m.link == want.sender_link
+            && m.tag == want.tag
+        {
+            found = Some(i);
+        }
+    }
+    Ok(found.map(|i| pending.swap_remove(i)))
 }

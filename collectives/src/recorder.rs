@@ -233,11 +233,16 @@ impl FlightRecorder {
         self.lock().blocked.push(b);
     }
 
+    /// A message arrived on `link`.
+    pub fn received(&self, link: Link) {
+        self.received[link_slot(link)].fetch_add(1, Ordering::Relaxed);
+        self.bump();
+    }
+
     /// The receive on `link` with `tag` is over (received, or failed).
     pub fn done_waiting(&self, link: Link, tag: Tag, received: bool) {
         if received {
-            self.received[link_slot(link)].fetch_add(1, Ordering::Relaxed);
-            self.bump();
+            self.received(link);
         }
         let mut g = self.lock();
         if let Some(i) = g

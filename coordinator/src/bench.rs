@@ -95,6 +95,10 @@ pub struct BenchRow {
     pub virtual_busbw_gbps: f64,
     pub checked: u64,
     pub errors: u64,
+    /// Messages the chips sent per iteration (simulated message events), and how many the
+    /// emulator moved per second of wall time.
+    pub messages: u64,
+    pub events_per_s: f64,
 }
 
 /// A fully parsed benchmark.
@@ -301,6 +305,16 @@ pub fn iteration_times(steps: &[ChipStepReport]) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// nccl-tests' algbw: a chip's buffer of `bytes` per `secs`, in GB/s (0 when no time passed).
+/// busbw is this times [`OpKind::busbw_factor`] of the group size.
+pub fn algbw_gbps(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
 fn make_row(plan: &BenchPlan, size: u64, steps: &[ChipStepReport]) -> BenchRow {
     let count = plan.count(size);
     let bytes = plan.reported_bytes(count);
@@ -308,15 +322,15 @@ fn make_row(plan: &BenchPlan, size: u64, steps: &[ChipStepReport]) -> BenchRow {
     let factor = plan.op.busbw_factor(n);
     let times = iteration_times(steps);
     let k = times.len().max(1) as f64;
+    let messages = (steps
+        .iter()
+        .flat_map(|s| &s.calls)
+        .map(|c| c.messages)
+        .sum::<u64>() as f64
+        / k) as u64;
     let wall_s = times.iter().map(|t| t.0).sum::<f64>() / k;
     let virtual_s = times.iter().map(|t| t.1).fold(0.0, f64::max);
-    let gbps = |secs: f64| {
-        if secs > 0.0 {
-            bytes as f64 / secs / 1e9
-        } else {
-            0.0
-        }
-    };
+    let gbps = |secs: f64| algbw_gbps(bytes, secs);
     BenchRow {
         collective: plan.op.name().to_string(),
         algo: plan.comm.algo.name().to_string(),
@@ -337,6 +351,12 @@ fn make_row(plan: &BenchPlan, size: u64, steps: &[ChipStepReport]) -> BenchRow {
         virtual_busbw_gbps: gbps(virtual_s) * factor,
         checked: steps.iter().map(|r| r.checked).sum(),
         errors: steps.iter().map(|r| r.wrong).sum(),
+        messages,
+        events_per_s: if wall_s > 0.0 {
+            messages as f64 / wall_s
+        } else {
+            0.0
+        },
     }
 }
 
@@ -431,6 +451,14 @@ pub fn main(args: &BenchArgs) -> Result<bool, crate::CliError> {
     .map_err(crate::CliError::Job)?;
     let errors: u64 = rows.iter().map(|r| r.errors).sum();
     if !args.json {
+        for r in &rows {
+            println!(
+                "# {}: {} message events per iteration, {:.2} million events/s",
+                format_size(r.bytes),
+                r.messages,
+                r.events_per_s / 1e6
+            );
+        }
         println!(
             "# {} wrong elements of {} checked; {:.2} s wall",
             errors,

@@ -197,6 +197,9 @@ pub struct CallRecord {
     /// The chip's virtual clock before and after, ns.
     pub virtual_start_ns: f64,
     pub virtual_end_ns: f64,
+    /// Messages this chip sent during the call (simulated message events).
+    #[serde(default)]
+    pub messages: u64,
 }
 
 /// What one chip did for one step or case.

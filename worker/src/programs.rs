@@ -29,6 +29,8 @@ pub async fn run_program(
     program: &Program,
     done: Arc<AtomicU64>,
 ) -> Result<ProgramOutput, WorkerError> {
+    // Each program's future is boxed: a chip task's future is as large as the largest
+    // program it could run (the trainer's), which at 100,000 chips was most of the memory.
     let per_chip = run_chips(chips, |mut chip| {
         let program = program.clone();
         let done = done.clone();
@@ -45,7 +47,7 @@ pub async fn run_program(
                         chip.enter_step(u64::from(iteration)).await;
                         for (step, s) in script.iter().enumerate() {
                             let case = s.case(chip.pod(), *meta);
-                            let r = bench_chip(&mut chip, &case, false).await?;
+                            let r = Box::pin(bench_chip(&mut chip, &case, false)).await?;
                             reports.push(ChipStepReport {
                                 chip: chip.id(),
                                 step,
@@ -60,7 +62,7 @@ pub async fn run_program(
                 }
                 Program::Bench { cases } => {
                     for (step, case) in cases.iter().enumerate() {
-                        let r = bench_chip(&mut chip, case, true).await?;
+                        let r = Box::pin(bench_chip(&mut chip, case, true)).await?;
                         reports.push(ChipStepReport {
                             chip: chip.id(),
                             step,
@@ -73,7 +75,7 @@ pub async fn run_program(
                     }
                 }
                 Program::Train(spec) => {
-                    train = Some(train_chip(&mut chip, spec, done.clone()).await?);
+                    train = Some(Box::pin(train_chip(&mut chip, spec, done.clone())).await?);
                 }
             }
             let stats = chip.stats();
