@@ -11,7 +11,9 @@ use podsim_topology::{Group, Hardware, HardwareOverrides, Link, Placement, Pod, 
 use podsim_worker::faults::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::job::{CollectiveStep, JobSpec, Program};
 use podsim_worker::train::strategy::Plan;
-use podsim_worker::train::{Eager, MlpSpec, OptimizerSpec, Strategy, TrainSpec};
+use podsim_worker::train::{
+    Eager, MlpSpec, ModelSpec, OptimizerSpec, Strategy, TrainSpec, TransformerSpec,
+};
 use serde::Deserialize;
 
 use crate::units::parse_size;
@@ -181,8 +183,24 @@ struct RawJob {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawModel {
-    widths: Vec<usize>,
+    kind: Option<String>,
+    widths: Option<Vec<usize>>,
+    layers: Option<usize>,
+    d_model: Option<usize>,
+    heads: Option<usize>,
+    kv_heads: Option<usize>,
+    ffn: Option<usize>,
+    vocab: Option<usize>,
+    seq: Option<usize>,
+    gated: Option<bool>,
+    dtype: Option<String>,
 }
+
+/// Keys of `[job.model]` each model kind takes.
+const MLP_KEYS: &[&str] = &["kind", "widths"];
+const TRANSFORMER_KEYS: &[&str] = &[
+    "kind", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq", "gated", "dtype",
+];
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -279,7 +297,13 @@ const SCHEMA: &[(&str, &[&str])] = &[
             "optimizer",
         ],
     ),
-    ("job.model", &["widths"]),
+    (
+        "job.model",
+        &[
+            "kind", "widths", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq",
+            "gated", "dtype",
+        ],
+    ),
     (
         "job.optimizer",
         &[
@@ -400,6 +424,96 @@ impl Problems<'_> {
             reason: reason.into(),
         });
     }
+}
+
+/// The `[job.model]` table: an MLP by its widths or a transformer by its shape.
+fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpec> {
+    let kind = m.kind.as_deref().unwrap_or("mlp");
+    let keys: &[&str] = match kind {
+        "mlp" => MLP_KEYS,
+        "transformer" => TRANSFORMER_KEYS,
+        other => {
+            p.add(
+                "job.model",
+                Some("kind"),
+                format!("{other:?} is not mlp or transformer"),
+            );
+            return None;
+        }
+    };
+    let given = [
+        ("widths", m.widths.is_some()),
+        ("layers", m.layers.is_some()),
+        ("d_model", m.d_model.is_some()),
+        ("heads", m.heads.is_some()),
+        ("kv_heads", m.kv_heads.is_some()),
+        ("ffn", m.ffn.is_some()),
+        ("vocab", m.vocab.is_some()),
+        ("seq", m.seq.is_some()),
+        ("gated", m.gated.is_some()),
+        ("dtype", m.dtype.is_some()),
+    ];
+    let before = p.list.len();
+    for (key, _) in given.iter().filter(|(k, set)| *set && !keys.contains(k)) {
+        p.add(
+            "job.model",
+            Some(key),
+            format!("not a field of a {kind} model"),
+        );
+    }
+    if kind == "mlp" {
+        let widths = m.widths.clone().unwrap_or_default();
+        if widths.len() < 2 || widths.contains(&0) {
+            p.add(
+                "job.model",
+                Some("widths"),
+                "needs at least two widths (inputs and classes), each at least 1",
+            );
+        }
+        return (p.list.len() == before).then_some(ModelSpec::Mlp(MlpSpec { widths }));
+    }
+    let mut need = |key: &str, v: Option<usize>| {
+        if v.is_none() {
+            p.add("job.model", Some(key), "missing (a transformer needs it)");
+        }
+        v.unwrap_or(0)
+    };
+    let heads = need("heads", m.heads);
+    let spec = TransformerSpec {
+        layers: need("layers", m.layers),
+        d_model: need("d_model", m.d_model),
+        heads,
+        kv_heads: m.kv_heads.unwrap_or(heads),
+        ffn: need("ffn", m.ffn),
+        vocab: need("vocab", m.vocab),
+        seq: need("seq", m.seq),
+        gated: m.gated.unwrap_or(false),
+        dtype: match m.dtype.as_deref().unwrap_or("bf16") {
+            "bf16" => DType::Bf16,
+            "f32" => DType::F32,
+            other => {
+                p.add(
+                    "job.model",
+                    Some("dtype"),
+                    format!("{other:?} is not bf16 or f32"),
+                );
+                DType::F32
+            }
+        },
+    };
+    if p.list.len() == before {
+        for problem in spec.problems() {
+            p.add("job.model", None, problem);
+        }
+    }
+    if !meta {
+        p.add(
+            "job",
+            Some("mode"),
+            "a transformer model runs in meta mode only (mode = \"meta\")",
+        );
+    }
+    (p.list.len() == before).then_some(ModelSpec::Transformer(spec))
 }
 
 /// Applies `key.path=value` overrides (values in TOML syntax; bare words become strings).
@@ -963,21 +1077,11 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
             p.add(
                 "job",
                 Some("model"),
-                "missing: [job.model] widths = [inputs, hidden..., classes]",
+                "missing: [job.model] widths = [inputs, hidden..., classes], or kind = \"transformer\" with its shape",
             );
             None
         }
-        Some(m) if m.widths.len() < 2 || m.widths.contains(&0) => {
-            p.add(
-                "job.model",
-                Some("widths"),
-                "needs at least two widths (inputs and classes), each at least 1",
-            );
-            None
-        }
-        Some(m) => Some(MlpSpec {
-            widths: m.widths.clone(),
-        }),
+        Some(m) => model_spec(p, m, meta),
     };
     let o = j.optimizer.as_ref();
     let get = |f: fn(&RawOptimizer) -> Option<f32>, default: f32| o.and_then(f).unwrap_or(default);
@@ -1030,7 +1134,15 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     let replicas = j.replicas.unwrap_or(outermost);
     if let (Some(pod), Some(strategy), Some(model), Some(algo), true) =
         (pod, strategy, &model, algo, p.list.len() == before)
-        && let Err(e) = Plan::new(pod, strategy, model.layers(), tp, replicas, algo, false)
+        && let Err(e) = Plan::new(
+            pod,
+            strategy,
+            &model.lower().iter().map(|l| l.style).collect::<Vec<_>>(),
+            tp,
+            replicas,
+            algo,
+            false,
+        )
     {
         let key = match strategy {
             Strategy::Hsdp => "replicas",

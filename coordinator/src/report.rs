@@ -78,8 +78,13 @@ pub struct CollectiveEntry {
     pub bytes: u64,
     pub algo: String,
     pub group: String,
+    /// Chips in the group.
+    pub group_size: u32,
     /// One entry per iteration of the script.
     pub calls: Vec<CallTimes>,
+    /// nccl-tests' algbw and busbw from the calls' mean virtual time, GB/s.
+    pub virtual_algbw_gbps: f64,
+    pub virtual_busbw_gbps: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -224,9 +229,24 @@ pub fn add_hang(report: &mut Report, cfg: &JobConfig, h: &crate::launch::HangRep
 pub struct Training {
     pub strategy: String,
     pub eager: String,
-    pub model_widths: Vec<usize>,
+    /// The model as configured (`kind` mlp with `widths`, or transformer with its shape).
+    pub model: podsim_worker::train::ModelSpec,
     pub parameters: usize,
     pub global_batch: usize,
+    /// Model flops of one step on the global batch (6 per weight per token, plus attention).
+    pub flops_per_step: f64,
+    /// The median step's virtual time (slowest chip), its compute and exposed communication.
+    pub step_ms: f64,
+    pub compute_ms: f64,
+    pub exposed_comm_ms: f64,
+    /// Model flops utilisation: `flops_per_step / (chips * peak_flops * step time)`.
+    pub mfu: f64,
+    /// The largest peak HBM of any chip, and the capacity.
+    pub peak_hbm_bytes: u64,
+    pub hbm_capacity_bytes: u64,
+    /// Meta mode: the first chip's first allocation that would not fit (out of memory).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oom: Option<String>,
     pub steps: Vec<TrainStep>,
     /// Steps per second of wall time (median step, slowest chip).
     pub steps_per_s: f64,
@@ -358,7 +378,10 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
                 bytes: step.bytes,
                 algo: step.algo.to_string(),
                 group: step.group.to_string(),
+                group_size: step.group.size(&cfg.pod),
                 calls: Vec::new(),
+                virtual_algbw_gbps: 0.0,
+                virtual_busbw_gbps: 0.0,
             };
             for it in 0..*iterations {
                 let mine: Vec<ChipStepReport> = steps
@@ -382,6 +405,18 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
                     h.saturating_record((wall_s * 1e6).round().max(1.0) as u64);
                 }
             }
+            // The buffer as moved (a whole number of elements), as `podsim bench` reports it.
+            let bytes = podsim_worker::bench::buffer_bytes(
+                step.op,
+                step.count(&cfg.pod),
+                step.dtype,
+                entry.group_size,
+            );
+            let n = entry.calls.len().max(1) as f64;
+            let mean_virtual_s = entry.calls.iter().map(|c| c.virtual_s).sum::<f64>() / n;
+            entry.virtual_algbw_gbps = crate::bench::algbw_gbps(bytes, mean_virtual_s);
+            entry.virtual_busbw_gbps =
+                entry.virtual_algbw_gbps * step.op.busbw_factor(entry.group_size);
             report.collectives.push(entry);
         }
     }
@@ -397,7 +432,7 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         );
     }
     if let Program::Train(spec) = &cfg.program {
-        training(&mut report, &cfg.pod, spec, out);
+        training(&mut report, &cfg.pod, cfg.hardware.peak_flops, spec, out);
     }
     if report.correctness.wrong_elements > 0 {
         report.status = "error".into();
@@ -412,6 +447,7 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
 fn training(
     report: &mut Report,
     pod: &podsim_topology::Pod,
+    peak_flops: f64,
     spec: &podsim_worker::train::TrainSpec,
     out: &Outcome,
 ) {
@@ -463,19 +499,43 @@ fn training(
     let data_parallel = podsim_worker::train::strategy::Plan::new(
         pod,
         spec.strategy,
-        spec.model.layers(),
+        &spec
+            .model
+            .lower()
+            .iter()
+            .map(|l| l.style)
+            .collect::<Vec<_>>(),
         spec.tp,
         spec.replicas,
         spec.algo,
         false,
     )
     .map_or(1, |plan| plan.data_parallel(&vec![0; plan.mesh.ndim()]).0);
+    let global_batch = spec.batch * data_parallel * spec.grad_accum as usize;
+    let flops_per_step = spec.model.step_flops(global_batch as f64);
+    let mut by_time: Vec<&TrainStep> = steps.iter().collect();
+    by_time.sort_by(|a, b| a.virtual_ms.total_cmp(&b.virtual_ms));
+    let typical = by_time.get(by_time.len() / 2).copied();
+    let step_ms = typical.map_or(0.0, |s| s.virtual_ms);
+    let pod_flops = f64::from(pod.chips()) * peak_flops;
     report.training = Some(Training {
         strategy: spec.strategy.to_string(),
         eager: spec.eager.name().to_string(),
-        model_widths: spec.model.widths.clone(),
+        model: spec.model.clone(),
         parameters: spec.model.parameters(),
-        global_batch: spec.batch * data_parallel * spec.grad_accum as usize,
+        global_batch,
+        flops_per_step,
+        step_ms,
+        compute_ms: typical.map_or(0.0, |s| s.compute_ms),
+        exposed_comm_ms: typical.map_or(0.0, |s| s.exposed_comm_ms),
+        mfu: if step_ms > 0.0 {
+            flops_per_step / (pod_flops * step_ms / 1e3)
+        } else {
+            0.0
+        },
+        peak_hbm_bytes: chips.iter().map(|c| c.hbm.peak_bytes).max().unwrap_or(0),
+        hbm_capacity_bytes: chips.first().map_or(0, |c| c.hbm.capacity_bytes),
+        oom: chips.iter().find_map(|c| c.hbm.oom.clone()),
         steps,
         steps_per_s: if median > 0.0 { 1e3 / median } else { 0.0 },
         hbm: chips
@@ -527,8 +587,8 @@ pub fn summary(report: &Report) -> String {
     }
     if let Some(t) = &report.training {
         s.push_str(&format!(
-            "  {} ({} mode), MLP {:?} ({} parameters), global batch {}\n",
-            t.strategy, t.eager, t.model_widths, t.parameters, t.global_batch
+            "  {} ({} mode), {} ({} parameters), global batch {}\n",
+            t.strategy, t.eager, t.model, t.parameters, t.global_batch
         ));
         s.push_str("  step      loss   virtual us  (compute     comm  exposed)   wall ms\n");
         for st in &t.steps {
@@ -544,7 +604,17 @@ pub fn summary(report: &Report) -> String {
                 st.wall_ms
             ));
         }
-        let peak = t.hbm.iter().map(|c| c.hbm.peak_bytes).max().unwrap_or(0);
+        s.push_str(&format!(
+            "  step {:.3} ms (compute {:.3}, exposed communication {:.3}); MFU {:.1}%\n",
+            t.step_ms,
+            t.compute_ms,
+            t.exposed_comm_ms,
+            t.mfu * 100.0
+        ));
+        if let Some(oom) = &t.oom {
+            s.push_str(&format!("  does not fit: {oom}\n"));
+        }
+        let peak = t.peak_hbm_bytes;
         let state = t
             .hbm
             .iter()

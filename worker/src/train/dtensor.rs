@@ -45,7 +45,7 @@
 
 use std::fmt;
 
-use podsim_collectives::{Algo, Chip, Comm, Payload, ReduceOp};
+use podsim_collectives::{Algo, Chip, Comm, DType, Payload, ReduceOp};
 use podsim_topology::{DeviceMesh, Group, Pod};
 
 use crate::error::WorkerError;
@@ -83,6 +83,8 @@ pub struct Mesh {
     dims: Vec<MeshDim>,
     algo: Algo,
     verify: bool,
+    /// Element type of the tensors' collectives.
+    dtype: DType,
 }
 
 impl Mesh {
@@ -118,12 +120,18 @@ impl Mesh {
             dims,
             algo,
             verify: false,
+            dtype: DType::F32,
         })
     }
 
     /// The same mesh with debug fingerprint checks on every collective.
     pub fn verified(self, verify: bool) -> Mesh {
         Mesh { verify, ..self }
+    }
+
+    /// Collectives move elements of `dtype` (bf16 halves the bytes; meta mode only).
+    pub fn with_dtype(self, dtype: DType) -> Mesh {
+        Mesh { dtype, ..self }
     }
 
     pub fn ndim(&self) -> usize {
@@ -140,7 +148,9 @@ impl Mesh {
 
     /// How the collectives of mesh dimension `i` run.
     pub fn comm(&self, i: usize) -> Comm {
-        Comm::new(self.dims[i].group, self.algo).verified(self.verify)
+        let mut comm = Comm::new(self.dims[i].group, self.algo).verified(self.verify);
+        comm.dtype = self.dtype;
+        comm
     }
 
     /// `chip`'s coordinate along every mesh dimension.

@@ -56,6 +56,9 @@ pub struct Hbm {
     peak: u64,
     peak_by_kind: [u64; 5],
     peak_state: u64,
+    /// Record what does not fit and go on (meta mode's prediction) instead of failing.
+    lenient: bool,
+    oom: Option<String>,
 }
 
 /// What a chip's HBM held at its peaks, bytes.
@@ -67,6 +70,9 @@ pub struct HbmReport {
     pub peak_state_bytes: u64,
     /// Peak of each kind on its own.
     pub peak_by_kind: BTreeMap<String, u64>,
+    /// Meta mode: the first allocation that did not fit (the chip would be out of memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom: Option<String>,
 }
 
 impl Hbm {
@@ -78,7 +84,15 @@ impl Hbm {
             peak: 0,
             peak_by_kind: [0; 5],
             peak_state: 0,
+            lenient: false,
+            oom: None,
         }
+    }
+
+    /// When `lenient`, an allocation over capacity is recorded as the out-of-memory verdict
+    /// and charged anyway, so the peak says how much the chip would need.
+    pub fn lenient(self, lenient: bool) -> Hbm {
+        Hbm { lenient, ..self }
     }
 
     pub fn in_use(&self) -> u64 {
@@ -94,14 +108,18 @@ impl Hbm {
     ) -> Result<(), WorkerError> {
         let in_use = self.in_use();
         if in_use + bytes > self.capacity {
-            return Err(WorkerError::OutOfMemory {
+            let err = WorkerError::OutOfMemory {
                 chip: self.chip,
                 what: what(),
                 need: bytes,
                 in_use,
                 peak: self.peak.max(in_use),
                 capacity: self.capacity,
-            });
+            };
+            if !self.lenient {
+                return Err(err);
+            }
+            self.oom.get_or_insert_with(|| err.to_string());
         }
         let k = kind.index();
         self.in_use[k] += bytes;
@@ -128,6 +146,7 @@ impl Hbm {
                 .iter()
                 .map(|k| (k.name().to_string(), self.peak_by_kind[k.index()]))
                 .collect(),
+            oom: self.oom.clone(),
         }
     }
 }

@@ -1,10 +1,11 @@
-//! Training: chips run real training steps of an MLP under a parallel strategy (DDP, FSDP,
+//! Training: chips run training steps of an MLP (real values) or a transformer (meta) under a parallel strategy (DDP, FSDP,
 //! HSDP, tensor parallel, FSDP + TP), moving parameters and gradients with the collectives
 //! and charging compute, communication and memory to the modelled hardware.
 //!
 //! - [`tensor`]: local tensors (values or, in meta mode, shapes) and `torch.chunk` layouts;
 //! - [`dtensor`]: DeviceMesh / DTensor placements and redistribution;
-//! - [`mlp`]: the model, its data and its kernels; [`optim`]: SGD and AdamW;
+//! - [`mlp`]: the MLP, its data and its kernels; [`model`]: the models (MLP, transformer by
+//!   shape) lowered to the layers the trainer runs; [`optim`]: SGD and AdamW;
 //! - [`memory`]: the per-chip HBM ledger; [`strategy`]: how each strategy places parameters
 //!   and syncs gradients; [`trainer`]: the step loop with its compute and communication
 //!   streams; [`reference`]: single-chip training on the global batch, the yardstick.
@@ -13,6 +14,7 @@ pub mod checkpoint;
 pub mod dtensor;
 pub mod memory;
 pub mod mlp;
+pub mod model;
 pub mod optim;
 pub mod reference;
 pub mod strategy;
@@ -22,6 +24,7 @@ pub mod trainer;
 pub use dtensor::{DTensor, Mesh, Placement};
 pub use memory::{Hbm, HbmReport, MemKind};
 pub use mlp::MlpSpec;
+pub use model::{ModelSpec, TransformerSpec};
 pub use optim::OptimizerSpec;
 pub use strategy::{Eager, Strategy};
 pub use tensor::Tensor;

@@ -11,12 +11,15 @@ use crate::train::trainer::TrainSpec;
 /// Final parameters (weight and bias of each layer in order) of single-chip training with
 /// `data_parallel` replicas' worth of samples per step.
 pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, WorkerError> {
-    let layers = spec.model.layers();
+    let model = spec.model.mlp().ok_or_else(|| {
+        WorkerError::Invalid("the single-chip reference trains the MLP only".into())
+    })?;
+    let layers = model.layers();
     let mut params: Vec<Tensor> = (0..layers)
-        .flat_map(|l| spec.model.init_layer(l, spec.seed, 0, false))
+        .flat_map(|l| model.init_layer(l, spec.seed, 0, false))
         .collect();
     let mut states: Vec<ParamState> = params.iter().map(|_| ParamState::new()).collect();
-    let data = Dataset::new(&spec.model, spec.seed);
+    let data = Dataset::new(model, spec.seed);
     let global = spec.batch * data_parallel * spec.grad_accum.max(1) as usize;
     for step in 0..u64::from(spec.steps) {
         let (x, labels) = data.batch(step * global as u64, global);

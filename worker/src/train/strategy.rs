@@ -144,11 +144,13 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// `tp` is the tensor-parallel degree (`tp`, `fsdp+tp`), `replicas` HSDP's replicate degree.
+    /// `tp` is the tensor-parallel degree (`tp`, `fsdp+tp`), `replicas` HSDP's replicate degree;
+    /// `tp_styles` how tensor parallelism cuts each layer (from the model), used when the
+    /// strategy has a tensor-parallel dimension.
     pub fn new(
         pod: &Pod,
         strategy: Strategy,
-        layers: usize,
+        tp_styles: &[Style],
         tp: u32,
         replicas: u32,
         algo: Algo,
@@ -189,13 +191,9 @@ impl Plan {
             .map_err(|e| WorkerError::Invalid(format!("{strategy}: {e}")))?;
         let mesh = Mesh::over(pod, &dm, &order, algo)?.verified(verify);
         let has_tp = roles.contains(&Role::Tensor);
-        let styles = (0..layers)
-            .map(|l| match (has_tp, l % 2, l + 1 < layers) {
-                (false, _, _) => Style::Replicated,
-                (true, 0, true) => Style::Column,
-                (true, 0, false) => Style::Replicated,
-                _ => Style::Row,
-            })
+        let styles = tp_styles
+            .iter()
+            .map(|&s| if has_tp { s } else { Style::Replicated })
             .collect();
         Ok(Plan {
             mesh,
@@ -316,7 +314,8 @@ mod tests {
     #[test]
     fn fsdp_tp_nests_the_data_parallel_shard_inside_the_tensor_parallel_piece() {
         let pod = Pod::single("2x2x2".parse().unwrap());
-        let plan = Plan::new(&pod, Strategy::FsdpTp, 3, 4, 1, Algo::Torus, false).unwrap();
+        let styles = [Style::Column, Style::Row, Style::Replicated];
+        let plan = Plan::new(&pod, Strategy::FsdpTp, &styles, 4, 1, Algo::Torus, false).unwrap();
         assert_eq!(plan.roles, vec![Role::Tensor, Role::Shard]);
         assert_eq!(
             plan.styles,

@@ -23,7 +23,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::WorkerError;
 use crate::train::dtensor::{self, DTensor, Placement};
 use crate::train::memory::{Hbm, HbmReport, MemKind};
-use crate::train::mlp::{self, Cost, Dataset, MlpSpec};
+use crate::train::mlp::{self, Cost, Dataset};
+use crate::train::model::{self, After, LayerKind, LayerSpec, ModelSpec};
 use crate::train::optim::{OptimizerSpec, ParamState};
 use crate::train::strategy::{Eager, Plan, Strategy, Style, buckets};
 use crate::train::tensor::Tensor;
@@ -34,7 +35,7 @@ use crate::train::{checkpoint, reference};
 pub struct TrainSpec {
     pub strategy: Strategy,
     pub eager: Eager,
-    pub model: MlpSpec,
+    pub model: ModelSpec,
     pub steps: u32,
     /// Samples per data-parallel rank per micro-batch (chips of one tensor-parallel group
     /// share theirs).
@@ -79,6 +80,10 @@ pub struct StepRecord {
     pub comm_ns: f64,
     pub exposed_ns: f64,
     pub wall_ns: u64,
+    /// Flops of every kernel the step charged (matrix products, element-wise work, the
+    /// optimizer), on this chip.
+    #[serde(default)]
+    pub flops: f64,
 }
 
 /// What one chip reports after training.
@@ -110,7 +115,10 @@ enum Stream {
 #[derive(Debug, Default)]
 struct Timeline {
     stream_free: [Nanos; 3],
+    /// Kernel costs count bytes of f32; elements of the model's dtype take this share of them.
+    bytes_scale: f64,
     compute_ns: f64,
+    flops: f64,
     comm_ns: f64,
     /// When the last overlapped collective finishes.
     outstanding: Nanos,
@@ -126,7 +134,8 @@ struct Issued {
 
 impl Timeline {
     fn compute(&mut self, chip: &mut Chip, cost: Cost) {
-        self.compute_ns += chip.compute(cost.flops, cost.bytes);
+        self.compute_ns += chip.compute(cost.flops, cost.bytes * self.bytes_scale);
+        self.flops += cost.flops;
     }
 
     /// Moves the chip's clock to when `stream` can start a collective issued now.
@@ -161,6 +170,7 @@ impl Timeline {
 }
 
 struct Param {
+    name: String,
     layer: usize,
     which: usize,
     stored: DTensor,
@@ -171,10 +181,9 @@ struct Param {
     state: ParamState,
 }
 
-impl Param {
-    fn name(&self) -> String {
-        format!("layers.{}.{}", self.layer, ["weight", "bias"][self.which])
-    }
+/// Bytes of `t` in elements of `elem` bytes.
+fn bytes_of(t: &Tensor, elem: u64) -> u64 {
+    t.numel() as u64 * elem
 }
 
 /// A layer's unsharded working copy (FSDP) and when it is ready.
@@ -197,6 +206,9 @@ fn working<'t>(working: &'t [Option<Working>], params: &'t [Param], l: usize) ->
 
 struct Trainer<'a> {
     spec: &'a TrainSpec,
+    layers: Vec<LayerSpec>,
+    /// Bytes per element of parameters, gradients and activations.
+    elem: u64,
     plan: Plan,
     params: Vec<Param>,
     hbm: Hbm,
@@ -208,6 +220,8 @@ struct Trainer<'a> {
     working: Vec<Option<Working>>,
     /// The working copy differs from the stored piece (a data-parallel dimension shards).
     sharded: bool,
+    /// Activation bytes saved inside each layer's trailing op (freed in its backward).
+    saved: Vec<u64>,
 }
 
 /// Trains on one chip; `done` counts finished steps.
@@ -325,19 +339,29 @@ async fn identical_everywhere(
 
 impl<'a> Trainer<'a> {
     async fn new(chip: &mut Chip, spec: &'a TrainSpec) -> Result<Trainer<'a>, WorkerError> {
-        let layers = spec.model.layers();
-        let plan = Plan::new(
+        let lowered = spec.model.lower();
+        let layers = lowered.len();
+        let dtype = spec.model.dtype();
+        let elem = dtype.size() as u64;
+        let styles: Vec<_> = lowered.iter().map(|l| l.style).collect();
+        let mut plan = Plan::new(
             chip.pod(),
             spec.strategy,
-            layers,
+            &styles,
             spec.tp,
             spec.replicas,
             spec.algo,
             spec.eager == Eager::Debug,
         )?;
+        plan.mesh = plan.mesh.with_dtype(dtype);
         let coords = plan.mesh.coords(chip);
         let dp = plan.data_parallel(&coords);
-        let mut hbm = Hbm::new(chip.id(), chip.hardware().hbm_bytes as u64);
+        // Meta mode predicts: a model that does not fit gets a verdict, not an abort.
+        let mut hbm = Hbm::new(chip.id(), chip.hardware().hbm_bytes as u64).lenient(spec.meta);
+        // Optimizer state is f32; below f32 the optimizer also keeps an f32 master copy
+        // (mixed precision).
+        let state_bytes =
+            4 * spec.optimizer.state_per_param() as u64 + if elem < 4 { 4 } else { 0 };
         // DDP: every rank draws its own initial weights and rank 0's are broadcast, as
         // DistributedDataParallel does at construction. Other strategies start from one seed.
         let stream = if spec.strategy == Strategy::Ddp {
@@ -347,18 +371,22 @@ impl<'a> Trainer<'a> {
         };
         let mut params = Vec::with_capacity(2 * layers);
         for l in 0..layers {
-            let full = spec.model.init_layer(l, spec.seed, stream, spec.meta);
+            let full = match spec.model.mlp() {
+                Some(mlp) => mlp.init_layer(l, spec.seed, stream, spec.meta),
+                None => lowered[l].meta_params(),
+            };
             for (which, full) in full.iter().enumerate() {
                 let stored = DTensor::distribute(chip, &plan.mesh, full, &plan.stored(l, which))?;
-                let bytes = stored.local().bytes();
-                let name = format!("layers.{l}.{}", ["weight", "bias"][which]);
+                let numel = stored.local().numel() as u64;
+                let bytes = numel * elem;
+                let name = format!("{}.{}", lowered[l].name, ["weight", "bias"][which]);
                 hbm.alloc(MemKind::Params, bytes, || format!("parameter {name}"))?;
                 hbm.alloc(MemKind::Grads, bytes, || format!("gradient of {name}"))?;
-                let state = bytes * spec.optimizer.state_per_param() as u64;
-                hbm.alloc(MemKind::Optimizer, state, || {
+                hbm.alloc(MemKind::Optimizer, numel * state_bytes, || {
                     format!("optimizer state of {name}")
                 })?;
                 params.push(Param {
+                    name,
                     layer: l,
                     which,
                     stored,
@@ -368,20 +396,35 @@ impl<'a> Trainer<'a> {
                 });
             }
         }
-        let param_bytes: Vec<u64> = params.iter().map(|p| p.stored.local().bytes()).collect();
+        let param_bytes: Vec<u64> = params
+            .iter()
+            .map(|p| bytes_of(p.stored.local(), elem))
+            .collect();
         let cap = (spec.bucket_cap_mb * (1u64 << 20) as f64) as u64;
+        let data = match (spec.meta, spec.model.mlp()) {
+            (true, _) => None,
+            (false, Some(mlp)) => Some(Dataset::new(mlp, spec.seed)),
+            (false, None) => {
+                return Err(WorkerError::Invalid(
+                    "a transformer model runs in meta mode only".into(),
+                ));
+            }
+        };
         let mut t = Trainer {
             spec,
+            layers: lowered,
+            elem,
             sharded: plan.shard_dim().is_some(),
             plan,
             params,
             hbm,
             tl: Timeline::default(),
-            data: (!spec.meta).then(|| Dataset::new(&spec.model, spec.seed)),
+            data,
             dp,
             buckets: buckets(&param_bytes, FIRST_BUCKET_BYTES, cap),
             next_bucket: 0,
             working: (0..layers).map(|_| None).collect(),
+            saved: vec![0; layers],
         };
         if spec.strategy == Strategy::Ddp {
             t.broadcast_parameters(chip).await?;
@@ -415,6 +458,7 @@ impl<'a> Trainer<'a> {
         let t0 = chip.clock();
         self.tl = Timeline {
             stream_free: [t0; 3],
+            bytes_scale: self.elem as f64 / 4.0,
             ..Timeline::default()
         };
         let k = self.spec.grad_accum.max(1);
@@ -429,7 +473,7 @@ impl<'a> Trainer<'a> {
                     (Tensor::Data(x.into_dyn()), labels)
                 }
                 None => (
-                    Tensor::Meta(vec![self.spec.batch, self.spec.model.inputs()]),
+                    Tensor::Meta(self.spec.model.input_shape(self.spec.batch)),
                     Vec::new(),
                 ),
             };
@@ -452,6 +496,7 @@ impl<'a> Trainer<'a> {
             comm_ns: self.tl.comm_ns,
             exposed_ns: (virtual_ns - self.tl.compute_ns).max(0.0),
             wall_ns: wall.elapsed().as_nanos() as u64,
+            flops: self.tl.flops,
         })
     }
 
@@ -464,9 +509,12 @@ impl<'a> Trainer<'a> {
         micro_batches: u32,
         sync: bool,
     ) -> Result<Option<f64>, WorkerError> {
-        let layers = self.spec.model.layers();
+        let layers = self.layers.len();
+        let elem = self.elem;
         self.hbm
-            .alloc(MemKind::Activations, x.bytes(), || "the input batch".into())?;
+            .alloc(MemKind::Activations, bytes_of(&x, elem), || {
+                "the input batch".into()
+            })?;
         let mut acts = vec![x];
         for l in 0..layers {
             self.unshard(chip, l).await?;
@@ -474,9 +522,10 @@ impl<'a> Trainer<'a> {
                 self.prefetch(chip, l + 1).await?;
             }
             let z = self.layer_forward(chip, l, &acts[l]).await?;
-            self.hbm.alloc(MemKind::Activations, z.bytes(), || {
-                format!("activations of layer {l}")
-            })?;
+            self.hbm
+                .alloc(MemKind::Activations, bytes_of(&z, elem), || {
+                    format!("activations of layer {l}")
+                })?;
             acts.push(z);
             if self.spec.reshard_after_forward {
                 self.release(l);
@@ -491,12 +540,18 @@ impl<'a> Trainer<'a> {
             if self.overlapped() && l > 0 && self.spec.reshard_after_forward {
                 self.prefetch(chip, l - 1).await?;
             }
-            if l + 1 < layers {
-                let cost = mlp::relu_backward(&mut dz, &acts[l + 1]);
-                self.tl.compute(chip, cost);
-            }
+            let cost = match self.layers[l].after {
+                After::None => Cost::default(),
+                After::Relu => mlp::relu_backward(&mut dz, &acts[l + 1]),
+                after => {
+                    let width = self.compute_shape(chip, l, 0)[0];
+                    model::after_backward(after, &mut dz, width)
+                }
+            };
+            self.tl.compute(chip, cost);
             let dx = self.layer_backward(chip, l, &acts[l], &dz).await?;
-            let freed = acts.pop().map_or(0, |a| a.bytes());
+            let freed = acts.pop().map_or(0, |a| bytes_of(&a, elem)) + self.saved[l];
+            self.saved[l] = 0;
             self.hbm.free(MemKind::Activations, freed);
             self.release(l);
             if sync {
@@ -506,7 +561,7 @@ impl<'a> Trainer<'a> {
                 dz = dx;
             }
         }
-        let freed = acts.pop().map_or(0, |a| a.bytes());
+        let freed = acts.pop().map_or(0, |a| bytes_of(&a, elem));
         self.hbm.free(MemKind::Activations, freed);
         Ok(loss)
     }
@@ -522,7 +577,10 @@ impl<'a> Trainer<'a> {
         let bias = (style != Style::Row).then_some(b);
         // The watchdog sees a chip inside a kernel as computing, not as stuck.
         chip.recorder().compute_started();
-        let (mut z, cost) = mlp::linear(x, w, bias)?;
+        let (mut z, cost) = match self.layers[l].kind {
+            LayerKind::Linear => mlp::linear(x, w, bias)?,
+            LayerKind::Embedding => model::embedding(x, w)?,
+        };
         self.tl.compute(chip, cost);
         if style == Style::Row {
             // Each chip holds a partial sum over its slice of the input features.
@@ -531,10 +589,27 @@ impl<'a> Trainer<'a> {
             let cost = mlp::add_bias(&mut z, b)?;
             self.tl.compute(chip, cost);
         }
-        if l + 1 < self.spec.model.layers() {
-            let cost = mlp::relu(&mut z);
-            self.tl.compute(chip, cost);
-        }
+        let cost = match self.layers[l].after {
+            After::None => Cost::default(),
+            After::Relu => mlp::relu(&mut z),
+            after => {
+                // Ops that narrow the width (attention, SwiGLU) hand the next layer what it
+                // takes on this chip; their input is saved for backward as well.
+                let width = match after {
+                    After::Attention { .. } | After::SwiGlu => {
+                        let saved = bytes_of(&z, self.elem);
+                        self.hbm.alloc(MemKind::Activations, saved, || {
+                            format!("saved input of the op after layer {l}")
+                        })?;
+                        self.saved[l] = saved;
+                        self.compute_shape(chip, l + 1, 0)[1]
+                    }
+                    _ => z.shape()[1],
+                };
+                model::after_forward(after, &mut z, width)
+            }
+        };
+        self.tl.compute(chip, cost);
         Ok(z)
     }
 
@@ -548,7 +623,13 @@ impl<'a> Trainer<'a> {
     ) -> Result<Option<Tensor>, WorkerError> {
         let [w, _] = working(&self.working, &self.params, l);
         chip.recorder().compute_started();
-        let (dw, db, dx, cost) = mlp::linear_backward(x, w, dz, l > 0)?;
+        let (dw, db, dx, cost) = match self.layers[l].kind {
+            LayerKind::Linear => mlp::linear_backward(x, w, dz, l > 0)?,
+            LayerKind::Embedding => {
+                let (dw, db, cost) = model::embedding_backward(x, w);
+                (dw, db, None, cost)
+            }
+        };
         self.tl.compute(chip, cost);
         let dx = match (dx, self.plan.styles[l]) {
             // Column-parallel: each chip's input gradient covers only its output features.
@@ -556,16 +637,17 @@ impl<'a> Trainer<'a> {
             (dx, _) => dx,
         };
         for (which, g) in [dw, db].into_iter().enumerate() {
-            let name = self.params[2 * l + which].name();
+            let name = self.params[2 * l + which].name.clone();
             let p = &mut self.params[2 * l + which];
             match (&mut p.grad, g) {
                 (Some(Tensor::Data(acc)), Tensor::Data(g)) => *acc += &g,
                 (Some(_), _) => {}
                 (slot @ None, g) => {
                     if self.sharded {
-                        self.hbm.alloc(MemKind::Transient, g.bytes(), || {
-                            format!("unsharded gradient of {name}")
-                        })?;
+                        self.hbm
+                            .alloc(MemKind::Transient, bytes_of(&g, self.elem), || {
+                                format!("unsharded gradient of {name}")
+                            })?;
                     }
                     *slot = Some(g);
                 }
@@ -600,7 +682,7 @@ impl<'a> Trainer<'a> {
         let bytes: u64 = (0..2)
             .map(|which| {
                 let shape = self.compute_shape(chip, l, which);
-                4 * shape.iter().product::<usize>() as u64
+                self.elem * shape.iter().product::<usize>() as u64
             })
             .sum();
         self.hbm.alloc(MemKind::Transient, bytes, || {
@@ -729,7 +811,8 @@ impl<'a> Trainer<'a> {
         if let Some(unsharded) = p.grad.take()
             && self.sharded
         {
-            self.hbm.free(MemKind::Transient, unsharded.bytes());
+            self.hbm
+                .free(MemKind::Transient, bytes_of(&unsharded, self.elem));
         }
         p.synced = Some(g);
     }
@@ -774,7 +857,7 @@ impl<'a> Trainer<'a> {
             let g = p.synced.take().ok_or_else(|| {
                 WorkerError::Internal(format!(
                     "no synced gradient for {} at the optimizer step",
-                    p.name()
+                    p.name
                 ))
             })?;
             let n = p.stored.local().numel();
@@ -825,7 +908,7 @@ impl<'a> Trainer<'a> {
                     detail: format!(
                         "chips {} and {peer} hold different values of {}",
                         chip.id(),
-                        self.params[members[k]].name()
+                        self.params[members[k]].name
                     ),
                 });
             }
