@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp};
+use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp, mirror_chip};
 use podsim_topology::{Group, Hardware, Pod, Torus};
 use podsim_worker::bench::{BenchCase, buffer_bytes, elements_for_buffer};
 use podsim_worker::job::{ChipStepReport, JobSpec, Program};
@@ -71,6 +71,10 @@ pub struct BenchArgs {
     /// Print one JSON object per row instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Simulate chip 0 alone on a mirror fabric, standing for every chip: exact for symmetric
+    /// collectives on wraparound tori in meta mode, at any scale.
+    #[arg(long)]
+    pub symmetric: bool,
 }
 
 /// One row of results.
@@ -114,6 +118,7 @@ pub struct BenchPlan {
     pub iters: usize,
     pub warmup: usize,
     pub threads: usize,
+    pub symmetric: bool,
 }
 
 impl BenchPlan {
@@ -157,6 +162,20 @@ impl BenchPlan {
             dtype,
             verify: false,
         };
+        if a.symmetric {
+            let why = if !meta {
+                Some("needs --mode meta (values differ from chip to chip)".to_string())
+            } else if op == OpKind::Broadcast {
+                Some("a broadcast has a root, which no other chip is like".into())
+            } else if a.workers.is_some() {
+                Some("one chip stands for all: no --workers".into())
+            } else {
+                podsim_collectives::asymmetry(&pod)
+            };
+            if let Some(why) = why {
+                return Err(format!("--symmetric: {why}"));
+            }
+        }
         Ok(BenchPlan {
             pod,
             hardware,
@@ -168,6 +187,7 @@ impl BenchPlan {
             iters: a.iters,
             warmup: a.warmup,
             threads,
+            symmetric: a.symmetric,
         })
     }
 
@@ -214,6 +234,7 @@ impl BenchPlan {
             heartbeat_ms: 100,
             recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
             watchdog_ms: 2000,
+            symmetric: false,
         }
     }
 }
@@ -224,18 +245,20 @@ pub fn run_in_process(
     mut on_row: impl FnMut(&BenchRow),
 ) -> Result<Vec<BenchRow>, String> {
     let rt = runtime(plan.threads)?;
-    let fabric = LocalFabric::new(plan.pod.clone(), plan.hardware.clone());
+    // One chip on a mirror fabric needs no fabric of all chips.
+    let fabric =
+        (!plan.symmetric).then(|| LocalFabric::new(plan.pod.clone(), plan.hardware.clone()));
     let mut rows = Vec::new();
     for &size in &plan.sizes {
         let program = Program::Bench {
             cases: vec![plan.case(size)],
         };
+        let chips = match &fabric {
+            Some(fabric) => fabric.chips(),
+            None => vec![mirror_chip(plan.pod.clone(), plan.hardware.clone(), 0)],
+        };
         let out = rt
-            .block_on(run_program(
-                fabric.chips(),
-                &program,
-                Arc::new(AtomicU64::new(0)),
-            ))
+            .block_on(run_program(chips, &program, Arc::new(AtomicU64::new(0))))
             .map_err(|e| format!("{} of {}: {e}", plan.op, format_size(size)))?;
         let row = make_row(plan, size, &out.steps);
         on_row(&row);

@@ -80,6 +80,8 @@ pub struct JobConfig {
     pub faults: Vec<FaultSpec>,
     /// Restarts allowed after a hang or a dead worker (train jobs with checkpoints).
     pub max_restarts: u32,
+    /// Chip 0 alone on a mirror fabric stands for every chip (`[job] symmetric`).
+    pub symmetric: bool,
 }
 
 impl JobConfig {
@@ -94,6 +96,7 @@ impl JobConfig {
             heartbeat_ms: self.watchdog.heartbeat_ms,
             recorder_entries: self.watchdog.recorder_entries,
             watchdog_ms: self.watchdog.timeout_ms,
+            symmetric: self.symmetric,
         }
     }
 
@@ -176,6 +179,7 @@ struct RawJob {
     replicas: Option<u32>,
     algo: Option<String>,
     check: Option<bool>,
+    symmetric: Option<bool>,
     model: Option<RawModel>,
     optimizer: Option<RawOptimizer>,
 }
@@ -293,6 +297,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
             "replicas",
             "algo",
             "check",
+            "symmetric",
             "model",
             "optimizer",
         ],
@@ -423,6 +428,45 @@ impl Problems<'_> {
             field,
             reason: reason.into(),
         });
+    }
+}
+
+/// What keeps a `symmetric = true` job from being simulated by one chip standing for all.
+fn symmetric_problems(
+    p: &mut Problems<'_>,
+    pod: Option<&Pod>,
+    program: Option<&mut Program>,
+    workers: u32,
+    faults: &[FaultSpec],
+) {
+    let mut not = |reason: String| p.add("job", Some("symmetric"), reason);
+    if let Some(why) = pod.and_then(podsim_collectives::asymmetry) {
+        not(why);
+    }
+    if workers != 1 {
+        not(format!(
+            "one chip stands for all: launch.workers must be 1, not {workers}"
+        ));
+    }
+    if !faults.is_empty() {
+        not("faults single chips out: they break the symmetry".into());
+    }
+    match program {
+        Some(Program::Collectives { meta, script, .. }) => {
+            if !*meta {
+                not("needs mode = \"meta\" (values differ from chip to chip)".into());
+            }
+            if script.iter().any(|s| s.op == OpKind::Broadcast) {
+                not("a broadcast has a root, which no other chip is like".into());
+            }
+        }
+        Some(Program::Train(spec)) => {
+            if !spec.meta {
+                not("needs mode = \"meta\" (values differ from chip to chip)".into());
+            }
+            spec.symmetric = true;
+        }
+        Some(Program::Bench { .. }) | None => {}
     }
 }
 
@@ -914,6 +958,10 @@ fn parse(
             None => {}
         }
     }
+    let symmetric = job.as_ref().and_then(|j| j.symmetric).unwrap_or(false);
+    if symmetric {
+        symmetric_problems(&mut p, pod.as_ref(), program.as_mut(), workers, &faults);
+    }
     match (name, pod, hardware, program) {
         (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {
             Ok(JobConfig {
@@ -929,6 +977,7 @@ fn parse(
                 output_dir,
                 faults,
                 max_restarts,
+                symmetric,
             })
         }
         _ => Err(ConfigErrors(p.list)),
@@ -1177,6 +1226,7 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         checkpoint_every: 0,
         checkpoint_dir: None,
         resume_from: None,
+        symmetric: false,
     })
 }
 

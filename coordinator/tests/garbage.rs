@@ -135,6 +135,7 @@ fn spec() -> JobSpec {
         heartbeat_ms: 100,
         recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
         watchdog_ms: 2000,
+        symmetric: false,
     }
 }
 

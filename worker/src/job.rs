@@ -30,6 +30,10 @@ pub struct JobSpec {
     /// The coordinator's hang timeout, ms (workers do not use it).
     #[serde(default = "default_watchdog_ms")]
     pub watchdog_ms: u64,
+    /// Simulate chip 0 alone on a mirror fabric, standing for every chip (see
+    /// `podsim_collectives::MirrorRouter`): symmetric meta-mode jobs at any scale.
+    #[serde(default)]
+    pub symmetric: bool,
 }
 
 fn default_heartbeat_ms() -> u64 {

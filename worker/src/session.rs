@@ -143,7 +143,16 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
         other => return Err(session_error(format!("expected start, got {other:?}"))),
     }
 
-    let mut chips = fabric.chips();
+    let mut chips = if fabric.spec.symmetric {
+        let spec = &fabric.spec;
+        vec![podsim_collectives::mirror_chip(
+            spec.pod.clone(),
+            spec.hardware.clone(),
+            0,
+        )]
+    } else {
+        fabric.chips()
+    };
     let faults = Arc::new(FaultPlan::new(
         fabric.spec.faults.clone(),
         fabric.placement().clone(),

@@ -8,7 +8,7 @@ use podsim_collectives::{Algo, LocalFabric, run_chips};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::train::{
-    ChipTrainReport, Eager, MlpSpec, OptimizerSpec, Strategy, Tensor, TrainSpec,
+    ChipTrainReport, Eager, MlpSpec, ModelSpec, OptimizerSpec, Strategy, Tensor, TrainSpec,
     train_chip_with_parameters,
 };
 
@@ -17,9 +17,9 @@ fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
         strategy,
         eager,
         // Uneven widths on purpose: 13 and 10 do not divide by 8 or 4.
-        model: MlpSpec {
+        model: ModelSpec::Mlp(MlpSpec {
             widths: vec![16, 13, 24, 10],
-        },
+        }),
         steps: 20,
         batch: 4,
         grad_accum: 1,
@@ -39,6 +39,7 @@ fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
         checkpoint_every: 0,
         checkpoint_dir: None,
         resume_from: None,
+        symmetric: false,
     }
 }
 

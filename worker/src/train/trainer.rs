@@ -64,6 +64,10 @@ pub struct TrainSpec {
     /// Resume from the checkpoint written after this many steps.
     #[serde(default)]
     pub resume_from: Option<u32>,
+    /// One chip stands for all (a mirror fabric): collectives with a root are not symmetric,
+    /// so DDP's initial broadcast (which moves no values in meta mode) is left out.
+    #[serde(default)]
+    pub symmetric: bool,
 }
 
 /// DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`).
@@ -426,7 +430,7 @@ impl<'a> Trainer<'a> {
             working: (0..layers).map(|_| None).collect(),
             saved: vec![0; layers],
         };
-        if spec.strategy == Strategy::Ddp {
+        if spec.strategy == Strategy::Ddp && !spec.symmetric {
             t.broadcast_parameters(chip).await?;
         }
         Ok(t)

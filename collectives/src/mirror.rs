@@ -1,0 +1,92 @@
+//! The mirror fabric: one chip stands for every chip of a symmetric job.
+//!
+//! On a torus whose every axis wraps (and across identical slices), translating the pod maps
+//! it onto itself. When every chip runs the same program on equal sizes, as every data- and
+//! tensor-parallel strategy and every collective but a rooted broadcast does in meta mode,
+//! the message a chip receives on a link at a step is the translate of the one it sent itself
+//! on the opposite link at that step: same size, same tag, same virtual departure. The mirror
+//! router therefore hands each message a chip sends straight back to that chip's own inbox, as
+//! if it came from the neighbour on the other side. The chip runs the unchanged algorithms
+//! (same sends, receives, tags and link clocks), so its virtual time is that of every chip of
+//! the full simulation, at the cost of one chip instead of 100,000. Shards that `torch.chunk`
+//! leaves uneven break the symmetry slightly: chip 0 holds the largest, so its clock is the
+//! slowest chip's to within the compute on the padding.
+
+use std::sync::Arc;
+
+use podsim_topology::{ChipId, Hardware, Link, Pod};
+
+use crate::chip::Chip;
+use crate::error::CollectiveError;
+use crate::fabric::{Delivery, Inbox, Message, Router};
+
+/// Routes every message back to its sender as the message its mirror image sent it.
+#[derive(Debug)]
+pub struct MirrorRouter {
+    pod: Arc<Pod>,
+    inbox: Arc<Inbox>,
+}
+
+impl MirrorRouter {
+    /// The chip that sends to `me` on the wire `me` sends on as `link`, and its name for it.
+    fn mirror(&self, me: ChipId, link: Link) -> Option<(ChipId, Link)> {
+        let pod = &self.pod;
+        match link {
+            Link::Ici { axis, dir } => {
+                let from = pod.peer(
+                    me,
+                    Link::Ici {
+                        axis,
+                        dir: dir.flip(),
+                    },
+                )?;
+                Some((from, link))
+            }
+            Link::Dcn { peer_slice } => {
+                let (slices, mine) = (pod.slices(), pod.slice_of(me));
+                let back = (2 * mine + slices - peer_slice % slices) % slices;
+                let from = pod.peer(me, Link::Dcn { peer_slice: back })?;
+                Some((from, Link::Dcn { peer_slice: mine }))
+            }
+        }
+    }
+}
+
+impl Router for MirrorRouter {
+    fn deliver(&self, mut msg: Message) -> Result<Delivery<'_>, CollectiveError> {
+        let (src, link) = self
+            .mirror(msg.src, msg.link)
+            .ok_or(CollectiveError::NoLink {
+                chip: msg.src,
+                link: msg.link,
+            })?;
+        msg.dst = msg.src;
+        msg.src = src;
+        msg.link = link;
+        self.inbox.push(msg);
+        Ok(Delivery::Done)
+    }
+}
+
+/// Chip `id` of `pod` on a mirror fabric (see the module docs).
+pub fn mirror_chip(pod: Pod, hardware: Hardware, id: ChipId) -> Chip {
+    let pod = Arc::new(pod);
+    let inbox = Arc::new(Inbox::new());
+    let router = Arc::new(MirrorRouter {
+        pod: pod.clone(),
+        inbox: inbox.clone(),
+    });
+    Chip::new(id, pod, Arc::new(hardware), inbox, router)
+}
+
+/// Why `pod` is not symmetric enough for a mirror fabric, if it is not.
+pub fn asymmetry(pod: &Pod) -> Option<String> {
+    let torus = pod.torus();
+    (0..torus.dims().len())
+        .find(|&a| torus.dims()[a] > 1 && !torus.wraps(a))
+        .map(|a| {
+            format!(
+                "axis {a} of {torus} does not wrap around: chips at its ends are not like the others"
+            )
+        })
+}
