@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use podsim_topology::{ChipId, Coord, Group, Hardware, Link, MAX_AXES, Pod};
+use podsim_topology::{ChipId, Coord, Dir, Group, Hardware, Link, MAX_AXES, Pod};
 
 use crate::error::CollectiveError;
 use crate::fabric::{Delivery, Expect, Inbox, Message, Router, Tag};
@@ -60,6 +60,8 @@ pub struct ChipStats {
 #[derive(Debug)]
 pub struct ChipCore {
     id: ChipId,
+    /// ICI neighbour across each (axis, direction): computed once, as every message asks.
+    neighbours: [[Option<ChipId>; 2]; MAX_AXES],
     pod: Arc<Pod>,
     hardware: Arc<Hardware>,
     inbox: Arc<Inbox>,
@@ -90,9 +92,13 @@ impl Chip {
         inbox: Arc<Inbox>,
         router: Arc<dyn Router>,
     ) -> Chip {
+        let neighbours = std::array::from_fn(|axis| {
+            [Dir::Plus, Dir::Minus].map(|dir| pod.peer(id, Link::ici(axis, dir)))
+        });
         Chip {
             core: ChipCore {
                 id,
+                neighbours,
                 pod,
                 hardware,
                 inbox,
@@ -298,13 +304,18 @@ impl<'a> Call<'a> {
     }
 
     fn peer(&self, link: Link) -> Result<ChipId, CollectiveError> {
-        self.chip
-            .pod
-            .peer(self.chip.id, link)
-            .ok_or(CollectiveError::NoLink {
-                chip: self.chip.id,
-                link,
-            })
+        let core = self.chip;
+        match link {
+            Link::Ici { axis, dir } => core
+                .neighbours
+                .get(usize::from(axis))
+                .and_then(|n| n[dir.index()]),
+            Link::Dcn { .. } => core.pod.peer(core.id, link),
+        }
+        .ok_or(CollectiveError::NoLink {
+            chip: self.chip.id,
+            link,
+        })
     }
 
     /// Sends `payload` on `link`; `t` is when the lane has the data ready.

@@ -1,10 +1,12 @@
 //! podsim's coordinator: the `podsim` command-line tool and the drivers behind it.
-//! Config validation, the launcher and control service, reports, and `podsim bench`.
+//! Config validation, the launcher and control service, reports, `podsim bench` and
+//! `podsim study`.
 
 pub mod bench;
 pub mod config;
 pub mod launch;
 pub mod report;
+pub mod study;
 pub mod units;
 pub mod watchdog;
 

@@ -9,6 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use podsim_coordinator::bench::{self, BenchArgs};
 use podsim_coordinator::config::{self, JobConfig};
 use podsim_coordinator::launch::{self, ControlPlane, LaunchError, Workers, new_token};
+use podsim_coordinator::study::{self, StudyArgs};
 use podsim_coordinator::watchdog::HangKind;
 use podsim_coordinator::{CliError, report};
 use podsim_worker::job::{JobSpec, Program};
@@ -40,6 +41,8 @@ enum Command {
     Worker(WorkerArgs),
     /// Benchmark one collective over a range of sizes (nccl-tests style table).
     Bench(BenchArgs),
+    /// Run a scaling study: sweep config fields, run every point, write results.csv and plots.
+    Study(StudyArgs),
 }
 
 #[derive(Debug, Args)]
@@ -290,6 +293,7 @@ fn main() -> ExitCode {
         .init();
     let result = match &cli.command {
         Command::Bench(args) => bench::main(args),
+        Command::Study(args) => study::main(args),
         Command::Validate(args) => load(args).map(|cfg| {
             println!(
                 "{}: ok ({} job on {}, {} chips, {} workers)",

@@ -374,16 +374,16 @@ impl<'a> Trainer<'a> {
             0
         };
         let mut params = Vec::with_capacity(2 * layers);
-        for l in 0..layers {
+        for (l, layer) in lowered.iter().enumerate() {
             let full = match spec.model.mlp() {
                 Some(mlp) => mlp.init_layer(l, spec.seed, stream, spec.meta),
-                None => lowered[l].meta_params(),
+                None => layer.meta_params(),
             };
             for (which, full) in full.iter().enumerate() {
                 let stored = DTensor::distribute(chip, &plan.mesh, full, &plan.stored(l, which))?;
                 let numel = stored.local().numel() as u64;
                 let bytes = numel * elem;
-                let name = format!("{}.{}", lowered[l].name, ["weight", "bias"][which]);
+                let name = format!("{}.{}", layer.name, ["weight", "bias"][which]);
                 hbm.alloc(MemKind::Params, bytes, || format!("parameter {name}"))?;
                 hbm.alloc(MemKind::Grads, bytes, || format!("gradient of {name}"))?;
                 hbm.alloc(MemKind::Optimizer, numel * state_bytes, || {

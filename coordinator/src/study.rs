@@ -1,0 +1,1730 @@
+//! `podsim study`: scaling studies. A study config names a base job config, the job fields to
+//! sweep (a cartesian product, times an optional list of explicit points), extra metrics to
+//! read from each run's `report.json`, and plots. Every point runs as a normal job in a child
+//! `podsim launch` (its memory is freed when it exits, a crash or an OOM of one point leaves the
+//! others running, and points can run side by side); the study gathers `results.csv`,
+//! `study.json` and SVG plots in its output folder, rewritten after every finished point so
+//! an interrupted study keeps what it had.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde::Deserialize;
+use serde_json::Value as Json;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::CliError;
+use crate::config::{self, ConfigError, ConfigErrors};
+
+mod plot;
+
+/// Options of `podsim study`.
+#[derive(Debug, Clone, Args)]
+pub struct StudyArgs {
+    /// The study config (TOML): a base job config, the fields to sweep, metrics and plots.
+    pub config: PathBuf,
+    /// Output folder (default: the study's `out`, else runs/<name>).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Points to run at once (default: the study's `parallel`, else 1).
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Print the points and validate each one's job config; run nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// Columns every results.csv has after the swept keys, before the `[metrics]` ones.
+pub const BUILTIN_COLUMNS: [&str; 8] = [
+    "status",
+    "exit_code",
+    "chips",
+    "slices",
+    "virtual_s",
+    "wall_s",
+    "peak_rss_mib",
+    "error",
+];
+
+/// A study config, read and checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Study {
+    pub name: String,
+    /// The study file.
+    pub file: PathBuf,
+    /// The base job config, resolved against the study file's folder.
+    pub base: PathBuf,
+    /// Output folder (relative paths are relative to the working directory, as job outputs).
+    pub out: PathBuf,
+    pub parallel: usize,
+    pub timeout: Option<Duration>,
+    /// Swept fields in the order written, each with its values.
+    pub sweep: Vec<(String, Vec<toml::Value>)>,
+    /// Explicit points, each a list of field overrides in the order written.
+    pub points: Vec<Vec<(String, toml::Value)>>,
+    /// Extra columns: name and dotted path into report.json, in the order written.
+    pub metrics: Vec<(String, String)>,
+    pub plots: Vec<Plot>,
+}
+
+/// One `[[plot]]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plot {
+    pub file: String,
+    pub title: String,
+    pub x: String,
+    pub y: String,
+    pub series: Option<String>,
+    pub log_x: bool,
+    pub log_y: bool,
+    pub x_label: String,
+    pub y_label: String,
+}
+
+/// One run of the base config with some fields overridden.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Point {
+    pub index: usize,
+    pub overrides: Vec<(String, toml::Value)>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStudy {
+    name: Option<String>,
+    base: String,
+    out: Option<String>,
+    parallel: Option<i64>,
+    timeout_s: Option<f64>,
+    #[serde(default)]
+    sweep: toml::Table,
+    #[serde(default)]
+    points: Vec<toml::Table>,
+    #[serde(default)]
+    metrics: toml::Table,
+    #[serde(default)]
+    plot: Vec<RawPlot>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlot {
+    file: String,
+    title: Option<String>,
+    x: String,
+    y: String,
+    series: Option<String>,
+    #[serde(default)]
+    log_x: bool,
+    #[serde(default)]
+    log_y: bool,
+    x_label: Option<String>,
+    y_label: Option<String>,
+}
+
+impl Study {
+    /// Reads and checks a study file.
+    pub fn load(path: &Path) -> Result<Study, ConfigErrors> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                file: path.display().to_string(),
+                line: None,
+                field: "file".into(),
+                reason: e.to_string(),
+            }])
+        })?;
+        Study::parse(path, &text)
+    }
+
+    /// Checks a study given as text; `path` names it in errors and anchors `base`.
+    pub fn parse(path: &Path, text: &str) -> Result<Study, ConfigErrors> {
+        let file = path.display().to_string();
+        let mut problems = Vec::new();
+        let mut add = |line: Option<usize>, field: &str, reason: String| {
+            problems.push(ConfigError {
+                file: file.clone(),
+                line,
+                field: field.to_string(),
+                reason,
+            })
+        };
+        let raw: RawStudy = match toml::from_str(text) {
+            Ok(raw) => raw,
+            Err(e) => {
+                let (line, mut field) = match e.span() {
+                    Some(span) => {
+                        let (line, field) = locate(text, span.start);
+                        (Some(line), field)
+                    }
+                    None => (None, String::new()),
+                };
+                let message = e.message().trim().to_string();
+                let mut line = line;
+                if let Some(missing) = message
+                    .strip_prefix("missing field `")
+                    .and_then(|m| m.split('`').next())
+                {
+                    // The span is the table that lacks the field: its header, or the whole
+                    // document for a top-level field (no line worth naming then).
+                    let header = line
+                        .and_then(|l| text.lines().nth(l - 1))
+                        .is_some_and(|t| t.trim_start().starts_with('['));
+                    if header && !field.is_empty() {
+                        field = format!("{field}.{missing}");
+                    } else {
+                        field = missing.to_string();
+                        line = None;
+                    }
+                }
+                if field.is_empty() {
+                    field = "syntax".into();
+                }
+                add(line, &field, message);
+                return Err(ConfigErrors(problems));
+            }
+        };
+        // Key order as written: toml's tables are sorted, so take it from the spans.
+        let order = key_positions(text);
+        let line_of = |key: &str| order.get(key).map(|&pos| line_at(text, pos));
+
+        let name = raw.name.clone().unwrap_or_else(|| {
+            path.file_stem()
+                .map_or("study".into(), |s| s.to_string_lossy().into_owned())
+        });
+        if name.trim().is_empty() {
+            add(line_of("name"), "name", "must not be empty".into());
+        }
+        let dir = path.parent().unwrap_or(Path::new(""));
+        let base = dir.join(&raw.base);
+        if raw.base.trim().is_empty() {
+            add(line_of("base"), "base", "must name a job config".into());
+        } else if !base.is_file() {
+            add(
+                line_of("base"),
+                "base",
+                format!("{} is not a readable file", base.display()),
+            );
+        }
+        let out = raw
+            .out
+            .as_deref()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("runs").join(&name));
+        let parallel = raw.parallel.unwrap_or(1);
+        if parallel < 1 {
+            add(
+                line_of("parallel"),
+                "parallel",
+                format!("{parallel}: must be at least 1"),
+            );
+        }
+        let timeout = match raw.timeout_s {
+            None => None,
+            Some(t) if t.is_finite() && t > 0.0 && t < 1e9 => Some(Duration::from_secs_f64(t)),
+            Some(t) => {
+                add(
+                    line_of("timeout_s"),
+                    "timeout_s",
+                    format!("{t}: must be a positive number of seconds"),
+                );
+                None
+            }
+        };
+
+        let mut sweep = Vec::new();
+        for (key, value) in ordered(flatten(&raw.sweep), &order, "sweep") {
+            let field = format!("sweep.{}", quote_key(&key));
+            let line = line_of(&format!("sweep\u{0}{key}"));
+            if let Some(reason) = bad_override_key(&key) {
+                add(line, &field, reason);
+                continue;
+            }
+            match value {
+                toml::Value::Array(values) if !values.is_empty() => sweep.push((key, values)),
+                toml::Value::Array(_) => add(line, &field, "the list of values is empty".into()),
+                other => add(
+                    line,
+                    &field,
+                    format!(
+                        "expected a list of values, found a {} (write [{}])",
+                        other.type_str(),
+                        literal(&other)
+                    ),
+                ),
+            }
+        }
+        let swept: BTreeSet<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
+        let mut points = Vec::new();
+        for (i, table) in raw.points.iter().enumerate() {
+            let scope = format!("points#{i}");
+            let mut point = Vec::new();
+            for (key, value) in ordered(flatten(table), &order, &scope) {
+                let field = format!("points[{i}].{}", quote_key(&key));
+                let line = line_of(&format!("{scope}\u{0}{key}"));
+                if let Some(reason) = bad_override_key(&key) {
+                    add(line, &field, reason);
+                } else if swept.contains(&key) {
+                    add(line, &field, "is also swept in [sweep]".into());
+                } else {
+                    point.push((key, value));
+                }
+            }
+            points.push(point);
+        }
+
+        let mut columns: Vec<String> = vec!["point".into()];
+        columns.extend(sweep.iter().map(|(k, _)| k.clone()));
+        for (k, _) in points.iter().flatten() {
+            if !columns.contains(k) {
+                columns.push(k.clone());
+            }
+        }
+        columns.extend(
+            BUILTIN_COLUMNS[..BUILTIN_COLUMNS.len() - 1]
+                .iter()
+                .map(|c| c.to_string()),
+        );
+        columns.push("error".into());
+        let mut metrics = Vec::new();
+        let metric_items: Vec<(String, toml::Value)> = raw.metrics.clone().into_iter().collect();
+        for (name, value) in ordered(metric_items, &order, "metrics") {
+            let field = format!("metrics.{}", quote_key(&name));
+            let line = line_of(&format!("metrics\u{0}{name}"));
+            let Some(path) = value.as_str() else {
+                add(
+                    line,
+                    &field,
+                    format!(
+                        "expected a dotted path into report.json (a string), found a {}",
+                        value.type_str()
+                    ),
+                );
+                continue;
+            };
+            if path.split('.').any(|s| s.trim().is_empty()) {
+                add(
+                    line,
+                    &field,
+                    format!(
+                        "{path:?} is not a dotted path such as \"collectives.0.virtual_busbw_gbps\""
+                    ),
+                );
+            } else if columns.contains(&name) {
+                add(line, &field, "a column of that name already exists".into());
+            } else {
+                // Metric columns go before `error`, which stays last.
+                columns.insert(columns.len() - 1, name.clone());
+                metrics.push((name, path.to_string()));
+            }
+        }
+
+        let mut plots = Vec::new();
+        let mut files = BTreeSet::new();
+        let plot_lines = header_lines(text, "[[plot]]");
+        for (i, p) in raw.plot.into_iter().enumerate() {
+            let mut bad = |key: &str, reason: String| {
+                let line = line_of(&format!("plot#{i}\u{0}{key}")).or(plot_lines.get(i).copied());
+                add(line, &format!("plot[{i}].{key}"), reason);
+            };
+            let plain = !p.file.is_empty()
+                && !p.file.contains(['/', '\\'])
+                && p.file != "."
+                && p.file != "..";
+            if !plain || !p.file.ends_with(".svg") {
+                bad(
+                    "file",
+                    format!("{:?}: expected a file name ending in .svg", p.file),
+                );
+            } else if !files.insert(p.file.clone()) {
+                bad("file", format!("{:?} is written by another plot", p.file));
+            } else if p.file == "results.csv" || p.file == "study.json" {
+                bad("file", format!("{:?} is reserved", p.file));
+            }
+            for (key, col) in [
+                ("x", Some(&p.x)),
+                ("y", Some(&p.y)),
+                ("series", p.series.as_ref()),
+            ] {
+                if let Some(col) = col
+                    && !columns.contains(col)
+                {
+                    bad(
+                        key,
+                        format!("{col:?} is not a column (columns: {})", columns.join(", ")),
+                    );
+                }
+            }
+            plots.push(Plot {
+                title: p.title.unwrap_or_else(|| format!("{} vs {}", p.y, p.x)),
+                x_label: p.x_label.unwrap_or_else(|| p.x.clone()),
+                y_label: p.y_label.unwrap_or_else(|| p.y.clone()),
+                file: p.file,
+                x: p.x,
+                y: p.y,
+                series: p.series,
+                log_x: p.log_x,
+                log_y: p.log_y,
+            });
+        }
+        if !problems.is_empty() {
+            return Err(ConfigErrors(problems));
+        }
+        Ok(Study {
+            name,
+            file: path.to_path_buf(),
+            base,
+            out,
+            parallel: usize::try_from(parallel).unwrap_or(1),
+            timeout,
+            sweep,
+            points,
+            metrics,
+            plots,
+        })
+    }
+
+    /// Every point: the sweep's cartesian product (first key slowest) times the explicit
+    /// points (innermost). With neither, one point: the base config itself.
+    pub fn expand(&self) -> Vec<Point> {
+        let mut combos: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
+        for (key, values) in &self.sweep {
+            combos = combos
+                .into_iter()
+                .flat_map(|c| {
+                    values.iter().map(move |v| {
+                        let mut c = c.clone();
+                        c.push((key.clone(), v.clone()));
+                        c
+                    })
+                })
+                .collect();
+        }
+        let explicit: Vec<Vec<(String, toml::Value)>> = if self.points.is_empty() {
+            vec![Vec::new()]
+        } else {
+            self.points.clone()
+        };
+        combos
+            .iter()
+            .flat_map(|c| {
+                explicit.iter().map(move |p| {
+                    let mut o = c.clone();
+                    o.extend(p.iter().cloned());
+                    o
+                })
+            })
+            .enumerate()
+            .map(|(index, overrides)| Point { index, overrides })
+            .collect()
+    }
+
+    /// The overridden fields, one column each: swept keys, then the points' keys.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self.sweep.iter().map(|(k, _)| k.clone()).collect();
+        for (k, _) in self.points.iter().flatten() {
+            if !keys.contains(k) {
+                keys.push(k.clone());
+            }
+        }
+        keys
+    }
+
+    /// Every column of results.csv, in order.
+    pub fn columns(&self) -> Vec<String> {
+        let mut cols = vec!["point".to_string()];
+        cols.extend(self.keys());
+        cols.extend(
+            BUILTIN_COLUMNS[..BUILTIN_COLUMNS.len() - 1]
+                .iter()
+                .map(|c| c.to_string()),
+        );
+        cols.extend(self.metrics.iter().map(|(n, _)| n.clone()));
+        cols.push("error".into());
+        cols
+    }
+}
+
+fn bad_override_key(key: &str) -> Option<String> {
+    if key.split('.').any(|s| s.trim().is_empty()) {
+        Some("is not a dotted config field such as topology.shape".into())
+    } else if key == "output" || key.starts_with("output.") {
+        Some("the study sets each point's output folder itself".into())
+    } else {
+        None
+    }
+}
+
+/// A table flattened to dotted keys (`topology.shape = 8` written unquoted is a nested table
+/// to TOML; both spellings mean the same field).
+fn flatten(table: &toml::Table) -> Vec<(String, toml::Value)> {
+    let mut out = Vec::new();
+    for (k, v) in table {
+        match v {
+            toml::Value::Table(t) => {
+                for (sk, sv) in flatten(t) {
+                    out.push((format!("{k}.{sk}"), sv));
+                }
+            }
+            _ => out.push((k.clone(), v.clone())),
+        }
+    }
+    out
+}
+
+fn ordered(
+    mut items: Vec<(String, toml::Value)>,
+    order: &BTreeMap<String, usize>,
+    scope: &str,
+) -> Vec<(String, toml::Value)> {
+    items.sort_by_key(|(k, _)| {
+        order
+            .get(&format!("{scope}\u{0}{k}"))
+            .copied()
+            .unwrap_or(usize::MAX)
+    });
+    items
+}
+
+/// Byte offset of every key as written, keyed `scope NUL dotted.key` for the keys of
+/// `[sweep]`, `[metrics]` and each `[[points]]` (`points#i`), and by name for top-level keys.
+fn key_positions(text: &str) -> BTreeMap<String, usize> {
+    fn walk(
+        table: &toml::de::DeTable<'_>,
+        scope: &str,
+        prefix: &str,
+        out: &mut BTreeMap<String, usize>,
+    ) {
+        for (k, v) in table.iter() {
+            let key = if prefix.is_empty() {
+                k.get_ref().to_string()
+            } else {
+                format!("{prefix}.{}", k.get_ref())
+            };
+            match v.get_ref().as_table() {
+                Some(t) => walk(t, scope, &key, out),
+                None => {
+                    out.insert(format!("{scope}\u{0}{key}"), k.span().start);
+                }
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    let Ok(doc) = toml::de::DeTable::parse(text) else {
+        return out;
+    };
+    for (k, v) in doc.get_ref().iter() {
+        let name = k.get_ref().to_string();
+        out.insert(name.clone(), k.span().start);
+        match (name.as_str(), v.get_ref()) {
+            ("sweep" | "metrics", value) => {
+                if let Some(t) = value.as_table() {
+                    walk(t, &name, "", &mut out);
+                }
+            }
+            ("points" | "plot", value) => {
+                for (i, entry) in value
+                    .as_array()
+                    .into_iter()
+                    .flat_map(|a| a.iter())
+                    .enumerate()
+                {
+                    if let Some(t) = entry.get_ref().as_table() {
+                        walk(t, &format!("{name}#{i}"), "", &mut out);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+fn line_at(text: &str, offset: usize) -> usize {
+    text.as_bytes()
+        .iter()
+        .take(offset.min(text.len()))
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+/// Lines of every occurrence of a table header such as `[[plot]]`.
+fn header_lines(text: &str, header: &str) -> Vec<usize> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| l.trim().replace(' ', "") == header)
+        .map(|(i, _)| i + 1)
+        .collect()
+}
+
+/// The line of `offset` and the field written there (`table[i].key`), for serde's errors.
+fn locate(text: &str, offset: usize) -> (usize, String) {
+    let line = line_at(text, offset);
+    let mut section = String::new();
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for l in text.lines().take(line) {
+        let t = l.trim();
+        if let Some(name) = t.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
+            let name = name.trim().to_string();
+            let n = counts.entry(name.clone()).or_insert(0);
+            section = format!("{name}[{n}]");
+            *n += 1;
+        } else if let Some(name) = t.strip_prefix('[').and_then(|r| r.split(']').next()) {
+            section = name.trim().to_string();
+        }
+    }
+    let here = text.lines().nth(line - 1).unwrap_or("").trim();
+    let key = if here.starts_with('[') {
+        ""
+    } else {
+        here.split('=')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .trim_matches('"')
+    };
+    let field = match (section.is_empty(), key.is_empty()) {
+        (_, true) => section,
+        (true, false) => key.to_string(),
+        (false, false) => format!("{section}.{key}"),
+    };
+    (line, field)
+}
+
+fn quote_key(key: &str) -> String {
+    if key.contains('.') {
+        format!("{key:?}")
+    } else {
+        key.to_string()
+    }
+}
+
+/// A TOML literal, as `--set` reads it.
+pub fn literal(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => {
+            let mut out = String::from("\"");
+            for c in s.chars() {
+                match c {
+                    '"' => out.push_str("\\\""),
+                    '\\' => out.push_str("\\\\"),
+                    '\n' => out.push_str("\\n"),
+                    '\t' => out.push_str("\\t"),
+                    '\r' => out.push_str("\\r"),
+                    c if c.is_control() => {
+                        let _ = write!(out, "\\u{:04X}", u32::from(c));
+                    }
+                    c => out.push(c),
+                }
+            }
+            out.push('"');
+            out
+        }
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) if f.is_nan() => "nan".into(),
+        toml::Value::Float(f) if f.is_infinite() => if *f > 0.0 { "inf" } else { "-inf" }.into(),
+        toml::Value::Float(f) => {
+            let s = format!("{f:?}");
+            if s.contains(['.', 'e', 'E']) {
+                s
+            } else {
+                format!("{s}.0")
+            }
+        }
+        toml::Value::Boolean(b) => b.to_string(),
+        toml::Value::Datetime(d) => d.to_string(),
+        toml::Value::Array(a) => {
+            format!("[{}]", a.iter().map(literal).collect::<Vec<_>>().join(", "))
+        }
+        toml::Value::Table(t) => format!(
+            "{{{}}}",
+            t.iter()
+                .map(|(k, v)| format!(
+                    "{} = {}",
+                    literal(&toml::Value::String(k.clone())),
+                    literal(v)
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// A value as a CSV cell: strings bare, everything else as TOML writes it.
+pub fn cell(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => literal(other),
+    }
+}
+
+fn json_of(v: &toml::Value) -> Json {
+    match v {
+        toml::Value::String(s) => Json::String(s.clone()),
+        toml::Value::Integer(i) => Json::from(*i),
+        toml::Value::Float(f) => Json::from(*f),
+        toml::Value::Boolean(b) => Json::Bool(*b),
+        toml::Value::Datetime(d) => Json::String(d.to_string()),
+        toml::Value::Array(a) => Json::Array(a.iter().map(json_of).collect()),
+        toml::Value::Table(t) => {
+            Json::Object(t.iter().map(|(k, v)| (k.clone(), json_of(v))).collect())
+        }
+    }
+}
+
+/// The `--set` arguments of a point (its overrides, then its output folder).
+pub fn point_sets(point: &Point, dir: &Path) -> Vec<String> {
+    let mut sets: Vec<String> = point
+        .overrides
+        .iter()
+        .map(|(k, v)| format!("{k}={}", literal(v)))
+        .collect();
+    sets.push(format!(
+        "output.dir={}",
+        literal(&toml::Value::String(dir.display().to_string()))
+    ));
+    sets
+}
+
+fn describe(point: &Point) -> String {
+    if point.overrides.is_empty() {
+        return "(base config)".into();
+    }
+    point
+        .overrides
+        .iter()
+        .map(|(k, v)| format!("{k}={}", literal(v)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Follows a dotted path (`collectives.0.virtual_busbw_gbps`) into a JSON value; numeric
+/// segments index arrays.
+pub fn lookup<'a>(v: &'a Json, path: &str) -> Option<&'a Json> {
+    path.split('.').try_fold(v, |v, seg| match v {
+        Json::Object(m) => m.get(seg),
+        Json::Array(a) => seg.parse::<usize>().ok().and_then(|i| a.get(i)),
+        _ => None,
+    })
+}
+
+/// A JSON value as a CSV cell; null and missing are empty.
+pub fn json_cell(v: Option<&Json>) -> String {
+    match v {
+        None | Some(Json::Null) => String::new(),
+        Some(Json::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+    }
+}
+
+/// One CSV field, quoted when it holds a comma, a quote, a line break or edge spaces.
+pub fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r'])
+        || s.starts_with(char::is_whitespace)
+        || s.ends_with(char::is_whitespace)
+    {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+pub fn csv_line(fields: &[String]) -> String {
+    let mut line = fields
+        .iter()
+        .map(|f| csv_field(f))
+        .collect::<Vec<_>>()
+        .join(",");
+    line.push('\n');
+    line
+}
+
+/// How a point ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Ok,
+    Error,
+    BadConfig,
+    Hang,
+    Desync,
+    Timeout,
+}
+
+impl Status {
+    /// From `podsim launch`'s exit code.
+    pub fn from_exit_code(code: Option<i32>) -> Status {
+        match code {
+            Some(0) => Status::Ok,
+            Some(2) => Status::BadConfig,
+            Some(3) => Status::Hang,
+            Some(4) => Status::Desync,
+            _ => Status::Error,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Error => "error",
+            Status::BadConfig => "bad_config",
+            Status::Hang => "hang",
+            Status::Desync => "desync",
+            Status::Timeout => "timeout",
+        }
+    }
+}
+
+/// The end of one point's child process.
+#[derive(Debug, Clone)]
+pub struct PointOutcome {
+    pub status: Status,
+    pub exit_code: Option<i32>,
+    /// Why, when the child's report cannot say (a timeout, a signal, no report).
+    pub reason: Option<String>,
+    pub elapsed: Duration,
+}
+
+/// What the study knows of a point before it runs (from validating its config).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Expected {
+    pub chips: Option<u32>,
+    pub slices: Option<u32>,
+}
+
+/// The CSV row of a finished point. `report` is its report.json, if it wrote one.
+pub fn row(
+    study: &Study,
+    point: &Point,
+    outcome: &PointOutcome,
+    expected: Expected,
+    report: Option<&Json>,
+) -> Vec<String> {
+    let mut cells = vec![point.index.to_string()];
+    for key in study.keys() {
+        cells.push(
+            point
+                .overrides
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| cell(v))
+                .unwrap_or_default(),
+        );
+    }
+    let get = |path: &str| report.and_then(|r| lookup(r, path));
+    let ran_ok = report.and_then(|r| r.get("status")).and_then(Json::as_str) == Some("ok");
+    // A failed job's report carries zeros where it measured nothing: leave those empty.
+    let measured = |path: &str| {
+        let v = get(path);
+        if !ran_ok && v.and_then(Json::as_f64) == Some(0.0) {
+            String::new()
+        } else {
+            json_cell(v)
+        }
+    };
+    let or_expected = |path: &str, fallback: Option<u32>| match get(path) {
+        Some(v) => json_cell(Some(v)),
+        None => fallback.map(|n| n.to_string()).unwrap_or_default(),
+    };
+    cells.push(outcome.status.name().into());
+    cells.push(outcome.exit_code.map(|c| c.to_string()).unwrap_or_default());
+    cells.push(or_expected("topology.chips", expected.chips));
+    cells.push(or_expected("topology.slices", expected.slices));
+    cells.push(measured("virtual_s"));
+    cells.push(measured("wall_s"));
+    let rss = get("workers")
+        .and_then(Json::as_array)
+        .and_then(|ws| ws.iter().filter_map(|w| w["peak_rss_bytes"].as_u64()).max())
+        .filter(|&b| b > 0);
+    cells.push(rss.map_or(String::new(), |b| {
+        format!("{:.1}", b as f64 / (1u64 << 20) as f64)
+    }));
+    for (_, path) in &study.metrics {
+        cells.push(json_cell(get(path)));
+    }
+    let error = match get("error").and_then(Json::as_str) {
+        Some(e) if outcome.status != Status::Timeout => e.to_string(),
+        _ => outcome.reason.clone().unwrap_or_default(),
+    };
+    cells.push(error);
+    cells
+}
+
+/// Every point's job config checked in-process, as the child will read it. Returns the
+/// expected sizes, or a message naming every bad point.
+pub fn validate(study: &Study, points: &[Point]) -> Result<Vec<Expected>, String> {
+    let mut expected = Vec::new();
+    let mut bad = String::new();
+    let mut count = 0;
+    for p in points {
+        let dir = point_dir(study, p.index, points.len());
+        match config::load(&study.base, &point_sets(p, &dir)) {
+            Ok(cfg) => expected.push(Expected {
+                chips: Some(cfg.pod.chips()),
+                slices: Some(cfg.pod.slices()),
+            }),
+            Err(errors) => {
+                count += 1;
+                let _ = writeln!(
+                    bad,
+                    "  {} ({}):",
+                    point_name(p.index, points.len()),
+                    describe(p)
+                );
+                for e in errors.0 {
+                    let _ = writeln!(bad, "    {e}");
+                }
+            }
+        }
+    }
+    if count == 0 {
+        Ok(expected)
+    } else {
+        Err(format!(
+            "{count} of {} points of {} have a bad job config:\n{}",
+            points.len(),
+            study.file.display(),
+            bad.trim_end()
+        ))
+    }
+}
+
+/// `point-007`: zero-padded so the folders sort in point order.
+pub fn point_name(index: usize, total: usize) -> String {
+    let width = total.saturating_sub(1).to_string().len().max(3);
+    format!("point-{index:0width$}")
+}
+
+fn point_dir(study: &Study, index: usize, total: usize) -> PathBuf {
+    study.out.join(point_name(index, total))
+}
+
+/// Runs one point as `podsim launch`, output to `dir/launch.log`. Stops (killing the child)
+/// on `timeout` or when `cancel` turns true.
+async fn run_point(
+    exe: PathBuf,
+    base: PathBuf,
+    sets: Vec<String>,
+    dir: PathBuf,
+    timeout: Option<Duration>,
+    mut cancel: watch::Receiver<bool>,
+) -> Result<Option<PointOutcome>, String> {
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("cannot clear {}: {e}", dir.display())),
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let log_path = dir.join("launch.log");
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+    let mut cmd = tokio::process::Command::new(&exe);
+    cmd.arg("launch").arg(&base);
+    for s in &sets {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2))
+        .kill_on_drop(true);
+    let started = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", exe.display()))?;
+    let deadline = async {
+        match timeout {
+            Some(t) => tokio::time::sleep(t).await,
+            None => std::future::pending().await,
+        }
+    };
+    let cancelled = async {
+        loop {
+            if *cancel.borrow_and_update() {
+                return;
+            }
+            if cancel.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        status = child.wait() => {
+            let status = status.map_err(|e| format!("cannot wait for a point: {e}"))?;
+            let code = status.code();
+            let reason = match code {
+                Some(c) => (c != 0).then(|| last_line(&log_path, c)),
+                None => Some(signal_reason(&status)),
+            };
+            Ok(Some(PointOutcome {
+                status: Status::from_exit_code(code),
+                exit_code: code,
+                reason,
+                elapsed: started.elapsed(),
+            }))
+        }
+        () = deadline => {
+            let _ = child.kill().await;
+            Ok(Some(PointOutcome {
+                status: Status::Timeout,
+                exit_code: None,
+                reason: Some(format!(
+                    "timed out after {} s (timeout_s); killed",
+                    timeout.map_or(0.0, |t| t.as_secs_f64())
+                )),
+                elapsed: started.elapsed(),
+            }))
+        }
+        () = cancelled => {
+            let _ = child.kill().await;
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(unix)]
+fn signal_reason(status: &std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status.signal() {
+        Some(s) => format!("killed by signal {s} without a report"),
+        None => "ended without an exit code".into(),
+    }
+}
+
+#[cfg(not(unix))]
+fn signal_reason(_status: &std::process::ExitStatus) -> String {
+    "ended without an exit code".into()
+}
+
+/// The child's own last word (`podsim: ...`), for points that end without a usable report.
+fn last_line(log: &Path, code: i32) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let line = text
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with("podsim:"))
+        .or_else(|| text.lines().rev().map(str::trim).find(|l| !l.is_empty()));
+    match line {
+        Some(l) => l.chars().take(300).collect(),
+        None => format!("exit code {code}, nothing in launch.log"),
+    }
+}
+
+/// Results so far, written after every point.
+struct Results<'a> {
+    study: &'a Study,
+    points: &'a [Point],
+    columns: Vec<String>,
+    rows: BTreeMap<usize, Vec<String>>,
+    outcomes: BTreeMap<usize, PointOutcome>,
+}
+
+impl Results<'_> {
+    fn write_csv(&self) -> Result<PathBuf, String> {
+        let mut text = csv_line(&self.columns);
+        for r in self.rows.values() {
+            text.push_str(&csv_line(r));
+        }
+        write_atomic(&self.study.out.join("results.csv"), &text)
+    }
+
+    fn write_json(&self) -> Result<PathBuf, String> {
+        let total = self.points.len();
+        let points: Vec<Json> = self
+            .points
+            .iter()
+            .map(|p| {
+                let name = point_name(p.index, total);
+                let o = self.outcomes.get(&p.index);
+                serde_json::json!({
+                    "point": p.index,
+                    "dir": name,
+                    "overrides": Json::Object(
+                        p.overrides.iter().map(|(k, v)| (k.clone(), json_of(v))).collect()
+                    ),
+                    "sets": point_sets(p, &point_dir(self.study, p.index, total)),
+                    "report": format!("{name}/report.json"),
+                    "log": format!("{name}/launch.log"),
+                    "status": o.map_or("pending", |o| o.status.name()),
+                    "exit_code": o.and_then(|o| o.exit_code),
+                    "elapsed_s": o.map(|o| o.elapsed.as_secs_f64()),
+                })
+            })
+            .collect();
+        let s = self.study;
+        let doc = serde_json::json!({
+            "name": s.name,
+            "config": s.file.display().to_string(),
+            "base": s.base.display().to_string(),
+            "out": s.out.display().to_string(),
+            "parallel": s.parallel,
+            "timeout_s": s.timeout.map(|t| t.as_secs_f64()),
+            "sweep": Json::Array(s.sweep.iter().map(|(k, vs)| serde_json::json!({
+                "key": k,
+                "values": Json::Array(vs.iter().map(json_of).collect()),
+            })).collect()),
+            "metrics": Json::Array(s.metrics.iter().map(|(n, p)| serde_json::json!({
+                "name": n, "path": p,
+            })).collect()),
+            "columns": self.columns,
+            "plots": s.plots.iter().map(|p| p.file.clone()).collect::<Vec<_>>(),
+            "points": points,
+        });
+        let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+        write_atomic(&s.out.join("study.json"), &text)
+    }
+
+    fn write_plots(&self) -> Result<Vec<PathBuf>, String> {
+        let rows: Vec<&Vec<String>> = self.rows.values().collect();
+        let mut written = Vec::new();
+        for p in &self.study.plots {
+            let svg = plot::render(p, &self.columns, &rows)?;
+            written.push(write_atomic(&self.study.out.join(&p.file), &svg)?);
+        }
+        Ok(written)
+    }
+}
+
+fn write_atomic(path: &Path, text: &str) -> Result<PathBuf, String> {
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path.to_path_buf())
+}
+
+/// A bar on a terminal (stderr), plain lines on stdout otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl Progress {
+    fn new(total: usize) -> Progress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} points  {msg}",
+            ) {
+                bar.set_style(style);
+            }
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        });
+        Progress { bar }
+    }
+
+    fn line(&self, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => println!("{text}"),
+        }
+    }
+
+    fn started(&self, name: &str, what: &str, running: &BTreeSet<usize>, total: usize) {
+        match &self.bar {
+            Some(bar) => bar.set_message(running_message(running, total)),
+            None => println!("{name}: started ({what})"),
+        }
+    }
+
+    fn finished(&self, text: &str, running: &BTreeSet<usize>, total: usize) {
+        self.line(text);
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+            bar.set_message(running_message(running, total));
+        }
+    }
+
+    fn done(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn running_message(running: &BTreeSet<usize>, total: usize) -> String {
+    let names: Vec<String> = running.iter().map(|&i| point_name(i, total)).collect();
+    if names.is_empty() {
+        String::new()
+    } else {
+        format!("running {}", names.join(", "))
+    }
+}
+
+/// Runs `podsim study`. Ok once every point ran, whatever their results.
+pub fn main(args: &StudyArgs) -> Result<bool, CliError> {
+    let mut study = Study::load(&args.config)
+        .map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))?;
+    if let Some(out) = &args.out {
+        study.out = out.clone();
+    }
+    if let Some(jobs) = args.jobs {
+        if jobs == 0 {
+            return Err(CliError::Usage("--jobs must be at least 1".into()));
+        }
+        study.parallel = jobs;
+    }
+    let points = study.expand();
+    let total = points.len();
+    println!(
+        "study {}: {total} point{} of {}, {} at a time, into {}",
+        study.name,
+        if total == 1 { "" } else { "s" },
+        study.base.display(),
+        study.parallel.min(total),
+        study.out.display()
+    );
+    if args.dry_run {
+        for p in &points {
+            println!("  {}  {}", point_name(p.index, total), describe(p));
+        }
+    }
+    let expected = validate(&study, &points).map_err(CliError::Usage)?;
+    if args.dry_run {
+        println!("every point's config is valid (dry run: nothing was run)");
+        return Ok(true);
+    }
+    run(&study, &points, &expected)
+}
+
+fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<bool, CliError> {
+    let job = |e: String| CliError::Job(e);
+    std::fs::create_dir_all(&study.out)
+        .map_err(|e| job(format!("cannot create {}: {e}", study.out.display())))?;
+    let exe =
+        std::env::current_exe().map_err(|e| job(format!("cannot find the podsim binary: {e}")))?;
+    let total = points.len();
+    let mut results = Results {
+        study,
+        points,
+        columns: study.columns(),
+        rows: BTreeMap::new(),
+        outcomes: BTreeMap::new(),
+    };
+    // Nothing of an earlier run of this study may pass for a result of this one.
+    for p in &study.plots {
+        let _ = std::fs::remove_file(study.out.join(&p.file));
+    }
+    results.write_csv().map_err(job)?;
+    results.write_json().map_err(job)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| job(format!("cannot start the runtime: {e}")))?;
+    let progress = Progress::new(total);
+    let started = Instant::now();
+    let outcome = rt.block_on(async {
+        let (cancel_tx, cancel_rx) = watch::channel(false);
+        let mut tasks: JoinSet<(usize, Result<Option<PointOutcome>, String>)> = JoinSet::new();
+        let mut running = BTreeSet::new();
+        let mut next = 0;
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
+        let failure = loop {
+            while running.len() < study.parallel && next < total {
+                let p = &points[next];
+                let dir = point_dir(study, p.index, total);
+                let sets = point_sets(p, &dir);
+                running.insert(p.index);
+                progress.started(&point_name(p.index, total), &describe(p), &running, total);
+                let (exe, base, timeout, cancel) =
+                    (exe.clone(), study.base.clone(), study.timeout, cancel_rx.clone());
+                let index = p.index;
+                tasks.spawn(async move {
+                    (index, run_point(exe, base, sets, dir, timeout, cancel).await)
+                });
+                next += 1;
+            }
+            let joined = tokio::select! {
+                joined = tasks.join_next() => joined,
+                _ = &mut ctrl_c => break Some("interrupted: the running points were stopped".to_string()),
+            };
+            let Some(joined) = joined else { break None };
+            let (index, result) = match joined {
+                Ok(r) => r,
+                Err(e) => break Some(format!("a point's task failed: {e}")),
+            };
+            running.remove(&index);
+            let outcome = match result {
+                Ok(Some(o)) => o,
+                Ok(None) => continue,
+                Err(e) => break Some(e),
+            };
+            let p = &points[index];
+            let dir = point_dir(study, index, total);
+            let report = std::fs::read_to_string(dir.join("report.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<Json>(&t).ok());
+            let cells = row(
+                study,
+                p,
+                &outcome,
+                expected.get(index).copied().unwrap_or_default(),
+                report.as_ref(),
+            );
+            let error = cells.last().cloned().unwrap_or_default();
+            progress.finished(
+                &format!(
+                    "[{}/{total}] {} {} in {:.1} s  {}{}",
+                    results.rows.len() + 1,
+                    point_name(index, total),
+                    outcome.status.name(),
+                    outcome.elapsed.as_secs_f64(),
+                    describe(p),
+                    if error.is_empty() { String::new() } else { format!("  ({error})") }
+                ),
+                &running,
+                total,
+            );
+            results.rows.insert(index, cells);
+            results.outcomes.insert(index, outcome);
+            let written = results
+                .write_csv()
+                .and_then(|_| results.write_json())
+                .and_then(|_| results.write_plots());
+            if let Err(e) = written {
+                break Some(e);
+            }
+        };
+        if failure.is_some() {
+            // Stop every running point, and wait for each child to be killed and reaped.
+            let _ = cancel_tx.send(true);
+            while tasks.join_next().await.is_some() {}
+        }
+        failure
+    });
+    progress.done();
+    if let Some(e) = outcome {
+        return Err(job(format!(
+            "study {}: {e} ({} of {total} points finished; results so far in {})",
+            study.name,
+            results.rows.len(),
+            study.out.join("results.csv").display()
+        )));
+    }
+    let plots = results.write_plots().map_err(job)?;
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for o in results.outcomes.values() {
+        *counts.entry(o.status.name()).or_insert(0) += 1;
+    }
+    let counts: Vec<String> = counts.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    println!(
+        "study {}: {total} points ran in {:.1} s: {}",
+        study.name,
+        started.elapsed().as_secs_f64(),
+        counts.join(", ")
+    );
+    println!("results: {}", study.out.join("results.csv").display());
+    for p in plots {
+        println!("plot: {}", p.display());
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn study_dir(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("podsim-study-unit-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("base.toml"), "name = \"x\"\n").unwrap();
+        dir
+    }
+
+    fn parse(name: &str, text: &str) -> Result<Study, ConfigErrors> {
+        Study::parse(&study_dir(name).join("study.toml"), text)
+    }
+
+    fn errors(name: &str, text: &str) -> String {
+        match parse(name, text) {
+            Ok(_) => panic!("{name}: expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    const GOOD: &str = r#"
+name = "s"
+base = "base.toml"
+[sweep]
+"topology.wraparound" = [true, false]
+job.iterations = [1, 2, 3]
+[[points]]
+"topology.shape" = "8"
+[[points]]
+"topology.shape" = "4x4"
+"launch.workers" = 2
+[metrics]
+zeta = "collectives.0.virtual_busbw_gbps"
+alpha = "training.step_ms"
+[[plot]]
+file = "a.svg"
+x = "chips"
+y = "zeta"
+series = "topology.wraparound"
+"#;
+
+    #[test]
+    fn sweep_times_points_in_order() {
+        let s = parse("order", GOOD).unwrap();
+        // Keys keep the order written (not toml's sorted order), dotted spellings flattened.
+        assert_eq!(
+            s.keys(),
+            [
+                "topology.wraparound",
+                "job.iterations",
+                "topology.shape",
+                "launch.workers"
+            ]
+        );
+        let pts = s.expand();
+        assert_eq!(pts.len(), 2 * 3 * 2);
+        let show = |p: &Point| describe(p);
+        assert_eq!(
+            show(&pts[0]),
+            "topology.wraparound=true job.iterations=1 topology.shape=\"8\""
+        );
+        assert_eq!(
+            show(&pts[1]),
+            "topology.wraparound=true job.iterations=1 topology.shape=\"4x4\" launch.workers=2"
+        );
+        assert_eq!(
+            show(&pts[2]),
+            "topology.wraparound=true job.iterations=2 topology.shape=\"8\""
+        );
+        assert_eq!(
+            show(&pts[11]),
+            "topology.wraparound=false job.iterations=3 topology.shape=\"4x4\" launch.workers=2"
+        );
+        assert!(pts.iter().enumerate().all(|(i, p)| p.index == i));
+        assert_eq!(
+            s.columns(),
+            [
+                "point",
+                "topology.wraparound",
+                "job.iterations",
+                "topology.shape",
+                "launch.workers",
+                "status",
+                "exit_code",
+                "chips",
+                "slices",
+                "virtual_s",
+                "wall_s",
+                "peak_rss_mib",
+                "zeta",
+                "alpha",
+                "error"
+            ]
+        );
+    }
+
+    #[test]
+    fn no_sweep_and_no_points_is_the_base_alone() {
+        let s = parse("single", "base = \"base.toml\"\n").unwrap();
+        let pts = s.expand();
+        assert_eq!(pts.len(), 1);
+        assert!(pts[0].overrides.is_empty());
+        assert_eq!(s.out, PathBuf::from("runs/study"));
+        let only_points = parse(
+            "only-points",
+            "base = \"base.toml\"\n[[points]]\nx = 1\n[[points]]\nx = 2\n",
+        )
+        .unwrap();
+        assert_eq!(only_points.expand().len(), 2);
+    }
+
+    #[test]
+    fn sets_are_toml_literals() {
+        let p = Point {
+            index: 0,
+            overrides: vec![
+                ("a".into(), toml::Value::String("q\"\\\n".into())),
+                ("b".into(), toml::Value::Float(2.0)),
+                (
+                    "c".into(),
+                    toml::Value::Array(vec![true.into(), false.into()]),
+                ),
+            ],
+        };
+        let sets = point_sets(&p, Path::new("out/point-000"));
+        assert_eq!(
+            sets,
+            [
+                "a=\"q\\\"\\\\\\n\"",
+                "b=2.0",
+                "c=[true, false]",
+                "output.dir=\"out/point-000\""
+            ]
+        );
+        // What `--set` reads back is the value written.
+        let mut t = toml::Table::new();
+        config::apply_overrides(&mut t, &sets).unwrap();
+        assert_eq!(t["a"], toml::Value::String("q\"\\\n".into()));
+        assert_eq!(t["b"], toml::Value::Float(2.0));
+        assert_eq!(cell(&t["c"]), "[true, false]");
+    }
+
+    #[test]
+    fn csv_quoting() {
+        assert_eq!(csv_field("plain"), "plain");
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+        assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
+        assert_eq!(csv_field("two\nlines"), "\"two\nlines\"");
+        assert_eq!(csv_field(" edge"), "\" edge\"");
+        assert_eq!(csv_field(""), "");
+        assert_eq!(
+            csv_line(&["1".into(), "x,y".into(), String::new()]),
+            "1,\"x,y\",\n"
+        );
+    }
+
+    #[test]
+    fn metric_paths() {
+        let r: Json = serde_json::json!({
+            "topology": {"chips": 8},
+            "collectives": [{"virtual_busbw_gbps": 12.5}, {"op": "all-gather"}],
+            "error": null,
+            "ok": true,
+        });
+        assert_eq!(json_cell(lookup(&r, "topology.chips")), "8");
+        assert_eq!(
+            json_cell(lookup(&r, "collectives.0.virtual_busbw_gbps")),
+            "12.5"
+        );
+        assert_eq!(json_cell(lookup(&r, "collectives.1.op")), "all-gather");
+        assert_eq!(json_cell(lookup(&r, "ok")), "true");
+        for missing in [
+            "collectives.2.op",
+            "collectives.x",
+            "topology.chips.more",
+            "nope",
+            "error",
+            "collectives.0.virtual_algbw_gbps",
+        ] {
+            assert_eq!(json_cell(lookup(&r, missing)), "", "{missing}");
+        }
+        assert_eq!(
+            json_cell(lookup(&r, "collectives.1")),
+            "{\"op\":\"all-gather\"}"
+        );
+    }
+
+    #[test]
+    fn rows_leave_what_was_not_measured_empty() {
+        let s = parse("rows", GOOD).unwrap();
+        let p = &s.expand()[1];
+        let ok = PointOutcome {
+            status: Status::Ok,
+            exit_code: Some(0),
+            reason: None,
+            elapsed: Duration::ZERO,
+        };
+        let report = serde_json::json!({
+            "status": "ok", "error": null, "topology": {"chips": 16, "slices": 1},
+            "virtual_s": 0.5, "wall_s": 1.25,
+            "workers": [{"peak_rss_bytes": 1048576}, {"peak_rss_bytes": 3145728}],
+            "collectives": [{"virtual_busbw_gbps": 99.5}],
+        });
+        let r = row(&s, p, &ok, Expected::default(), Some(&report));
+        assert_eq!(
+            r,
+            [
+                "1", "true", "1", "4x4", "2", "ok", "0", "16", "1", "0.5", "1.25", "3.0", "99.5",
+                "", ""
+            ]
+        );
+        let timeout = PointOutcome {
+            status: Status::Timeout,
+            exit_code: None,
+            reason: Some("timed out".into()),
+            elapsed: Duration::ZERO,
+        };
+        let expected = Expected {
+            chips: Some(16),
+            slices: Some(1),
+        };
+        let r = row(&s, p, &timeout, expected, None);
+        assert_eq!(
+            r,
+            [
+                "1",
+                "true",
+                "1",
+                "4x4",
+                "2",
+                "timeout",
+                "",
+                "16",
+                "1",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "timed out"
+            ]
+        );
+        let failed = serde_json::json!({
+            "status": "error", "error": "chip 3 out of HBM", "topology": {"chips": 16, "slices": 1},
+            "virtual_s": 0.0, "wall_s": 0.0, "workers": [{"peak_rss_bytes": 0}],
+        });
+        let err = PointOutcome {
+            status: Status::Error,
+            exit_code: Some(1),
+            reason: None,
+            elapsed: Duration::ZERO,
+        };
+        let r = row(&s, p, &err, expected, Some(&failed));
+        assert_eq!(
+            &r[5..],
+            [
+                "error",
+                "1",
+                "16",
+                "1",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "chip 3 out of HBM"
+            ]
+        );
+    }
+
+    #[test]
+    fn status_from_exit_code() {
+        let names: Vec<&str> = [Some(0), Some(1), Some(2), Some(3), Some(4), Some(101), None]
+            .into_iter()
+            .map(|c| Status::from_exit_code(c).name())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "ok",
+                "error",
+                "bad_config",
+                "hang",
+                "desync",
+                "error",
+                "error"
+            ]
+        );
+    }
+
+    #[test]
+    fn unknown_field_is_named_with_its_line() {
+        let e = errors("unknown", "base = \"base.toml\"\nparalel = 2\n");
+        assert!(
+            e.contains("study.toml:2: paralel: unknown field `paralel`"),
+            "{e}"
+        );
+        let e = errors(
+            "unknown-plot",
+            "base = \"base.toml\"\n[[plot]]\nfile = \"a.svg\"\nx = \"chips\"\ny = \"wall_s\"\ncolour = \"red\"\n",
+        );
+        assert!(
+            e.contains(":6: plot[0].colour: unknown field `colour`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn missing_or_unreadable_base() {
+        let e = errors("no-base", "name = \"s\"\n");
+        assert!(e.contains("study.toml: base: missing field `base`"), "{e}");
+        let e = errors(
+            "no-plot-y",
+            "base = \"base.toml\"\n[[plot]]\nfile = \"a.svg\"\nx = \"chips\"\n",
+        );
+        assert!(
+            e.contains("study.toml:2: plot[0].y: missing field `y`"),
+            "{e}"
+        );
+        let e = errors("bad-base", "name = \"s\"\nbase = \"nope.toml\"\n");
+        assert!(e.contains("study.toml:2: base: "), "{e}");
+        assert!(e.contains("nope.toml is not a readable file"), "{e}");
+    }
+
+    #[test]
+    fn sweep_values_must_be_non_empty_lists() {
+        let e = errors(
+            "sweep-lists",
+            "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = []\njob.iterations = 3\n\"output.dir\" = [\"x\"]\n",
+        );
+        assert!(
+            e.contains(":3: sweep.\"topology.shape\": the list of values is empty"),
+            "{e}"
+        );
+        assert!(e.contains(":4: sweep.\"job.iterations\": expected a list of values, found a integer (write [3])"), "{e}");
+        assert!(
+            e.contains(":5: sweep.\"output.dir\": the study sets"),
+            "{e}"
+        );
+        assert!(e.starts_with("3 problems"), "{e}");
+    }
+
+    #[test]
+    fn plots_must_name_columns() {
+        let text = GOOD
+            .replace("y = \"zeta\"", "y = \"busbw\"")
+            .replace("series = \"topology.wraparound\"", "series = \"wrap\"");
+        let e = errors("plot-columns", &text);
+        assert!(
+            e.contains(
+                ":18: plot[0].y: \"busbw\" is not a column (columns: point, topology.wraparound"
+            ),
+            "{e}"
+        );
+        assert!(
+            e.contains(":19: plot[0].series: \"wrap\" is not a column"),
+            "{e}"
+        );
+        let e = errors(
+            "plot-file",
+            &GOOD.replace("file = \"a.svg\"", "file = \"../a.png\""),
+        );
+        assert!(
+            e.contains("plot[0].file: \"../a.png\": expected a file name ending in .svg"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn other_bad_fields() {
+        let e = errors(
+            "others",
+            "base = \"base.toml\"\nparallel = 0\ntimeout_s = -1\n[sweep]\nx = [1]\n[[points]]\nx = 2\n[metrics]\nstatus = \"a.b\"\nm = \"a..b\"\n",
+        );
+        assert!(e.contains(":2: parallel: 0: must be at least 1"), "{e}");
+        assert!(e.contains(":3: timeout_s: -1: must be a positive"), "{e}");
+        assert!(e.contains(":7: points[0].x: is also swept"), "{e}");
+        assert!(
+            e.contains(":9: metrics.status: a column of that name already exists"),
+            "{e}"
+        );
+        assert!(
+            e.contains(":10: metrics.m: \"a..b\" is not a dotted path"),
+            "{e}"
+        );
+        let e = errors("type", "base = \"base.toml\"\nparallel = \"two\"\n");
+        assert!(e.contains(":2: parallel: invalid type"), "{e}");
+    }
+
+    #[test]
+    fn point_names_sort() {
+        assert_eq!(point_name(7, 12), "point-007");
+        assert_eq!(point_name(7, 1001), "point-0007");
+    }
+}

@@ -1,0 +1,286 @@
+//! `podsim study` end to end: a 2 shapes x 2 wraparounds sweep of a small meta-mode
+//! all-reduce (results.csv, study.json, an SVG plot), a point that times out, and bad studies
+//! (exit 2, nothing run).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use support::*;
+
+/// A one-all-reduce collectives job; the study overrides its shape.
+fn base_config(dir: &Path, mode: &str, size: &str, iterations: u32) -> String {
+    format!(
+        r#"name = "study-base"
+
+[topology]
+shape = "2x2"
+hardware = "v5p"
+
+[launch]
+workers = 1
+
+[job]
+kind = "collectives"
+mode = "{mode}"
+iterations = {iterations}
+
+[[job.collectives]]
+op = "all-reduce"
+size = "{size}"
+
+[output]
+dir = "{}"
+"#,
+        dir.join("unused").display()
+    )
+}
+
+fn study(args: &[&str], limit: Duration) -> (i32, String, String) {
+    let mut c = podsim();
+    c.arg("study").args(args);
+    let out = run_bounded(c, limit);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Rows of a CSV file (RFC 4180 quoting), header first.
+fn read_csv(path: &Path) -> Vec<Vec<String>> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut rows = Vec::new();
+    let (mut row, mut field, mut quoted) = (Vec::new(), String::new(), false);
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (quoted, c) {
+            (true, '"') if chars.peek() == Some(&'"') => {
+                chars.next();
+                field.push('"');
+            }
+            (true, '"') => quoted = false,
+            (true, c) => field.push(c),
+            (false, '"') => quoted = true,
+            (false, ',') => row.push(std::mem::take(&mut field)),
+            (false, '\n') => {
+                row.push(std::mem::take(&mut field));
+                rows.push(std::mem::take(&mut row));
+            }
+            (false, c) => field.push(c),
+        }
+    }
+    rows
+}
+
+#[test]
+fn sweep_writes_results_and_plot() {
+    let dir = temp_dir("study-sweep");
+    write(&dir, "base.toml", &base_config(&dir, "meta", "1MiB", 1));
+    let out = dir.join("out");
+    let config = write(
+        &dir,
+        "study.toml",
+        &format!(
+            r#"name = "allreduce-scaling"
+base = "base.toml"
+out = "{}"
+parallel = 2
+timeout_s = 100
+
+[sweep]
+"topology.wraparound" = [true, false]
+
+[[points]]
+"topology.shape" = "4"
+[[points]]
+"topology.shape" = "4x4"
+
+[metrics]
+busbw_gbps = "collectives.0.virtual_busbw_gbps"
+group = "collectives.0.group_size"
+
+[[plot]]
+file = "busbw.svg"
+title = "All-reduce bus bandwidth"
+x = "chips"
+y = "busbw_gbps"
+series = "topology.wraparound"
+log_x = true
+y_label = "GB/s"
+"#,
+            out.display()
+        ),
+    );
+    let (code, stdout, stderr) = study(&[config.to_str().unwrap()], Duration::from_secs(180));
+    assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("4 ok"), "{stdout}");
+
+    let rows = read_csv(&out.join("results.csv"));
+    assert_eq!(
+        rows[0],
+        [
+            "point",
+            "topology.wraparound",
+            "topology.shape",
+            "status",
+            "exit_code",
+            "chips",
+            "slices",
+            "virtual_s",
+            "wall_s",
+            "peak_rss_mib",
+            "busbw_gbps",
+            "group",
+            "error"
+        ]
+    );
+    assert_eq!(rows.len(), 5, "{rows:?}");
+    let expect = [
+        ("0", "true", "4", "4"),
+        ("1", "true", "4x4", "16"),
+        ("2", "false", "4", "4"),
+        ("3", "false", "4x4", "16"),
+    ];
+    for (row, (point, wrap, shape, chips)) in rows[1..].iter().zip(expect) {
+        assert_eq!(
+            row[..7],
+            [point, wrap, shape, "ok", "0", chips, "1"],
+            "{row:?}"
+        );
+        assert_eq!(row[11], chips, "group size: {row:?}");
+        for numeric in [7, 8, 9, 10] {
+            let v: f64 = row[numeric].parse().unwrap_or_else(|_| panic!("{row:?}"));
+            assert!(v > 0.0, "column {numeric} of {row:?}");
+        }
+        assert_eq!(row[12], "", "{row:?}");
+        let point_dir = out.join(format!("point-00{point}"));
+        assert!(point_dir.join("report.json").is_file());
+        assert!(point_dir.join("launch.log").is_file());
+    }
+    // A ring without its wraparound link is slower than with it.
+    let busbw = |i: usize| rows[i][10].parse::<f64>().unwrap();
+    assert!(busbw(1) > busbw(3), "{rows:?}");
+
+    let svg = std::fs::read_to_string(out.join("busbw.svg")).unwrap();
+    assert!(svg.contains("<svg"));
+    assert!(svg.contains("All-reduce bus bandwidth"));
+    assert!(svg.contains("topology.wraparound = true"), "{svg}");
+    assert!(svg.contains("topology.wraparound = false"), "{svg}");
+    assert!(svg.contains("GB/s"));
+
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("study.json")).unwrap()).unwrap();
+    let points = json["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4);
+    assert_eq!(points[3]["overrides"]["topology.shape"], "4x4");
+    assert_eq!(points[3]["overrides"]["topology.wraparound"], false);
+    assert_eq!(points[3]["report"], "point-003/report.json");
+    assert!(points.iter().all(|p| p["status"] == "ok"));
+}
+
+#[test]
+fn a_point_past_its_timeout_is_killed_and_recorded() {
+    let dir = temp_dir("study-timeout");
+    // Data mode, 64 MiB a chip, many iterations: far longer than the timeout.
+    write(&dir, "base.toml", &base_config(&dir, "data", "64MiB", 1000));
+    let out = dir.join("out");
+    let config = write(
+        &dir,
+        "study.toml",
+        &format!(
+            "base = \"base.toml\"\nout = \"{}\"\ntimeout_s = 1.5\n[[points]]\n\"launch.workers\" = 2\n",
+            out.display()
+        ),
+    );
+    let (code, stdout, stderr) = study(&[config.to_str().unwrap()], Duration::from_secs(60));
+    assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let rows = read_csv(&out.join("results.csv"));
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let col = |name: &str| rows[0].iter().position(|c| c == name).unwrap();
+    assert_eq!(rows[1][col("status")], "timeout");
+    assert_eq!(rows[1][col("exit_code")], "");
+    assert_eq!(rows[1][col("chips")], "4");
+    assert_eq!(rows[1][col("virtual_s")], "");
+    assert!(rows[1][col("error")].contains("timed out"), "{rows:?}");
+}
+
+#[test]
+fn bad_studies_exit_2_naming_the_field() {
+    let dir = temp_dir("study-bad");
+    write(&dir, "base.toml", &base_config(&dir, "meta", "1MiB", 1));
+    let out = dir.join("out");
+    let unknown = write(
+        &dir,
+        "unknown.toml",
+        "base = \"base.toml\"\n[[plot]]\nfile = \"p.svg\"\nx = \"chips\"\ny = \"busbw\"\n",
+    );
+    let (code, _, stderr) = study(
+        &[unknown.to_str().unwrap(), "--out", out.to_str().unwrap()],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("unknown.toml:5: plot[0].y: \"busbw\" is not a column"),
+        "{stderr}"
+    );
+
+    // Every bad point is reported at once, before anything runs.
+    let points = write(
+        &dir,
+        "points.toml",
+        "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = [\"4\", \"3x\", \"2x2\", \"5y\"]\n",
+    );
+    let (code, stdout, stderr) = study(
+        &[points.to_str().unwrap(), "--out", out.to_str().unwrap()],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, 2, "{stdout}\n{stderr}");
+    assert!(stderr.contains("2 of 4 points"), "{stderr}");
+    assert!(
+        stderr.contains("point-001 (topology.shape=\"3x\")"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("point-003 (topology.shape=\"5y\")"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("topology.shape"), "{stderr}");
+    assert!(!out.exists(), "a bad study must run nothing");
+
+    // A dry run lists and validates the points, and runs nothing either.
+    let good = write(
+        &dir,
+        "good.toml",
+        "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = [\"4\", \"2x2\"]\n",
+    );
+    let (code, stdout, stderr) = study(
+        &[
+            good.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--dry-run",
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("point-001  topology.shape=\"2x2\""),
+        "{stdout}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn shipped_study_is_valid() {
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/studies/allreduce_scaling.toml"
+    );
+    let (code, stdout, stderr) = study(&[config, "--dry-run"], Duration::from_secs(30));
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("12 points"), "{stdout}");
+    assert!(stdout.contains("point-011  topology.wraparound=false topology.shape=\"64x64\""));
+}
