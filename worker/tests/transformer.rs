@@ -1,0 +1,198 @@
+#![allow(clippy::unwrap_used)]
+//! The transformer cost model in meta mode against hand calculations: flops per step, bytes
+//! each strategy moves, persistent memory, the out-of-memory verdict, and the mirror fabric
+//! against every chip simulated.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chip, run_chips};
+use podsim_topology::{Hardware, Pod};
+use podsim_worker::WorkerError;
+use podsim_worker::train::{
+    ChipTrainReport, Eager, ModelSpec, OptimizerSpec, Strategy, TrainSpec, TransformerSpec,
+    train_chip,
+};
+
+/// Every output dimension divides by 16: no `torch.chunk` padding on up to 16 chips.
+fn model(d_model: usize, ffn: usize, vocab: usize) -> TransformerSpec {
+    TransformerSpec {
+        layers: 2,
+        d_model,
+        heads: 4,
+        kv_heads: 4,
+        ffn,
+        vocab,
+        seq: 64,
+        gated: false,
+        dtype: DType::Bf16,
+    }
+}
+
+fn spec(strategy: Strategy, m: &TransformerSpec, steps: u32) -> TrainSpec {
+    TrainSpec {
+        strategy,
+        eager: Eager::Fused,
+        model: ModelSpec::Transformer(m.clone()),
+        steps,
+        batch: 2,
+        grad_accum: 1,
+        optimizer: OptimizerSpec::Adamw {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        seed: 0,
+        bucket_cap_mb: 25.0,
+        reshard_after_forward: true,
+        tp: 4,
+        replicas: 4,
+        algo: Algo::Ring,
+        meta: true,
+        check: false,
+        checkpoint_every: 0,
+        checkpoint_dir: None,
+        resume_from: None,
+        symmetric: true,
+    }
+}
+
+/// Trains on every chip of `shape` (or chip 0 alone on a mirror fabric); each chip's report
+/// and the bytes it sent.
+fn run(spec: &TrainSpec, shape: &str, hw: Hardware, mirror: bool) -> Vec<(ChipTrainReport, u64)> {
+    let pod = Pod::single(shape.parse().unwrap());
+    let chips: Vec<Chip> = if mirror {
+        vec![mirror_chip(pod, hw, 0)]
+    } else {
+        LocalFabric::new(pod, hw).chips()
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    let spec = spec.clone();
+    rt.block_on(async move {
+        tokio::time::timeout(
+            std::time::Duration::from_secs(120),
+            run_chips(chips, move |mut chip| {
+                let spec = spec.clone();
+                async move {
+                    let report = train_chip(&mut chip, &spec, Arc::new(AtomicU64::new(0))).await?;
+                    let sent = chip.stats().bytes_sent.load(Ordering::Relaxed);
+                    Ok::<_, WorkerError>((report, sent))
+                }
+            }),
+        )
+        .await
+    })
+    .expect("training timed out")
+    .unwrap()
+}
+
+fn v5p() -> Hardware {
+    Hardware::preset("v5p").unwrap()
+}
+
+/// Bytes chip 0 sends in one step: two runs, one step apart (the final gather of the
+/// parameters for the report is the same in both).
+fn bytes_per_step(strategy: Strategy, m: &TransformerSpec, shape: &str) -> f64 {
+    let one = run(&spec(strategy, m, 1), shape, v5p(), false)[0].1;
+    let two = run(&spec(strategy, m, 2), shape, v5p(), false)[0].1;
+    (two - one) as f64
+}
+
+#[test]
+fn a_dense_step_costs_six_flops_per_weight_per_token_plus_attention() {
+    let m = model(256, 1024, 512);
+    let s = spec(Strategy::Ddp, &m, 1);
+    let reports = run(&s, "4", v5p(), false);
+    let tokens = (s.batch * m.seq) as f64;
+    // Hand count: weights of the products (the embedding lookup is none) ...
+    let d = 256.0;
+    let weights = 2.0 * (d * 3.0 * d + d * d + d * 1024.0 + 1024.0 * d) + d * 512.0;
+    // ... six flops each per token, and attention's 12 * seq * d_model per token per block.
+    let want = 6.0 * weights * tokens + 12.0 * 2.0 * 64.0 * d * tokens;
+    assert_eq!(s.model.step_flops(s.batch as f64), want);
+    for (r, _) in &reports {
+        let charged = r.steps[0].flops;
+        // Charged on top: biases, GELU, norms, softmax, the optimizer (a few percent).
+        assert!(
+            charged >= want && charged < 1.03 * want,
+            "chip {} charged {charged} flops, model {want}",
+            r.chip
+        );
+    }
+}
+
+#[test]
+fn fsdp_moves_three_times_the_parameters_per_step_and_ddp_twice() {
+    let m = model(64, 128, 128);
+    let p = ModelSpec::Transformer(m.clone()).parameters() as f64;
+    let (n, bf16) = (4.0, 2.0);
+    // Ring collectives send (n-1)/n of the buffer per chip: FSDP gathers every layer before
+    // forward and again before backward and reduce-scatters its gradients; DDP all-reduces.
+    let fsdp = bytes_per_step(Strategy::Fsdp, &m, "4");
+    assert_eq!(fsdp, 3.0 * p * bf16 * (n - 1.0) / n);
+    let ddp = bytes_per_step(Strategy::Ddp, &m, "4");
+    assert_eq!(ddp, 2.0 * p * bf16 * (n - 1.0) / n);
+}
+
+#[test]
+fn persistent_memory_is_sixteen_bytes_a_parameter_with_adamw_in_bf16() {
+    let m = model(64, 128, 128);
+    let p = ModelSpec::Transformer(m.clone()).parameters() as u64;
+    // bf16 parameter and gradient, f32 master copy and two f32 moments: 2 + 2 + 12.
+    let ddp = run(&spec(Strategy::Ddp, &m, 1), "4", v5p(), false);
+    assert!(ddp.iter().all(|(r, _)| r.hbm.peak_state_bytes == 16 * p));
+    let fsdp = run(&spec(Strategy::Fsdp, &m, 1), "4", v5p(), false);
+    assert!(fsdp.iter().all(|(r, _)| r.hbm.peak_state_bytes == 16 * p / 4));
+    assert!(ddp[0].0.hbm.oom.is_none());
+}
+
+#[test]
+fn a_model_that_does_not_fit_gets_a_verdict_and_still_a_step_time() {
+    let m = model(64, 128, 128);
+    let mut hw = v5p();
+    hw.hbm_bytes = (1u64 << 20) as f64;
+    let out = run(&spec(Strategy::Ddp, &m, 1), "4", hw, false);
+    for (r, _) in &out {
+        let oom = r.hbm.oom.as_deref().expect("an out-of-memory verdict");
+        assert!(oom.contains("out of"), "{oom}");
+        assert!(r.hbm.peak_bytes > 1 << 20);
+        assert!(r.steps[0].virtual_ns > 0.0);
+    }
+}
+
+#[test]
+fn one_mirrored_chip_predicts_the_step_of_every_chip() {
+    let m = model(64, 128, 128);
+    for strategy in [
+        Strategy::Ddp,
+        Strategy::Fsdp,
+        Strategy::Hsdp,
+        Strategy::Tp,
+        Strategy::FsdpTp,
+    ] {
+        let mut s = spec(strategy, &m, 2);
+        s.algo = Algo::Torus;
+        s.tp = if strategy == Strategy::Tp { 16 } else { 4 };
+        let full = run(&s, "4x4", v5p(), false);
+        let mirrored = run(&s, "4x4", v5p(), true);
+        let (one, _) = &mirrored[0];
+        for (step, record) in one.steps.iter().enumerate() {
+            let slowest = full
+                .iter()
+                .map(|(r, _)| r.steps[step].virtual_ns)
+                .fold(0.0, f64::max);
+            assert!(
+                (record.virtual_ns - slowest).abs() <= 1e-9 * slowest,
+                "{strategy} step {step}: mirror {} ns, every chip {slowest} ns",
+                record.virtual_ns
+            );
+        }
+        assert_eq!(one.hbm.peak_bytes, full[0].0.hbm.peak_bytes);
+    }
+}
