@@ -148,7 +148,10 @@ fn persistent_memory_is_sixteen_bytes_a_parameter_with_adamw_in_bf16() {
     let ddp = run(&spec(Strategy::Ddp, &m, 1), "4", v5p(), false);
     assert!(ddp.iter().all(|(r, _)| r.hbm.peak_state_bytes == 16 * p));
     let fsdp = run(&spec(Strategy::Fsdp, &m, 1), "4", v5p(), false);
-    assert!(fsdp.iter().all(|(r, _)| r.hbm.peak_state_bytes == 16 * p / 4));
+    assert!(
+        fsdp.iter()
+            .all(|(r, _)| r.hbm.peak_state_bytes == 16 * p / 4)
+    );
     assert!(ddp[0].0.hbm.oom.is_none());
 }
 
