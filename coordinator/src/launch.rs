@@ -187,7 +187,8 @@ impl ControlPlane {
         let (tx, joined) = mpsc::channel(64);
         let checked = token.clone();
         let service = tonic::service::interceptor::InterceptedService::new(
-            ControlServer::new(ControlService { joined: tx }).max_decoding_message_size(64 << 20),
+            ControlServer::new(ControlService { joined: tx })
+                .max_decoding_message_size(podsim_worker::session::MAX_CONTROL_MESSAGE_BYTES),
             move |req: Request<()>| {
                 check_token(&checked, req.metadata())?;
                 Ok(req)

@@ -92,7 +92,7 @@ async fn control_service_refuses_garbage_and_keeps_serving() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
         let huge = pb::WorkerMsg {
             body: Some(pb::worker_msg::Body::Result(pb::WorkerResult {
-                json: vec![b'x'; 65 << 20],
+                json: vec![b'x'; podsim_worker::session::MAX_CONTROL_MESSAGE_BYTES + (1 << 20)],
             })),
         };
         assert!(

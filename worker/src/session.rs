@@ -25,6 +25,10 @@ use crate::job::{FailureReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerRe
 use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
 use crate::programs::{run_program, total_units};
 
+/// The largest control message either side accepts. A worker's final report carries every
+/// chip's step records: about 700 bytes a chip, 75 MB for 110,592 chips in one worker.
+pub const MAX_CONTROL_MESSAGE_BYTES: usize = 256 << 20;
+
 /// How a worker was started.
 #[derive(Debug, Clone)]
 pub struct WorkerOptions {
@@ -324,7 +328,7 @@ async fn connect_control(
     let deadline = tokio::time::Instant::now() + patience;
     loop {
         match ControlClient::connect(endpoint.to_string()).await {
-            Ok(c) => return Ok(c.max_decoding_message_size(64 << 20)),
+            Ok(c) => return Ok(c.max_decoding_message_size(MAX_CONTROL_MESSAGE_BYTES)),
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(session_error(format!(
                     "cannot reach the coordinator at {endpoint}: {e}"
