@@ -285,6 +285,11 @@ impl FlightRecorder {
         )
     }
 
+    /// The chip this recorder belongs to.
+    pub fn chip(&self) -> ChipId {
+        self.chip
+    }
+
     /// The live view for a heartbeat.
     pub fn status(&self) -> ChipStatus {
         let g = self.lock();

@@ -222,6 +222,8 @@ impl BenchPlan {
 
     /// The benchmark as a job for worker processes.
     pub fn spec(&self, workers: u32) -> JobSpec {
+        let (heartbeat_ms, watchdog_ms) =
+            crate::config::watchdog_defaults(self.pod.chips().div_ceil(workers.max(1)));
         JobSpec {
             name: format!("bench-{}", self.op),
             pod: self.pod.clone(),
@@ -231,9 +233,9 @@ impl BenchPlan {
                 cases: self.sizes.iter().map(|&s| self.case(s)).collect(),
             },
             faults: Vec::new(),
-            heartbeat_ms: 100,
+            heartbeat_ms,
             recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
-            watchdog_ms: 2000,
+            watchdog_ms,
             symmetric: false,
         }
     }

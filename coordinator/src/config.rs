@@ -560,6 +560,15 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
     (p.list.len() == before).then_some(ModelSpec::Transformer(spec))
 }
 
+/// Default heartbeat interval and hang timeout, ms, for a worker hosting `chips_per_worker`
+/// chips: 100 ms and 2 s up to 2,500 chips. Every heartbeat carries the status of each chip
+/// that moved, so at tens of thousands of chips a worker reports less often (and the
+/// coordinator is not buried in statuses); the timeout stays twenty heartbeats.
+pub fn watchdog_defaults(chips_per_worker: u32) -> (u64, u64) {
+    let heartbeat = (u64::from(chips_per_worker) / 25).clamp(100, 2000);
+    (heartbeat, (20 * heartbeat).max(2000))
+}
+
 /// Applies `key.path=value` overrides (values in TOML syntax; bare words become strings).
 pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), String> {
     for set in sets {
@@ -823,9 +832,16 @@ fn parse(
         );
     }
     let watchdog = watchdog.unwrap_or_default();
+    let per_worker = pod
+        .as_ref()
+        .map_or(1, |pod| pod.chips().div_ceil(workers.max(1)));
+    let (heartbeat_ms, timeout_ms) = watchdog_defaults(per_worker);
+    let heartbeat_ms = watchdog.heartbeat_ms.unwrap_or(heartbeat_ms);
     let wd = Watchdog {
-        timeout_ms: watchdog.timeout_ms.unwrap_or(2000),
-        heartbeat_ms: watchdog.heartbeat_ms.unwrap_or(100),
+        timeout_ms: watchdog
+            .timeout_ms
+            .unwrap_or(timeout_ms.max(20 * heartbeat_ms)),
+        heartbeat_ms,
         recorder_entries: watchdog.recorder_entries.unwrap_or(2000),
     };
     if wd.recorder_entries == 0 {

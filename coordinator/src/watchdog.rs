@@ -77,6 +77,10 @@ pub struct Watchdog {
     pod: Pod,
     chips: BTreeMap<ChipId, Seen>,
     workers: BTreeMap<u32, (Instant, u64)>,
+    /// When any chip of each worker last made progress. A worker whose host is busy with
+    /// tens of thousands of other chips may leave one unscheduled for longer than the
+    /// timeout; that is a slow job, not a hang.
+    worker_progress: BTreeMap<u32, Instant>,
     finished: BTreeSet<u32>,
     faults: Vec<FaultEvent>,
     /// How long each chip held others up: peers waited on it while it waited on no one.
@@ -106,6 +110,7 @@ impl Watchdog {
             pod,
             chips: BTreeMap::new(),
             workers: BTreeMap::new(),
+            worker_progress: BTreeMap::new(),
             finished: BTreeSet::new(),
             faults: Vec::new(),
             waited_on: BTreeMap::new(),
@@ -132,12 +137,33 @@ impl Watchdog {
     }
 
     pub fn heartbeat(&mut self, worker: u32, hb: HeartbeatStatus, now: Instant) {
-        self.workers.insert(worker, (now, wall_ns()));
+        let wall = wall_ns();
+        self.workers.insert(worker, (now, wall));
         self.faults_fired(&hb.faults);
+        if !hb.moved.is_empty() {
+            self.worker_progress.insert(worker, now);
+        }
+        for chip in hb.moved {
+            // Moving: not hung, and whatever it last waited on is over.
+            let seen = self.chips.entry(chip).or_insert_with(|| Seen {
+                status: ChipStatus {
+                    chip,
+                    ..ChipStatus::default()
+                },
+                worker,
+                changed: now,
+                changed_wall_ns: wall,
+            });
+            seen.changed = now;
+            seen.changed_wall_ns = wall;
+            seen.status.blocked.clear();
+            seen.status.computing_since_ns = None;
+        }
         for status in hb.chips {
             match self.chips.get_mut(&status.chip) {
                 Some(seen) if seen.status.progress == status.progress => seen.status = status,
                 _ => {
+                    self.worker_progress.insert(worker, now);
                     self.chips.insert(
                         status.chip,
                         Seen {
@@ -276,9 +302,15 @@ impl Watchdog {
                 continue;
             }
             let closure = self.closure(c);
-            if closure
+            let host_busy = closure
                 .iter()
-                .all(|x| stale.contains(x) || !self.chips.contains_key(x))
+                .filter_map(|x| self.chips.get(x).map(|s| s.worker))
+                .filter_map(|w| self.worker_progress.get(&w))
+                .any(|t| now.duration_since(*t) < self.timeout);
+            if !host_busy
+                && closure
+                    .iter()
+                    .all(|x| stale.contains(x) || !self.chips.contains_key(x))
             {
                 // Chips of a worker whose heartbeats stopped look stuck too: name the worker.
                 let late = (5 * self.heartbeat).max(self.timeout / 2);
@@ -577,6 +609,7 @@ mod tests {
             worker,
             HeartbeatStatus {
                 chips,
+                moved: Vec::new(),
                 faults: Vec::new(),
             },
             at,

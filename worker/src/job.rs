@@ -51,7 +51,14 @@ fn default_watchdog_ms() -> u64 {
 /// What a heartbeat carries: every local chip's status and the faults fired so far.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HeartbeatStatus {
+    /// Statuses of chips whose progress stood still since the last heartbeat and whose state
+    /// changed since their status was last sent (all of them every tenth heartbeat).
     pub chips: Vec<ChipStatus>,
+    /// Chips whose progress moved since the last heartbeat: only their ids, since a moving
+    /// chip is not hung (at 100,000 chips full statuses every heartbeat would bury the
+    /// coordinator).
+    #[serde(default)]
+    pub moved: Vec<u32>,
     pub faults: Vec<FaultEvent>,
 }
 

@@ -174,9 +174,11 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     let program = fabric.spec.program.clone();
     let total = total_units(&program, chips.len());
     let done = Arc::new(AtomicU64::new(0));
-    // Heartbeats: progress and every chip's live status, on their own task so that they keep
-    // coming while chips wait (a chip stuck in a kernel shows as computing).
-    let progress = {
+    // Heartbeats: progress and every chip's live status, on their own thread so that they keep
+    // coming while chips wait (a chip stuck in a kernel shows as computing) and while tens of
+    // thousands of chip tasks keep the job's runtime busy (a task there can wait seconds).
+    let (stop_heartbeats, stopped) = tokio::sync::oneshot::channel::<()>();
+    let heartbeats = {
         let (tx, done, recorders, faults) = (
             to_coord.clone(),
             done.clone(),
@@ -184,27 +186,36 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             faults.clone(),
         );
         let every = Duration::from_millis(fabric.spec.heartbeat_ms.max(1));
-        tokio::spawn(async move {
+        async move {
             let mut tick = tokio::time::interval(every);
             // Only chips whose state moved since the last heartbeat are sent (the coordinator
             // keeps the last status of the others, which is what "unchanged" means to the
             // watchdog), with a full refresh every ten heartbeats.
-            let mut last: Vec<Option<(u64, usize, bool, u64)>> = vec![None; recorders.len()];
+            type Key = Option<(u64, usize, bool, u64)>;
+            // Each chip's state at the last heartbeat, and as its status was last sent.
+            let mut last: Vec<Key> = vec![None; recorders.len()];
+            let mut sent: Vec<Key> = vec![None; recorders.len()];
             let mut beat = 0u64;
             loop {
                 tick.tick().await;
                 let full = beat.is_multiple_of(10);
                 beat += 1;
                 let mut chips = Vec::new();
-                for (r, seen) in recorders.iter().zip(last.iter_mut()) {
+                let mut moved = Vec::new();
+                for (i, r) in recorders.iter().enumerate() {
                     let key = Some(r.summary());
-                    if full || *seen != key {
-                        *seen = key;
+                    let progressed = last[i].is_some_and(|k| key.is_some_and(|n| n.0 != k.0));
+                    last[i] = key;
+                    if progressed {
+                        moved.push(r.chip());
+                    } else if full || sent[i] != key {
+                        sent[i] = key;
                         chips.push(r.status());
                     }
                 }
                 let status = HeartbeatStatus {
                     chips,
+                    moved,
                     faults: faults.events(),
                 };
                 let msg = pb::WorkerMsg {
@@ -218,8 +229,24 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                     return;
                 }
             }
-        })
+        }
     };
+    std::thread::Builder::new()
+        .name("podsim-heartbeat".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build();
+            if let Ok(rt) = rt {
+                rt.block_on(async move {
+                    tokio::select! {
+                        () = heartbeats => {}
+                        _ = stopped => {}
+                    }
+                });
+            }
+        })
+        .map_err(|e| session_error(format!("cannot start the heartbeat thread: {e}")))?;
     let run = run_program(chips, &program, done.clone());
     tokio::pin!(run);
     let outcome = loop {
@@ -233,7 +260,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             },
         }
     };
-    progress.abort();
+    let _ = stop_heartbeats.send(());
     fabric.finish();
     match outcome {
         Ok(out) => {
