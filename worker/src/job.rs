@@ -54,13 +54,17 @@ pub struct HeartbeatStatus {
     /// Statuses of chips whose progress stood still since the last heartbeat and whose state
     /// changed since their status was last sent (all of them every tenth heartbeat).
     pub chips: Vec<ChipStatus>,
-    /// Chips whose progress moved since the last heartbeat: only their ids, since a moving
-    /// chip is not hung (at 100,000 chips full statuses every heartbeat would bury the
-    /// coordinator).
+    /// Workers of more than [`COMPACT_HEARTBEAT_CHIPS`] chips: chips whose progress moved since
+    /// the last heartbeat, by id only, since a moving chip is not hung (at 100,000 chips full
+    /// statuses every heartbeat would bury the coordinator). What such a chip waits on is then
+    /// not reported, so stragglers are not named at that scale.
     #[serde(default)]
     pub moved: Vec<u32>,
     pub faults: Vec<FaultEvent>,
 }
+
+/// Above this many chips a worker's heartbeats name moving chips by id only.
+pub const COMPACT_HEARTBEAT_CHIPS: usize = 2500;
 
 /// One chip's flight recorder as dumped for a diagnosis.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

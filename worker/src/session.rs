@@ -195,6 +195,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             // Each chip's state at the last heartbeat, and as its status was last sent.
             let mut last: Vec<Key> = vec![None; recorders.len()];
             let mut sent: Vec<Key> = vec![None; recorders.len()];
+            let compact = recorders.len() > crate::job::COMPACT_HEARTBEAT_CHIPS;
             let mut beat = 0u64;
             loop {
                 tick.tick().await;
@@ -206,7 +207,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                     let key = Some(r.summary());
                     let progressed = last[i].is_some_and(|k| key.is_some_and(|n| n.0 != k.0));
                     last[i] = key;
-                    if progressed {
+                    if progressed && compact {
                         moved.push(r.chip());
                     } else if full || sent[i] != key {
                         sent[i] = key;
