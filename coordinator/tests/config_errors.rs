@@ -184,6 +184,7 @@ fn shipped_configs_validate() {
         "fsdp_tp",
         "ddp_small_layers",
         "ddp_mlp_bench",
+        "gpt2_fsdp_meta",
     ];
     let faults = [
         "stall",
@@ -239,6 +240,47 @@ fn train_job_problems_are_all_reported() {
         "train-model",
         &train_config("", "widths = [8]"),
         &["job.model.widths: needs at least two widths"],
+    );
+}
+
+#[test]
+fn transformer_and_symmetric_problems_are_all_reported() {
+    let shape = "kind = \"transformer\"\nlayers = 2\nd_model = 64\nheads = 4\nffn = 128\nvocab = 100\nseq = 16";
+    let good = train_config("mode = \"meta\"", shape);
+    let (code, err) = validate("transformer-good", &good);
+    assert_eq!(code, 0, "{err}");
+    // Data mode, a key of the MLP, a missing field, heads that do not divide d_model.
+    let bad = train_config(
+        "",
+        &shape
+            .replace("heads = 4", "heads = 5\nwidths = [1, 2]")
+            .replace("seq = 16", ""),
+    );
+    expect_error(
+        "transformer-bad",
+        &bad,
+        &[
+            "job.model.widths: not a field of a transformer model",
+            "job.model.seq: missing (a transformer needs it)",
+            "job.mode: a transformer model runs in meta mode only",
+        ],
+    );
+    expect_error(
+        "transformer-heads",
+        &train_config("mode = \"meta\"", &shape.replace("heads = 4", "heads = 5")),
+        &["d_model = 64 is not a multiple of heads = 5"],
+    );
+    // One chip standing for all needs a symmetric torus, meta mode and one worker.
+    let asymmetric = train_config("mode = \"meta\"\nsymmetric = true", shape)
+        .replace("shape = \"2x2x2\"", "shape = \"2x2x2\"\nwraparound = false");
+    expect_error(
+        "symmetric",
+        &asymmetric,
+        &[
+            "job.symmetric: axis 0 of",
+            "does not wrap around",
+            "job.symmetric: one chip stands for all: launch.workers must be 1, not 2",
+        ],
     );
 }
 

@@ -284,3 +284,22 @@ fn shipped_study_is_valid() {
     assert!(stdout.contains("12 points"), "{stdout}");
     assert!(stdout.contains("point-011  topology.wraparound=false topology.shape=\"64x64\""));
 }
+
+#[test]
+fn the_ready_studies_in_scripts_are_valid() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/studies");
+    for (name, points) in [
+        ("allreduce_tori", 30),
+        ("fsdp_70b", 16),
+        ("ici_vs_dcn", 7),
+        ("ici_vs_dcn_train", 7),
+    ] {
+        let config = format!("{dir}/{name}.toml");
+        let (code, stdout, stderr) = study(&[&config, "--dry-run"], Duration::from_secs(30));
+        assert_eq!(code, 0, "{name}: {stdout}\n{stderr}");
+        assert!(
+            stdout.contains(&format!("{points} points")),
+            "{name}: {stdout}"
+        );
+    }
+}
