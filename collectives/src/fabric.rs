@@ -8,6 +8,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Poll, Waker};
 
 use podsim_topology::{ChipId, Link};
@@ -76,9 +77,16 @@ pub trait Router: Send + Sync + std::fmt::Debug {
 /// runs up to six lanes at once (three torus parts, two directions), and waking all of them
 /// for every message, through a separate notifier with its own lock, was most of the
 /// per-message cost at scale.
+///
+/// A chip task wakes for one lane's message and polls all its lanes; the others see, from an
+/// atomic count of their slot's events, that nothing changed for them and return at once,
+/// without the lock or a scan of the pending messages.
 #[derive(Debug, Default)]
 pub struct Inbox {
     state: Mutex<InboxState>,
+    /// Events per link slot (a message arrived, the parked receive was displaced, the inbox
+    /// closed), counted under the lock.
+    events: [AtomicU64; LINK_SLOTS],
 }
 
 #[derive(Debug, Default)]
@@ -121,6 +129,7 @@ impl Inbox {
         let parked = {
             let mut st = self.lock();
             st.pending.push(msg);
+            self.events[slot].fetch_add(1, Ordering::Release);
             st.parked[slot].take()
         };
         if let Some(waker) = parked {
@@ -133,6 +142,9 @@ impl Inbox {
         let parked: Vec<Waker> = {
             let mut st = self.lock();
             st.closed = Some(reason.to_string());
+            for events in &self.events {
+                events.fetch_add(1, Ordering::Release);
+            }
             st.parked.iter_mut().filter_map(Option::take).collect()
         };
         parked.into_iter().for_each(Waker::wake);
@@ -142,7 +154,15 @@ impl Inbox {
     /// to another call of it (other fingerprint, same seq; or an older seq) is a desync.
     pub(crate) async fn receive(&self, want: &Expect) -> Result<Message, CollectiveError> {
         let slot = link_slot(want.my_link);
+        // The waker this receive parked and its slot's event count then.
+        let mut parked: Option<(Waker, u64)> = None;
         std::future::poll_fn(|cx| {
+            if let Some((waker, seen)) = &parked
+                && waker.will_wake(cx.waker())
+                && self.events[slot].load(Ordering::Acquire) == *seen
+            {
+                return Poll::Pending;
+            }
             let mut st = self.lock();
             if let Some(msg) = take_from(&mut st.pending, want)? {
                 return Poll::Ready(Ok(msg));
@@ -160,10 +180,12 @@ impl Inbox {
                 // rather than forgotten.
                 other => {
                     if let Some(previous) = other.replace(cx.waker().clone()) {
+                        self.events[slot].fetch_add(1, Ordering::Release);
                         previous.wake();
                     }
                 }
             }
+            parked = Some((cx.waker().clone(), self.events[slot].load(Ordering::Acquire)));
             Poll::Pending
         })
         .await
