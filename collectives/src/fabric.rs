@@ -185,7 +185,10 @@ impl Inbox {
                     }
                 }
             }
-            parked = Some((cx.waker().clone(), self.events[slot].load(Ordering::Acquire)));
+            parked = Some((
+                cx.waker().clone(),
+                self.events[slot].load(Ordering::Acquire),
+            ));
             Poll::Pending
         })
         .await
