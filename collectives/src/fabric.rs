@@ -92,9 +92,10 @@ pub struct Inbox {
 #[derive(Debug, Default)]
 struct InboxState {
     pending: Vec<Message>,
-    /// The receive parked on each link slot (no two lanes of a chip share a link), inline:
-    /// at 100,000 chips every separate heap block a message touches is a cache miss.
-    parked: [Option<Waker>; LINK_SLOTS],
+    /// The receive parked on each link slot (no two lanes of a chip share a link) and the
+    /// collective it belongs to, inline: at 100,000 chips every separate heap block a message
+    /// touches is a cache miss.
+    parked: [Option<(Waker, Fingerprint)>; LINK_SLOTS],
     /// Why the inbox was closed, once it is.
     closed: Option<String>,
 }
@@ -126,15 +127,25 @@ impl Inbox {
     pub fn push(&self, msg: Message) {
         // The receiver's name for the link has the same slot whatever the sender's slice.
         let slot = link_slot(msg.link.reverse(0));
-        let parked = {
+        let fp = msg.fingerprint;
+        let mut wake: [Option<Waker>; LINK_SLOTS] = Default::default();
+        {
             let mut st = self.lock();
             st.pending.push(msg);
-            self.events[slot].fetch_add(1, Ordering::Release);
-            st.parked[slot].take()
-        };
-        if let Some(waker) = parked {
-            waker.wake();
+            for (i, parked) in st.parked.iter_mut().enumerate() {
+                // The receive on this link, and any receive this message proves out of step
+                // (same group, another call of it): it must see the desync now, not hang.
+                let desync = |want: &Fingerprint| {
+                    want.group == fp.group
+                        && (fp.seq < want.seq || (fp.seq == want.seq && fp != *want))
+                };
+                if i == slot || parked.as_ref().is_some_and(|(_, want)| desync(want)) {
+                    self.events[i].fetch_add(1, Ordering::Release);
+                    wake[i] = parked.take().map(|(waker, _)| waker);
+                }
+            }
         }
+        wake.into_iter().flatten().for_each(Waker::wake);
     }
 
     /// Wakes every receive on this inbox with an error (the job is being torn down).
@@ -145,7 +156,10 @@ impl Inbox {
             for events in &self.events {
                 events.fetch_add(1, Ordering::Release);
             }
-            st.parked.iter_mut().filter_map(Option::take).collect()
+            st.parked
+                .iter_mut()
+                .filter_map(|p| p.take().map(|(waker, _)| waker))
+                .collect()
         };
         parked.into_iter().for_each(Waker::wake);
     }
@@ -175,11 +189,12 @@ impl Inbox {
                 }));
             }
             match &mut st.parked[slot] {
-                Some(w) if w.will_wake(cx.waker()) => {}
+                Some((w, fp)) if w.will_wake(cx.waker()) => *fp = want.fingerprint,
                 // Another receive on this slot (never by design) is woken to park again
                 // rather than forgotten.
                 other => {
-                    if let Some(previous) = other.replace(cx.waker().clone()) {
+                    let mine = (cx.waker().clone(), want.fingerprint);
+                    if let Some((previous, _)) = other.replace(mine) {
                         self.events[slot].fetch_add(1, Ordering::Release);
                         previous.wake();
                     }

@@ -10,9 +10,15 @@ use common::*;
 use podsim_collectives::{Algo, CollectiveError, Comm, OpKind, Payload, ReduceOp, run_chips};
 use podsim_topology::Group;
 
-fn run_mismatch(shape: &str, odd_chip: u32, odd: OpKind, odd_count: usize) -> CollectiveError {
+fn run_mismatch(
+    shape: &str,
+    algo: Algo,
+    odd_chip: u32,
+    odd: OpKind,
+    odd_count: usize,
+) -> CollectiveError {
     let fabric = fabric(shape, true, 1);
-    let comm = Comm::new(Group::world(fabric.pod()), Algo::Torus);
+    let comm = Comm::new(Group::world(fabric.pod()), algo);
     let rt = runtime(2);
     let started = Instant::now();
     let result = rt.block_on(async {
@@ -71,13 +77,24 @@ fn assert_names_both(err: &CollectiveError, odd_chip: u32, odd_op: OpKind) {
 
 #[test]
 fn different_op_is_a_desync() {
-    let err = run_mismatch("4x4", 5, OpKind::AllGather, 1000);
+    let err = run_mismatch("4x4", Algo::Torus, 5, OpKind::AllGather, 1000);
     assert_names_both(&err, 5, OpKind::AllGather);
 }
 
 #[test]
+fn every_algorithm_reports_a_desync_whatever_link_it_waits_on() {
+    // A ring waits on one link while the out-of-step message may arrive on another.
+    for algo in Algo::ALL {
+        for (shape, odd_chip) in [("4x4", 5), ("2x3x4", 23), ("8", 0)] {
+            let err = run_mismatch(shape, algo, odd_chip, OpKind::AllGather, 1000);
+            assert_names_both(&err, odd_chip, OpKind::AllGather);
+        }
+    }
+}
+
+#[test]
 fn different_size_or_reduce_op_is_a_desync() {
-    let err = run_mismatch("2x3x4", 0, OpKind::AllReduce, 999);
+    let err = run_mismatch("2x3x4", Algo::Torus, 0, OpKind::AllReduce, 999);
     assert_names_both(&err, 0, OpKind::AllReduce);
 }
 

@@ -302,11 +302,14 @@ impl Watchdog {
                 continue;
             }
             let closure = self.closure(c);
-            let host_busy = closure
-                .iter()
-                .filter_map(|x| self.chips.get(x).map(|s| s.worker))
-                .filter_map(|w| self.worker_progress.get(&w))
-                .any(|t| now.duration_since(*t) < self.timeout);
+            // A busy host excuses the wait for at most five timeouts: chips of a worker that
+            // never sync with the stuck one must not hide it for the rest of the job.
+            let host_busy = now.duration_since(s.changed) < 5 * self.timeout
+                && closure
+                    .iter()
+                    .filter_map(|x| self.chips.get(x).map(|s| s.worker))
+                    .filter_map(|w| self.worker_progress.get(&w))
+                    .any(|t| now.duration_since(*t) < self.timeout);
             if !host_busy
                 && closure
                     .iter()

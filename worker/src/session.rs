@@ -232,20 +232,19 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             }
         }
     };
-    std::thread::Builder::new()
+    let heartbeat_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| session_error(format!("cannot start the heartbeat runtime: {e}")))?;
+    let heartbeat_thread = std::thread::Builder::new()
         .name("podsim-heartbeat".into())
         .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build();
-            if let Ok(rt) = rt {
-                rt.block_on(async move {
-                    tokio::select! {
-                        () = heartbeats => {}
-                        _ = stopped => {}
-                    }
-                });
-            }
+            heartbeat_rt.block_on(async move {
+                tokio::select! {
+                    () = heartbeats => {}
+                    _ = stopped => {}
+                }
+            });
         })
         .map_err(|e| session_error(format!("cannot start the heartbeat thread: {e}")))?;
     let run = run_program(chips, &program, done.clone());
@@ -261,7 +260,10 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             },
         }
     };
+    // No heartbeat may follow the result (the coordinator would count the worker's chips as
+    // live again): stop the thread and wait for it, off this runtime's threads.
     let _ = stop_heartbeats.send(());
+    let _ = tokio::task::spawn_blocking(move || heartbeat_thread.join()).await;
     fabric.finish();
     match outcome {
         Ok(out) => {
