@@ -44,7 +44,7 @@ pub use error::CollectiveError;
 pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
-pub use mirror::{MirrorRouter, asymmetry, mirror_chip};
+pub use mirror::{MirrorRouter, mirror_chip, symmetry_obstacles};
 pub use payload::{Payload, Rope};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{Blocked, ChipStatus, FlightRecorder, OpState, RecordEntry, link_slot, wall_ns};

@@ -19,6 +19,7 @@ use podsim_topology::{ChipId, Hardware, Link, Pod};
 use crate::chip::Chip;
 use crate::error::CollectiveError;
 use crate::fabric::{Delivery, Inbox, Message, Router};
+use crate::fingerprint::OpKind;
 
 /// Routes every message back to its sender as the message its mirror image sent it.
 #[derive(Debug)]
@@ -79,14 +80,28 @@ pub fn mirror_chip(pod: Pod, hardware: Hardware, id: ChipId) -> Chip {
     Chip::new(id, pod, Arc::new(hardware), inbox, router)
 }
 
-/// Why `pod` is not symmetric enough for a mirror fabric, if it is not.
-pub fn asymmetry(pod: &Pod) -> Option<String> {
+/// Why a job of `ops` on `pod` cannot be simulated by one mirrored chip (nothing when it can):
+/// a torus axis without wraparound, real values (they differ from chip to chip), a rooted
+/// collective. Launch-level obstacles (several workers, faults) are the caller's.
+pub fn symmetry_obstacles(
+    pod: &Pod,
+    meta: bool,
+    ops: impl IntoIterator<Item = OpKind>,
+) -> Vec<String> {
     let torus = pod.torus();
-    (0..torus.dims().len())
-        .find(|&a| torus.dims()[a] > 1 && !torus.wraps(a))
+    let mut out: Vec<String> = (0..torus.dims().len())
+        .filter(|&a| torus.dims()[a] > 1 && !torus.wraps(a))
         .map(|a| {
             format!(
                 "axis {a} of {torus} does not wrap around: chips at its ends are not like the others"
             )
         })
+        .collect();
+    if !meta {
+        out.push("needs meta mode (values differ from chip to chip)".into());
+    }
+    if ops.into_iter().any(|op| op == OpKind::Broadcast) {
+        out.push("a broadcast has a root, which no other chip is like".into());
+    }
+    out
 }

@@ -163,17 +163,12 @@ impl BenchPlan {
             verify: false,
         };
         if a.symmetric {
-            let why = if !meta {
-                Some("needs --mode meta (values differ from chip to chip)".to_string())
-            } else if op == OpKind::Broadcast {
-                Some("a broadcast has a root, which no other chip is like".into())
-            } else if a.workers.is_some() {
-                Some("one chip stands for all: no --workers".into())
-            } else {
-                podsim_collectives::asymmetry(&pod)
-            };
-            if let Some(why) = why {
-                return Err(format!("--symmetric: {why}"));
+            let mut why = podsim_collectives::symmetry_obstacles(&pod, meta, [op]);
+            if a.workers.is_some() {
+                why.push("one chip stands for all: no --workers".into());
+            }
+            if !why.is_empty() {
+                return Err(format!("--symmetric: {}", why.join("; ")));
             }
         }
         Ok(BenchPlan {

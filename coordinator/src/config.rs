@@ -440,8 +440,17 @@ fn symmetric_problems(
     faults: &[FaultSpec],
 ) {
     let mut not = |reason: String| p.add("job", Some("symmetric"), reason);
-    if let Some(why) = pod.and_then(podsim_collectives::asymmetry) {
-        not(why);
+    let (meta, ops) = match &program {
+        Some(Program::Collectives { meta, script, .. }) => {
+            (*meta, script.iter().map(|s| s.op).collect())
+        }
+        Some(Program::Train(spec)) => (spec.meta, Vec::new()),
+        Some(Program::Bench { .. }) | None => (true, Vec::new()),
+    };
+    if let Some(pod) = pod {
+        podsim_collectives::symmetry_obstacles(pod, meta, ops)
+            .into_iter()
+            .for_each(&mut not);
     }
     if workers != 1 {
         not(format!(
@@ -451,22 +460,8 @@ fn symmetric_problems(
     if !faults.is_empty() {
         not("faults single chips out: they break the symmetry".into());
     }
-    match program {
-        Some(Program::Collectives { meta, script, .. }) => {
-            if !*meta {
-                not("needs mode = \"meta\" (values differ from chip to chip)".into());
-            }
-            if script.iter().any(|s| s.op == OpKind::Broadcast) {
-                not("a broadcast has a root, which no other chip is like".into());
-            }
-        }
-        Some(Program::Train(spec)) => {
-            if !spec.meta {
-                not("needs mode = \"meta\" (values differ from chip to chip)".into());
-            }
-            spec.symmetric = true;
-        }
-        Some(Program::Bench { .. }) | None => {}
+    if let Some(Program::Train(spec)) = program {
+        spec.symmetric = true;
     }
 }
 
@@ -1199,15 +1194,7 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     let replicas = j.replicas.unwrap_or(outermost);
     if let (Some(pod), Some(strategy), Some(model), Some(algo), true) =
         (pod, strategy, &model, algo, p.list.len() == before)
-        && let Err(e) = Plan::new(
-            pod,
-            strategy,
-            &model.lower().iter().map(|l| l.style).collect::<Vec<_>>(),
-            tp,
-            replicas,
-            algo,
-            false,
-        )
+        && let Err(e) = Plan::new(pod, strategy, &model.tp_styles(), tp, replicas, algo, false)
     {
         let key = match strategy {
             Strategy::Hsdp => "replicas",

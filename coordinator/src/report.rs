@@ -499,12 +499,7 @@ fn training(
     let data_parallel = podsim_worker::train::strategy::Plan::new(
         pod,
         spec.strategy,
-        &spec
-            .model
-            .lower()
-            .iter()
-            .map(|l| l.style)
-            .collect::<Vec<_>>(),
+        &spec.model.tp_styles(),
         spec.tp,
         spec.replicas,
         spec.algo,

@@ -285,11 +285,9 @@ impl ModelSpec {
         }
     }
 
-    pub fn layers(&self) -> usize {
-        match self {
-            ModelSpec::Mlp(m) => m.layers(),
-            ModelSpec::Transformer(t) => t.layers * 4 + 2,
-        }
+    /// How tensor parallelism cuts each layer, in order (what `Plan::new` takes).
+    pub fn tp_styles(&self) -> Vec<Style> {
+        self.lower().iter().map(|l| l.style).collect()
     }
 
     pub fn parameters(&self) -> usize {
@@ -445,7 +443,7 @@ mod tests {
             dtype: DType::F32,
         });
         let layers = m.lower();
-        assert_eq!(layers.len(), m.layers());
+        assert_eq!(layers.len(), 4 * 2 + 2);
         let params: usize = layers.iter().map(|l| l.outputs * (l.inputs + 1)).sum();
         assert_eq!(params, m.parameters());
         for pair in layers[1..layers.len() - 1].chunks(2) {

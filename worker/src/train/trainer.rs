@@ -347,11 +347,10 @@ impl<'a> Trainer<'a> {
         let layers = lowered.len();
         let dtype = spec.model.dtype();
         let elem = dtype.size() as u64;
-        let styles: Vec<_> = lowered.iter().map(|l| l.style).collect();
         let mut plan = Plan::new(
             chip.pod(),
             spec.strategy,
-            &styles,
+            &spec.model.tp_styles(),
             spec.tp,
             spec.replicas,
             spec.algo,
