@@ -75,9 +75,9 @@ impl Tensor {
         self.shape().iter().product()
     }
 
-    /// Bytes the tensor occupies in HBM (f32).
-    pub fn bytes(&self) -> u64 {
-        self.numel() as u64 * 4
+    /// Bytes the tensor occupies in HBM with elements of `elem` bytes.
+    pub fn bytes(&self, elem: u64) -> u64 {
+        self.numel() as u64 * elem
     }
 
     pub fn is_meta(&self) -> bool {

@@ -185,11 +185,6 @@ struct Param {
     state: ParamState,
 }
 
-/// Bytes of `t` in elements of `elem` bytes.
-fn bytes_of(t: &Tensor, elem: u64) -> u64 {
-    t.numel() as u64 * elem
-}
-
 /// A layer's unsharded working copy (FSDP) and when it is ready.
 struct Working {
     tensors: [Tensor; 2],
@@ -401,7 +396,7 @@ impl<'a> Trainer<'a> {
         }
         let param_bytes: Vec<u64> = params
             .iter()
-            .map(|p| bytes_of(p.stored.local(), elem))
+            .map(|p| p.stored.local().bytes(elem))
             .collect();
         let cap = (spec.bucket_cap_mb * (1u64 << 20) as f64) as u64;
         let data = match (spec.meta, spec.model.mlp()) {
@@ -514,10 +509,9 @@ impl<'a> Trainer<'a> {
     ) -> Result<Option<f64>, WorkerError> {
         let layers = self.layers.len();
         let elem = self.elem;
-        self.hbm
-            .alloc(MemKind::Activations, bytes_of(&x, elem), || {
-                "the input batch".into()
-            })?;
+        self.hbm.alloc(MemKind::Activations, x.bytes(elem), || {
+            "the input batch".into()
+        })?;
         let mut acts = vec![x];
         for l in 0..layers {
             self.unshard(chip, l).await?;
@@ -525,10 +519,9 @@ impl<'a> Trainer<'a> {
                 self.prefetch(chip, l + 1).await?;
             }
             let z = self.layer_forward(chip, l, &acts[l]).await?;
-            self.hbm
-                .alloc(MemKind::Activations, bytes_of(&z, elem), || {
-                    format!("activations of layer {l}")
-                })?;
+            self.hbm.alloc(MemKind::Activations, z.bytes(elem), || {
+                format!("activations of layer {l}")
+            })?;
             acts.push(z);
             if self.spec.reshard_after_forward {
                 self.release(l);
@@ -553,7 +546,7 @@ impl<'a> Trainer<'a> {
             };
             self.tl.compute(chip, cost);
             let dx = self.layer_backward(chip, l, &acts[l], &dz).await?;
-            let freed = acts.pop().map_or(0, |a| bytes_of(&a, elem)) + self.saved[l];
+            let freed = acts.pop().map_or(0, |a| a.bytes(elem)) + self.saved[l];
             self.saved[l] = 0;
             self.hbm.free(MemKind::Activations, freed);
             self.release(l);
@@ -564,7 +557,7 @@ impl<'a> Trainer<'a> {
                 dz = dx;
             }
         }
-        let freed = acts.pop().map_or(0, |a| bytes_of(&a, elem));
+        let freed = acts.pop().map_or(0, |a| a.bytes(elem));
         self.hbm.free(MemKind::Activations, freed);
         Ok(loss)
     }
@@ -600,7 +593,7 @@ impl<'a> Trainer<'a> {
                 // takes on this chip; their input is saved for backward as well.
                 let width = match after {
                     After::Attention { .. } | After::SwiGlu => {
-                        let saved = bytes_of(&z, self.elem);
+                        let saved = z.bytes(self.elem);
                         self.hbm.alloc(MemKind::Activations, saved, || {
                             format!("saved input of the op after layer {l}")
                         })?;
@@ -647,10 +640,9 @@ impl<'a> Trainer<'a> {
                 (Some(_), _) => {}
                 (slot @ None, g) => {
                     if self.sharded {
-                        self.hbm
-                            .alloc(MemKind::Transient, bytes_of(&g, self.elem), || {
-                                format!("unsharded gradient of {name}")
-                            })?;
+                        self.hbm.alloc(MemKind::Transient, g.bytes(self.elem), || {
+                            format!("unsharded gradient of {name}")
+                        })?;
                     }
                     *slot = Some(g);
                 }
@@ -815,7 +807,7 @@ impl<'a> Trainer<'a> {
             && self.sharded
         {
             self.hbm
-                .free(MemKind::Transient, bytes_of(&unsharded, self.elem));
+                .free(MemKind::Transient, unsharded.bytes(self.elem));
         }
         p.synced = Some(g);
     }
