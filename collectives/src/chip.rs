@@ -10,8 +10,8 @@
 //! ICI links each have their own `busy_until`; all DCN traffic of a chip shares one egress.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 use podsim_topology::{ChipId, Coord, Dir, Group, Hardware, Link, MAX_AXES, Pod};
 
@@ -20,24 +20,34 @@ use crate::fabric::{Delivery, Expect, Inbox, Message, Router, Tag};
 use crate::faults::{FaultHook, OnSend};
 use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
-use crate::recorder::{self, Blocked, FlightRecorder};
+use crate::recorder::{self, FlightRecorder, LINK_SLOTS, add_own, link_slot};
 use crate::reduce::ReduceOp;
 
 /// Virtual time in nanoseconds of modelled hardware.
 pub type Nanos = f64;
 
-/// When each outgoing link of a chip is next free.
-#[derive(Debug, Default, Clone)]
-struct LinkClocks {
-    ici: [[Nanos; 2]; MAX_AXES],
-    dcn_egress: Nanos,
-}
+/// When each outgoing link of a chip is next free (f64 bits), by link slot: ICI links each
+/// have their own, all DCN traffic shares the last (one egress per chip). Only the chip's own
+/// task writes them, one lane at a time, so a load and a store update a slot without a lock.
+#[derive(Debug, Default)]
+struct LinkClocks([AtomicU64; LINK_SLOTS]);
 
 impl LinkClocks {
-    fn slot(&mut self, link: Link) -> &mut Nanos {
-        match link {
-            Link::Ici { axis, dir } => &mut self.ici[usize::from(axis)][dir.index()],
-            Link::Dcn { .. } => &mut self.dcn_egress,
+    fn get(&self, slot: usize) -> Nanos {
+        f64::from_bits(self.0[slot].load(Ordering::Relaxed))
+    }
+
+    fn set(&self, slot: usize, t: Nanos) {
+        self.0[slot].store(t.to_bits(), Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> [Nanos; LINK_SLOTS] {
+        std::array::from_fn(|slot| self.get(slot))
+    }
+
+    fn restore(&self, times: &[Nanos; LINK_SLOTS]) {
+        for (slot, &t) in times.iter().enumerate() {
+            self.set(slot, t);
         }
     }
 }
@@ -46,10 +56,10 @@ impl LinkClocks {
 #[derive(Debug, Clone)]
 pub struct TimeSnapshot {
     clock: Nanos,
-    links: LinkClocks,
+    links: [Nanos; LINK_SLOTS],
 }
 
-/// Traffic counters of one chip.
+/// Traffic counters of one chip (written by its own task only; read by anyone).
 #[derive(Debug, Default)]
 pub struct ChipStats {
     pub messages_sent: AtomicU64,
@@ -66,10 +76,12 @@ pub struct ChipCore {
     hardware: Arc<Hardware>,
     inbox: Arc<Inbox>,
     router: Arc<dyn Router>,
-    links: Mutex<LinkClocks>,
+    links: LinkClocks,
     stats: ChipStats,
     recorder: Arc<FlightRecorder>,
     faults: Option<Arc<dyn FaultHook>>,
+    /// The chip stands for every chip of a symmetric job (a mirror fabric).
+    mirrored: bool,
 }
 
 /// An emulated chip: a rank with torus coordinates, a virtual clock and a fabric endpoint.
@@ -101,18 +113,33 @@ impl Chip {
                 neighbours,
                 pod,
                 hardware,
+                recorder: Arc::new(FlightRecorder::new(
+                    id,
+                    recorder::DEFAULT_CAPACITY,
+                    inbox.clone(),
+                )),
                 inbox,
                 router,
-                links: Mutex::new(LinkClocks::default()),
+                links: LinkClocks::default(),
                 stats: ChipStats::default(),
-                recorder: Arc::new(FlightRecorder::new(id, recorder::DEFAULT_CAPACITY)),
                 faults: None,
+                mirrored: false,
             },
             clock: 0.0,
             seqs: HashMap::new(),
             current: None,
             verify: false,
         }
+    }
+
+    /// Marks the chip as standing for every chip of a symmetric job (see `mirror_chip`).
+    pub(crate) fn set_mirrored(&mut self) {
+        self.core.mirrored = true;
+    }
+
+    /// Whether the chip stands for every chip of a symmetric job, on a mirror fabric.
+    pub fn mirrored(&self) -> bool {
+        self.core.mirrored
     }
 
     /// Injects faults through `hook` (see [`FaultHook`]).
@@ -134,7 +161,11 @@ impl Chip {
     /// Keeps the last `entries` collectives in the flight recorder (before the program runs;
     /// the recorder starts afresh).
     pub fn set_recorder_entries(&mut self, entries: usize) {
-        self.core.recorder = Arc::new(FlightRecorder::new(self.core.id, entries));
+        self.core.recorder = Arc::new(FlightRecorder::new(
+            self.core.id,
+            entries,
+            self.core.inbox.clone(),
+        ));
     }
 
     /// The chip's flight recorder (shared with whoever reports on the chip).
@@ -170,12 +201,7 @@ impl Chip {
     pub fn time_snapshot(&self) -> TimeSnapshot {
         TimeSnapshot {
             clock: self.clock,
-            links: self
-                .core
-                .links
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+            links: self.core.links.snapshot(),
         }
     }
 
@@ -183,13 +209,13 @@ impl Chip {
     /// time (harness synchronisation between measurements).
     pub fn restore_time(&mut self, snapshot: TimeSnapshot) {
         self.clock = snapshot.clock;
-        *self.core.links.lock().unwrap_or_else(|e| e.into_inner()) = snapshot.links;
+        self.core.links.restore(&snapshot.links);
     }
 
     /// Restarts virtual time at zero with idle links (between independent measurements).
     pub fn reset_time(&mut self) {
         self.clock = 0.0;
-        *self.core.links.lock().unwrap_or_else(|e| e.into_inner()) = LinkClocks::default();
+        self.core.links.restore(&[0.0; LINK_SLOTS]);
     }
 
     fn next_fingerprint(
@@ -359,20 +385,14 @@ impl<'a> Call<'a> {
             self.chip.recorder.compute_finished();
         }
         let arrive_ns = {
-            let mut links = self.chip.links.lock().unwrap_or_else(|e| e.into_inner());
-            let busy = links.slot(link);
-            let depart = t.max(*busy);
-            *busy = depart + bytes / bandwidth * 1e9;
-            *busy + latency
+            let slot = link_slot(link);
+            let depart = t.max(self.chip.links.get(slot));
+            let busy_until = depart + bytes / bandwidth * 1e9;
+            self.chip.links.set(slot, busy_until);
+            busy_until + latency
         };
-        self.chip
-            .stats
-            .messages_sent
-            .fetch_add(1, Ordering::Relaxed);
-        self.chip
-            .stats
-            .bytes_sent
-            .fetch_add(bytes as u64, Ordering::Relaxed);
+        add_own(&self.chip.stats.messages_sent, 1);
+        add_own(&self.chip.stats.bytes_sent, bytes as u64);
         self.chip.recorder.sent(link);
         if fault == OnSend::Drop {
             return Ok(());
@@ -404,25 +424,8 @@ impl<'a> Call<'a> {
             tag,
             chips_per_slice: pod.chips_per_slice(),
         };
-        // Most messages are already there: take them without registering as blocked.
-        let msg = match self.chip.inbox.take(&want)? {
-            Some(msg) => {
-                self.chip.recorder.received(link);
-                msg
-            }
-            None => {
-                self.chip.recorder.waiting(Blocked {
-                    link,
-                    peer: src,
-                    tag,
-                    fingerprint: self.fingerprint,
-                    since_wall_ns: recorder::coarse_wall_ns(),
-                });
-                let got = self.chip.inbox.receive(&want).await;
-                self.chip.recorder.done_waiting(link, tag, got.is_ok());
-                got?
-            }
-        };
+        let (msg, blocked_since) = self.chip.inbox.receive(want).await?;
+        self.chip.recorder.received(link, blocked_since);
         if let Some(sum) = msg.checksum
             && msg.payload.checksum() != Some(sum)
         {

@@ -12,13 +12,14 @@
 //! Counts that do not divide by the group size are zero-padded to whole blocks (padding travels
 //! and is charged to virtual time, as on real hardware) and cut off afterwards.
 
-use podsim_topology::Group;
+use podsim_topology::{Dir, Group};
 
 use crate::algo::Algo;
 use crate::algo::schedule::Schedule;
 use crate::bits::{f32s_to_word, word_to_f32s};
 use crate::chip::{Call, Chip, Nanos};
 use crate::error::CollectiveError;
+use crate::fabric::Tag;
 use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
 use crate::reduce::ReduceOp;
@@ -287,6 +288,60 @@ impl Chip {
         Ok(Payload::concat(
             per_source.into_iter().map(|b| b.truncate(keep)),
         ))
+    }
+
+    /// A barrier for harnesses (benchmark iterations, job scripts): returns once every member
+    /// of `group` has entered, after at most two messages per chip. Tokens climb a spanning
+    /// tree made of torus lines (along x to position 0, then along y among the chips at x = 0,
+    /// and so on, DCN last) and a release comes back down the same way. The ring barrier sends
+    /// hundreds of messages per chip on a large torus: at 100,000 chips it cost as much as a
+    /// sixth of the collective being measured. Its virtual time models nothing in particular
+    /// (harnesses put their clocks back). A chip on a mirror fabric, whose tree would have no
+    /// root, takes the ring barrier on one ring lane per axis instead.
+    pub async fn harness_barrier(&mut self, group: Group) -> Result<(), CollectiveError> {
+        if self.mirrored() {
+            return self.barrier(&Comm::new(group, Algo::Ring)).await;
+        }
+        let fp = self
+            .begin(group, OpKind::Barrier, DType::F32, 0, None)
+            .await;
+        self.set_verify(false);
+        let call = Call::new(self, fp);
+        let axes = Schedule::new(&call, group, Algo::Ring).axes;
+        // The axis on which this chip hangs from its parent: its first non-zero position.
+        let level = axes.iter().position(|a| a.pos > 0);
+        let lines = level.map_or(axes.len(), |l| l + 1);
+        let tag = |up: bool, axis: usize| Tag {
+            lane: u16::from(!up),
+            phase: axis as u16,
+            step: 0,
+        };
+        let mut t = self.clock();
+        // Up: a token from the child on each line through this chip, then one to the parent.
+        for (a, path) in axes.iter().enumerate().take(lines) {
+            let (towards_lower, from_higher) = path.links(Dir::Minus);
+            if path.pos + 1 < path.n {
+                call.recv(&mut t, from_higher, tag(true, a)).await?;
+            }
+            if Some(a) == level {
+                call.send(t, towards_lower, tag(true, a), Payload::Meta(0))
+                    .await?;
+            }
+        }
+        // Down: the release from the parent, then to each child, last line first.
+        for (a, path) in axes.iter().enumerate().take(lines).rev() {
+            let (towards_higher, from_lower) = path.links(Dir::Plus);
+            if Some(a) == level {
+                call.recv(&mut t, from_lower, tag(false, a)).await?;
+            }
+            if path.pos + 1 < path.n {
+                call.send(t, towards_higher, tag(false, a), Payload::Meta(0))
+                    .await?;
+            }
+        }
+        self.set_clock(t);
+        self.finish();
+        Ok(())
     }
 
     /// Returns once every member of the group has entered the barrier.

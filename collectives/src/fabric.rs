@@ -9,7 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 use podsim_topology::{ChipId, Link};
 use serde::{Deserialize, Serialize};
@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::CollectiveError;
 use crate::fingerprint::Fingerprint;
 use crate::payload::Payload;
-use crate::recorder::{LINK_SLOTS, link_slot};
+use crate::recorder::{self, Blocked, LINK_SLOTS, link_slot};
 
 /// Where a message belongs inside its collective: the algorithm lane, phase and step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -70,13 +70,15 @@ pub trait Router: Send + Sync + std::fmt::Debug {
     fn deliver(&self, msg: Message) -> Result<Delivery<'_>, CollectiveError>;
 }
 
-/// A chip's incoming messages, matched by link and tag when the chip asks for them.
+/// A chip's incoming messages, matched by link and tag when the chip asks for them, and the
+/// receives parked on it.
 ///
-/// A receive that finds nothing parks its waker on the slot of the link it receives from,
-/// under the same lock as the pending messages, and a message wakes only that slot: a chip
-/// runs up to six lanes at once (three torus parts, two directions), and waking all of them
-/// for every message, through a separate notifier with its own lock, was most of the
-/// per-message cost at scale.
+/// A receive that finds nothing parks on the slot of the link it receives from, under the same
+/// lock as the pending messages, and a message wakes only that slot: a chip runs up to six
+/// lanes at once (three torus parts, two directions), and waking all of them for every message
+/// was most of the per-message cost at scale. The parked record says what the chip waits for
+/// (link, peer, tag, collective, since when): it is what heartbeats report as the chip's
+/// blocked receives, so parking is the only bookkeeping a blocked receive does.
 ///
 /// A chip task wakes for one lane's message and polls all its lanes; the others see, from an
 /// atomic count of their slot's events, that nothing changed for them and return at once,
@@ -85,19 +87,66 @@ pub trait Router: Send + Sync + std::fmt::Debug {
 pub struct Inbox {
     state: Mutex<InboxState>,
     /// Events per link slot (a message arrived, the parked receive was displaced, the inbox
-    /// closed), counted under the lock.
+    /// closed). Written only under the lock, read without it.
     events: [AtomicU64; LINK_SLOTS],
 }
 
+/// What a message's delivery touches comes first and the records of parked receives last
+/// (`repr(C)` keeps that order): at 100,000 chips the destination inbox is never in cache,
+/// and every cache line a delivery touches costs a trip to memory.
 #[derive(Debug, Default)]
+#[repr(C)]
 struct InboxState {
-    pending: Vec<Message>,
-    /// The receive parked on each link slot (no two lanes of a chip share a link) and the
-    /// collective it belongs to, inline: at 100,000 chips every separate heap block a message
-    /// touches is a cache miss.
-    parked: [Option<(Waker, Fingerprint)>; LINK_SLOTS],
+    pending: Pending,
+    /// Receives parked, and the fingerprint they all wait under while they agree (the common
+    /// case: the lanes of one collective). A message under it cannot put any of them out of
+    /// step, so delivery need not look at their records.
+    parked: u8,
+    agreed: Option<Fingerprint>,
+    /// The waker of the receive parked on each link slot (no two lanes of a chip share a
+    /// link), until a message for the slot arrives.
+    wakers: [Option<Waker>; LINK_SLOTS],
     /// Why the inbox was closed, once it is.
     closed: Option<String>,
+    /// What the receive parked on each slot waits for. The record stays until the receive
+    /// takes its message, fails or is dropped, so a chip whose message came but that has not
+    /// run yet still shows what it was blocked on.
+    records: [Option<Blocked>; LINK_SLOTS],
+}
+
+impl InboxState {
+    fn park(&mut self, slot: usize, record: Blocked) -> Option<Blocked> {
+        self.agreed = match self.parked {
+            0 => Some(record.fingerprint),
+            _ => self.agreed.filter(|fp| *fp == record.fingerprint),
+        };
+        let previous = self.records[slot].replace(record);
+        if previous.is_none() {
+            self.parked += 1;
+        }
+        previous
+    }
+
+    fn unpark(&mut self, slot: usize, want: &Expect) -> Option<Blocked> {
+        let record = self.records[slot].take_if(|b| is_for(b, want))?;
+        self.parked -= 1;
+        // Those left still agree if they did; none left agree on anything.
+        if self.parked == 0 {
+            self.agreed = None;
+        }
+        self.wakers[slot] = None;
+        Some(record)
+    }
+}
+
+fn is_for(record: &Blocked, want: &Expect) -> bool {
+    record.tag == want.tag && record.link == want.my_link && record.fingerprint == want.fingerprint
+}
+
+/// A message under `fp` proves a receive waiting under `want` out of step: same group, another
+/// call of it.
+fn out_of_step(fp: &Fingerprint, want: &Fingerprint) -> bool {
+    want.group == fp.group && (fp.seq < want.seq || (fp.seq == want.seq && fp != want))
 }
 
 /// What a receive waits for.
@@ -115,6 +164,12 @@ pub(crate) struct Expect {
     pub chips_per_slice: u32,
 }
 
+/// One more event on a slot's counter (the caller holds the inbox lock, so a load and a store
+/// suffice).
+fn count_event(events: &AtomicU64) {
+    events.store(events.load(Ordering::Relaxed) + 1, Ordering::Release);
+}
+
 impl Inbox {
     pub fn new() -> Inbox {
         Inbox::default()
@@ -128,23 +183,36 @@ impl Inbox {
         // The receiver's name for the link has the same slot whatever the sender's slice.
         let slot = link_slot(msg.link.reverse(0));
         let fp = msg.fingerprint;
+        let mut st = self.lock();
+        st.pending.push(slot, msg);
+        if st.parked == 0 {
+            return;
+        }
+        // The receive on this link wakes; so does any receive this message proves out of step
+        // (it must see the desync now, not hang), which only a message under another
+        // fingerprint than the one all parked receives agree on can do.
+        if st.agreed == Some(fp) {
+            if st.records[slot].is_some() {
+                count_event(&self.events[slot]);
+                let waker = st.wakers[slot].take();
+                drop(st);
+                waker.into_iter().for_each(Waker::wake);
+            }
+            return;
+        }
         let mut wake: [Option<Waker>; LINK_SLOTS] = Default::default();
         {
-            let mut st = self.lock();
-            st.pending.push(msg);
-            for (i, parked) in st.parked.iter_mut().enumerate() {
-                // The receive on this link, and any receive this message proves out of step
-                // (same group, another call of it): it must see the desync now, not hang.
-                let desync = |want: &Fingerprint| {
-                    want.group == fp.group
-                        && (fp.seq < want.seq || (fp.seq == want.seq && fp != *want))
-                };
-                if i == slot || parked.as_ref().is_some_and(|(_, want)| desync(want)) {
-                    self.events[i].fetch_add(1, Ordering::Release);
-                    wake[i] = parked.take().map(|(waker, _)| waker);
+            let st = &mut *st;
+            let parked = st.records.iter().zip(&mut st.wakers).enumerate();
+            for (i, (record, waker)) in parked {
+                let Some(record) = record else { continue };
+                if i == slot || out_of_step(&fp, &record.fingerprint) {
+                    count_event(&self.events[i]);
+                    wake[i] = waker.take();
                 }
             }
         }
+        drop(st);
         wake.into_iter().flatten().for_each(Waker::wake);
     }
 
@@ -154,93 +222,240 @@ impl Inbox {
             let mut st = self.lock();
             st.closed = Some(reason.to_string());
             for events in &self.events {
-                events.fetch_add(1, Ordering::Release);
+                count_event(events);
             }
-            st.parked
-                .iter_mut()
-                .filter_map(|p| p.take().map(|(waker, _)| waker))
-                .collect()
+            st.wakers.iter_mut().filter_map(Option::take).collect()
         };
         parked.into_iter().for_each(Waker::wake);
     }
 
-    /// Waits for the message `want` names. Any pending message of the same group that belongs
-    /// to another call of it (other fingerprint, same seq; or an older seq) is a desync.
-    pub(crate) async fn receive(&self, want: &Expect) -> Result<Message, CollectiveError> {
-        let slot = link_slot(want.my_link);
-        // The waker this receive parked and its slot's event count then.
-        let mut parked: Option<(Waker, u64)> = None;
-        std::future::poll_fn(|cx| {
-            if let Some((waker, seen)) = &parked
-                && waker.will_wake(cx.waker())
-                && self.events[slot].load(Ordering::Acquire) == *seen
-            {
-                return Poll::Pending;
-            }
-            let mut st = self.lock();
-            if let Some(msg) = take_from(&mut st.pending, want)? {
-                return Poll::Ready(Ok(msg));
-            }
-            if let Some(reason) = &st.closed {
-                return Poll::Ready(Err(CollectiveError::Closed {
-                    chip: want.me,
-                    link: want.my_link,
-                    reason: reason.clone(),
-                }));
-            }
-            match &mut st.parked[slot] {
-                Some((w, fp)) if w.will_wake(cx.waker()) => *fp = want.fingerprint,
-                // Another receive on this slot (never by design) is woken to park again
-                // rather than forgotten.
-                other => {
-                    let mine = (cx.waker().clone(), want.fingerprint);
-                    if let Some((previous, _)) = other.replace(mine) {
-                        self.events[slot].fetch_add(1, Ordering::Release);
-                        previous.wake();
-                    }
-                }
-            }
-            parked = Some((
-                cx.waker().clone(),
-                self.events[slot].load(Ordering::Acquire),
-            ));
-            Poll::Pending
-        })
-        .await
+    /// The receives parked on this inbox: what its chip is blocked on.
+    pub fn blocked(&self) -> Vec<Blocked> {
+        self.lock().records.iter().flatten().cloned().collect()
     }
 
-    /// The message `want` names if it has arrived (desyncs as in [`Inbox::receive`]).
-    pub(crate) fn take(&self, want: &Expect) -> Result<Option<Message>, CollectiveError> {
-        take_from(&mut self.lock().pending, want)
+    /// How many receives are parked on this inbox.
+    pub fn blocked_count(&self) -> usize {
+        usize::from(self.lock().parked)
+    }
+
+    /// Waits for the message `want` names. Any pending message of the same group that belongs
+    /// to another call of it (other fingerprint, same seq; or an older seq) is a desync.
+    /// Resolves to the message and, if the receive had to wait, since when (wall ns).
+    pub(crate) fn receive(&self, want: Expect) -> Receive<'_> {
+        Receive {
+            inbox: self,
+            slot: link_slot(want.my_link),
+            want,
+            parked: None,
+        }
     }
 }
 
-/// Removes the message `want` names from `pending`, if there.
-fn take_from(
-    pending: &mut Vec<Message>,
-    want: &Expect,
-) -> Result<Option<Message>, CollectiveError> {
-    let fp = &want.fingerprint;
-    let mut found = None;
-    for (i, m) in pending.iter().enumerate() {
-        let other = &m.fingerprint;
-        if other.group == fp.group && (other.seq < fp.seq || (other.seq == fp.seq && other != fp)) {
+/// The future of [`Inbox::receive`].
+#[derive(Debug)]
+pub(crate) struct Receive<'a> {
+    inbox: &'a Inbox,
+    want: Expect,
+    slot: usize,
+    /// Set while this receive is parked: which task it parked for and its slot's event count
+    /// then. Nothing new on the slot for the same task means the parked waker is still in
+    /// place, so a poll returns at once (without cloning the waker to compare it).
+    parked: Option<ParkedAt>,
+}
+
+#[derive(Debug)]
+struct ParkedAt {
+    /// The waker's identity: its data and vtable addresses (what `Waker::will_wake` compares).
+    waker: (usize, usize),
+    events: u64,
+}
+
+fn waker_identity(waker: &Waker) -> (usize, usize) {
+    (
+        waker.data() as usize,
+        std::ptr::from_ref(waker.vtable()) as usize,
+    )
+}
+
+impl Receive<'_> {
+    /// Removes this receive's record from the slot (it took its message, failed, or is
+    /// dropped); returns since when it waited.
+    fn unpark(&mut self, st: &mut InboxState) -> Option<u64> {
+        self.parked.take()?;
+        st.unpark(self.slot, &self.want)
+            .map(|record| record.since_wall_ns)
+    }
+}
+
+impl Future for Receive<'_> {
+    type Output = Result<(Message, Option<u64>), CollectiveError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let events = &this.inbox.events[this.slot];
+        if let Some(at) = &this.parked
+            && at.waker == waker_identity(cx.waker())
+            && events.load(Ordering::Acquire) == at.events
+        {
+            return Poll::Pending;
+        }
+        let inbox = this.inbox;
+        let mut st = inbox.lock();
+        let want = this.want;
+        match st.pending.take(&want) {
+            Ok(Some(msg)) => {
+                let since = this.unpark(&mut st);
+                return Poll::Ready(Ok((msg, since)));
+            }
+            Err(e) => {
+                this.unpark(&mut st);
+                return Poll::Ready(Err(e));
+            }
+            Ok(None) => {}
+        }
+        if let Some(reason) = &st.closed {
+            let err = CollectiveError::Closed {
+                chip: want.me,
+                link: want.my_link,
+                reason: reason.clone(),
+            };
+            this.unpark(&mut st);
+            return Poll::Ready(Err(err));
+        }
+        let slot = this.slot;
+        let still_parked =
+            this.parked.is_some() && st.records[slot].as_ref().is_some_and(|b| is_for(b, &want));
+        if !still_parked {
+            st.park(
+                slot,
+                Blocked {
+                    link: want.my_link,
+                    peer: want.src,
+                    tag: want.tag,
+                    fingerprint: want.fingerprint,
+                    since_wall_ns: recorder::coarse_wall_ns(),
+                },
+            );
+        }
+        let previous = match &mut st.wakers[slot] {
+            Some(w) if still_parked && w.will_wake(cx.waker()) => None,
+            other => other.replace(cx.waker().clone()),
+        };
+        // Another receive on this slot (never by design) is woken to park again rather than
+        // forgotten.
+        if let Some(waker) = previous.filter(|_| !still_parked) {
+            count_event(events);
+            waker.wake();
+        }
+        this.parked = Some(ParkedAt {
+            waker: waker_identity(cx.waker()),
+            events: events.load(Ordering::Relaxed),
+        });
+        Poll::Pending
+    }
+}
+
+impl Drop for Receive<'_> {
+    fn drop(&mut self) {
+        if self.parked.is_some() {
+            let inbox = self.inbox;
+            let mut st = inbox.lock();
+            self.unpark(&mut st);
+        }
+    }
+}
+
+/// Distinct fingerprints [`Pending`] tracks with counts; messages beyond them are counted as
+/// untracked (a chip has the collective in progress and perhaps the next one in its inbox).
+const KINDS: usize = 3;
+
+/// Messages that arrived and were not taken yet.
+///
+/// A receive reads only the messages of its own link slot, found from a byte per message, and
+/// checks for desyncs against the few distinct fingerprints pending instead of every message:
+/// a chip's inbox holds about two messages for each of its six lanes, and reading all of them
+/// (two cache lines each, written by other chips) for every receive was the largest part of
+/// receiving.
+#[derive(Debug, Default)]
+struct Pending {
+    messages: Vec<Message>,
+    /// The receiver's link slot of each message, in the same order.
+    slots: Vec<u8>,
+    kinds: [Option<(Fingerprint, u32)>; KINDS],
+    /// Messages whose fingerprint is not among `kinds`.
+    untracked: u32,
+}
+
+impl Pending {
+    fn push(&mut self, slot: usize, msg: Message) {
+        let fp = msg.fingerprint;
+        self.messages.push(msg);
+        self.slots.push(slot as u8);
+        if let Some((_, count)) = self.kinds.iter_mut().flatten().find(|(k, _)| *k == fp) {
+            *count += 1;
+        } else if let Some(free) = self.kinds.iter_mut().find(|k| k.is_none()) {
+            *free = Some((fp, 1));
+        } else {
+            self.untracked += 1;
+        }
+    }
+
+    fn remove(&mut self, i: usize) -> Message {
+        self.slots.swap_remove(i);
+        let msg = self.messages.swap_remove(i);
+        let kind = self
+            .kinds
+            .iter_mut()
+            .find(|k| k.is_some_and(|(fp, _)| fp == msg.fingerprint));
+        match kind {
+            Some(kind) => {
+                if let Some((_, count)) = kind {
+                    *count -= 1;
+                    if *count == 0 {
+                        *kind = None;
+                    }
+                }
+            }
+            None => self.untracked -= 1,
+        }
+        msg
+    }
+
+    /// Removes the message `want` names, if there. A pending message of the same group that
+    /// belongs to another call of it (other fingerprint, same seq; or an older seq) is a
+    /// desync, reported with the first such message.
+    fn take(&mut self, want: &Expect) -> Result<Option<Message>, CollectiveError> {
+        let fp = &want.fingerprint;
+        let suspect = self.untracked > 0
+            || self
+                .kinds
+                .iter()
+                .flatten()
+                .any(|(kind, _)| out_of_step(kind, fp));
+        if suspect
+            && let Some(m) = self
+                .messages
+                .iter()
+                .find(|m| out_of_step(&m.fingerprint, fp))
+        {
             return Err(CollectiveError::Desync {
                 chip: want.me,
                 expected: *fp,
                 peer: m.src,
-                got: *other,
+                got: m.fingerprint,
                 link: m.link.reverse(m.src / want.chips_per_slice),
             });
         }
-        if found.is_none()
-            && other == fp
-            && m.src == want.src
-            && m.link == want.sender_link
-            && m.tag == want.tag
-        {
-            found = Some(i);
-        }
+        let slot = link_slot(want.my_link) as u8;
+        let found = self.slots.iter().enumerate().position(|(i, &s)| {
+            let m = &self.messages[i];
+            s == slot
+                && m.fingerprint == *fp
+                && m.src == want.src
+                && m.link == want.sender_link
+                && m.tag == want.tag
+        });
+        Ok(found.map(|i| self.remove(i)))
     }
-    Ok(found.map(|i| pending.swap_remove(i)))
 }

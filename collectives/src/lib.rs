@@ -27,6 +27,7 @@ mod buffer;
 mod chip;
 mod collective;
 mod error;
+mod executor;
 mod fabric;
 pub mod faults;
 mod fingerprint;

@@ -5,10 +5,10 @@ use std::future::Future;
 use std::sync::Arc;
 
 use podsim_topology::{ChipId, Hardware, Pod};
-use tokio::task::JoinSet;
 
 use crate::chip::Chip;
 use crate::error::CollectiveError;
+use crate::executor::{ChipFuture, run_on_threads};
 use crate::fabric::{Delivery, Inbox, Message, Router};
 
 /// Delivers every message into the destination's inbox in this process.
@@ -66,7 +66,8 @@ impl LocalFabric {
 }
 
 /// Runs `program` on every chip concurrently and returns the results in chip order. The first
-/// chip error stops all the others and is returned.
+/// chip error stops all the others and is returned. Chips run on the chip executor (see
+/// [`crate::executor`]) with as many threads as the calling tokio runtime has workers.
 pub async fn run_chips<T, E, F, Fut>(chips: Vec<Chip>, program: F) -> Result<Vec<T>, E>
 where
     F: Fn(Chip) -> Fut,
@@ -74,28 +75,10 @@ where
     T: Send + 'static,
     E: From<CollectiveError> + Send + 'static,
 {
-    let n = chips.len();
-    let mut set = JoinSet::new();
-    for (i, chip) in chips.into_iter().enumerate() {
-        let fut = program(chip);
-        set.spawn(async move { (i, fut.await) });
-    }
-    let mut results: Vec<Option<T>> = (0..n).map(|_| None).collect();
-    while let Some(joined) = set.join_next().await {
-        match joined {
-            Ok((i, Ok(v))) => results[i] = Some(v),
-            Ok((_, Err(e))) => {
-                set.abort_all();
-                return Err(e);
-            }
-            Err(e) => {
-                set.abort_all();
-                return Err(CollectiveError::Internal(format!("chip task failed: {e}")).into());
-            }
-        }
-    }
-    results
+    let threads = tokio::runtime::Handle::current().metrics().num_workers();
+    let futures: Vec<ChipFuture<T, E>> = chips
         .into_iter()
-        .collect::<Option<Vec<T>>>()
-        .ok_or_else(|| CollectiveError::Internal("a chip task returned no result".into()).into())
+        .map(|chip| Box::pin(program(chip)) as ChipFuture<T, E>)
+        .collect();
+    run_on_threads(futures, threads).await
 }

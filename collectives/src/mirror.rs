@@ -77,7 +77,9 @@ pub fn mirror_chip(pod: Pod, hardware: Hardware, id: ChipId) -> Chip {
         pod: pod.clone(),
         inbox: inbox.clone(),
     });
-    Chip::new(id, pod, Arc::new(hardware), inbox, router)
+    let mut chip = Chip::new(id, pod, Arc::new(hardware), inbox, router);
+    chip.set_mirrored();
+    chip
 }
 
 /// Why a job of `ops` on `pod` cannot be simulated by one mirrored chip (nothing when it can):

@@ -4,20 +4,32 @@
 //! and counters of messages per link. Heartbeats carry the live view; on a hang the whole
 //! recorder is dumped for the diagnosis.
 //!
-//! Every update is a short critical section on the chip's own lock, taken by the chip's own
-//! task (and by the heartbeat reader every 100 ms), so recording costs little next to a
-//! message.
+//! Per-message bookkeeping takes no lock and no locked instruction: the counters have one
+//! writer, the chip's own task, so a plain load and store updates them (the heartbeat reader
+//! only loads). The receives a chip is blocked on are not copied here at all: they are the
+//! records its [`Inbox`] keeps of the receives parked on it, read when a heartbeat asks.
+//! Collectives starting and finishing take the recorder's lock, once per collective.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use podsim_topology::{ChipId, Link, MAX_AXES};
 use serde::{Deserialize, Serialize};
 
-use crate::fabric::Tag;
+use crate::fabric::{Inbox, Tag};
 use crate::fingerprint::Fingerprint;
+
+/// Adds `n` to a counter that only its chip's task writes (readers only load it): a load and
+/// a store instead of a locked read-modify-write, which at ten million messages a second is
+/// a real share of the cost of a message.
+pub(crate) fn add_own(counter: &AtomicU64, n: u64) {
+    counter.store(
+        counter.load(Ordering::Relaxed).wrapping_add(n),
+        Ordering::Relaxed,
+    );
+}
 
 /// Wall clock with about a millisecond's resolution that costs one atomic load to read: a
 /// background thread refreshes it. Per-message bookkeeping uses it (a system call per message
@@ -118,9 +130,6 @@ pub struct ChipStatus {
 #[derive(Debug)]
 struct Inner {
     entries: VecDeque<RecordEntry>,
-    /// The receive blocked on each link slot (no two lanes of a chip share a link), inline:
-    /// at 100,000 chips every separate heap block a message touches is a cache miss.
-    blocked: [Option<Blocked>; LINK_SLOTS],
     computing_since_ns: Option<u64>,
     next_index: u64,
     completed: u64,
@@ -132,6 +141,8 @@ struct Inner {
 pub struct FlightRecorder {
     chip: ChipId,
     capacity: usize,
+    /// The chip's inbox: it holds the records of the receives the chip is blocked on.
+    inbox: Arc<Inbox>,
     inner: Mutex<Inner>,
     progress: AtomicU64,
     sent: [AtomicU64; LINK_SLOTS],
@@ -144,13 +155,15 @@ pub struct FlightRecorder {
 }
 
 impl FlightRecorder {
-    pub fn new(chip: ChipId, capacity: usize) -> FlightRecorder {
+    /// The recorder of chip `chip`, which receives from `inbox`, keeping its last `capacity`
+    /// collectives.
+    pub fn new(chip: ChipId, capacity: usize, inbox: Arc<Inbox>) -> FlightRecorder {
         FlightRecorder {
             chip,
             capacity: capacity.max(1),
+            inbox,
             inner: Mutex::new(Inner {
                 entries: VecDeque::new(),
-                blocked: Default::default(),
                 computing_since_ns: None,
                 next_index: 0,
                 completed: 0,
@@ -182,7 +195,7 @@ impl FlightRecorder {
     }
 
     fn bump(&self) {
-        self.progress.fetch_add(1, Ordering::Relaxed);
+        add_own(&self.progress, 1);
     }
 
     /// A collective starts; returns its per-chip index.
@@ -224,37 +237,21 @@ impl FlightRecorder {
     }
 
     pub fn sent(&self, link: Link) {
-        self.sent[link_slot(link)].fetch_add(1, Ordering::Relaxed);
+        add_own(&self.sent[link_slot(link)], 1);
         self.last_send_ns.store(coarse_wall_ns(), Ordering::Relaxed);
         self.waited_at_last_send
             .store(self.waited_ns.load(Ordering::Relaxed), Ordering::Relaxed);
         self.bump();
     }
 
-    pub fn waiting(&self, b: Blocked) {
-        let slot = link_slot(b.link);
-        self.lock().blocked[slot] = Some(b);
-    }
-
-    /// A message arrived on `link`.
-    pub fn received(&self, link: Link) {
-        self.received[link_slot(link)].fetch_add(1, Ordering::Relaxed);
+    /// A message arrived on `link`; `blocked_since` is when the receive started waiting for it
+    /// (wall ns), if it had to.
+    pub fn received(&self, link: Link, blocked_since: Option<u64>) {
+        add_own(&self.received[link_slot(link)], 1);
+        if let Some(since) = blocked_since {
+            add_own(&self.waited_ns, coarse_wall_ns().saturating_sub(since));
+        }
         self.bump();
-    }
-
-    /// The receive on `link` with `tag` is over (received, or failed).
-    pub fn done_waiting(&self, link: Link, tag: Tag, received: bool) {
-        if received {
-            self.received(link);
-        }
-        let mut g = self.lock();
-        let slot = &mut g.blocked[link_slot(link)];
-        if let Some(b) = slot.take_if(|b| b.link == link && b.tag == tag) {
-            self.waited_ns.fetch_add(
-                coarse_wall_ns().saturating_sub(b.since_wall_ns),
-                Ordering::Relaxed,
-            );
-        }
     }
 
     pub fn compute_started(&self) {
@@ -276,10 +273,11 @@ impl FlightRecorder {
     /// What a heartbeat needs to know changed: progress, number of receives waited on,
     /// whether in a kernel, step.
     pub fn summary(&self) -> (u64, usize, bool, u64) {
+        let blocked = self.inbox.blocked_count();
         let g = self.lock();
         (
             self.progress.load(Ordering::Relaxed),
-            g.blocked.iter().flatten().count(),
+            blocked,
             g.computing_since_ns.is_some(),
             g.step,
         )
@@ -292,6 +290,7 @@ impl FlightRecorder {
 
     /// The live view for a heartbeat.
     pub fn status(&self) -> ChipStatus {
+        let blocked = self.inbox.blocked();
         let g = self.lock();
         ChipStatus {
             chip: self.chip,
@@ -302,7 +301,7 @@ impl FlightRecorder {
                 .back()
                 .filter(|e| e.state != OpState::Completed)
                 .cloned(),
-            blocked: g.blocked.iter().flatten().cloned().collect(),
+            blocked,
             computing_since_ns: g.computing_since_ns,
             step: g.step,
             sent: self
@@ -326,8 +325,13 @@ impl FlightRecorder {
 
 #[cfg(test)]
 mod tests {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+
     use super::*;
+    use crate::fabric::{Expect, Message};
     use crate::fingerprint::{DType, OpKind};
+    use crate::payload::Payload;
     use podsim_topology::Dir;
 
     fn fp(seq: u64) -> Fingerprint {
@@ -343,7 +347,8 @@ mod tests {
 
     #[test]
     fn keeps_the_last_entries_and_the_live_view() {
-        let r = FlightRecorder::new(7, 3);
+        let inbox = Arc::new(Inbox::new());
+        let r = FlightRecorder::new(7, 3, inbox.clone());
         for seq in 0..5 {
             let i = r.started(fp(seq), seq as f64);
             r.completed(i, seq as f64 + 0.5);
@@ -358,19 +363,72 @@ mod tests {
             step: 1,
         };
         r.started(fp(5), 9.0);
-        r.waiting(Blocked {
-            link,
-            peer: 3,
-            tag,
+        let want = Expect {
+            me: 7,
+            src: 3,
+            sender_link: link.reverse(0),
+            my_link: link,
             fingerprint: fp(5),
-            since_wall_ns: 0,
-        });
+            tag,
+            chips_per_slice: 64,
+        };
+        let mut cx = Context::from_waker(Waker::noop());
+        // A receive that finds nothing parks, and the chip shows as blocked on it.
+        let mut recv = std::pin::pin!(inbox.receive(want));
+        assert!(recv.as_mut().poll(&mut cx).is_pending());
         let s = r.status();
         assert_eq!((s.chip, s.completed, s.blocked.len()), (7, 5, 1));
+        assert_eq!((s.blocked[0].peer, s.blocked[0].tag), (3, tag));
         assert_eq!(s.current.map(|e| e.fingerprint.seq), Some(5));
-        r.done_waiting(link, tag, true);
+        assert_eq!(r.summary().1, 1);
+        inbox.push(Message {
+            src: 3,
+            dst: 7,
+            link: link.reverse(0),
+            fingerprint: fp(5),
+            tag,
+            arrive_ns: 1.0,
+            payload: Payload::Meta(4),
+            checksum: None,
+        });
+        // Blocked until the chip takes the message.
+        assert_eq!(r.status().blocked.len(), 1);
+        let Poll::Ready(Ok((msg, since))) = recv.as_mut().poll(&mut cx) else {
+            panic!("the message is there");
+        };
+        assert_eq!(msg.src, 3);
+        assert!(since.is_some(), "it had to wait");
+        r.received(link, since);
         let s = r.status();
         assert!(s.blocked.is_empty());
         assert_eq!(s.received[link_slot(link)], 1);
+    }
+
+    #[test]
+    fn a_dropped_receive_is_no_longer_blocked() {
+        let inbox = Arc::new(Inbox::new());
+        let r = FlightRecorder::new(0, 4, inbox.clone());
+        let link = Link::ici(1, Dir::Minus);
+        let want = Expect {
+            me: 0,
+            src: 1,
+            sender_link: link.reverse(0),
+            my_link: link,
+            fingerprint: fp(0),
+            tag: Tag {
+                lane: 1,
+                phase: 0,
+                step: 0,
+            },
+            chips_per_slice: 8,
+        };
+        let mut cx = Context::from_waker(Waker::noop());
+        {
+            let mut recv = std::pin::pin!(inbox.receive(want));
+            assert!(recv.as_mut().poll(&mut cx).is_pending());
+            assert_eq!(r.summary().1, 1);
+        }
+        assert_eq!(r.summary().1, 0);
+        assert!(r.status().blocked.is_empty());
     }
 }

@@ -12,6 +12,24 @@ pub mod watchdog;
 
 use thiserror::Error;
 
+/// Resolves when the user interrupts the command: Ctrl-C (SIGINT) or, on Unix, SIGTERM (what
+/// `kill`, a job scheduler or a CI timeout sends). `podsim launch` and `podsim study` then stop
+/// what they started before they exit.
+pub async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
 /// How a command failed; maps onto the documented exit codes.
 #[derive(Debug, Error)]
 pub enum CliError {

@@ -201,7 +201,7 @@ fn run_attempt(
         let mut progress = progress_reporter();
         tokio::select! {
             r = launch::run(spec, &mut control, &workers, join_timeout, &mut progress, roster) => r,
-            _ = tokio::signal::ctrl_c() => Err(LaunchError::Interrupted),
+            _ = podsim_coordinator::interrupted() => Err(LaunchError::Interrupted),
         }
     })
 }

@@ -1225,8 +1225,8 @@ fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<bool, C
         let mut tasks: JoinSet<(usize, Result<Option<PointOutcome>, String>)> = JoinSet::new();
         let mut running = BTreeSet::new();
         let mut next = 0;
-        let ctrl_c = tokio::signal::ctrl_c();
-        tokio::pin!(ctrl_c);
+        let interrupted = crate::interrupted();
+        tokio::pin!(interrupted);
         let failure = loop {
             while running.len() < study.parallel && next < total {
                 let p = &points[next];
@@ -1244,7 +1244,7 @@ fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<bool, C
             }
             let joined = tokio::select! {
                 joined = tasks.join_next() => joined,
-                _ = &mut ctrl_c => break Some("interrupted: the running points were stopped".to_string()),
+                _ = &mut interrupted => break Some("interrupted: the running points were stopped".to_string()),
             };
             let Some(joined) = joined else { break None };
             let (index, result) = match joined {

@@ -1,5 +1,5 @@
 //! No orphan processes: when the coordinator is killed with SIGKILL, or interrupted with
-//! Ctrl-C (SIGINT), every worker exits within a few seconds.
+//! Ctrl-C (SIGINT) or SIGTERM, every worker exits within a few seconds.
 #![allow(clippy::unwrap_used)]
 
 mod support;
@@ -52,11 +52,11 @@ fn sigkill_of_the_coordinator_leaves_no_worker() {
     );
 }
 
-#[test]
-fn ctrl_c_stops_the_job_and_its_workers() {
-    let (coord, workers) = start_long_job("orphans-int");
+/// Interrupts a long job with `signal` and checks that it stops, with its workers.
+fn signal_stops_the_job_and_its_workers(signal: &str) {
+    let (coord, workers) = start_long_job(&format!("orphans-{signal}"));
     let status = std::process::Command::new("kill")
-        .args(["-INT", &coord.id().to_string()])
+        .args([&format!("-{signal}"), &coord.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
@@ -65,6 +65,16 @@ fn ctrl_c_stops_the_job_and_its_workers() {
     assert!(eventually(Duration::from_secs(5), || workers
         .iter()
         .all(|&p| !alive(p))));
+}
+
+#[test]
+fn ctrl_c_stops_the_job_and_its_workers() {
+    signal_stops_the_job_and_its_workers("INT");
+}
+
+#[test]
+fn sigterm_stops_the_job_and_its_workers() {
+    signal_stops_the_job_and_its_workers("TERM");
 }
 
 #[test]

@@ -10,7 +10,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use podsim_collectives::{Algo, Chip, Comm, DType, OpKind, Payload, ReduceOp};
+use podsim_collectives::{Chip, Comm, DType, OpKind, Payload, ReduceOp};
 use podsim_topology::Group;
 use serde::{Deserialize, Serialize};
 
@@ -70,8 +70,19 @@ pub fn epoch_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
+/// Period of the rank term of [`value`].
+const RANK_PERIOD: usize = 4096;
+
 fn value(rank: usize, i: usize) -> f32 {
-    ((i % 1021) + (rank % 4096)) as f32
+    ((i % 1021) + (rank % RANK_PERIOD)) as f32
+}
+
+/// `sum over r < n of (r % RANK_PERIOD)`: whole periods, then the partial one.
+fn rank_term_sum(n: usize) -> u64 {
+    let triangle = |k: u64| k * k.saturating_sub(1) / 2;
+    let period = RANK_PERIOD as u64;
+    let n = n as u64;
+    (n / period) * triangle(period) + triangle(n % period)
 }
 
 /// The input buffer of the chip with group rank `rank`.
@@ -97,15 +108,16 @@ impl<'a> Expected<'a> {
         let l = c.div_ceil(n.max(1));
         // value(r, j) = f(j) + g(r): the reduction over ranks has a closed form per element,
         // and every partial sum is an integer below 2^24, so f32 sums are exact in any order.
-        let g = |r: usize| (r % 4096) as u64;
+        // Every chip builds this, so the sums over ranks are closed forms too (summing n terms
+        // on each of n chips was quadratic: seconds at 100,000 chips).
         Expected {
             case,
             n,
             rank,
             l,
             keep: c.saturating_sub(rank * l).min(l),
-            g_sum: (0..n).map(g).sum(),
-            g_max: (0..n).map(g).max().unwrap_or(0),
+            g_sum: rank_term_sum(n),
+            g_max: (n.min(RANK_PERIOD) as u64).saturating_sub(1),
         }
     }
 
@@ -179,14 +191,13 @@ pub async fn bench_chip(
     } else {
         Payload::from_vec(bench_input(rank, case.count))
     };
-    // The harness's barrier costs no virtual time; one ring lane per axis keeps its message
-    // count a sixth of a torus collective's, which matters at 100,000 chips.
-    let everyone = Comm::new(Group::world(chip.pod()), Algo::Ring);
+    // The harness's barrier costs no virtual time, and two messages per chip.
+    let everyone = Group::world(chip.pod());
     let mut calls = Vec::with_capacity(case.iters);
     let mut last = None;
     for it in 0..case.warmup + case.iters {
         let before = chip.time_snapshot();
-        chip.barrier(&everyone).await?;
+        chip.harness_barrier(everyone).await?;
         if reset_time {
             chip.reset_time();
         } else {
@@ -249,4 +260,23 @@ fn check(
         }
     });
     Ok((i as u64, wrong))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_sums_match_the_naive_sums() {
+        for n in [1, 2, 7, 4095, 4096, 4097, 10_000, 3 * 4096 + 5] {
+            let naive: u64 = (0..n).map(|r| (r % RANK_PERIOD) as u64).sum();
+            assert_eq!(rank_term_sum(n), naive, "n = {n}");
+            let max = (0..n).map(|r| (r % RANK_PERIOD) as u64).max().unwrap_or(0);
+            assert_eq!(
+                (n.min(RANK_PERIOD) as u64).saturating_sub(1),
+                max,
+                "n = {n}"
+            );
+        }
+    }
 }
