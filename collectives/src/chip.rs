@@ -381,7 +381,9 @@ impl<'a> Call<'a> {
             latency += virtual_ns;
             // Held up by the fault: busy, not stuck, as far as the watchdog is concerned.
             self.chip.recorder.compute_started();
-            tokio::time::sleep(wall).await;
+            // Boxed: a timer inline would make every send's state, and so every lane's, as
+            // large as a timer entry, for a fault that rarely fires.
+            Box::pin(tokio::time::sleep(wall)).await;
             self.chip.recorder.compute_finished();
         }
         let arrive_ns = {

@@ -368,7 +368,7 @@ impl Drop for Receive<'_> {
 
 /// Distinct fingerprints [`Pending`] tracks with counts; messages beyond them are counted as
 /// untracked (a chip has the collective in progress and perhaps the next one in its inbox).
-const KINDS: usize = 3;
+const KINDS: usize = 2;
 
 /// Messages that arrived and were not taken yet.
 ///
