@@ -291,11 +291,14 @@ impl Chip {
     }
 
     /// A barrier for harnesses (benchmark iterations, job scripts): returns once every member
-    /// of `group` has entered, after at most two messages per chip. Tokens climb a spanning
+    /// of `group` has entered, after at most three messages per chip. Tokens climb a spanning
     /// tree made of torus lines (along x to position 0, then along y among the chips at x = 0,
-    /// and so on, DCN last) and a release comes back down the same way. The ring barrier sends
-    /// hundreds of messages per chip on a large torus: at 100,000 chips it cost as much as a
-    /// sixth of the collective being measured. Its virtual time models nothing in particular
+    /// and so on, DCN last) and a release comes back down the same way. On entering, a chip
+    /// also tells each of its children that it entered: a child that runs a sequence number
+    /// ahead of its group (it skipped a collective) finds that older message where it waits
+    /// for its release and reports the desync, where it would otherwise wait for a parent
+    /// that waits for it. The ring barrier sends hundreds of messages per chip on a large
+    /// torus: at 100,000 chips it cost as much as a sixth of the collective being measured. Its virtual time models nothing in particular
     /// (harnesses put their clocks back). A chip on a mirror fabric, whose tree would have no
     /// root, takes the ring barrier on one ring lane per axis instead.
     pub async fn harness_barrier(&mut self, group: Group) -> Result<(), CollectiveError> {
@@ -311,33 +314,50 @@ impl Chip {
         // The axis on which this chip hangs from its parent: its first non-zero position.
         let level = axes.iter().position(|a| a.pos > 0);
         let lines = level.map_or(axes.len(), |l| l + 1);
-        let tag = |up: bool, axis: usize| Tag {
-            lane: u16::from(!up),
+        // Lanes of the three kinds of message.
+        const ENTERED: u16 = 0;
+        const TOKEN: u16 = 1;
+        const RELEASE: u16 = 2;
+        let tag = |lane: u16, axis: usize| Tag {
+            lane,
             phase: axis as u16,
             step: 0,
         };
+        let children = || {
+            axes.iter()
+                .enumerate()
+                .take(lines)
+                .filter(|(_, path)| path.pos + 1 < path.n)
+        };
         let mut t = self.clock();
+        for (a, path) in children() {
+            let (towards_higher, _) = path.links(Dir::Plus);
+            call.send(t, towards_higher, tag(ENTERED, a), Payload::Meta(0))
+                .await?;
+        }
         // Up: a token from the child on each line through this chip, then one to the parent.
         for (a, path) in axes.iter().enumerate().take(lines) {
             let (towards_lower, from_higher) = path.links(Dir::Minus);
             if path.pos + 1 < path.n {
-                call.recv(&mut t, from_higher, tag(true, a)).await?;
+                call.recv(&mut t, from_higher, tag(TOKEN, a)).await?;
             }
             if Some(a) == level {
-                call.send(t, towards_lower, tag(true, a), Payload::Meta(0))
+                call.send(t, towards_lower, tag(TOKEN, a), Payload::Meta(0))
                     .await?;
             }
         }
-        // Down: the release from the parent, then to each child, last line first.
-        for (a, path) in axes.iter().enumerate().take(lines).rev() {
-            let (towards_higher, from_lower) = path.links(Dir::Plus);
-            if Some(a) == level {
-                call.recv(&mut t, from_lower, tag(false, a)).await?;
-            }
-            if path.pos + 1 < path.n {
-                call.send(t, towards_higher, tag(false, a), Payload::Meta(0))
-                    .await?;
-            }
+        // Down: the parent's word that it entered and its release, then a release to each
+        // child, last line first.
+        if let Some(a) = level {
+            let (_, from_lower) = axes[a].links(Dir::Plus);
+            call.recv(&mut t, from_lower, tag(ENTERED, a)).await?;
+            call.recv(&mut t, from_lower, tag(RELEASE, a)).await?;
+        }
+        let releases: Vec<usize> = children().map(|(a, _)| a).rev().collect();
+        for a in releases {
+            let (towards_higher, _) = axes[a].links(Dir::Plus);
+            call.send(t, towards_higher, tag(RELEASE, a), Payload::Meta(0))
+                .await?;
         }
         self.set_clock(t);
         self.finish();

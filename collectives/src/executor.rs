@@ -100,11 +100,18 @@ impl Wake for ChipWaker {
 }
 
 /// Stops the threads when the caller's future is dropped before they finish.
-struct StopOnDrop(Arc<Shared>);
+struct StopOnDrop {
+    shared: Arc<Shared>,
+    /// Cleared once every thread has finished: there is nothing left to stop (and the blocking
+    /// pool's threads have other work by then, which a stray unpark could disturb).
+    armed: bool,
+}
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
-        self.0.stop_all();
+        if self.armed {
+            self.shared.stop_all();
+        }
     }
 }
 
@@ -136,7 +143,10 @@ where
         threads: (0..threads).map(|_| OnceLock::new()).collect(),
         stop: AtomicBool::new(false),
     });
-    let _stop = StopOnDrop(shared.clone());
+    let mut stop = StopOnDrop {
+        shared: shared.clone(),
+        armed: true,
+    };
     let failure: Arc<Mutex<Option<E>>> = Arc::new(Mutex::new(None));
     let runtime = tokio::runtime::Handle::current();
     let mut rest = futures;
@@ -154,18 +164,24 @@ where
         }));
     }
     let mut per_thread: Vec<(usize, Vec<Option<T>>)> = Vec::with_capacity(threads);
+    let mut thread_failed = None;
     for join in joins {
         match join.await {
             Ok(done) => per_thread.push(done),
             Err(e) => {
-                return Err(
-                    CollectiveError::Internal(format!("chip executor thread failed: {e}")).into(),
-                );
+                shared.stop_all();
+                thread_failed.get_or_insert(e);
             }
         }
     }
+    stop.armed = false;
+    // A chip's own error comes first: a thread that failed afterwards (say, dropping its
+    // chips) must not hide it.
     if let Some(e) = failure.lock().unwrap_or_else(|e| e.into_inner()).take() {
         return Err(e);
+    }
+    if let Some(e) = thread_failed {
+        return Err(CollectiveError::Internal(format!("chip executor thread failed: {e}")).into());
     }
     per_thread.sort_by_key(|(first, _)| *first);
     per_thread

@@ -1,5 +1,6 @@
 //! The harness barrier and the chip executor: nobody leaves the barrier before everybody has
-//! entered, it sends two messages per chip, and `run_chips` returns results in chip order,
+//! entered, it sends three messages per chip, a chip that skipped a collective is a desync
+//! wherever it sits in the tree, and `run_chips` returns results in chip order,
 //! stops every chip at the first error and serves timers and wakers from other threads.
 #![allow(clippy::unwrap_used)]
 
@@ -9,8 +10,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use podsim_collectives::faults::{BeforeCollective, FaultHook, OnSend};
 use podsim_collectives::{
-    Algo, Chip, CollectiveError, Comm, LocalFabric, Payload, ReduceOp, mirror_chip, run_chips,
+    Algo, Chip, CollectiveError, Comm, Fingerprint, LocalFabric, Message, Payload, ReduceOp,
+    mirror_chip, run_chips,
 };
 use podsim_topology::{Group, Hardware, Pod, Torus};
 
@@ -50,10 +53,11 @@ fn check_barrier(pod: Pod, late: u32) {
         }))
         .unwrap();
     assert_eq!(left.load(Ordering::SeqCst), chips as usize);
-    // A spanning tree: one token up and one release down per chip but the root.
+    // A spanning tree: per chip but the root, its parent's word that it entered, one token up
+    // and one release down.
     assert_eq!(
         sent.iter().sum::<u64>(),
-        2 * (u64::from(chips) - 1),
+        3 * (u64::from(chips) - 1),
         "{pod}"
     );
 }
@@ -65,6 +69,61 @@ fn harness_barrier_waits_for_everyone() {
     check_barrier(pod("3x4x2", true, 1), 0);
     check_barrier(pod("2x3", true, 3), 17);
     check_barrier(pod("1", true, 1), 0);
+}
+
+/// Runs collective `index` of chip `chip` one sequence number ahead (it skipped one).
+#[derive(Debug)]
+struct SkipAt {
+    chip: u32,
+    index: u64,
+}
+
+impl FaultHook for SkipAt {
+    fn at_step(&self, _: u32, _: u64) -> BeforeCollective {
+        BeforeCollective::Proceed
+    }
+    fn before_collective(&self, chip: u32, index: u64, _: &mut Fingerprint) -> BeforeCollective {
+        if (chip, index) == (self.chip, self.index) {
+            BeforeCollective::Skip
+        } else {
+            BeforeCollective::Proceed
+        }
+    }
+    fn on_send(&self, _: &mut Message, _: Duration) -> OnSend {
+        OnSend::Deliver
+    }
+}
+
+#[test]
+fn a_chip_that_skipped_a_collective_is_a_desync_anywhere_in_the_tree() {
+    // 4x4: chip 0 is the root, 3 and 15 leaves along x, 12 the end of the y line, 5 inside.
+    for skipper in [0, 3, 5, 12, 15] {
+        let fabric = LocalFabric::new(pod("4x4", true, 1), Hardware::preset("v5p").unwrap());
+        let rt = common::runtime(2);
+        let result = rt.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                run_chips(fabric.chips(), move |mut chip: Chip| async move {
+                    chip.set_faults(Arc::new(SkipAt {
+                        chip: skipper,
+                        index: 1,
+                    }));
+                    let world = Group::world(chip.pod());
+                    chip.harness_barrier(world).await?;
+                    chip.harness_barrier(world).await?;
+                    Ok::<_, CollectiveError>(())
+                }),
+            )
+            .await
+        });
+        let err = result
+            .unwrap_or_else(|_| panic!("chip {skipper} skipping hung the barrier"))
+            .unwrap_err();
+        assert!(
+            matches!(err, CollectiveError::Desync { .. }),
+            "chip {skipper}: {err}"
+        );
+    }
 }
 
 #[test]

@@ -191,7 +191,7 @@ pub async fn bench_chip(
     } else {
         Payload::from_vec(bench_input(rank, case.count))
     };
-    // The harness's barrier costs no virtual time, and two messages per chip.
+    // The harness's barrier costs no virtual time, and three messages per chip.
     let everyone = Group::world(chip.pod());
     let mut calls = Vec::with_capacity(case.iters);
     let mut last = None;
