@@ -148,22 +148,26 @@ where
         armed: true,
     };
     let failure: Arc<Mutex<Option<E>>> = Arc::new(Mutex::new(None));
-    let runtime = tokio::runtime::Handle::current();
+    // Each thread's block of chips, cut off the end of the list, then put in thread order.
     let mut rest = futures;
-    let mut blocks = Vec::with_capacity(threads);
-    for t in (0..threads).rev() {
-        let first_chip = (bounds[t] * WORD).min(rest.len());
-        blocks.push((t, first_chip, rest.split_off(first_chip)));
-    }
-    let mut joins = Vec::with_capacity(threads);
-    for (t, first_chip, block) in blocks {
-        let (shared, failure, runtime) = (shared.clone(), failure.clone(), runtime.clone());
-        joins.push(tokio::task::spawn_blocking(move || {
-            let _context = runtime.enter();
-            sweep(&shared, t, first_chip, block, &failure)
-        }));
-    }
-    let mut per_thread: Vec<(usize, Vec<Option<T>>)> = Vec::with_capacity(threads);
+    let mut blocks: Vec<(usize, Vec<ChipFuture<T, E>>)> = (0..threads)
+        .rev()
+        .map(|t| {
+            let first_chip = (bounds[t] * WORD).min(rest.len());
+            (first_chip, rest.split_off(first_chip))
+        })
+        .collect();
+    blocks.reverse();
+    // Blocking-pool threads run inside the runtime: chips' timers and channels work there.
+    let joins: Vec<_> = blocks
+        .into_iter()
+        .enumerate()
+        .map(|(t, (first_chip, block))| {
+            let (shared, failure) = (shared.clone(), failure.clone());
+            tokio::task::spawn_blocking(move || sweep(&shared, t, first_chip, block, &failure))
+        })
+        .collect();
+    let mut per_thread: Vec<Vec<Option<T>>> = Vec::with_capacity(threads);
     let mut thread_failed = None;
     for join in joins {
         match join.await {
@@ -183,23 +187,22 @@ where
     if let Some(e) = thread_failed {
         return Err(CollectiveError::Internal(format!("chip executor thread failed: {e}")).into());
     }
-    per_thread.sort_by_key(|(first, _)| *first);
     per_thread
         .into_iter()
-        .flat_map(|(_, results)| results)
+        .flatten()
         .collect::<Option<Vec<T>>>()
         .ok_or_else(|| CollectiveError::Internal("a chip returned no result".into()).into())
 }
 
 /// One thread's loop: polls the runnable chips of its words, in id order, until all of them
-/// have finished or everything stops. Returns its first chip and its chips' results.
+/// have finished or everything stops. Returns its chips' results.
 fn sweep<T, E>(
     shared: &Arc<Shared>,
     t: usize,
     first_chip: usize,
     mut chips: Vec<ChipFuture<T, E>>,
     failure: &Mutex<Option<E>>,
-) -> (usize, Vec<Option<T>>)
+) -> Vec<Option<T>>
 where
     E: From<CollectiveError>,
 {
@@ -212,8 +215,8 @@ where
             }))
         })
         .collect();
+    // A chip with a result has finished.
     let mut results: Vec<Option<T>> = (0..chips.len()).map(|_| None).collect();
-    let mut finished = vec![false; chips.len()];
     let mut left = chips.len();
     let (start, end) = (shared.words[t], shared.words[t + 1]);
     let fail = |e: E| {
@@ -238,7 +241,7 @@ where
                     }
                     let i = word * WORD + bits.trailing_zeros() as usize - first_chip;
                     bits &= bits - 1;
-                    if finished[i] {
+                    if results[i].is_some() {
                         continue;
                     }
                     let mut cx = Context::from_waker(&wakers[i]);
@@ -247,7 +250,6 @@ where
                         Ok(Poll::Pending) => {}
                         Ok(Poll::Ready(Ok(v))) => {
                             results[i] = Some(v);
-                            finished[i] = true;
                             left -= 1;
                         }
                         Ok(Poll::Ready(Err(e))) => {
@@ -284,5 +286,5 @@ where
     }
     // Chips still running are dropped here, on their thread.
     drop(chips);
-    (first_chip, results)
+    results
 }

@@ -190,21 +190,14 @@ impl Inbox {
         }
         // The receive on this link wakes; so does any receive this message proves out of step
         // (it must see the desync now, not hang), which only a message under another
-        // fingerprint than the one all parked receives agree on can do.
-        if st.agreed == Some(fp) {
-            if st.records[slot].is_some() {
-                count_event(&self.events[slot]);
-                let waker = st.wakers[slot].take();
-                drop(st);
-                waker.into_iter().for_each(Waker::wake);
-            }
-            return;
-        }
+        // fingerprint than the one all parked receives agree on can do: otherwise the other
+        // slots' records are not even read.
+        let others_too = st.agreed != Some(fp);
         let mut wake: [Option<Waker>; LINK_SLOTS] = Default::default();
         {
             let st = &mut *st;
             let parked = st.records.iter().zip(&mut st.wakers).enumerate();
-            for (i, (record, waker)) in parked {
+            for (i, (record, waker)) in parked.filter(|(i, _)| *i == slot || others_too) {
                 let Some(record) = record else { continue };
                 if i == slot || out_of_step(&fp, &record.fingerprint) {
                     count_event(&self.events[i]);
@@ -409,15 +402,9 @@ impl Pending {
             .iter_mut()
             .find(|k| k.is_some_and(|(fp, _)| fp == msg.fingerprint));
         match kind {
-            Some(kind) => {
-                if let Some((_, count)) = kind {
-                    *count -= 1;
-                    if *count == 0 {
-                        *kind = None;
-                    }
-                }
-            }
-            None => self.untracked -= 1,
+            Some(kind @ Some((_, 1))) => *kind = None,
+            Some(Some((_, count))) => *count -= 1,
+            _ => self.untracked -= 1,
         }
         msg
     }
@@ -448,8 +435,7 @@ impl Pending {
             });
         }
         let slot = link_slot(want.my_link) as u8;
-        let found = self.slots.iter().enumerate().position(|(i, &s)| {
-            let m = &self.messages[i];
+        let found = self.slots.iter().zip(&self.messages).position(|(&s, m)| {
             s == slot
                 && m.fingerprint == *fp
                 && m.src == want.src

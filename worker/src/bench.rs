@@ -85,6 +85,11 @@ fn rank_term_sum(n: usize) -> u64 {
     (n / period) * triangle(period) + triangle(n % period)
 }
 
+/// `max over r < n of (r % RANK_PERIOD)` (0 for no ranks).
+fn rank_term_max(n: usize) -> u64 {
+    (n.min(RANK_PERIOD) as u64).saturating_sub(1)
+}
+
 /// The input buffer of the chip with group rank `rank`.
 pub fn bench_input(rank: usize, count: usize) -> Vec<f32> {
     (0..count).map(|i| value(rank, i)).collect()
@@ -117,7 +122,7 @@ impl<'a> Expected<'a> {
             l,
             keep: c.saturating_sub(rank * l).min(l),
             g_sum: rank_term_sum(n),
-            g_max: (n.min(RANK_PERIOD) as u64).saturating_sub(1),
+            g_max: rank_term_max(n),
         }
     }
 
@@ -272,11 +277,7 @@ mod tests {
             let naive: u64 = (0..n).map(|r| (r % RANK_PERIOD) as u64).sum();
             assert_eq!(rank_term_sum(n), naive, "n = {n}");
             let max = (0..n).map(|r| (r % RANK_PERIOD) as u64).max().unwrap_or(0);
-            assert_eq!(
-                (n.min(RANK_PERIOD) as u64).saturating_sub(1),
-                max,
-                "n = {n}"
-            );
+            assert_eq!(rank_term_max(n), max, "n = {n}");
         }
     }
 }

@@ -176,7 +176,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     let done = Arc::new(AtomicU64::new(0));
     // Heartbeats: progress and every chip's live status, on their own thread so that they keep
     // coming while chips wait (a chip stuck in a kernel shows as computing) and while tens of
-    // thousands of chip tasks keep the job's runtime busy (a task there can wait seconds).
+    // thousands of chips keep every core busy.
     let (stop_heartbeats, stopped) = tokio::sync::oneshot::channel::<()>();
     let heartbeats = {
         let (tx, done, recorders, faults) = (
