@@ -72,6 +72,9 @@ pub struct ChipCore {
     id: ChipId,
     /// ICI neighbour across each (axis, direction): computed once, as every message asks.
     neighbours: [[Option<ChipId>; 2]; MAX_AXES],
+    /// This chip's slice and the chips in a slice, for the same reason.
+    slice: u32,
+    chips_per_slice: u32,
     pod: Arc<Pod>,
     hardware: Arc<Hardware>,
     inbox: Arc<Inbox>,
@@ -111,6 +114,8 @@ impl Chip {
             core: ChipCore {
                 id,
                 neighbours,
+                slice: pod.slice_of(id),
+                chips_per_slice: pod.chips_per_slice(),
                 pod,
                 hardware,
                 recorder: Arc::new(FlightRecorder::new(
@@ -186,7 +191,7 @@ impl Chip {
         self.core.pod.coord(self.core.id)
     }
     pub fn slice(&self) -> u32 {
-        self.core.pod.slice_of(self.core.id)
+        self.core.slice
     }
     pub fn stats(&self) -> &ChipStats {
         &self.core.stats
@@ -338,7 +343,7 @@ impl<'a> Call<'a> {
                 .and_then(|n| n[dir.index()]),
             Link::Dcn { .. } => core.pod.peer(core.id, link),
         }
-        .ok_or(CollectiveError::NoLink {
+        .ok_or_else(|| CollectiveError::NoLink {
             chip: self.chip.id,
             link,
         })
@@ -416,25 +421,26 @@ impl<'a> Call<'a> {
         tag: Tag,
     ) -> Result<Payload, CollectiveError> {
         let src = self.peer(link)?;
-        let pod = &self.chip.pod;
+        let core = self.chip;
+        let sender_link = link.reverse(core.slice);
         let want = Expect {
-            me: self.chip.id,
+            me: core.id,
             src,
-            sender_link: link.reverse(pod.slice_of(self.chip.id)),
+            sender_link,
             my_link: link,
             fingerprint: self.fingerprint,
             tag,
-            chips_per_slice: pod.chips_per_slice(),
+            chips_per_slice: core.chips_per_slice,
         };
-        let (msg, blocked_since) = self.chip.inbox.receive(want).await?;
-        self.chip.recorder.received(link, blocked_since);
+        let (msg, blocked_since) = core.inbox.receive(want).await?;
+        core.recorder.received(link, blocked_since);
         if let Some(sum) = msg.checksum
             && msg.payload.checksum() != Some(sum)
         {
             return Err(CollectiveError::Corrupt {
-                chip: self.chip.id,
+                chip: core.id,
                 peer: src,
-                link: link.reverse(pod.slice_of(self.chip.id)),
+                link: sender_link,
                 fingerprint: self.fingerprint,
             });
         }

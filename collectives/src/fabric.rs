@@ -103,8 +103,9 @@ struct InboxState {
     /// step, so delivery need not look at their records.
     parked: u8,
     agreed: Option<Fingerprint>,
-    /// The waker of the receive parked on each link slot (no two lanes of a chip share a
-    /// link), until a message for the slot arrives.
+    /// The waker of the last receive parked on each link slot (no two lanes of a chip share
+    /// a link). Only a slot with a record is woken; the waker stays after its receive
+    /// finished, so the chip's next receive on the slot finds its own waker in place.
     wakers: [Option<Waker>; LINK_SLOTS],
     /// Why the inbox was closed, once it is.
     closed: Option<String>,
@@ -134,7 +135,6 @@ impl InboxState {
         if self.parked == 0 {
             self.agreed = None;
         }
-        self.wakers[slot] = None;
         Some(record)
     }
 }
@@ -191,22 +191,29 @@ impl Inbox {
         // The receive on this link wakes; so does any receive this message proves out of step
         // (it must see the desync now, not hang), which only a message under another
         // fingerprint than the one all parked receives agree on can do: otherwise the other
-        // slots' records are not even read.
-        let others_too = st.agreed != Some(fp);
-        let mut wake: [Option<Waker>; LINK_SLOTS] = Default::default();
-        {
-            let st = &mut *st;
-            let parked = st.records.iter().zip(&mut st.wakers).enumerate();
-            for (i, (record, waker)) in parked.filter(|(i, _)| *i == slot || others_too) {
-                let Some(record) = record else { continue };
-                if i == slot || out_of_step(&fp, &record.fingerprint) {
-                    count_event(&self.events[i]);
-                    wake[i] = waker.take();
-                }
+        // slots' records are not even read. Wakers are woken in place, under the lock: waking
+        // only marks a chip runnable, and a waker left in its slot is reused by the chip's
+        // next receive there instead of being cloned and dropped for every message.
+        let st = &*st;
+        let wake = |i: usize| {
+            count_event(&self.events[i]);
+            if let Some(waker) = &st.wakers[i] {
+                waker.wake_by_ref();
+            }
+        };
+        if st.agreed == Some(fp) {
+            if st.records[slot].is_some() {
+                wake(slot);
+            }
+            return;
+        }
+        for (i, record) in st.records.iter().enumerate() {
+            if let Some(record) = record
+                && (i == slot || out_of_step(&fp, &record.fingerprint))
+            {
+                wake(i);
             }
         }
-        drop(st);
-        wake.into_iter().flatten().for_each(Waker::wake);
     }
 
     /// Wakes every receive on this inbox with an error (the job is being torn down).
@@ -295,8 +302,7 @@ impl Future for Receive<'_> {
         }
         let inbox = this.inbox;
         let mut st = inbox.lock();
-        let want = this.want;
-        match st.pending.take(&want) {
+        match st.pending.take(&this.want) {
             Ok(Some(msg)) => {
                 let since = this.unpark(&mut st);
                 return Poll::Ready(Ok((msg, since)));
@@ -307,6 +313,7 @@ impl Future for Receive<'_> {
             }
             Ok(None) => {}
         }
+        let want = &this.want;
         if let Some(reason) = &st.closed {
             let err = CollectiveError::Closed {
                 chip: want.me,
@@ -318,8 +325,10 @@ impl Future for Receive<'_> {
         }
         let slot = this.slot;
         let still_parked =
-            this.parked.is_some() && st.records[slot].as_ref().is_some_and(|b| is_for(b, &want));
-        if !still_parked {
+            this.parked.is_some() && st.records[slot].as_ref().is_some_and(|b| is_for(b, want));
+        let displaced = if still_parked {
+            None
+        } else {
             st.park(
                 slot,
                 Blocked {
@@ -329,17 +338,20 @@ impl Future for Receive<'_> {
                     fingerprint: want.fingerprint,
                     since_wall_ns: recorder::coarse_wall_ns(),
                 },
-            );
-        }
+            )
+        };
         let previous = match &mut st.wakers[slot] {
-            Some(w) if still_parked && w.will_wake(cx.waker()) => None,
+            Some(w) if w.will_wake(cx.waker()) => None,
             other => other.replace(cx.waker().clone()),
         };
-        // Another receive on this slot (never by design) is woken to park again rather than
-        // forgotten.
-        if let Some(waker) = previous.filter(|_| !still_parked) {
+        // Another receive parked on this slot (never by design) is woken to park again rather
+        // than forgotten (its task may be this one).
+        if displaced.is_some() {
             count_event(events);
-            waker.wake();
+            match previous {
+                Some(waker) => waker.wake(),
+                None => cx.waker().wake_by_ref(),
+            }
         }
         this.parked = Some(ParkedAt {
             waker: waker_identity(cx.waker()),
