@@ -233,14 +233,16 @@ impl<'a> Cursor<'a> {
 pub enum Payload {
     /// Meta mode: an element count, no buffer.
     Meta(usize),
-    /// Data mode: real f32 values.
-    Data(Rope),
+    /// Data mode: real f32 values. (Boxed, as is `Pending`, so that a payload is two words:
+    /// at 100,000 chips in meta mode the lists of payloads a collective keeps per chip are
+    /// most of its memory.)
+    Data(Box<Rope>),
     /// Data mode: a reduction whose terms are shared but not yet combined. Ring reductions pass
     /// these along inside a process so each element is combined once, by its final owner, in
     /// one pass over all terms, instead of being written and re-read at every hop. The terms
     /// are combined left to right, exactly as hop-by-hop reduction would, so the values are
     /// bit-identical. Anything other than `len`, `combine` and `resolve` resolves it first.
-    Pending(PendingReduction),
+    Pending(Box<PendingReduction>),
 }
 
 /// The terms of a deferred reduction, all of one length.
@@ -278,8 +280,12 @@ impl PendingReduction {
 }
 
 impl Payload {
+    fn data(rope: Rope) -> Payload {
+        Payload::Data(Box::new(rope))
+    }
+
     pub fn from_vec(values: Vec<f32>) -> Payload {
-        Payload::Data(Rope::from_vec(values))
+        Payload::data(Rope::from_vec(values))
     }
 
     /// The values of `iter` (exactly `len` of them) in a reused buffer: for callers that
@@ -321,7 +327,7 @@ impl Payload {
     pub fn zeros_like(&self, len: usize) -> Payload {
         match self {
             Payload::Meta(_) => Payload::Meta(len),
-            Payload::Data(_) | Payload::Pending(_) => Payload::Data(Rope::zeros(len)),
+            Payload::Data(_) | Payload::Pending(_) => Payload::data(Rope::zeros(len)),
         }
     }
 
@@ -352,7 +358,7 @@ impl Payload {
     /// Performs a deferred reduction; other payloads are returned unchanged.
     pub fn resolve(self) -> Payload {
         match self {
-            Payload::Pending(p) => Payload::Data(p.evaluate()),
+            Payload::Pending(p) => Payload::data(p.evaluate()),
             other => other,
         }
     }
@@ -371,7 +377,7 @@ impl Payload {
                 });
                 let failed = |e: String| CollectiveError::Internal(format!("reduction task: {e}"));
                 let _slot = slots.acquire().await.map_err(|e| failed(e.to_string()))?;
-                tokio::task::spawn_blocking(move || Payload::Data(p.evaluate()))
+                tokio::task::spawn_blocking(move || Payload::data(p.evaluate()))
                     .await
                     .map_err(|e| failed(e.to_string()))
             }
@@ -416,7 +422,7 @@ impl Payload {
             Payload::Data(r) => {
                 let mut c = Cursor::new(r);
                 c.skip(start);
-                Payload::Data(c.take(len))
+                Payload::data(c.take(len))
             }
             Payload::Pending(_) => self.resolved().slice(start, len),
         }
@@ -447,17 +453,17 @@ impl Payload {
         for p in parts {
             match p {
                 Payload::Meta(n) => *meta.get_or_insert(0) += n,
-                Payload::Data(r) => rope.append(r),
+                Payload::Data(r) => rope.append(*r),
                 pending @ Payload::Pending(_) => {
                     if let Payload::Data(r) = pending.resolve() {
-                        rope.append(r);
+                        rope.append(*r);
                     }
                 }
             }
         }
         match meta {
             Some(n) => Payload::Meta(n),
-            None => Payload::Data(rope),
+            None => Payload::data(rope),
         }
     }
 
@@ -467,7 +473,7 @@ impl Payload {
             Payload::Meta(_) => lengths.iter().map(|&n| Payload::Meta(n)).collect(),
             Payload::Data(r) => {
                 let mut c = Cursor::new(r);
-                lengths.iter().map(|&n| Payload::Data(c.take(n))).collect()
+                lengths.iter().map(|&n| Payload::data(c.take(n))).collect()
             }
             Payload::Pending(_) => self.resolved().split_lengths(lengths),
         }
@@ -492,7 +498,7 @@ impl Payload {
                 for k in 0..chunks {
                     groups[k % n].append(c.take(chunk));
                 }
-                groups.into_iter().map(Payload::Data).collect()
+                groups.into_iter().map(Payload::data).collect()
             }
             Payload::Pending(_) => self.resolved().split_interleaved(chunk, n),
         }
@@ -506,7 +512,7 @@ impl Payload {
         let ropes: Vec<Rope> = groups
             .into_iter()
             .map(|g| match g.resolve() {
-                Payload::Data(r) => r,
+                Payload::Data(r) => *r,
                 Payload::Meta(_) | Payload::Pending(_) => Rope::default(),
             })
             .collect();
@@ -518,7 +524,7 @@ impl Payload {
                 out.append(c.take(chunk));
             }
         }
-        Payload::Data(out)
+        Payload::data(out)
     }
 
     /// Element-wise `self (op) other`. In data mode the result is a deferred reduction (see
@@ -534,24 +540,24 @@ impl Payload {
         let term = match other {
             Payload::Meta(_) if self.is_meta() => return Ok(self),
             Payload::Meta(_) => return Err(mixed()),
-            Payload::Data(r) => r.clone(),
+            Payload::Data(r) => Rope::clone(r),
             Payload::Pending(p) => p.evaluate(),
         };
         // Adding zeros (broadcast contributions, padding) changes nothing: skip the term.
         let adds_nothing = |r: &Rope| op == ReduceOp::Sum && r.is_all_zeros();
         match self {
             Payload::Meta(_) => Err(mixed()),
-            Payload::Data(acc) if adds_nothing(&acc) => Ok(Payload::Data(term)),
+            Payload::Data(acc) if adds_nothing(&acc) => Ok(Payload::data(term)),
             _ if adds_nothing(&term) => Ok(self),
-            Payload::Data(acc) => Ok(Payload::Pending(PendingReduction {
+            Payload::Data(acc) => Ok(Payload::Pending(Box::new(PendingReduction {
                 op,
-                terms: vec![acc, term],
-            })),
+                terms: vec![*acc, term],
+            }))),
             Payload::Pending(mut p) if p.op == op => {
                 p.terms.push(term);
                 Ok(Payload::Pending(p))
             }
-            pending @ Payload::Pending(_) => pending.resolve().combine(&Payload::Data(term), op),
+            pending @ Payload::Pending(_) => pending.resolve().combine(&Payload::data(term), op),
         }
     }
 
@@ -563,7 +569,7 @@ impl Payload {
             Payload::Data(r) => {
                 let mut v = r.into_unique().unwrap_or_else(|r| r.to_vec());
                 v.iter_mut().for_each(|x| *x /= divisor);
-                Payload::Data(Rope::from_vec(v))
+                Payload::data(Rope::from_vec(v))
             }
             pending @ Payload::Pending(_) => pending.resolve().divide(divisor),
         }
