@@ -35,12 +35,23 @@ impl Lane<'_> {
         }
     }
 
-    async fn put(&self, t: Nanos, step: usize, payload: Payload) -> Result<(), CollectiveError> {
-        self.call.send(t, self.send, self.tag(step), payload).await
+    // Plain functions returning the call's future, not async ones: a state machine around
+    // another, built for every message, only costs.
+    fn put(
+        &self,
+        t: Nanos,
+        step: usize,
+        payload: Payload,
+    ) -> impl Future<Output = Result<(), CollectiveError>> + '_ {
+        self.call.send(t, self.send, self.tag(step), payload)
     }
 
-    async fn get(&self, t: &mut Nanos, step: usize) -> Result<Payload, CollectiveError> {
-        self.call.recv(t, self.recv, self.tag(step)).await
+    fn get<'t>(
+        &'t self,
+        t: &'t mut Nanos,
+        step: usize,
+    ) -> impl Future<Output = Result<Payload, CollectiveError>> + 't {
+        self.call.recv(t, self.recv, self.tag(step))
     }
 
     fn at(&self, i: isize) -> usize {
