@@ -83,25 +83,31 @@ pub trait Router: Send + Sync + std::fmt::Debug {
 /// A chip task wakes for one lane's message and polls all its lanes; the others see, from an
 /// atomic count of their slot's events, that nothing changed for them and return at once,
 /// without the lock or a scan of the pending messages.
+///
+/// Layout: at 100,000 chips an inbox is never in cache when a message arrives or a receive
+/// looks, and every cache line either touches costs a trip to memory. So what both touch comes
+/// first, in this order (`repr(C)` keeps it): the event counts and the lock, then which slots
+/// have a parked receive, the pending messages' header and their slots, then the fingerprints
+/// pending; the wakers and the parked receives' records, read only for a slot that has one,
+/// come last.
 #[derive(Debug, Default)]
+#[repr(C)]
 pub struct Inbox {
-    state: Mutex<InboxState>,
     /// Events per link slot (a message arrived, the parked receive was displaced, the inbox
     /// closed). Written only under the lock, read without it.
     events: [AtomicU64; LINK_SLOTS],
+    state: Mutex<InboxState>,
 }
 
-/// What a message's delivery touches comes first and the records of parked receives last
-/// (`repr(C)` keeps that order): at 100,000 chips the destination inbox is never in cache,
-/// and every cache line a delivery touches costs a trip to memory.
 #[derive(Debug, Default)]
 #[repr(C)]
 struct InboxState {
-    pending: Pending,
-    /// Receives parked, and the fingerprint they all wait under while they agree (the common
-    /// case: the lanes of one collective). A message under it cannot put any of them out of
-    /// step, so delivery need not look at their records.
+    /// The slots that have a parked receive, one bit each.
     parked: u8,
+    pending: Pending,
+    /// The fingerprint all parked receives wait under while they agree (the common case: the
+    /// lanes of one collective). A message under it cannot put any of them out of step, so
+    /// delivery need not look at their records.
     agreed: Option<Fingerprint>,
     /// The waker of the last receive parked on each link slot (no two lanes of a chip share
     /// a link). Only a slot with a record is woken; the waker stays after its receive
@@ -121,21 +127,22 @@ impl InboxState {
             0 => Some(record.fingerprint),
             _ => self.agreed.filter(|fp| *fp == record.fingerprint),
         };
-        let previous = self.records[slot].replace(record);
-        if previous.is_none() {
-            self.parked += 1;
-        }
-        previous
+        self.parked |= 1 << slot;
+        self.records[slot].replace(record)
     }
 
     fn unpark(&mut self, slot: usize, want: &Expect) -> Option<Blocked> {
         let record = self.records[slot].take_if(|b| is_for(b, want))?;
-        self.parked -= 1;
+        self.parked &= !(1 << slot);
         // Those left still agree if they did; none left agree on anything.
         if self.parked == 0 {
             self.agreed = None;
         }
         Some(record)
+    }
+
+    fn is_parked(&self, slot: usize) -> bool {
+        self.parked & (1 << slot) != 0
     }
 }
 
@@ -180,8 +187,7 @@ impl Inbox {
     }
 
     pub fn push(&self, msg: Message) {
-        // The receiver's name for the link has the same slot whatever the sender's slice.
-        let slot = link_slot(msg.link.reverse(0));
+        let slot = usize::from(slot_of(&msg));
         let fp = msg.fingerprint;
         let mut st = self.lock();
         st.pending.push(slot, msg);
@@ -202,7 +208,7 @@ impl Inbox {
             }
         };
         if st.agreed == Some(fp) {
-            if st.records[slot].is_some() {
+            if st.is_parked(slot) {
                 wake(slot);
             }
             return;
@@ -236,7 +242,7 @@ impl Inbox {
 
     /// How many receives are parked on this inbox.
     pub fn blocked_count(&self) -> usize {
-        usize::from(self.lock().parked)
+        self.lock().parked.count_ones() as usize
     }
 
     /// Waits for the message `want` names. Any pending message of the same group that belongs
@@ -375,28 +381,49 @@ impl Drop for Receive<'_> {
 /// untracked (a chip has the collective in progress and perhaps the next one in its inbox).
 const KINDS: usize = 2;
 
+/// Pending messages whose link slot [`Pending`] keeps inline, beside the messages' header;
+/// the slot of any further message is read from the message itself.
+const INLINE_SLOTS: usize = 24;
+
+/// The receiver's link slot of a message.
+fn slot_of(msg: &Message) -> u8 {
+    // The receiver's name for the link has the same slot whatever the sender's slice.
+    link_slot(msg.link.reverse(0)) as u8
+}
+
 /// Messages that arrived and were not taken yet.
 ///
 /// A receive reads only the messages of its own link slot, found from a byte per message, and
 /// checks for desyncs against the few distinct fingerprints pending instead of every message:
 /// a chip's inbox holds about two messages for each of its six lanes, and reading all of them
 /// (two cache lines each, written by other chips) for every receive was the largest part of
-/// receiving.
+/// receiving. The slot bytes sit inline, on the cache line of the lock, not in a buffer of
+/// their own.
 #[derive(Debug, Default)]
+#[repr(C)]
 struct Pending {
     messages: Vec<Message>,
-    /// The receiver's link slot of each message, in the same order.
-    slots: Vec<u8>,
-    kinds: [Option<(Fingerprint, u32)>; KINDS],
+    /// The slot of each of the first [`INLINE_SLOTS`] messages, in the same order.
+    slots: [u8; INLINE_SLOTS],
     /// Messages whose fingerprint is not among `kinds`.
     untracked: u32,
+    kinds: [Option<(Fingerprint, u32)>; KINDS],
 }
 
 impl Pending {
+    fn slot(&self, i: usize) -> u8 {
+        match self.slots.get(i) {
+            Some(&slot) => slot,
+            None => slot_of(&self.messages[i]),
+        }
+    }
+
     fn push(&mut self, slot: usize, msg: Message) {
         let fp = msg.fingerprint;
+        if let Some(cached) = self.slots.get_mut(self.messages.len()) {
+            *cached = slot as u8;
+        }
         self.messages.push(msg);
-        self.slots.push(slot as u8);
         if let Some((_, count)) = self.kinds.iter_mut().flatten().find(|(k, _)| *k == fp) {
             *count += 1;
         } else if let Some(free) = self.kinds.iter_mut().find(|k| k.is_none()) {
@@ -407,7 +434,11 @@ impl Pending {
     }
 
     fn remove(&mut self, i: usize) -> Message {
-        self.slots.swap_remove(i);
+        // The last message moves into `i`, and its slot with it.
+        let last = self.messages.len() - 1;
+        if i < INLINE_SLOTS && i != last {
+            self.slots[i] = self.slot(last);
+        }
         let msg = self.messages.swap_remove(i);
         let kind = self
             .kinds
@@ -447,8 +478,9 @@ impl Pending {
             });
         }
         let slot = link_slot(want.my_link) as u8;
-        let found = self.slots.iter().zip(&self.messages).position(|(&s, m)| {
-            s == slot
+        let found = (0..self.messages.len()).position(|i| {
+            let m = &self.messages[i];
+            self.slot(i) == slot
                 && m.fingerprint == *fp
                 && m.src == want.src
                 && m.link == want.sender_link
