@@ -336,17 +336,21 @@ impl<'a> Call<'a> {
 
     fn peer(&self, link: Link) -> Result<ChipId, CollectiveError> {
         let core = self.chip;
-        match link {
+        let peer = match link {
             Link::Ici { axis, dir } => core
                 .neighbours
                 .get(usize::from(axis))
                 .and_then(|n| n[dir.index()]),
             Link::Dcn { .. } => core.pod.peer(core.id, link),
+        };
+        // A match, not `ok_or`: the error would be built (and dropped) for every message.
+        match peer {
+            Some(id) => Ok(id),
+            None => Err(CollectiveError::NoLink {
+                chip: core.id,
+                link,
+            }),
         }
-        .ok_or_else(|| CollectiveError::NoLink {
-            chip: self.chip.id,
-            link,
-        })
     }
 
     /// Sends `payload` to the neighbour across `link`, leaving at virtual time `t` (or when the

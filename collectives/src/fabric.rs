@@ -489,3 +489,80 @@ impl Pending {
         Ok(found.map(|i| self.remove(i)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use podsim_topology::Dir;
+
+    use super::*;
+    use crate::fingerprint::{DType, OpKind};
+
+    const FP: Fingerprint = Fingerprint {
+        group: 7,
+        seq: 0,
+        op: OpKind::AllReduce,
+        dtype: DType::F32,
+        count: 1,
+        reduce: None,
+    };
+
+    /// Message `step` from chip 1 on `link` (as the sender names it) to chip 0.
+    fn message(link: Link, step: u32) -> Message {
+        Message {
+            src: 1,
+            dst: 0,
+            link,
+            fingerprint: FP,
+            tag: Tag {
+                lane: 0,
+                phase: 0,
+                step,
+            },
+            arrive_ns: 0.0,
+            payload: Payload::Meta(step as usize),
+            checksum: None,
+        }
+    }
+
+    /// What chip 0 expects of message `step` from chip 1 on `link`.
+    fn expect(link: Link, step: u32) -> Expect {
+        Expect {
+            me: 0,
+            src: 1,
+            sender_link: link,
+            my_link: link.reverse(0),
+            fingerprint: FP,
+            tag: message(link, step).tag,
+            chips_per_slice: 8,
+        }
+    }
+
+    #[test]
+    fn messages_beyond_the_inline_slots_are_found_on_their_slot() {
+        let links: Vec<Link> = (0..3)
+            .flat_map(|axis| [Dir::Plus, Dir::Minus].map(|dir| Link::ici(axis, dir)))
+            .collect();
+        let mut pending = Pending::default();
+        // More messages than the inline slots, on every link, then taken in another order
+        // (each take moves the last message into the hole, across the inline boundary).
+        let sent: Vec<(Link, u32)> = (0..INLINE_SLOTS as u32 + 20)
+            .map(|step| (links[step as usize % links.len()], step))
+            .collect();
+        for &(link, step) in &sent {
+            pending.push(
+                usize::from(slot_of(&message(link, step))),
+                message(link, step),
+            );
+        }
+        for &(link, step) in sent.iter().rev().step_by(2).chain(sent.iter().step_by(2)) {
+            let got = pending.take(&expect(link, step)).unwrap();
+            let got = got.unwrap_or_else(|| panic!("step {step} on {link:?} not found"));
+            assert_eq!((got.link, got.tag.step), (link, step));
+        }
+        assert!(pending.messages.is_empty());
+        assert_eq!(
+            pending.take(&expect(links[0], 0)).unwrap().map(|m| m.tag),
+            None
+        );
+    }
+}
