@@ -102,7 +102,8 @@ pub struct Inbox {
 #[derive(Debug, Default)]
 #[repr(C)]
 struct InboxState {
-    /// The slots that have a parked receive, one bit each.
+    /// The slots that have a parked receive, one bit each: which of `records` are set, kept
+    /// here on the first cache line so that a delivery need not read the records.
     parked: u8,
     pending: Pending,
     /// The fingerprint all parked receives wait under while they agree (the common case: the
@@ -139,10 +140,6 @@ impl InboxState {
             self.agreed = None;
         }
         Some(record)
-    }
-
-    fn is_parked(&self, slot: usize) -> bool {
-        self.parked & (1 << slot) != 0
     }
 }
 
@@ -200,24 +197,24 @@ impl Inbox {
         // slots' records are not even read. Wakers are woken in place, under the lock: waking
         // only marks a chip runnable, and a waker left in its slot is reused by the chip's
         // next receive there instead of being cloned and dropped for every message.
-        let st = &*st;
-        let wake = |i: usize| {
-            count_event(&self.events[i]);
-            if let Some(waker) = &st.wakers[i] {
-                waker.wake_by_ref();
-            }
+        let mut candidates = if st.agreed == Some(fp) {
+            st.parked & (1 << slot)
+        } else {
+            st.parked
         };
-        if st.agreed == Some(fp) {
-            if st.is_parked(slot) {
-                wake(slot);
-            }
-            return;
-        }
-        for (i, record) in st.records.iter().enumerate() {
-            if let Some(record) = record
-                && (i == slot || out_of_step(&fp, &record.fingerprint))
-            {
-                wake(i);
+        while candidates != 0 {
+            let i = candidates.trailing_zeros() as usize;
+            candidates &= candidates - 1;
+            let proves_out_of_step = || {
+                st.records[i]
+                    .as_ref()
+                    .is_some_and(|r| out_of_step(&fp, &r.fingerprint))
+            };
+            if i == slot || proves_out_of_step() {
+                count_event(&self.events[i]);
+                if let Some(waker) = &st.wakers[i] {
+                    waker.wake_by_ref();
+                }
             }
         }
     }
@@ -308,7 +305,7 @@ impl Future for Receive<'_> {
         }
         let inbox = this.inbox;
         let mut st = inbox.lock();
-        match st.pending.take(&this.want) {
+        match st.pending.take(&this.want, this.slot) {
             Ok(Some(msg)) => {
                 let since = this.unpark(&mut st);
                 return Poll::Ready(Ok((msg, since)));
@@ -452,10 +449,11 @@ impl Pending {
         msg
     }
 
-    /// Removes the message `want` names, if there. A pending message of the same group that
-    /// belongs to another call of it (other fingerprint, same seq; or an older seq) is a
-    /// desync, reported with the first such message.
-    fn take(&mut self, want: &Expect) -> Result<Option<Message>, CollectiveError> {
+    /// Removes the message `want` names (it arrives on the receiver's link `slot`), if there.
+    /// A pending message of the same group that belongs to another call of it (other
+    /// fingerprint, same seq; or an older seq) is a desync, reported with the first such
+    /// message.
+    fn take(&mut self, want: &Expect, slot: usize) -> Result<Option<Message>, CollectiveError> {
         let fp = &want.fingerprint;
         let suspect = self.untracked > 0
             || self
@@ -477,10 +475,9 @@ impl Pending {
                 link: m.link.reverse(m.src / want.chips_per_slice),
             });
         }
-        let slot = link_slot(want.my_link) as u8;
         let found = (0..self.messages.len()).position(|i| {
             let m = &self.messages[i];
-            self.slot(i) == slot
+            usize::from(self.slot(i)) == slot
                 && m.fingerprint == *fp
                 && m.src == want.src
                 && m.link == want.sender_link
@@ -490,10 +487,56 @@ impl Pending {
     }
 }
 
+/// Messages and receives for unit tests, in one place.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    /// A meta message from `src` to `dst`, sent on `link` (as the sender names it).
+    pub(crate) fn message(
+        src: ChipId,
+        dst: ChipId,
+        link: Link,
+        fp: Fingerprint,
+        tag: Tag,
+    ) -> Message {
+        Message {
+            src,
+            dst,
+            link,
+            fingerprint: fp,
+            tag,
+            arrive_ns: 0.0,
+            payload: Payload::Meta(1),
+            checksum: None,
+        }
+    }
+
+    /// What chip `me` expects of that message from `src` (one slice), receiving on `my_link`.
+    pub(crate) fn expect(
+        me: ChipId,
+        src: ChipId,
+        my_link: Link,
+        fp: Fingerprint,
+        tag: Tag,
+    ) -> Expect {
+        Expect {
+            me,
+            src,
+            sender_link: my_link.reverse(0),
+            my_link,
+            fingerprint: fp,
+            tag,
+            chips_per_slice: 64,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use podsim_topology::Dir;
 
+    use super::testing::{expect, message};
     use super::*;
     use crate::fingerprint::{DType, OpKind};
 
@@ -506,35 +549,18 @@ mod tests {
         reduce: None,
     };
 
-    /// Message `step` from chip 1 on `link` (as the sender names it) to chip 0.
-    fn message(link: Link, step: u32) -> Message {
-        Message {
-            src: 1,
-            dst: 0,
-            link,
-            fingerprint: FP,
-            tag: Tag {
-                lane: 0,
-                phase: 0,
-                step,
-            },
-            arrive_ns: 0.0,
-            payload: Payload::Meta(step as usize),
-            checksum: None,
+    fn tag(step: u32) -> Tag {
+        Tag {
+            lane: 0,
+            phase: 0,
+            step,
         }
     }
 
-    /// What chip 0 expects of message `step` from chip 1 on `link`.
-    fn expect(link: Link, step: u32) -> Expect {
-        Expect {
-            me: 0,
-            src: 1,
-            sender_link: link,
-            my_link: link.reverse(0),
-            fingerprint: FP,
-            tag: message(link, step).tag,
-            chips_per_slice: 8,
-        }
+    /// Takes message `step` that chip 1 sent chip 0 on `link`.
+    fn take(pending: &mut Pending, link: Link, step: u32) -> Option<Message> {
+        let want = expect(0, 1, link.reverse(0), FP, tag(step));
+        pending.take(&want, link_slot(want.my_link)).unwrap()
     }
 
     #[test]
@@ -549,20 +575,15 @@ mod tests {
             .map(|step| (links[step as usize % links.len()], step))
             .collect();
         for &(link, step) in &sent {
-            pending.push(
-                usize::from(slot_of(&message(link, step))),
-                message(link, step),
-            );
+            let msg = message(1, 0, link, FP, tag(step));
+            pending.push(usize::from(slot_of(&msg)), msg);
         }
         for &(link, step) in sent.iter().rev().step_by(2).chain(sent.iter().step_by(2)) {
-            let got = pending.take(&expect(link, step)).unwrap();
-            let got = got.unwrap_or_else(|| panic!("step {step} on {link:?} not found"));
+            let got = take(&mut pending, link, step)
+                .unwrap_or_else(|| panic!("step {step} on {link:?} not found"));
             assert_eq!((got.link, got.tag.step), (link, step));
         }
         assert!(pending.messages.is_empty());
-        assert_eq!(
-            pending.take(&expect(links[0], 0)).unwrap().map(|m| m.tag),
-            None
-        );
+        assert!(take(&mut pending, links[0], 0).is_none());
     }
 }

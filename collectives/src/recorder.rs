@@ -329,9 +329,8 @@ mod tests {
     use std::task::{Context, Poll, Waker};
 
     use super::*;
-    use crate::fabric::{Expect, Message};
+    use crate::fabric::testing::{expect, message};
     use crate::fingerprint::{DType, OpKind};
-    use crate::payload::Payload;
     use podsim_topology::Dir;
 
     fn fp(seq: u64) -> Fingerprint {
@@ -363,15 +362,7 @@ mod tests {
             step: 1,
         };
         r.started(fp(5), 9.0);
-        let want = Expect {
-            me: 7,
-            src: 3,
-            sender_link: link.reverse(0),
-            my_link: link,
-            fingerprint: fp(5),
-            tag,
-            chips_per_slice: 64,
-        };
+        let want = expect(7, 3, link, fp(5), tag);
         let mut cx = Context::from_waker(Waker::noop());
         // A receive that finds nothing parks, and the chip shows as blocked on it.
         let mut recv = std::pin::pin!(inbox.receive(want));
@@ -381,16 +372,7 @@ mod tests {
         assert_eq!((s.blocked[0].peer, s.blocked[0].tag), (3, tag));
         assert_eq!(s.current.map(|e| e.fingerprint.seq), Some(5));
         assert_eq!(r.summary().1, 1);
-        inbox.push(Message {
-            src: 3,
-            dst: 7,
-            link: link.reverse(0),
-            fingerprint: fp(5),
-            tag,
-            arrive_ns: 1.0,
-            payload: Payload::Meta(4),
-            checksum: None,
-        });
+        inbox.push(message(3, 7, link.reverse(0), fp(5), tag));
         // Blocked until the chip takes the message.
         assert_eq!(r.status().blocked.len(), 1);
         let Poll::Ready(Ok((msg, since))) = recv.as_mut().poll(&mut cx) else {
@@ -409,19 +391,12 @@ mod tests {
         let inbox = Arc::new(Inbox::new());
         let r = FlightRecorder::new(0, 4, inbox.clone());
         let link = Link::ici(1, Dir::Minus);
-        let want = Expect {
-            me: 0,
-            src: 1,
-            sender_link: link.reverse(0),
-            my_link: link,
-            fingerprint: fp(0),
-            tag: Tag {
-                lane: 1,
-                phase: 0,
-                step: 0,
-            },
-            chips_per_slice: 8,
+        let tag = Tag {
+            lane: 1,
+            phase: 0,
+            step: 0,
         };
+        let want = expect(0, 1, link, fp(0), tag);
         let mut cx = Context::from_waker(Waker::noop());
         {
             let mut recv = std::pin::pin!(inbox.receive(want));
