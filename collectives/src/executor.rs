@@ -10,6 +10,10 @@
 //! runnable is one bit each (a wake-up is one atomic OR on a word a thread sweeps anyway), in
 //! place of a task header per chip that every wake-up and every poll reads and writes.
 //!
+//! Sweeps alternate between ascending and descending id order (see [`Direction`]): a ring
+//! lane whose data flows the way the sweep goes runs many steps in one visit of each chip, the
+//! other lane one step per sweep, and a phase waits for both.
+//!
 //! Futures still run inside the tokio runtime that called [`run_on_threads`] (its timers, its
 //! blocking pool, its channels), and wakers from anywhere (another worker's link, a timer)
 //! work as usual. The first chip error (or panic) stops every chip, as does dropping the
@@ -37,6 +41,53 @@ const WORD: usize = 64;
 /// on after one round (about 10-25% more message events per second at 24x24x24 and 32x32x32
 /// for 16 rounds against 1, and more again up to this bound).
 const ROUNDS_PER_WORD: usize = 1024;
+
+/// The order in which a thread visits runnable chips: its words, and the chips of a word.
+///
+/// A ring lane's data flows one way along an axis (to higher ids for `Plus`, lower for
+/// `Minus`). When the sweep goes the same way, a chip visited right after its upstream
+/// neighbour finds every message that neighbour just sent and runs as many steps as there are,
+/// so the lane crosses the whole ring in one sweep; against the flow, each chip finds one new
+/// message per sweep. A phase ends when both lanes of an axis do, so sweeping one way only made
+/// every phase take one sweep per ring position; alternating lets each lane go with the flow
+/// every other sweep. (48x48x48, 1 GiB all-reduce in meta mode: 61-66 s -> 36 s, the same
+/// virtual time.) The rounds a thread spends on one word alternate the same way, for the
+/// lanes along x whose ring lies (mostly) within a word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Ascending,
+    Descending,
+}
+
+impl Direction {
+    fn reversed(self) -> Direction {
+        match self {
+            Direction::Ascending => Direction::Descending,
+            Direction::Descending => Direction::Ascending,
+        }
+    }
+
+    /// The `k`-th of the words `start..end` in this direction.
+    fn word(self, start: usize, end: usize, k: usize) -> usize {
+        match self {
+            Direction::Ascending => start + k,
+            Direction::Descending => end - 1 - k,
+        }
+    }
+
+    /// Takes the next chip (bit index) out of `bits` in this direction.
+    fn take_bit(self, bits: &mut u64) -> Option<usize> {
+        if *bits == 0 {
+            return None;
+        }
+        let bit = match self {
+            Direction::Ascending => bits.trailing_zeros(),
+            Direction::Descending => 63 - bits.leading_zeros(),
+        };
+        *bits &= !(1u64 << bit);
+        Some(bit as usize)
+    }
+}
 
 /// What the threads and the wakers share.
 #[derive(Debug)]
@@ -226,21 +277,23 @@ where
             .get_or_insert(e);
         shared.stop_all();
     };
+    let mut pass = Direction::Ascending;
     'run: while left > 0 {
         let mut ran = false;
-        for word in start..end {
+        for k in 0..end - start {
+            let word = pass.word(start, end, k);
+            let mut round = pass;
             for _ in 0..ROUNDS_PER_WORD {
                 let mut bits = shared.runnable[word].swap(0, Ordering::AcqRel);
                 if bits == 0 {
                     break;
                 }
                 ran = true;
-                while bits != 0 {
+                while let Some(bit) = round.take_bit(&mut bits) {
                     if shared.stop.load(Ordering::Relaxed) {
                         break 'run;
                     }
-                    let i = word * WORD + bits.trailing_zeros() as usize - first_chip;
-                    bits &= bits - 1;
+                    let i = word * WORD + bit - first_chip;
                     if results[i].is_some() {
                         continue;
                     }
@@ -268,8 +321,10 @@ where
                         }
                     }
                 }
+                round = round.reversed();
             }
         }
+        pass = pass.reversed();
         if shared.stop.load(Ordering::SeqCst) {
             break;
         }
@@ -287,4 +342,101 @@ where
     // Chips still running are dropped here, on their thread.
     drop(chips);
     results
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn a_direction_visits_words_and_chips_in_its_order_and_reverses() {
+        let take_all = |dir: Direction, mut bits: u64| {
+            std::iter::from_fn(|| dir.take_bit(&mut bits)).collect::<Vec<_>>()
+        };
+        let bits = (1 << 63) | (1 << 40) | (1 << 3) | 1;
+        assert_eq!(take_all(Direction::Ascending, bits), [0, 3, 40, 63]);
+        assert_eq!(take_all(Direction::Descending, bits), [63, 40, 3, 0]);
+        assert_eq!(take_all(Direction::Descending, 0), Vec::<usize>::new());
+        let words = |dir: Direction| (0..3).map(|k| dir.word(5, 8, k)).collect::<Vec<_>>();
+        assert_eq!(words(Direction::Ascending), [5, 6, 7]);
+        assert_eq!(words(Direction::Descending), [7, 6, 5]);
+        assert_eq!(Direction::Ascending.reversed(), Direction::Descending);
+        assert_eq!(Direction::Descending.reversed(), Direction::Ascending);
+    }
+
+    /// A token relayed down and then up a line of chips spanning several words (chip `i` waits
+    /// for its upstream neighbour, then hands on): whichever way a sweep goes, every hand-on
+    /// is seen, each chip runs exactly twice (started, then woken once) and the relay finishes.
+    #[test]
+    fn relays_against_and_with_the_sweep_finish_with_one_wake_up_per_hop() {
+        const CHIPS: usize = 3 * WORD + 17;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_time()
+            .build()
+            .expect("runtime");
+        for threads in [1, 2] {
+            for descending in [true, false] {
+                let got: Arc<Vec<AtomicBool>> =
+                    Arc::new((0..CHIPS).map(|_| AtomicBool::new(false)).collect());
+                let wakers: Arc<Vec<Mutex<Option<Waker>>>> =
+                    Arc::new((0..CHIPS).map(|_| Mutex::new(None)).collect());
+                let polls: Arc<Vec<AtomicUsize>> =
+                    Arc::new((0..CHIPS).map(|_| AtomicUsize::new(0)).collect());
+                let futures: Vec<ChipFuture<usize, CollectiveError>> = (0..CHIPS)
+                    .map(|i| {
+                        let (got, wakers, polls) = (got.clone(), wakers.clone(), polls.clone());
+                        let (first, next) = match descending {
+                            true => (CHIPS - 1, i.checked_sub(1)),
+                            false => (0, Some(i + 1).filter(|&n| n < CHIPS)),
+                        };
+                        Box::pin(std::future::poll_fn(move |cx| {
+                            polls[i].fetch_add(1, Ordering::SeqCst);
+                            *wakers[i].lock().unwrap() = Some(cx.waker().clone());
+                            if i != first && !got[i].load(Ordering::SeqCst) {
+                                return Poll::Pending;
+                            }
+                            if let Some(n) = next {
+                                got[n].store(true, Ordering::SeqCst);
+                                if let Some(w) = wakers[n].lock().unwrap().take() {
+                                    w.wake();
+                                }
+                            }
+                            Poll::Ready(Ok(i))
+                        })) as ChipFuture<usize, CollectiveError>
+                    })
+                    .collect();
+                let done = rt
+                    .block_on(async {
+                        tokio::time::timeout(
+                            std::time::Duration::from_secs(20),
+                            run_on_threads(futures, threads),
+                        )
+                        .await
+                    })
+                    .expect("the relay finished in time")
+                    .expect("no chip failed");
+                assert_eq!(done, (0..CHIPS).collect::<Vec<_>>());
+                let polled: Vec<usize> = polls.iter().map(|p| p.load(Ordering::SeqCst)).collect();
+                let first = if descending { CHIPS - 1 } else { 0 };
+                for (i, &n) in polled.iter().enumerate() {
+                    // Every chip is polled once at the start. On one thread the first sweep
+                    // ascends: a relay up the ids is handed on within that sweep (every chip
+                    // finds the token on its first poll), a relay down waits for a wake-up at
+                    // every chip but the first. On two threads either can happen, but never
+                    // more than one wake-up per hop.
+                    let expected = match (threads, descending) {
+                        (1, true) if i != first => 2..=2,
+                        (1, _) => 1..=1,
+                        _ => 1..=2,
+                    };
+                    assert!(
+                        expected.contains(&n),
+                        "chip {i} polled {n} times ({threads} threads, descending {descending})"
+                    );
+                }
+            }
+        }
+    }
 }
