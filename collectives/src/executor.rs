@@ -1,11 +1,11 @@
 //! The chip executor: runs one future per chip on a few OS threads, each thread sweeping its
-//! own block of chips in id order and polling those that were woken.
+//! own block of chips in id order (up, then down) and polling those that were woken.
 //!
 //! Why not one tokio task per chip: at 100,000 chips nothing a message touches is in cache,
 //! and the order in which chips run decides how much of it is. A chip runs once per wake-up
 //! and handles every message that has arrived for it since; the messages it sends go to its
-//! torus neighbours. Swept in id order, a chip runs right after its neighbour along x has
-//! written into its inbox and a plane after its neighbour along y did, while those lines are
+//! torus neighbours. Swept in id order, a chip runs right after a neighbour along x has
+//! written into its inbox and a row after a neighbour along y did, while those lines are
 //! still in cache; a run queue in wake-up order visits chips all over the pod. Which chips are
 //! runnable is one bit each (a wake-up is one atomic OR on a word a thread sweeps anyway), in
 //! place of a task header per chip that every wake-up and every poll reads and writes.
@@ -245,8 +245,9 @@ where
         .ok_or_else(|| CollectiveError::Internal("a chip returned no result".into()).into())
 }
 
-/// One thread's loop: polls the runnable chips of its words, in id order, until all of them
-/// have finished or everything stops. Returns its chips' results.
+/// One thread's loop: polls the runnable chips of its words, in id order one way then the
+/// other (see [`Direction`]), until all of them have finished or everything stops. Returns its
+/// chips' results.
 fn sweep<T, E>(
     shared: &Arc<Shared>,
     t: usize,
