@@ -298,9 +298,10 @@ impl Chip {
     /// ahead of its group (it skipped a collective) finds that older message where it waits
     /// for its release and reports the desync, where it would otherwise wait for a parent
     /// that waits for it. The ring barrier sends hundreds of messages per chip on a large
-    /// torus: at 100,000 chips it cost as much as a sixth of the collective being measured. Its virtual time models nothing in particular
-    /// (harnesses put their clocks back). A chip on a mirror fabric, whose tree would have no
-    /// root, takes the ring barrier on one ring lane per axis instead.
+    /// torus: at 100,000 chips it cost as much as a sixth of the collective being measured.
+    /// Its virtual time models nothing in particular (harnesses put their clocks back). A chip
+    /// on a mirror fabric, whose tree would have no root, takes the ring barrier on one ring
+    /// lane per axis instead.
     pub async fn harness_barrier(&mut self, group: Group) -> Result<(), CollectiveError> {
         if self.mirrored() {
             return self.barrier(&Comm::new(group, Algo::Ring)).await;

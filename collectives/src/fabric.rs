@@ -379,7 +379,9 @@ impl Drop for Receive<'_> {
 const KINDS: usize = 2;
 
 /// Pending messages whose link slot [`Pending`] keeps inline, beside the messages' header;
-/// the slot of any further message is read from the message itself.
+/// the slot of any further message is read from the message itself. (A lane that runs ahead
+/// with the sweep can leave a neighbour dozens of messages, but 32 inline slots measured no
+/// fewer cache misses than 24: cachegrind, 16x16x16 all-reduce, 4 MiB last-level cache.)
 const INLINE_SLOTS: usize = 24;
 
 /// The receiver's link slot of a message.
@@ -392,9 +394,9 @@ fn slot_of(msg: &Message) -> u8 {
 ///
 /// A receive reads only the messages of its own link slot, found from a byte per message, and
 /// checks for desyncs against the few distinct fingerprints pending instead of every message:
-/// a chip's inbox holds about two messages for each of its six lanes, and reading all of them
-/// (two cache lines each, written by other chips) for every receive was the largest part of
-/// receiving. The slot bytes sit inline, on the cache line of the lock, not in a buffer of
+/// a chip's inbox holds a few messages for each of its six lanes (more for a lane whose sender
+/// ran ahead), and reading all of them (two cache lines each, written by other chips) for
+/// every receive was the largest part of receiving. The slot bytes sit inline, on the cache line of the lock, not in a buffer of
 /// their own.
 #[derive(Debug, Default)]
 #[repr(C)]
