@@ -295,13 +295,10 @@ impl Chip {
         self.clock = t;
     }
 
-    /// Charges a computation of `flops` floating-point operations touching `hbm_bytes` bytes of
-    /// HBM: the clock advances by `max(flops / peak_flops, hbm_bytes / hbm_bandwidth)` (a
-    /// roofline). Returns the time charged, ns.
-    pub fn compute(&mut self, flops: f64, hbm_bytes: f64) -> Nanos {
+    /// Charges `ns` of computation (what a kernel model priced for the chip's hardware): the
+    /// clock advances by it. Returns it.
+    pub fn compute(&mut self, ns: Nanos) -> Nanos {
         self.core.recorder.compute_finished();
-        let hw = &self.core.hardware;
-        let ns = (flops / hw.peak_flops).max(hbm_bytes / hw.hbm_bandwidth) * 1e9;
         self.clock += ns;
         ns
     }

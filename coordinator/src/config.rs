@@ -7,12 +7,15 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
-use podsim_topology::{Group, Hardware, HardwareOverrides, Link, Placement, Pod, Torus};
+use podsim_topology::{
+    Group, HARDWARE_KEYS, Hardware, HardwareOverrides, Link, Placement, Pod, Torus,
+};
 use podsim_worker::faults::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::job::{CollectiveStep, JobSpec, Program};
 use podsim_worker::train::strategy::Plan;
 use podsim_worker::train::{
-    Eager, MlpSpec, ModelSpec, OptimizerSpec, Strategy, TrainSpec, TransformerSpec,
+    BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy, TpActivations,
+    TrainSpec, TransformerSpec,
 };
 use serde::Deserialize;
 
@@ -180,6 +183,8 @@ struct RawJob {
     algo: Option<String>,
     check: Option<bool>,
     symmetric: Option<bool>,
+    remat: Option<String>,
+    tp_activations: Option<String>,
     model: Option<RawModel>,
     optimizer: Option<RawOptimizer>,
 }
@@ -197,13 +202,30 @@ struct RawModel {
     vocab: Option<usize>,
     seq: Option<usize>,
     gated: Option<bool>,
+    head_dim: Option<usize>,
+    mlp: Option<String>,
+    block: Option<String>,
+    tied_embeddings: Option<bool>,
     dtype: Option<String>,
 }
 
 /// Keys of `[job.model]` each model kind takes.
 const MLP_KEYS: &[&str] = &["kind", "widths"];
 const TRANSFORMER_KEYS: &[&str] = &[
-    "kind", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq", "gated", "dtype",
+    "kind",
+    "layers",
+    "d_model",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "ffn",
+    "mlp",
+    "gated",
+    "block",
+    "vocab",
+    "tied_embeddings",
+    "seq",
+    "dtype",
 ];
 
 #[derive(Debug, Default, Deserialize)]
@@ -298,6 +320,8 @@ const SCHEMA: &[(&str, &[&str])] = &[
             "algo",
             "check",
             "symmetric",
+            "remat",
+            "tp_activations",
             "model",
             "optimizer",
         ],
@@ -305,8 +329,21 @@ const SCHEMA: &[(&str, &[&str])] = &[
     (
         "job.model",
         &[
-            "kind", "widths", "layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "seq",
-            "gated", "dtype",
+            "kind",
+            "widths",
+            "layers",
+            "d_model",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "ffn",
+            "mlp",
+            "gated",
+            "block",
+            "vocab",
+            "tied_embeddings",
+            "seq",
+            "dtype",
         ],
     ),
     (
@@ -338,18 +375,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
         ],
     ),
     ("output", &["dir"]),
-    (
-        "hardware",
-        &[
-            "ici_bandwidth",
-            "ici_latency_ns",
-            "dcn_bandwidth",
-            "dcn_latency_ns",
-            "peak_flops",
-            "hbm_bytes",
-            "hbm_bandwidth",
-        ],
-    ),
+    ("hardware", HARDWARE_KEYS),
 ];
 
 /// Finds the line (1-based) of `key` in table `table` (`job.collectives#2` for the third
@@ -490,6 +516,10 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
         ("vocab", m.vocab.is_some()),
         ("seq", m.seq.is_some()),
         ("gated", m.gated.is_some()),
+        ("head_dim", m.head_dim.is_some()),
+        ("mlp", m.mlp.is_some()),
+        ("block", m.block.is_some()),
+        ("tied_embeddings", m.tied_embeddings.is_some()),
         ("dtype", m.dtype.is_some()),
     ];
     let before = p.list.len();
@@ -511,22 +541,77 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
         }
         return (p.list.len() == before).then_some(ModelSpec::Mlp(MlpSpec { widths }));
     }
-    let mut need = |key: &str, v: Option<usize>| {
+    fn need(p: &mut Problems<'_>, key: &str, v: Option<usize>) -> usize {
         if v.is_none() {
             p.add("job.model", Some(key), "missing (a transformer needs it)");
         }
         v.unwrap_or(0)
+    }
+    let heads = need(p, "heads", m.heads);
+    let d_model = need(p, "d_model", m.d_model);
+    let head_dim = match m.head_dim {
+        Some(h) => h,
+        None if heads > 0 && d_model.is_multiple_of(heads) => d_model / heads,
+        None => {
+            if heads > 0 && d_model > 0 {
+                p.add(
+                    "job.model",
+                    Some("head_dim"),
+                    format!(
+                        "missing, and d_model = {d_model} is not a multiple of heads = {heads}"
+                    ),
+                );
+            }
+            0
+        }
     };
-    let heads = need("heads", m.heads);
+    let mlp = match (m.mlp.as_deref(), m.gated) {
+        (Some(_), Some(_)) => {
+            p.add(
+                "job.model",
+                Some("gated"),
+                "give mlp or gated (the older name of mlp = \"swiglu\"), not both",
+            );
+            MlpKind::Gelu
+        }
+        (Some(name), None) => MlpKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .unwrap_or_else(|| {
+                p.add(
+                    "job.model",
+                    Some("mlp"),
+                    format!("{name:?} is not relu, gelu, swiglu or geglu"),
+                );
+                MlpKind::Gelu
+            }),
+        (None, Some(true)) => MlpKind::Swiglu,
+        (None, _) => MlpKind::Gelu,
+    };
+    let block = match m.block.as_deref().unwrap_or("sequential") {
+        "sequential" => BlockKind::Sequential,
+        "parallel" => BlockKind::Parallel,
+        other => {
+            p.add(
+                "job.model",
+                Some("block"),
+                format!("{other:?} is not sequential or parallel"),
+            );
+            BlockKind::Sequential
+        }
+    };
     let spec = TransformerSpec {
-        layers: need("layers", m.layers),
-        d_model: need("d_model", m.d_model),
+        layers: need(p, "layers", m.layers),
+        d_model,
         heads,
         kv_heads: m.kv_heads.unwrap_or(heads),
-        ffn: need("ffn", m.ffn),
-        vocab: need("vocab", m.vocab),
-        seq: need("seq", m.seq),
-        gated: m.gated.unwrap_or(false),
+        head_dim,
+        ffn: need(p, "ffn", m.ffn),
+        mlp,
+        block,
+        vocab: need(p, "vocab", m.vocab),
+        tied_embeddings: m.tied_embeddings.unwrap_or(false),
+        seq: need(p, "seq", m.seq),
         dtype: match m.dtype.as_deref().unwrap_or("bf16") {
             "bf16" => DType::Bf16,
             "f32" => DType::F32,
@@ -614,6 +699,24 @@ pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
     })?;
     apply_overrides(&mut table, sets).map_err(|e| one(None, "--set", e))?;
     parse(&file, &text, path, table)
+}
+
+/// Validates a config given as text with `key=value` overrides; `origin` names it in errors
+/// (and stands for its path).
+pub fn from_text(origin: &str, text: &str, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
+    let one = |field: &str, reason: String| {
+        ConfigErrors(vec![ConfigError {
+            file: origin.into(),
+            line: None,
+            field: field.into(),
+            reason,
+        }])
+    };
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| one("syntax", e.message().to_string()))?;
+    apply_overrides(&mut table, sets).map_err(|e| one("--set", e))?;
+    parse(origin, text, Path::new(origin), table)
 }
 
 fn parse(
@@ -1191,7 +1294,30 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         }
         _ => j.tp.unwrap_or(first_axis),
     };
-    let replicas = j.replicas.unwrap_or(outermost);
+    let replicas = match strategy {
+        // fsdp+tp: data parallelism across replicas only when asked for.
+        Some(Strategy::FsdpTp) => j.replicas.unwrap_or(1),
+        _ => j.replicas.unwrap_or(outermost),
+    };
+    let remat = j
+        .remat
+        .as_deref()
+        .unwrap_or("none")
+        .parse::<Remat>()
+        .map_err(|e| p.add("job", Some("remat"), e))
+        .ok();
+    let tp_activations = match j.tp_activations.as_deref().unwrap_or("replicated") {
+        "replicated" => Some(TpActivations::Replicated),
+        "sharded" => Some(TpActivations::Sharded),
+        other => {
+            p.add(
+                "job",
+                Some("tp_activations"),
+                format!("{other:?} is not replicated or sharded"),
+            );
+            None
+        }
+    };
     if let (Some(pod), Some(strategy), Some(model), Some(algo), true) =
         (pod, strategy, &model, algo, p.list.len() == before)
         && let Err(e) = Plan::new(pod, strategy, &model.tp_styles(), tp, replicas, algo, false)
@@ -1230,6 +1356,8 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         checkpoint_dir: None,
         resume_from: None,
         symmetric: false,
+        remat: remat?,
+        tp_activations: tp_activations?,
     })
 }
 

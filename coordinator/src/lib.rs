@@ -3,6 +3,7 @@
 //! `podsim study`.
 
 pub mod bench;
+pub mod compare;
 pub mod config;
 pub mod launch;
 pub mod report;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use podsim_coordinator::bench::{self, BenchArgs};
+use podsim_coordinator::compare::{self, CompareArgs};
 use podsim_coordinator::config::{self, JobConfig};
 use podsim_coordinator::launch::{self, ControlPlane, LaunchError, Workers, new_token};
 use podsim_coordinator::study::{self, StudyArgs};
@@ -43,6 +44,8 @@ enum Command {
     Bench(BenchArgs),
     /// Run a scaling study: sweep config fields, run every point, write results.csv and plots.
     Study(StudyArgs),
+    /// Predict measured training runs (a CSV of published step times) and report the error.
+    Compare(CompareArgs),
 }
 
 #[derive(Debug, Args)]
@@ -294,6 +297,7 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Bench(args) => bench::main(args),
         Command::Study(args) => study::main(args),
+        Command::Compare(args) => compare::main(args),
         Command::Validate(args) => load(args).map(|cfg| {
             println!(
                 "{}: ok ({} job on {}, {} chips, {} workers)",

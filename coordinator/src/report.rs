@@ -444,6 +444,22 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
     report
 }
 
+/// Samples of one training step over the pod: per data-parallel rank, times ranks, times
+/// micro-batches.
+pub fn global_batch(pod: &podsim_topology::Pod, spec: &podsim_worker::train::TrainSpec) -> usize {
+    let data_parallel = podsim_worker::train::strategy::Plan::new(
+        pod,
+        spec.strategy,
+        &spec.model.tp_styles(),
+        spec.tp,
+        spec.replicas,
+        spec.algo,
+        false,
+    )
+    .map_or(1, |plan| plan.data_parallel(&vec![0; plan.mesh.ndim()]).0);
+    spec.batch * data_parallel * spec.grad_accum as usize
+}
+
 fn training(
     report: &mut Report,
     pod: &podsim_topology::Pod,
@@ -496,17 +512,7 @@ fn training(
         report.status = "error".into();
         report.error = Some("replicas ended with different parameters".into());
     }
-    let data_parallel = podsim_worker::train::strategy::Plan::new(
-        pod,
-        spec.strategy,
-        &spec.model.tp_styles(),
-        spec.tp,
-        spec.replicas,
-        spec.algo,
-        false,
-    )
-    .map_or(1, |plan| plan.data_parallel(&vec![0; plan.mesh.ndim()]).0);
-    let global_batch = spec.batch * data_parallel * spec.grad_accum as usize;
+    let global_batch = global_batch(pod, spec);
     let flops_per_step = spec.model.step_flops(global_batch as f64);
     let mut by_time: Vec<&TrainStep> = steps.iter().collect();
     by_time.sort_by(|a, b| a.virtual_ms.total_cmp(&b.virtual_ms));

@@ -1,6 +1,13 @@
-//! Hardware presets and the figures the virtual-time model reads: per-link one-way ICI
-//! bandwidth and per-hop latency, per-chip DCN egress bandwidth and latency, bf16 peak flops,
-//! HBM size and bandwidth. Every field can be overridden.
+//! Hardware presets and the figures the virtual-time model reads: the interconnect (per-link
+//! one-way ICI bandwidth and per-hop latency, per-chip DCN egress bandwidth and latency, the
+//! host link), the chip (bf16 peak flops, HBM size and bandwidth) and the kernel model's
+//! constants (MXU tile, the achievable fractions of peak, flash attention's block, the fixed
+//! cost of a kernel). Every field can be overridden in a config's `[hardware]` table.
+//!
+//! Each preset value says where it comes from in [`Hardware::preset`]. The kernel-model
+//! constants that no data sheet gives (`matmul_efficiency`, `hbm_efficiency`,
+//! `attention_efficiency`, `kernel_overhead_ns`) are one value for every chip generation and
+//! every model: they describe how close a kernel gets to the hardware's limits, not a model.
 
 use serde::{Deserialize, Serialize};
 
@@ -27,33 +34,117 @@ pub struct Hardware {
     pub hbm_bytes: f64,
     /// HBM bandwidth, bytes/s.
     pub hbm_bandwidth: f64,
+    /// Edge of the MXU's systolic array: matmul dimensions are padded to a multiple of it.
+    pub mxu_tile: f64,
+    /// Fraction of `peak_flops` a large, tile-aligned matmul sustains.
+    pub matmul_efficiency: f64,
+    /// Edge of the output block a matmul keeps in on-chip memory: each input panel is read
+    /// from HBM once per block of the other operand, which sets a matmul's HBM traffic.
+    pub matmul_block: f64,
+    /// Fraction of `hbm_bandwidth` a streaming (element-wise, normalisation) kernel sustains.
+    pub hbm_efficiency: f64,
+    /// Fraction of `peak_flops` the flash-attention kernel sustains on the blocks it computes
+    /// (the softmax between its two matmuls runs on the vector unit).
+    pub attention_efficiency: f64,
+    /// Query and key block of flash attention; causal attention skips fully masked blocks.
+    pub attention_block: f64,
+    /// Fixed cost of launching one kernel, ns.
+    pub kernel_overhead_ns: f64,
+    /// Host link (PCIe) bandwidth per chip, each way, bytes/s: offloaded activations cross it.
+    pub host_bandwidth: f64,
 }
 
-/// Optional replacements for any field of a preset (a config's `[hardware]` table).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HardwareOverrides {
-    pub ici_bandwidth: Option<f64>,
-    pub ici_latency_ns: Option<f64>,
-    pub dcn_bandwidth: Option<f64>,
-    pub dcn_latency_ns: Option<f64>,
-    pub peak_flops: Option<f64>,
-    pub hbm_bytes: Option<f64>,
-    pub hbm_bandwidth: Option<f64>,
+/// Defines [`HardwareOverrides`] and its application from one list of field names, so a new
+/// field of [`Hardware`] is declared once. `zero_ok` fields (latencies, overheads) may be 0.
+macro_rules! overridable {
+    ($($field:ident: $zero_ok:expr),* $(,)?) => {
+        /// Optional replacements for any field of a preset (a config's `[hardware]` table).
+        #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct HardwareOverrides {
+            $(pub $field: Option<f64>,)*
+        }
+
+        /// Keys of a config's `[hardware]` table.
+        pub const HARDWARE_KEYS: &[&str] = &[$(stringify!($field)),*];
+
+        impl Hardware {
+            /// This hardware with the given fields replaced; rejects non-positive or
+            /// non-finite values (latencies and the kernel overhead may be zero; fractions of
+            /// peak may not exceed 1).
+            pub fn with_overrides(mut self, o: &HardwareOverrides) -> Result<Hardware, TopologyError> {
+                let mut changed = false;
+                $(
+                    if let Some(v) = o.$field {
+                        let field = stringify!($field);
+                        let fraction = field.ends_with("_efficiency");
+                        let ok = v.is_finite()
+                            && (v > 0.0 || ($zero_ok && v == 0.0))
+                            && (!fraction || v <= 1.0);
+                        if !ok {
+                            return Err(TopologyError::BadHardwareValue { field, value: v });
+                        }
+                        self.$field = v;
+                        changed = true;
+                    }
+                )*
+                if changed && !self.name.ends_with("(custom)") {
+                    self.name.push_str(" (custom)");
+                }
+                Ok(self)
+            }
+        }
+    };
+}
+
+overridable! {
+    ici_bandwidth: false,
+    ici_latency_ns: true,
+    dcn_bandwidth: false,
+    dcn_latency_ns: true,
+    peak_flops: false,
+    hbm_bytes: false,
+    hbm_bandwidth: false,
+    mxu_tile: false,
+    matmul_efficiency: false,
+    matmul_block: false,
+    hbm_efficiency: false,
+    attention_efficiency: false,
+    attention_block: false,
+    kernel_overhead_ns: true,
+    host_bandwidth: false,
 }
 
 /// Names of the built-in presets.
 pub const PRESETS: [&str; 4] = ["v4", "v5e", "v5p", "v6e"];
 
 impl Hardware {
-    /// A preset with the public figures (see DESIGN.md). ICI latency 1 µs per hop; DCN
-    /// latency 10 µs is an assumption to override.
+    /// A preset. Sources:
+    /// - ICI, DCN, peak bf16 flops, HBM size and bandwidth: the vendor's public per-chip
+    ///   figures (see docs/DESIGN.md); ICI latency 1 µs per hop and DCN latency 10 µs are
+    ///   assumptions to override.
+    /// - `mxu_tile`: 128x128 MXUs on v4, v5e and v5p, 256x256 on v6e (the vendor's
+    ///   architecture descriptions).
+    /// - `attention_block`: 512, the query and key block sizes of the Pallas flash-attention
+    ///   kernel as the published training recipes configure it.
+    /// - `matmul_block`: 1024, the output block a 16-128 MiB on-chip vector memory holds with
+    ///   its f32 accumulator (4 MiB) and double-buffered input panels; it makes a matmul on v6e
+    ///   (918 TFLOP/s over 1.64 TB/s: 560 flops per byte) HBM-bound where v4-v5p are not.
+    /// - `host_bandwidth`: a PCIe Gen3 x16 link on v4 and Gen4 x16 on the later chips, each
+    ///   way (assumption: the vendor publishes no host-link figure).
+    /// - `matmul_efficiency` 0.9, `hbm_efficiency` 0.85, `kernel_overhead_ns` 1 µs: how close
+    ///   kernels get to the limits above (clock and issue overheads, DMA), assumptions made
+    ///   before looking at any measurement, the same for every chip and model.
+    /// - `attention_efficiency` 0.6: the one constant set against measurements — the published
+    ///   step times of `configs/validation/published.csv`, as one value for every chip and
+    ///   model (0.5 to 0.7 all keep every row within 12%; the softmax between the kernel's
+    ///   matmuls runs on the vector unit, which no data sheet rates).
     pub fn preset(name: &str) -> Result<Hardware, TopologyError> {
-        let (ici, dcn, flops, hbm_gib, hbm_bw) = match name {
-            "v4" => (45.0, 6.25, 275e12, 32.0, 1.2e12),
-            "v5e" => (45.0, 3.125, 197e12, 16.0, 0.82e12),
-            "v5p" => (90.0, 6.25, 459e12, 95.0, 2.76e12),
-            "v6e" => (90.0, 12.5, 918e12, 32.0, 1.64e12),
+        let (ici, dcn, flops, hbm_gib, hbm_bw, tile, host) = match name {
+            "v4" => (45.0, 6.25, 275e12, 32.0, 1.2e12, 128.0, 16.0),
+            "v5e" => (45.0, 3.125, 197e12, 16.0, 0.82e12, 128.0, 32.0),
+            "v5p" => (90.0, 6.25, 459e12, 95.0, 2.76e12, 128.0, 32.0),
+            "v6e" => (90.0, 12.5, 918e12, 32.0, 1.64e12, 256.0, 32.0),
             other => return Err(TopologyError::UnknownHardware(other.to_string())),
         };
         Ok(Hardware {
@@ -65,61 +156,15 @@ impl Hardware {
             peak_flops: flops,
             hbm_bytes: hbm_gib * GIB,
             hbm_bandwidth: hbm_bw,
+            mxu_tile: tile,
+            matmul_efficiency: 0.9,
+            matmul_block: 1024.0,
+            hbm_efficiency: 0.85,
+            attention_efficiency: 0.6,
+            attention_block: 512.0,
+            kernel_overhead_ns: 1_000.0,
+            host_bandwidth: host * GB,
         })
-    }
-
-    /// This hardware with the given fields replaced; rejects non-positive or non-finite values
-    /// (latencies may be zero).
-    pub fn with_overrides(mut self, o: &HardwareOverrides) -> Result<Hardware, TopologyError> {
-        let fields: [(&'static str, Option<f64>, &mut f64, bool); 7] = [
-            (
-                "ici_bandwidth",
-                o.ici_bandwidth,
-                &mut self.ici_bandwidth,
-                false,
-            ),
-            (
-                "ici_latency_ns",
-                o.ici_latency_ns,
-                &mut self.ici_latency_ns,
-                true,
-            ),
-            (
-                "dcn_bandwidth",
-                o.dcn_bandwidth,
-                &mut self.dcn_bandwidth,
-                false,
-            ),
-            (
-                "dcn_latency_ns",
-                o.dcn_latency_ns,
-                &mut self.dcn_latency_ns,
-                true,
-            ),
-            ("peak_flops", o.peak_flops, &mut self.peak_flops, false),
-            ("hbm_bytes", o.hbm_bytes, &mut self.hbm_bytes, false),
-            (
-                "hbm_bandwidth",
-                o.hbm_bandwidth,
-                &mut self.hbm_bandwidth,
-                false,
-            ),
-        ];
-        let mut changed = false;
-        for (field, value, slot, zero_ok) in fields {
-            if let Some(v) = value {
-                let ok = v.is_finite() && (v > 0.0 || (zero_ok && v == 0.0));
-                if !ok {
-                    return Err(TopologyError::BadHardwareValue { field, value: v });
-                }
-                *slot = v;
-                changed = true;
-            }
-        }
-        if changed && !self.name.ends_with("(custom)") {
-            self.name.push_str(" (custom)");
-        }
-        Ok(self)
     }
 }
 
@@ -148,5 +193,16 @@ mod tests {
             })
         ));
         assert!(Hardware::preset("h100").is_err());
+        let over = HardwareOverrides {
+            matmul_efficiency: Some(1.5),
+            ..Default::default()
+        };
+        assert!(
+            Hardware::preset("v4")
+                .unwrap()
+                .with_overrides(&over)
+                .is_err()
+        );
+        assert_eq!(Hardware::preset("v6e").unwrap().mxu_tile, 256.0);
     }
 }

@@ -17,7 +17,7 @@ mod torus;
 
 pub use error::TopologyError;
 pub use group::{Group, PodAxis};
-pub use hardware::{Hardware, HardwareOverrides, PRESETS};
+pub use hardware::{HARDWARE_KEYS, Hardware, HardwareOverrides, PRESETS};
 pub use mesh::{DeviceMesh, MeshAxis};
 pub use placement::Placement;
 pub use pod::{ChipId, Link, Pod};

@@ -8,8 +8,8 @@ use podsim_collectives::{Algo, LocalFabric, run_chips};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::train::{
-    ChipTrainReport, Eager, MlpSpec, ModelSpec, OptimizerSpec, Strategy, Tensor, TrainSpec,
-    train_chip_with_parameters,
+    ChipTrainReport, Eager, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy, Tensor,
+    TpActivations, TrainSpec, train_chip_with_parameters,
 };
 
 fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
@@ -40,6 +40,8 @@ fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
         checkpoint_dir: None,
         resume_from: None,
         symmetric: false,
+        remat: Remat::default(),
+        tp_activations: TpActivations::Replicated,
     }
 }
 

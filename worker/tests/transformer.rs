@@ -10,8 +10,8 @@ use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chip, run_chips}
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::train::{
-    ChipTrainReport, Eager, ModelSpec, OptimizerSpec, Strategy, TrainSpec, TransformerSpec,
-    train_chip,
+    BlockKind, ChipTrainReport, Eager, MlpKind, ModelSpec, OptimizerSpec, Remat, Strategy,
+    TpActivations, TrainSpec, TransformerSpec, train_chip,
 };
 
 /// Every output dimension divides by 16: no `torch.chunk` padding on up to 16 chips.
@@ -21,10 +21,13 @@ fn model(d_model: usize, ffn: usize, vocab: usize) -> TransformerSpec {
         d_model,
         heads: 4,
         kv_heads: 4,
+        head_dim: d_model / 4,
         ffn,
+        mlp: MlpKind::Gelu,
+        block: BlockKind::Sequential,
         vocab,
+        tied_embeddings: false,
         seq: 64,
-        gated: false,
         dtype: DType::Bf16,
     }
 }
@@ -56,6 +59,8 @@ fn spec(strategy: Strategy, m: &TransformerSpec, steps: u32) -> TrainSpec {
         checkpoint_dir: None,
         resume_from: None,
         symmetric: true,
+        remat: Remat::default(),
+        tp_activations: TpActivations::Replicated,
     }
 }
 
@@ -113,8 +118,9 @@ fn a_dense_step_costs_six_flops_per_weight_per_token_plus_attention() {
     // Hand count: weights of the products (the embedding lookup is none) ...
     let d = 256.0;
     let weights = 2.0 * (d * 3.0 * d + d * d + d * 1024.0 + 1024.0 * d) + d * 512.0;
-    // ... six flops each per token, and attention's 12 * seq * d_model per token per block.
-    let want = 6.0 * weights * tokens + 12.0 * 2.0 * 64.0 * d * tokens;
+    // ... six flops each per token, and causal attention's 6 * seq * heads * head_dim per
+    // token per block (QK^T and AV over half the scores, forward and backward).
+    let want = 6.0 * weights * tokens + 6.0 * 2.0 * 64.0 * d * tokens;
     assert_eq!(s.model.step_flops(s.batch as f64), want);
     for (r, _) in &reports {
         let charged = r.steps[0].flops;
@@ -198,4 +204,77 @@ fn one_mirrored_chip_predicts_the_step_of_every_chip() {
         }
         assert_eq!(one.hbm.peak_bytes, full[0].0.hbm.peak_bytes);
     }
+}
+
+/// One step of `m` under DDP on one mirrored chip of a 4-chip ring with `remat`.
+fn remat_step(m: &TransformerSpec, remat: &str) -> podsim_worker::train::StepRecord {
+    let mut s = spec(Strategy::Ddp, m, 1);
+    s.remat = remat.parse().unwrap();
+    run(&s, "4", v5p(), true)[0].0.steps[0].clone()
+}
+
+#[test]
+fn full_remat_recomputes_one_forward_of_every_block() {
+    let m = model(64, 128, 128);
+    let (t, d, f, q, qkv, seq, layers) = (128.0, 64.0, 128.0, 64.0, 192.0, 64.0, 2.0);
+    // Hand count of one block's forward: the four matmuls, their biases, RoPE on q and k,
+    // causal attention (QK^T and PV over half the scores), GELU, two residual + norm passes.
+    let matmuls = 2.0 * t * (d * qkv + q * d + d * f + f * d);
+    let biases = t * (qkv + d + f + d);
+    let rope = 6.0 * t * (4.0 + 4.0) * 16.0;
+    let attention = 2.0 * t * seq * q;
+    let elementwise = 8.0 * t * f + 2.0 * 8.0 * t * d;
+    let block = matmuls + biases + rope + attention + elementwise;
+    let none = remat_step(&m, "none");
+    let full = remat_step(&m, "full");
+    let extra = full.flops - none.flops;
+    assert!(
+        (extra - layers * block).abs() < 1e-9 * extra,
+        "recomputed {extra} flops, one forward of the blocks is {}",
+        layers * block
+    );
+    assert!(full.virtual_ns > none.virtual_ns);
+    // Full remat keeps each block's input only.
+    assert!(full.activations_bytes < none.activations_bytes);
+}
+
+#[test]
+fn minimal_remat_keeps_exactly_the_matmul_outputs_backward_reads() {
+    let m = model(64, 128, 128);
+    let (t, d, f, qkv, vocab) = (128u64, 64u64, 128u64, 192u64, 128u64);
+    let bf16 = 2;
+    let minimal = remat_step(&m, "minimal");
+    // The token ids (one bf16-sized id per token), the embedding's output (block 0's input), per block the outputs of
+    // qkv, the attention projection and the MLP's input projection and the block's output
+    // (the MLP's output projection only feeds the residual sum that leaves the block), and
+    // the logits.
+    let ids = t * bf16;
+    let per_block = t * (qkv + d + f + d) * bf16;
+    let want = ids + t * d * bf16 + 2 * per_block + t * vocab * bf16;
+    assert_eq!(minimal.activations_bytes, want);
+    // Element-wise ops and attention run again in backward: more flops than no remat,
+    // fewer than full.
+    let (none, full) = (remat_step(&m, "none"), remat_step(&m, "full"));
+    assert!(none.flops < minimal.flops && minimal.flops < full.flops);
+    // PyTorch's selective checkpointing of every matmul is the same policy.
+    let sac = remat_step(&m, "selective:mm");
+    assert_eq!(
+        (sac.activations_bytes, sac.flops),
+        (minimal.activations_bytes, minimal.flops)
+    );
+}
+
+#[test]
+fn offloaded_tensors_cross_the_host_link_twice() {
+    let m = model(64, 128, 128);
+    let (t, d, q, kv) = (128u64, 64u64, 64u64, 64u64);
+    let step = remat_step(
+        &m,
+        "custom:query_proj=offload+key_proj=offload+out_proj=offload",
+    );
+    // Per block: q and k (t x 64 each) and the attention projection's output (t x 64), out
+    // to host in forward and back before backward.
+    let per_block = t * (q + kv + d) * 2;
+    assert_eq!(step.host_transfer_bytes, 2 * 2 * per_block);
+    assert_eq!(remat_step(&m, "full").host_transfer_bytes, 0);
 }

@@ -1,7 +1,7 @@
 //! The model: a multi-layer perceptron (`Linear` layers with ReLU between them, softmax
 //! cross-entropy on the last), its deterministic initialisation, a synthetic dataset whose
-//! labels come from a fixed teacher network, and the forward/backward kernels with the flops
-//! and HBM bytes each one costs.
+//! labels come from a fixed teacher network, and the forward/backward kernels with the
+//! [`Cost`] (kernel shapes) each one is charged.
 //!
 //! Shapes follow `torch.nn.Linear`: weight `(out, in)`, bias `(out)`, `y = x W^T + b`. The
 //! matrix products are ndarray's (matrixmultiply).
@@ -10,6 +10,7 @@ use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Ix2};
 use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
+pub use crate::train::kernels::Cost;
 use crate::train::tensor::Tensor;
 
 /// A deterministic stream of pseudo-random numbers (SplitMix64): the same `(seed, stream)`
@@ -157,39 +158,6 @@ impl Dataset {
     }
 }
 
-/// Flops and HBM bytes of one kernel, for the virtual-time charge.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Cost {
-    pub flops: f64,
-    pub bytes: f64,
-}
-
-impl Cost {
-    /// A `(m, k) x (k, n)` matrix product: `2mkn` flops, both inputs read, the output written.
-    pub fn matmul(m: usize, k: usize, n: usize) -> Cost {
-        let (m, k, n) = (m as f64, k as f64, n as f64);
-        Cost {
-            flops: 2.0 * m * k * n,
-            bytes: 4.0 * (m * k + k * n + m * n),
-        }
-    }
-
-    /// An element-wise pass over `n` elements reading `reads` and writing one array.
-    pub fn elementwise(n: usize, flops_per: f64, reads: f64) -> Cost {
-        Cost {
-            flops: flops_per * n as f64,
-            bytes: 4.0 * (reads + 1.0) * n as f64,
-        }
-    }
-
-    pub fn plus(self, o: Cost) -> Cost {
-        Cost {
-            flops: self.flops + o.flops,
-            bytes: self.bytes + o.bytes,
-        }
-    }
-}
-
 fn view2(t: &Tensor) -> Result<ArrayView2<'_, f32>, WorkerError> {
     t.values()
         .ok_or_else(|| WorkerError::Internal("a meta tensor in a data kernel".into()))?
@@ -234,21 +202,31 @@ pub fn add_bias(y: &mut Tensor, b: &Tensor) -> Result<Cost, WorkerError> {
 }
 
 /// Gradients of `y = x W^T + b` given `dy`: `dW = dy^T x`, `db = sum_rows dy` and, when
-/// asked, `dx = dy W`.
+/// asked, `dx = dy W`. The costs come apart: the weight gradient's kernels, then the input
+/// gradient's (which a tensor-parallel collective may overlap with the former).
+#[allow(clippy::type_complexity)]
 pub fn linear_backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     want_dx: bool,
-) -> Result<(Tensor, Tensor, Option<Tensor>, Cost), WorkerError> {
+) -> Result<(Tensor, Tensor, Option<Tensor>, Cost, Cost), WorkerError> {
     let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-    let mut cost = Cost::matmul(n, m, k).plus(Cost::elementwise(m * n, 1.0, 0.0));
-    if want_dx {
-        cost = cost.plus(Cost::matmul(m, n, k));
-    }
+    let weight_cost = Cost::matmul(n, m, k).plus(Cost::elementwise(m * n, 1.0, 0.0));
+    let input_cost = if want_dx {
+        Cost::matmul(m, n, k)
+    } else {
+        Cost::default()
+    };
     if x.is_meta() || dy.is_meta() {
         let dx = want_dx.then(|| Tensor::Meta(vec![m, k]));
-        return Ok((Tensor::Meta(vec![n, k]), Tensor::Meta(vec![n]), dx, cost));
+        return Ok((
+            Tensor::Meta(vec![n, k]),
+            Tensor::Meta(vec![n]),
+            dx,
+            weight_cost,
+            input_cost,
+        ));
     }
     let dyv = view2(dy)?;
     let dw = dyv.t().dot(&view2(x)?);
@@ -262,7 +240,8 @@ pub fn linear_backward(
         Tensor::Data(dw.into_dyn()),
         Tensor::Data(db.into_dyn()),
         dx,
-        cost,
+        weight_cost,
+        input_cost,
     ))
 }
 
@@ -341,7 +320,7 @@ mod tests {
         };
         let (y, _) = linear(&x, &w, Some(&b)).unwrap();
         let (_, dy, _) = cross_entropy(&y, &labels, 1.0).unwrap();
-        let (dw, _, _, _) = linear_backward(&x, &w, &dy, false).unwrap();
+        let (dw, _, _, _, _) = linear_backward(&x, &w, &dy, false).unwrap();
         let h = 1e-3;
         let mut wp = w.clone();
         wp.values_mut().unwrap()[[1, 2]] += h;

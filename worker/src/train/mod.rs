@@ -4,6 +4,8 @@
 //!
 //! - [`tensor`]: local tensors (values or, in meta mode, shapes) and `torch.chunk` layouts;
 //! - [`dtensor`]: DeviceMesh / DTensor placements and redistribution;
+//! - [`kernels`]: what a kernel (matmul, element-wise pass, flash attention) costs on the
+//!   modelled chip; [`remat`]: activation rematerialisation policies;
 //! - [`mlp`]: the MLP, its data and its kernels; [`model`]: the models (MLP, transformer by
 //!   shape) lowered to the layers the trainer runs; [`optim`]: SGD and AdamW;
 //! - [`memory`]: the per-chip HBM ledger; [`strategy`]: how each strategy places parameters
@@ -12,11 +14,13 @@
 
 pub mod checkpoint;
 pub mod dtensor;
+pub mod kernels;
 pub mod memory;
 pub mod mlp;
 pub mod model;
 pub mod optim;
 pub mod reference;
+pub mod remat;
 pub mod strategy;
 pub mod tensor;
 pub mod trainer;
@@ -24,8 +28,11 @@ pub mod trainer;
 pub use dtensor::{DTensor, Mesh, Placement};
 pub use memory::{Hbm, HbmReport, MemKind};
 pub use mlp::MlpSpec;
-pub use model::{ModelSpec, TransformerSpec};
+pub use model::{BlockKind, MlpKind, ModelSpec, TransformerSpec};
 pub use optim::OptimizerSpec;
+pub use remat::Remat;
 pub use strategy::{Eager, Strategy};
 pub use tensor::Tensor;
-pub use trainer::{ChipTrainReport, StepRecord, TrainSpec, train_chip, train_chip_with_parameters};
+pub use trainer::{
+    ChipTrainReport, StepRecord, TpActivations, TrainSpec, train_chip, train_chip_with_parameters,
+};

@@ -5,21 +5,30 @@
 //! and every kernel is charged from its shape). Both lower to [`LayerSpec`]s: a parameterised
 //! op (a linear layer or an embedding table, weight `(out, in)` and bias `(out)`), how tensor
 //! parallelism cuts it, and the parameter-free op that follows it (ReLU, the attention core,
-//! the MLP activation, residual + layer norm). Strategies place and sync each layer's two
+//! the MLP activation, residual + norm). Strategies place and sync each layer's two
 //! parameters exactly as for the MLP, so every strategy runs on every model unchanged.
 //!
-//! A transformer block lowers to four linear layers (Megatron pairs: `qkv` column-parallel,
-//! attention core, `proj` row-parallel, residual + norm; `up` column-parallel, GELU or SwiGLU,
-//! `down` row-parallel, residual + norm); before the blocks an embedding table, after them the
-//! LM head (both replicated over tensor parallelism), then softmax cross-entropy over the
-//! vocabulary. Layer-norm gains are not parameters here (2·d_model per norm, under 0.01% of
-//! any realistic model).
+//! A sequential block (attention, then MLP: Llama, GPT) lowers to four linear layers in
+//! column/row pairs: `attn.qkv` (column-parallel, then the attention core), `attn.out` (row,
+//! then residual and norm), `mlp.wi` (column, then the activation), `mlp.wo` (row, then
+//! residual and norm). A parallel block (PaLM: one pre-norm feeding attention and MLP, outputs
+//! summed) lowers to the fused pair it is implemented as: `in` (`[qkv | wi]`, column, then
+//! attention and activation side by side) and `out` (`[out | wo]`, row, then residual and
+//! norm). Before the blocks an embedding table (replicated over tensor parallelism), after
+//! them the LM head (vocabulary sharded over tensor parallelism; with tied embeddings it holds
+//! the only copy of the table), then softmax cross-entropy over the vocabulary. Norm gains are
+//! not parameters here (2·d_model per norm, under 0.01% of any realistic model).
+//!
+//! Each layer also says which of its outputs are named activations ([`Name`]) and which
+//! rematerialisation block it belongs to, for [`crate::train::remat`].
 
 use podsim_collectives::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
-use crate::train::mlp::{Cost, MlpSpec};
+use crate::train::kernels::{Cost, Kernel};
+use crate::train::mlp::MlpSpec;
+use crate::train::remat::Name;
 use crate::train::strategy::Style;
 use crate::train::tensor::Tensor;
 
@@ -31,19 +40,70 @@ pub enum ModelSpec {
     Transformer(TransformerSpec),
 }
 
-/// A decoder-only transformer by its shape (GPT-style blocks; `kv_heads < heads` is
-/// grouped-query attention, `gated` a SwiGLU MLP with `ffn` hidden units).
+/// The MLP of a transformer block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MlpKind {
+    /// Two matrices, ReLU between.
+    Relu,
+    /// Two matrices, GELU between.
+    Gelu,
+    /// Three matrices: `silu(x W_gate) * (x W_up)`, then down.
+    Swiglu,
+    /// Three matrices: `gelu(x W_gate) * (x W_up)`, then down.
+    Geglu,
+}
+
+impl MlpKind {
+    pub const ALL: [MlpKind; 4] = [
+        MlpKind::Relu,
+        MlpKind::Gelu,
+        MlpKind::Swiglu,
+        MlpKind::Geglu,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MlpKind::Relu => "relu",
+            MlpKind::Gelu => "gelu",
+            MlpKind::Swiglu => "swiglu",
+            MlpKind::Geglu => "geglu",
+        }
+    }
+
+    /// Gated MLPs have two input projections.
+    pub fn gated(self) -> bool {
+        matches!(self, MlpKind::Swiglu | MlpKind::Geglu)
+    }
+}
+
+/// How attention and MLP are arranged in a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BlockKind {
+    /// Attention, then MLP, each with its own pre-norm and residual.
+    Sequential,
+    /// One pre-norm feeding attention and MLP, their outputs summed into the residual.
+    Parallel,
+}
+
+/// A decoder-only transformer by its shape (`kv_heads < heads` is grouped-query attention;
+/// `heads * head_dim` need not equal `d_model`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransformerSpec {
     pub layers: usize,
     pub d_model: usize,
     pub heads: usize,
     pub kv_heads: usize,
+    pub head_dim: usize,
     pub ffn: usize,
+    pub mlp: MlpKind,
+    pub block: BlockKind,
     pub vocab: usize,
+    /// The LM head reuses the embedding table.
+    pub tied_embeddings: bool,
     /// Tokens per sequence.
     pub seq: usize,
-    pub gated: bool,
     pub dtype: DType,
 }
 
@@ -56,20 +116,43 @@ pub enum LayerKind {
     Embedding,
 }
 
+/// The attention of a block, with global widths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl AttentionShape {
+    fn q_width(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    fn qkv_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
 /// The parameter-free op after a layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum After {
     None,
+    /// The MLP's ReLU (real values).
     Relu,
-    /// Scaled dot-product attention over sequences of `seq` tokens: `(T, q + k + v)` in,
-    /// `(T, q)` out.
-    Attention {
-        seq: usize,
+    /// Causal flash attention with RoPE on `q` and `k`: `(T, q + k + v)` in, `(T, q)` out.
+    Attention(AttentionShape),
+    /// A transformer MLP's activation: `(T, f)` in and out, or gated `(T, 2f)` in.
+    Activation(MlpKind),
+    /// A parallel block's attention and activation side by side: `(T, qkv + up)` in,
+    /// `(T, q + ffn)` out.
+    ParallelCore {
+        attention: AttentionShape,
+        mlp: MlpKind,
+        ffn: usize,
     },
-    Gelu,
-    /// `silu(gate) * up`: `(T, 2f)` in, `(T, f)` out.
-    SwiGlu,
-    /// Residual add and layer norm.
+    /// Residual add and norm.
     ResidualNorm,
 }
 
@@ -84,6 +167,13 @@ pub struct LayerSpec {
     /// How tensor parallelism cuts it.
     pub style: Style,
     pub after: After,
+    /// The rematerialisation block it belongs to (`None`: outside every block, its
+    /// activations always kept).
+    pub block: Option<usize>,
+    /// Named parts of the matmul's output, with their global widths.
+    pub out_names: Vec<(Name, usize)>,
+    /// Named parts of the op-after's output, with their global widths.
+    pub after_names: Vec<(Name, usize)>,
 }
 
 impl std::fmt::Display for ModelSpec {
@@ -92,14 +182,20 @@ impl std::fmt::Display for ModelSpec {
             ModelSpec::Mlp(m) => write!(f, "MLP {:?}", m.widths),
             ModelSpec::Transformer(t) => write!(
                 f,
-                "transformer {} layers, d_model {}, {} heads ({} kv), ffn {}{}, vocab {}, seq {}, {}",
+                "transformer {} layers ({} blocks), d_model {}, {} heads ({} kv) of {}, ffn {} ({}), vocab {}{}, seq {}, {}",
                 t.layers,
+                match t.block {
+                    BlockKind::Sequential => "sequential",
+                    BlockKind::Parallel => "parallel",
+                },
                 t.d_model,
                 t.heads,
                 t.kv_heads,
+                t.head_dim,
                 t.ffn,
-                if t.gated { " (SwiGLU)" } else { "" },
+                t.mlp.name(),
                 t.vocab,
+                if t.tied_embeddings { " (tied)" } else { "" },
                 t.seq,
                 t.dtype.name()
             ),
@@ -118,41 +214,56 @@ impl LayerSpec {
 }
 
 impl TransformerSpec {
-    pub fn head_dim(&self) -> usize {
-        self.d_model / self.heads.max(1)
+    fn attention(&self) -> AttentionShape {
+        AttentionShape {
+            seq: self.seq,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
+    /// Width of the attention output (`heads * head_dim`).
+    pub fn q_width(&self) -> usize {
+        self.heads * self.head_dim
     }
 
     /// Width of the fused query/key/value projection.
     pub fn qkv_width(&self) -> usize {
-        (self.heads + 2 * self.kv_heads) * self.head_dim()
+        self.attention().qkv_width()
     }
 
     fn up_width(&self) -> usize {
-        if self.gated { 2 * self.ffn } else { self.ffn }
+        if self.mlp.gated() {
+            2 * self.ffn
+        } else {
+            self.ffn
+        }
     }
 
     /// Weights of one block's matrix products.
     pub fn block_matrix_params(&self) -> usize {
         let d = self.d_model;
-        d * self.qkv_width() + d * d + d * self.up_width() + self.ffn * d
+        d * self.qkv_width() + self.q_width() * d + d * self.up_width() + self.ffn * d
     }
 
-    /// Every parameter: embedding, blocks (weights and biases), LM head.
+    /// Every parameter: embedding, blocks (weights and biases), LM head (one table when
+    /// tied).
     pub fn parameters(&self) -> usize {
-        let d = self.d_model;
-        let block_biases = self.qkv_width() + d + self.up_width() + d;
-        let embedding = self.vocab * d + d;
-        let head = self.vocab * d + self.vocab;
-        embedding + self.layers * (self.block_matrix_params() + block_biases) + head
+        self.lower()
+            .iter()
+            .map(|l| l.outputs * (l.inputs + 1))
+            .sum()
     }
 
     /// Model flops of one training step on `tokens` tokens, the usual way of counting them for
     /// MFU: `6` per matrix-product weight per token (forward `2`, backward `4`; the embedding
-    /// lookup is no product) plus attention's `12 * seq * d_model` per token per block
-    /// (`QK^T` and `AV`, forward and backward). Element-wise work is not counted.
+    /// lookup is no product, the LM head is) plus causal attention's `6 * seq * heads *
+    /// head_dim` per token per block (`QK^T` and `AV` over half the score matrix, forward and
+    /// backward). Element-wise work and rematerialisation are not counted.
     pub fn step_flops(&self, tokens: f64) -> f64 {
         let matrix = (self.layers * self.block_matrix_params() + self.vocab * self.d_model) as f64;
-        let attention = 12.0 * (self.layers * self.seq * self.d_model) as f64;
+        let attention = 6.0 * (self.layers * self.seq * self.q_width()) as f64;
         (6.0 * matrix + attention) * tokens
     }
 
@@ -164,6 +275,7 @@ impl TransformerSpec {
             ("d_model", self.d_model),
             ("heads", self.heads),
             ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
             ("ffn", self.ffn),
             ("vocab", self.vocab),
             ("seq", self.seq),
@@ -171,12 +283,6 @@ impl TransformerSpec {
             if v == 0 {
                 out.push(format!("{name} must be at least 1"));
             }
-        }
-        if self.heads > 0 && !self.d_model.is_multiple_of(self.heads) {
-            out.push(format!(
-                "d_model = {} is not a multiple of heads = {}",
-                self.d_model, self.heads
-            ));
         }
         if self.kv_heads > 0 && !self.heads.is_multiple_of(self.kv_heads) {
             out.push(format!(
@@ -189,71 +295,119 @@ impl TransformerSpec {
 
     fn lower(&self) -> Vec<LayerSpec> {
         let d = self.d_model;
-        let layer = |name: String, kind, inputs, outputs, style, after| LayerSpec {
+        let attention = self.attention();
+        let (q, kv) = (self.q_width(), self.kv_heads * self.head_dim);
+        let qkv_names = vec![
+            (Name::QueryProj, q),
+            (Name::KeyProj, kv),
+            (Name::ValueProj, kv),
+        ];
+        let layer = |name: String, kind, (inputs, outputs), style, after, block| LayerSpec {
             name,
             kind,
             inputs,
             outputs,
             style,
             after,
+            block,
+            out_names: Vec::new(),
+            after_names: Vec::new(),
         };
-        let mut out = vec![layer(
+        let mut embedding = layer(
             "embedding".into(),
             LayerKind::Embedding,
-            self.vocab,
-            d,
+            // Tied: the LM head holds the table.
+            (if self.tied_embeddings { 0 } else { self.vocab }, d),
             Style::Replicated,
             After::None,
-        )];
-        let act = if self.gated {
-            After::SwiGlu
-        } else {
-            After::Gelu
-        };
+            None,
+        );
+        embedding.after_names = vec![(Name::DecoderLayerInput, d)];
+        let mut out = vec![embedding];
         for b in 0..self.layers {
             let p = format!("blocks.{b}");
-            out.extend([
-                layer(
-                    format!("{p}.attn.qkv"),
-                    LayerKind::Linear,
-                    d,
-                    self.qkv_width(),
-                    Style::Column,
-                    After::Attention { seq: self.seq },
-                ),
-                layer(
-                    format!("{p}.attn.proj"),
-                    LayerKind::Linear,
-                    d,
-                    d,
-                    Style::Row,
-                    After::ResidualNorm,
-                ),
-                layer(
-                    format!("{p}.mlp.up"),
-                    LayerKind::Linear,
-                    d,
-                    self.up_width(),
-                    Style::Column,
-                    act,
-                ),
-                layer(
-                    format!("{p}.mlp.down"),
-                    LayerKind::Linear,
-                    self.ffn,
-                    d,
-                    Style::Row,
-                    After::ResidualNorm,
-                ),
-            ]);
+            let block = Some(b);
+            match self.block {
+                BlockKind::Sequential => {
+                    let mut qkv = layer(
+                        format!("{p}.attn.qkv"),
+                        LayerKind::Linear,
+                        (d, self.qkv_width()),
+                        Style::Column,
+                        After::Attention(attention),
+                        block,
+                    );
+                    qkv.out_names = qkv_names.clone();
+                    qkv.after_names = vec![(Name::Context, q)];
+                    let mut proj = layer(
+                        format!("{p}.attn.out"),
+                        LayerKind::Linear,
+                        (q, d),
+                        Style::Row,
+                        After::ResidualNorm,
+                        block,
+                    );
+                    proj.out_names = vec![(Name::OutProj, d)];
+                    let mut wi = layer(
+                        format!("{p}.mlp.wi"),
+                        LayerKind::Linear,
+                        (d, self.up_width()),
+                        Style::Column,
+                        After::Activation(self.mlp),
+                        block,
+                    );
+                    wi.out_names = vec![(Name::MlpWi, self.up_width())];
+                    let mut wo = layer(
+                        format!("{p}.mlp.wo"),
+                        LayerKind::Linear,
+                        (self.ffn, d),
+                        Style::Row,
+                        After::ResidualNorm,
+                        block,
+                    );
+                    wo.out_names = vec![(Name::MlpWo, d)];
+                    wo.after_names = vec![(Name::DecoderLayerInput, d)];
+                    out.extend([qkv, proj, wi, wo]);
+                }
+                BlockKind::Parallel => {
+                    let mut fused_in = layer(
+                        format!("{p}.in"),
+                        LayerKind::Linear,
+                        (d, self.qkv_width() + self.up_width()),
+                        Style::Column,
+                        After::ParallelCore {
+                            attention,
+                            mlp: self.mlp,
+                            ffn: self.ffn,
+                        },
+                        block,
+                    );
+                    fused_in.out_names = qkv_names.clone();
+                    fused_in.out_names.push((Name::MlpWi, self.up_width()));
+                    fused_in.after_names = vec![(Name::Context, q)];
+                    // The attention output and the MLP output are summed: one `[out | wo]`
+                    // product over the concatenated inputs.
+                    let mut fused_out = layer(
+                        format!("{p}.out"),
+                        LayerKind::Linear,
+                        (q + self.ffn, d),
+                        Style::Row,
+                        After::ResidualNorm,
+                        block,
+                    );
+                    fused_out.out_names = vec![(Name::OutProj, d), (Name::MlpWo, d)];
+                    fused_out.after_names = vec![(Name::DecoderLayerInput, d)];
+                    out.extend([fused_in, fused_out]);
+                }
+            }
         }
         out.push(layer(
             "lm_head".into(),
             LayerKind::Linear,
-            d,
-            self.vocab,
-            Style::Replicated,
+            (d, self.vocab),
+            Style::Column,
             After::None,
+            None,
         ));
         out
     }
@@ -266,18 +420,37 @@ impl ModelSpec {
             ModelSpec::Mlp(m) => {
                 let n = m.layers();
                 (0..n)
-                    .map(|l| LayerSpec {
-                        name: format!("layers.{l}"),
-                        kind: LayerKind::Linear,
-                        inputs: m.widths[l],
-                        outputs: m.widths[l + 1],
-                        // Megatron pairs; an odd last layer stays whole.
-                        style: match (l % 2, l + 1 < n) {
-                            (0, true) => Style::Column,
-                            (0, false) => Style::Replicated,
-                            _ => Style::Row,
-                        },
-                        after: if l + 1 < n { After::Relu } else { After::None },
+                    .map(|l| {
+                        let paired = l % 2 == 1 || l + 1 < n;
+                        let relu = l + 1 < n;
+                        LayerSpec {
+                            name: format!("layers.{l}"),
+                            kind: LayerKind::Linear,
+                            inputs: m.widths[l],
+                            outputs: m.widths[l + 1],
+                            // Megatron pairs; an odd last layer stays whole.
+                            style: match (l % 2, paired) {
+                                (_, false) => Style::Replicated,
+                                (0, true) => Style::Column,
+                                _ => Style::Row,
+                            },
+                            after: if relu { After::Relu } else { After::None },
+                            // A pair is a rematerialisation block: the first layer's output
+                            // is the block's inner activation, the second's ends the block.
+                            block: paired.then_some(l / 2),
+                            out_names: if !paired {
+                                Vec::new()
+                            } else if l % 2 == 0 {
+                                vec![(Name::MlpWi, m.widths[l + 1])]
+                            } else {
+                                vec![(Name::MlpWo, m.widths[l + 1])]
+                            },
+                            after_names: if relu && l % 2 == 1 {
+                                vec![(Name::DecoderLayerInput, m.widths[l + 1])]
+                            } else {
+                                Vec::new()
+                            },
+                        }
                     })
                     .collect()
             }
@@ -359,43 +532,113 @@ pub fn embedding_backward(x: &Tensor, w: &Tensor) -> (Tensor, Tensor, Cost) {
     )
 }
 
-/// Forward of a transformer's parameter-free op on `z` `(T, width)`; `out_width` is the width
-/// the next layer takes on this chip. Returns the op's cost; `z` takes the output shape.
-pub fn after_forward(after: After, z: &mut Tensor, out_width: usize) -> Cost {
-    let (t, w) = (z.shape()[0], z.shape()[1]);
-    let cost = match after {
-        After::None | After::Relu => Cost::default(),
-        // Flash-style: Q, K, V read once, the output written; `QK^T` and `AV` are `2 * seq`
-        // flops per output element each.
-        After::Attention { seq } => Cost {
-            flops: 4.0 * (t * seq * out_width) as f64,
-            bytes: 4.0 * (t * (w + out_width)) as f64,
-        },
-        After::Gelu => Cost::elementwise(t * w, 8.0, 1.0),
-        After::SwiGlu => Cost::elementwise(t * out_width, 6.0, 2.0),
-        After::ResidualNorm => Cost::elementwise(t * w, 8.0, 2.0),
+/// The attention kernels on `t` tokens with `share` of the heads (tensor parallelism):
+/// RoPE on `q` and `k`, then causal flash attention.
+fn attention_cost(a: &AttentionShape, t: usize, share: f64, backward: bool) -> Cost {
+    let rope_width = ((a.heads + a.kv_heads) * a.head_dim) as f64 * share;
+    let rope = Cost::elementwise(
+        (t as f64 * rope_width) as usize,
+        6.0,
+        if backward { 2.0 } else { 1.0 },
+    );
+    let core = Kernel::Attention {
+        seqs: t / a.seq.max(1),
+        seq: a.seq,
+        heads: a.heads as f64 * share,
+        head_dim: a.head_dim,
+        causal: true,
+        backward,
     };
+    rope.plus(core.into())
+}
+
+/// A transformer MLP activation over `t x out` outputs (gated: two inputs per output).
+fn activation_cost(kind: MlpKind, t: usize, out: usize, backward: bool) -> Cost {
+    let n = t * out;
+    match (kind.gated(), backward) {
+        (false, false) => Cost::elementwise(n, 8.0, 1.0),
+        (false, true) => Cost::elementwise(n, 10.0, 2.0),
+        (true, false) => Cost::elementwise(n, 6.0, 2.0),
+        // Reads both inputs and the output gradient, writes two gradients.
+        (true, true) => Cost::elementwise(2 * n, 8.0, 1.5),
+    }
+}
+
+/// Cost of a transformer's parameter-free op on `(t, in_width)` in, `(t, out_width)` out, in
+/// forward or backward; `in_global` is the op's input width before tensor parallelism.
+fn after_cost(
+    after: After,
+    t: usize,
+    in_width: usize,
+    out_width: usize,
+    in_global: usize,
+    backward: bool,
+) -> Cost {
+    let share = in_width as f64 / in_global.max(1) as f64;
+    match after {
+        After::None | After::Relu => Cost::default(),
+        After::Attention(a) => attention_cost(&a, t, share, backward),
+        After::Activation(kind) => activation_cost(kind, t, out_width, backward),
+        After::ParallelCore {
+            attention,
+            mlp,
+            ffn,
+            ..
+        } => {
+            let ffn_local = (ffn as f64 * share).round() as usize;
+            attention_cost(&attention, t, share, backward)
+                .plus(activation_cost(mlp, t, ffn_local, backward))
+        }
+        After::ResidualNorm => {
+            if backward {
+                Cost::elementwise(t * in_width, 10.0, 3.0)
+            } else {
+                Cost::elementwise(t * in_width, 8.0, 2.0)
+            }
+        }
+    }
+}
+
+/// Forward of a transformer's parameter-free op on `z` `(T, width)`; `out_width` is the width
+/// the next layer takes on this chip, `in_global` the op's input width over all chips.
+/// Returns the op's cost; `z` takes the output shape.
+pub fn after_forward(after: After, z: &mut Tensor, out_width: usize, in_global: usize) -> Cost {
+    let (t, w) = (z.shape()[0], z.shape()[1]);
+    let cost = after_cost(after, t, w, out_width, in_global, false);
     *z = Tensor::Meta(vec![t, out_width]);
     cost
 }
 
 /// Backward of [`after_forward`]: `dz` arrives with the op's output shape and leaves with its
 /// input shape `(T, in_width)`.
-pub fn after_backward(after: After, dz: &mut Tensor, in_width: usize) -> Cost {
+pub fn after_backward(after: After, dz: &mut Tensor, in_width: usize, in_global: usize) -> Cost {
     let (t, w) = (dz.shape()[0], dz.shape()[1]);
-    let cost = match after {
-        After::None | After::Relu => Cost::default(),
-        // Recomputes the scores (flash attention) and forms dQ, dK, dV: twice the forward.
-        After::Attention { seq } => Cost {
-            flops: 8.0 * (t * seq * w) as f64,
-            bytes: 4.0 * (2 * t * (w + in_width)) as f64,
-        },
-        After::Gelu => Cost::elementwise(t * w, 10.0, 2.0),
-        After::SwiGlu => Cost::elementwise(t * in_width, 8.0, 3.0),
-        After::ResidualNorm => Cost::elementwise(t * w, 10.0, 3.0),
-    };
+    let cost = after_cost(after, t, in_width, w, in_global, true);
     *dz = Tensor::Meta(vec![t, in_width]);
     cost
+}
+
+/// The op-after's input width over all chips (what tensor parallelism divides).
+pub fn after_input_width(layer: &LayerSpec) -> usize {
+    match layer.after {
+        After::Attention(a) => a.qkv_width(),
+        After::ParallelCore {
+            attention,
+            mlp,
+            ffn,
+        } => attention.qkv_width() + if mlp.gated() { 2 * ffn } else { ffn },
+        _ => layer.outputs,
+    }
+}
+
+/// The op-after's output width over all chips.
+pub fn after_output_width(layer: &LayerSpec) -> usize {
+    match layer.after {
+        After::Attention(a) => a.q_width(),
+        After::Activation(kind) if kind.gated() => layer.outputs / 2,
+        After::ParallelCore { attention, ffn, .. } => attention.q_width() + ffn,
+        _ => layer.outputs,
+    }
 }
 
 #[cfg(test)]
@@ -408,10 +651,13 @@ mod tests {
             d_model: 8192,
             heads: 64,
             kv_heads: 8,
+            head_dim: 128,
             ffn: 28672,
+            mlp: MlpKind::Swiglu,
+            block: BlockKind::Sequential,
             vocab: 32000,
+            tied_embeddings: false,
             seq: 4096,
-            gated: true,
             dtype: DType::Bf16,
         }
     }
@@ -430,16 +676,54 @@ mod tests {
     }
 
     #[test]
+    fn tied_embeddings_keep_one_table_and_head_dim_is_free_of_d_model() {
+        // A PaLM-like shape: 32 heads of 256 on d_model 10240, a parallel ReLU block.
+        let m = TransformerSpec {
+            layers: 2,
+            d_model: 10240,
+            heads: 32,
+            kv_heads: 32,
+            head_dim: 256,
+            ffn: 32768,
+            mlp: MlpKind::Relu,
+            block: BlockKind::Parallel,
+            vocab: 32768,
+            tied_embeddings: true,
+            seq: 2048,
+            dtype: DType::Bf16,
+        };
+        let d = 10240;
+        let block = d * 3 * 8192 + 8192 * d + 2 * d * 32768;
+        assert_eq!(m.block_matrix_params(), block);
+        let layers = ModelSpec::Transformer(m.clone()).lower();
+        // Embedding, two fused layers per block, the head.
+        assert_eq!(layers.len(), 1 + 2 * 2 + 1);
+        assert_eq!(layers[0].inputs * layers[0].outputs, 0);
+        assert_eq!((layers[1].inputs, layers[1].outputs), (d, 3 * 8192 + 32768));
+        assert_eq!((layers[2].inputs, layers[2].outputs), (8192 + 32768, d));
+        let weights: usize = layers.iter().map(|l| l.outputs * l.inputs).sum();
+        assert_eq!(weights, 2 * block + 32768 * d);
+        // Six flops per weight per token (the head included) plus causal attention.
+        let tokens = 4096.0;
+        let want =
+            6.0 * (2 * block + 32768 * d) as f64 * tokens + 6.0 * (2 * 2048 * 8192) as f64 * tokens;
+        assert_eq!(m.step_flops(tokens), want);
+    }
+
+    #[test]
     fn lowering_chains_widths_and_pairs_column_with_row() {
         let m = ModelSpec::Transformer(TransformerSpec {
             layers: 2,
             d_model: 64,
             heads: 4,
             kv_heads: 2,
+            head_dim: 16,
             ffn: 128,
+            mlp: MlpKind::Gelu,
+            block: BlockKind::Sequential,
             vocab: 100,
+            tied_embeddings: false,
             seq: 16,
-            gated: false,
             dtype: DType::F32,
         });
         let layers = m.lower();
@@ -450,5 +734,14 @@ mod tests {
             assert_eq!((pair[0].style, pair[1].style), (Style::Column, Style::Row));
         }
         assert_eq!(layers[1].outputs, (4 + 2 * 2) * 16);
+        for (l, next) in layers.iter().zip(&layers[1..]) {
+            assert_eq!(
+                after_output_width(l),
+                next.inputs,
+                "{} -> {}",
+                l.name,
+                next.name
+            );
+        }
     }
 }

@@ -37,7 +37,7 @@ pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, Work
             if l + 1 < layers {
                 mlp::relu_backward(&mut dz, &acts[l + 1]);
             }
-            let (dw, db, dx, _) = mlp::linear_backward(&acts[l], &params[2 * l], &dz, l > 0)?;
+            let (dw, db, dx, _, _) = mlp::linear_backward(&acts[l], &params[2 * l], &dz, l > 0)?;
             grads[2 * l] = Some(dw);
             grads[2 * l + 1] = Some(db);
             if let Some(dx) = dx {

@@ -7,7 +7,7 @@
 //! | `fsdp` | `dp` | `Shard(0)` over `dp`, all-gathered per layer | reduce-scatter (avg) over `dp` |
 //! | `hsdp` | `replicate, shard` | `Shard(0)` over `shard`, replicated over `replicate` | reduce-scatter over `shard`, then all-reduce over `replicate` |
 //! | `tp` | `tp` | Megatron: column- then row-parallel pairs | none (each chip owns its shard) |
-//! | `fsdp+tp` | `dp, tp` | Megatron over `tp`, each piece `Shard(0)` over `dp` | reduce-scatter over `dp` |
+//! | `fsdp+tp` | `dp, tp` (`replicate, dp, tp` with `replicas`) | Megatron over `tp`, each piece `Shard(0)` over `dp`, replicated over `replicate` | reduce-scatter over `dp` (then all-reduce over `replicate`) |
 //!
 //! Tensor-parallel layers come in pairs: the first of a pair is column-parallel (weight and
 //! bias `Shard(0)`: each chip computes some output features), the second row-parallel
@@ -181,6 +181,15 @@ impl Plan {
                 vec![Role::Replicate, Role::Shard],
             ),
             Strategy::Tp => (vec![("tp", chips)], vec!["tp"], vec![Role::Tensor]),
+            Strategy::FsdpTp if replicas > 1 => (
+                vec![
+                    ("replicate", replicas),
+                    ("dp", divide(tp * replicas, "tp x replicas")?),
+                    ("tp", tp),
+                ],
+                vec!["tp", "replicate", "dp"],
+                vec![Role::Tensor, Role::Replicate, Role::Shard],
+            ),
             Strategy::FsdpTp => (
                 vec![("dp", divide(tp, "tp")?), ("tp", tp)],
                 vec!["tp", "dp"],
@@ -338,5 +347,25 @@ mod tests {
             vec![Placement::Shard(0), Placement::Partial(ReduceOp::Avg)]
         );
         assert_eq!(plan.data_parallel(&[3, 1]), (2, 1));
+    }
+
+    #[test]
+    fn fsdp_tp_with_replicas_adds_a_replicated_data_parallel_dimension_across_slices() {
+        let pod = Pod::new("2x2x2".parse().unwrap(), 2).unwrap();
+        let styles = [Style::Column, Style::Row];
+        let plan = Plan::new(&pod, Strategy::FsdpTp, &styles, 2, 2, Algo::Torus, false).unwrap();
+        assert_eq!(plan.roles, vec![Role::Tensor, Role::Replicate, Role::Shard]);
+        assert_eq!(plan.mesh.dims()[1].size, 2);
+        assert_eq!(plan.mesh.dims()[2].size, 4);
+        assert_eq!(
+            plan.stored(0, 0),
+            vec![
+                Placement::Shard(0),
+                Placement::Replicate,
+                Placement::Shard(0)
+            ]
+        );
+        // 8 data-parallel ranks: 2 replicas of 4 shards.
+        assert_eq!(plan.data_parallel(&[1, 1, 3]), (8, 7));
     }
 }

@@ -22,10 +22,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
 use crate::train::dtensor::{self, DTensor, Placement};
+use crate::train::kernels::{Cost, Kernel};
 use crate::train::memory::{Hbm, HbmReport, MemKind};
-use crate::train::mlp::{self, Cost, Dataset};
+use crate::train::mlp::{self, Dataset};
 use crate::train::model::{self, After, LayerKind, LayerSpec, ModelSpec};
 use crate::train::optim::{OptimizerSpec, ParamState};
+use crate::train::remat::{Keep, Name, Remat};
 use crate::train::strategy::{Eager, Plan, Strategy, Style, buckets};
 use crate::train::tensor::Tensor;
 use crate::train::{checkpoint, reference};
@@ -68,6 +70,35 @@ pub struct TrainSpec {
     /// so DDP's initial broadcast (which moves no values in meta mode) is left out.
     #[serde(default)]
     pub symmetric: bool,
+    /// Activation rematerialisation policy.
+    #[serde(default)]
+    pub remat: Remat,
+    /// How activations between tensor-parallel regions are laid out.
+    #[serde(default)]
+    pub tp_activations: TpActivations,
+}
+
+/// Activations between tensor-parallel regions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TpActivations {
+    /// Megatron: replicated; an all-reduce completes each row-parallel layer's output (and
+    /// each column-parallel layer's input gradient).
+    #[default]
+    Replicated,
+    /// Sharded on the feature (embedding) dimension: an all-gather before each parallel
+    /// region and a reduce-scatter after it (and the reverse in backward); norms and residual
+    /// adds run on a slice of the features.
+    Sharded,
+}
+
+impl TpActivations {
+    pub fn name(self) -> &'static str {
+        match self {
+            TpActivations::Replicated => "replicated",
+            TpActivations::Sharded => "sharded",
+        }
+    }
 }
 
 /// DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`).
@@ -88,6 +119,13 @@ pub struct StepRecord {
     /// optimizer), on this chip.
     #[serde(default)]
     pub flops: f64,
+    /// Activation bytes held in HBM for backward at the end of the last micro-batch's forward
+    /// (what the remat policy keeps on the device).
+    #[serde(default)]
+    pub activations_bytes: u64,
+    /// Bytes moved over the host link (offloaded activations, out and back).
+    #[serde(default)]
+    pub host_transfer_bytes: u64,
 }
 
 /// What one chip reports after training.
@@ -113,19 +151,24 @@ enum Stream {
     Reduce = 1,
     /// Tensor-parallel activations: on the critical path, never queued behind gradients.
     Tensor = 2,
+    /// The host link: offloaded activations to host memory and back.
+    Host = 3,
 }
 
 /// The clocks of a step (see the module docs).
 #[derive(Debug, Default)]
 struct Timeline {
-    stream_free: [Nanos; 3],
-    /// Kernel costs count bytes of f32; elements of the model's dtype take this share of them.
-    bytes_scale: f64,
+    stream_free: [Nanos; 4],
+    /// Bytes per element of the model's dtype (what kernels stream).
+    elem_bytes: f64,
     compute_ns: f64,
     flops: f64,
     comm_ns: f64,
     /// When the last overlapped collective finishes.
     outstanding: Nanos,
+    /// Activation bytes held at the end of the last forward.
+    activations_bytes: u64,
+    host_transfer_bytes: u64,
 }
 
 /// A collective in flight on a stream: the compute clock when it was issued and its start.
@@ -138,8 +181,20 @@ struct Issued {
 
 impl Timeline {
     fn compute(&mut self, chip: &mut Chip, cost: Cost) {
-        self.compute_ns += chip.compute(cost.flops, cost.bytes * self.bytes_scale);
-        self.flops += cost.flops;
+        let ns = cost.time_ns(chip.hardware(), self.elem_bytes);
+        self.compute_ns += chip.compute(ns);
+        self.flops += cost.flops();
+    }
+
+    /// Moves `bytes` over the host link on its own stream, starting no earlier than
+    /// `not_before`; returns when the transfer is done (compute goes on meanwhile).
+    fn host_transfer(&mut self, chip: &Chip, bytes: u64, not_before: Nanos) -> Nanos {
+        self.host_transfer_bytes += bytes;
+        let stream = &mut self.stream_free[Stream::Host as usize];
+        let start = stream.max(not_before);
+        let done = start + bytes as f64 / chip.hardware().host_bandwidth * 1e9;
+        *stream = done;
+        done
     }
 
     /// Moves the chip's clock to when `stream` can start a collective issued now.
@@ -219,8 +274,96 @@ struct Trainer<'a> {
     working: Vec<Option<Working>>,
     /// The working copy differs from the stored piece (a data-parallel dimension shards).
     sharded: bool,
-    /// Activation bytes saved inside each layer's trailing op (freed in its backward).
-    saved: Vec<u64>,
+    /// What each layer keeps for backward and what backward must recompute.
+    keeps: Vec<LayerKeep>,
+    /// Activation bytes each layer holds in HBM until its backward (kept or recomputed).
+    held: Vec<u64>,
+    /// Per rematerialisation block: when its offloaded activations are back in HBM.
+    host_ready: Vec<Option<Nanos>>,
+    /// Offloaded activation bytes of each block, and the most host memory in use.
+    host_bytes: Vec<u64>,
+}
+
+/// What one layer keeps between forward and backward under the job's remat policy, for a
+/// micro-batch on this chip.
+#[derive(Debug, Clone, Default)]
+struct LayerKeep {
+    /// Bytes kept in HBM.
+    device: u64,
+    /// Bytes kept in host memory.
+    offload: u64,
+    /// The op-after's output is kept (else it is recomputed before the block's backward).
+    output: bool,
+    /// Fraction of the matmul's output columns backward recomputes.
+    recompute_matmul: f64,
+    /// The op-after runs again in backward.
+    recompute_after: bool,
+}
+
+impl LayerKeep {
+    fn recomputes(&self) -> bool {
+        self.recompute_matmul > 0.0 || self.recompute_after
+    }
+}
+
+/// Bytes of the named parts `names` (global widths) on `rows` rows at `share` of the width,
+/// split into those kept on the device and offloaded; and whether every part is kept.
+fn named_bytes(
+    remat: &Remat,
+    names: &[(Name, usize)],
+    rows: usize,
+    share: f64,
+    elem: u64,
+) -> (u64, u64, f64) {
+    let (mut device, mut offload, mut lost, mut all) = (0u64, 0u64, 0usize, 0usize);
+    for &(name, width) in names {
+        let bytes = (rows as f64 * width as f64 * share).round() as u64 * elem;
+        all += width;
+        match remat.keep(name) {
+            Some(Keep::Device) => device += bytes,
+            Some(Keep::Offload) => offload += bytes,
+            None => lost += width,
+        }
+    }
+    let lost_fraction = if all == 0 {
+        0.0
+    } else {
+        lost as f64 / all as f64
+    };
+    (device, offload, lost_fraction)
+}
+
+/// `cost` with its matmuls cut to `fraction` of their output columns (a partial recompute).
+fn matmul_share(cost: Cost, fraction: f64) -> Cost {
+    let kernels = cost
+        .kernels
+        .into_iter()
+        .map(|k| match k {
+            Kernel::Matmul { m, k, n } => Kernel::Matmul {
+                m,
+                k,
+                n: ((n as f64 * fraction).ceil() as usize).max(1),
+            },
+            Kernel::Elementwise {
+                elems,
+                flops_per,
+                reads,
+            } => Kernel::Elementwise {
+                elems: (elems as f64 * fraction).ceil() as usize,
+                flops_per,
+                reads,
+            },
+            other => other,
+        })
+        .collect();
+    Cost { kernels }
+}
+
+/// How a layer's forward is charged: in full, or as backward's recomputation of part of it.
+#[derive(Debug, Clone, Copy)]
+enum Pass {
+    Forward,
+    Recompute { matmul: f64, after: bool },
 }
 
 /// Trains on one chip; `done` counts finished steps.
@@ -294,6 +437,10 @@ pub async fn train_chip_with_parameters(
         params_hash,
     };
     Ok((report, full))
+}
+
+fn missing(l: usize) -> WorkerError {
+    WorkerError::Internal(format!("the activations before layer {l} are gone"))
 }
 
 fn bits_hash(t: &Tensor) -> u64 {
@@ -422,7 +569,10 @@ impl<'a> Trainer<'a> {
             buckets: buckets(&param_bytes, FIRST_BUCKET_BYTES, cap),
             next_bucket: 0,
             working: (0..layers).map(|_| None).collect(),
-            saved: vec![0; layers],
+            keeps: vec![LayerKeep::default(); layers],
+            held: vec![0; layers],
+            host_ready: Vec::new(),
+            host_bytes: Vec::new(),
         };
         if spec.strategy == Strategy::Ddp && !spec.symmetric {
             t.broadcast_parameters(chip).await?;
@@ -455,8 +605,8 @@ impl<'a> Trainer<'a> {
         let wall = Instant::now();
         let t0 = chip.clock();
         self.tl = Timeline {
-            stream_free: [t0; 3],
-            bytes_scale: self.elem as f64 / 4.0,
+            stream_free: [t0; 4],
+            elem_bytes: self.elem as f64,
             ..Timeline::default()
         };
         let k = self.spec.grad_accum.max(1);
@@ -495,6 +645,8 @@ impl<'a> Trainer<'a> {
             exposed_ns: (virtual_ns - self.tl.compute_ns).max(0.0),
             wall_ns: wall.elapsed().as_nanos() as u64,
             flops: self.tl.flops,
+            activations_bytes: self.tl.activations_bytes,
+            host_transfer_bytes: self.tl.host_transfer_bytes,
         })
     }
 
@@ -509,66 +661,236 @@ impl<'a> Trainer<'a> {
     ) -> Result<Option<f64>, WorkerError> {
         let layers = self.layers.len();
         let elem = self.elem;
-        self.hbm.alloc(MemKind::Activations, x.bytes(elem), || {
-            "the input batch".into()
-        })?;
-        let mut acts = vec![x];
+        let blocks = self
+            .layers
+            .iter()
+            .filter_map(|l| l.block)
+            .max()
+            .map_or(0, |b| b + 1);
+        self.host_ready = vec![None; blocks];
+        self.host_bytes = vec![0; blocks];
+        let x_bytes = x.bytes(elem);
+        self.hbm
+            .alloc(MemKind::Activations, x_bytes, || "the input batch".into())?;
+        let mut acts: Vec<Option<Tensor>> = vec![Some(x)];
         for l in 0..layers {
             self.unshard(chip, l).await?;
             if self.overlapped() && l + 1 < layers {
                 self.prefetch(chip, l + 1).await?;
             }
-            let z = self.layer_forward(chip, l, &acts[l]).await?;
-            self.hbm.alloc(MemKind::Activations, z.bytes(elem), || {
+            let x = acts[l].take().ok_or_else(|| missing(l))?;
+            let (z, matmul_width) = self.layer_forward(chip, l, &x, Pass::Forward).await?;
+            let keep = self.keep_of(l, &z, matmul_width);
+            self.hbm.alloc(MemKind::Activations, keep.device, || {
                 format!("activations of layer {l}")
             })?;
-            acts.push(z);
+            self.held[l] = keep.device;
+            if keep.offload > 0
+                && let Some(b) = self.layers[l].block
+            {
+                // Copied to host as soon as the layer has produced it, beside compute.
+                self.tl.host_transfer(chip, keep.offload, chip.clock());
+                self.host_bytes[b] += keep.offload;
+            }
+            // The layer's input is dropped when its producer's output is not kept (backward
+            // recomputes it); the data are really gone.
+            let input_kept = l == 0 || self.keeps[l - 1].output;
+            acts[l] = input_kept.then_some(x);
+            self.keeps[l] = keep;
+            acts.push(Some(z));
             if self.spec.reshard_after_forward {
                 self.release(l);
             }
         }
+        self.tl.activations_bytes = x_bytes + self.held.iter().sum::<u64>();
         chip.recorder().compute_started();
-        let (loss, mut dz, cost) =
-            mlp::cross_entropy(&acts[layers], labels, 1.0 / micro_batches as f32)?;
+        let logits = acts[layers].as_ref().ok_or_else(|| missing(layers))?;
+        let (loss, mut dz, cost) = mlp::cross_entropy(logits, labels, 1.0 / micro_batches as f32)?;
         self.tl.compute(chip, cost);
         for l in (0..layers).rev() {
+            if let Some(b) = self.layers[l].block
+                && self.layers.get(l + 1).and_then(|n| n.block) != Some(b)
+            {
+                self.rematerialise(chip, b, &mut acts).await?;
+            }
             self.unshard(chip, l).await?;
             if self.overlapped() && l > 0 && self.spec.reshard_after_forward {
                 self.prefetch(chip, l - 1).await?;
             }
             let cost = match self.layers[l].after {
                 After::None => Cost::default(),
-                After::Relu => mlp::relu_backward(&mut dz, &acts[l + 1]),
+                After::Relu => {
+                    let out = acts[l + 1].as_ref().ok_or_else(|| missing(l + 1))?;
+                    mlp::relu_backward(&mut dz, out)
+                }
                 after => {
-                    let width = self.compute_shape(chip, l, 0)[0];
-                    model::after_backward(after, &mut dz, width)
+                    // Residual + norm keeps the width (sharded or not); the others widen back
+                    // to the matmul's output on this chip.
+                    let width = match after {
+                        After::ResidualNorm => dz.shape()[1],
+                        _ => self.compute_shape(chip, l, 0)[0],
+                    };
+                    model::after_backward(
+                        after,
+                        &mut dz,
+                        width,
+                        model::after_input_width(&self.layers[l]),
+                    )
                 }
             };
             self.tl.compute(chip, cost);
-            let dx = self.layer_backward(chip, l, &acts[l], &dz).await?;
-            let freed = acts.pop().map_or(0, |a| a.bytes(elem)) + self.saved[l];
-            self.saved[l] = 0;
-            self.hbm.free(MemKind::Activations, freed);
+            let x = acts[l].take().ok_or_else(|| missing(l))?;
+            let dx = self.layer_backward(chip, l, &x, dz).await?;
+            acts[l] = Some(x);
+            acts.pop();
+            self.hbm.free(MemKind::Activations, self.held[l]);
+            self.held[l] = 0;
             self.release(l);
             if sync {
                 self.sync_layer(chip, l).await?;
             }
-            if let Some(dx) = dx {
-                dz = dx;
-            }
+            dz = match dx {
+                Some(dx) => dx,
+                None => Tensor::Meta(Vec::new()),
+            };
         }
-        let freed = acts.pop().map_or(0, |a| a.bytes(elem));
+        let freed = acts.pop().flatten().map_or(0, |a| a.bytes(elem));
         self.hbm.free(MemKind::Activations, freed);
         Ok(loss)
     }
 
+    /// What layer `l` keeps for backward, given its output `z` (on this chip) and the width of
+    /// its matmul's output here.
+    fn keep_of(&self, l: usize, z: &Tensor, matmul_width: usize) -> LayerKeep {
+        let layer = &self.layers[l];
+        let rows = z.shape()[0];
+        let out_bytes = z.bytes(self.elem);
+        let matmul_bytes = (rows * matmul_width) as u64 * self.elem;
+        // Ops whose backward needs their input keep it too (attention, MLP activations).
+        let op_input = match layer.after {
+            After::Attention(_) | After::Activation(_) | After::ParallelCore { .. } => matmul_bytes,
+            _ => 0,
+        };
+        let remat = &self.spec.remat;
+        if remat.everything || layer.block.is_none() {
+            return LayerKeep {
+                device: out_bytes + op_input,
+                output: true,
+                ..LayerKeep::default()
+            };
+        }
+        let share = matmul_width as f64 / layer.outputs.max(1) as f64;
+        let (mut d1, mut o1, recompute_matmul) =
+            named_bytes(remat, &layer.out_names, rows, share, self.elem);
+        if layer
+            .after_names
+            .iter()
+            .any(|(n, _)| *n == Name::DecoderLayerInput)
+        {
+            // The block's last matmul only feeds the residual sum that leaves the block (kept
+            // as the next block's input): backward never reads it, so nothing keeps it.
+            (d1, o1) = (0, 0);
+        }
+        let after_share = z.shape()[1] as f64 / model::after_output_width(layer).max(1) as f64;
+        let (d2, o2, lost_after) =
+            named_bytes(remat, &layer.after_names, rows, after_share, self.elem);
+        let output = !layer.after_names.is_empty() && lost_after == 0.0;
+        LayerKeep {
+            device: d1 + d2,
+            offload: o1 + o2,
+            output,
+            recompute_matmul,
+            recompute_after: layer.after != After::None && (!output || recompute_matmul > 0.0),
+        }
+    }
+
+    /// Before block `b`'s backward: brings its offloaded activations back (and starts the
+    /// previous block's), then runs again the forward of every layer whose output the policy
+    /// did not keep, from the block's input.
+    async fn rematerialise(
+        &mut self,
+        chip: &mut Chip,
+        b: usize,
+        acts: &mut [Option<Tensor>],
+    ) -> Result<(), WorkerError> {
+        let now = chip.clock();
+        if self.host_ready[b].is_none() && self.host_bytes[b] > 0 {
+            self.host_ready[b] = Some(self.tl.host_transfer(chip, self.host_bytes[b], now));
+        }
+        if b > 0 && self.host_ready[b - 1].is_none() && self.host_bytes[b - 1] > 0 {
+            self.host_ready[b - 1] = Some(self.tl.host_transfer(chip, self.host_bytes[b - 1], now));
+        }
+        if let Some(ready) = self.host_ready[b] {
+            Timeline::wait(chip, ready);
+        }
+        let members: Vec<usize> = (0..self.layers.len())
+            .filter(|&l| self.layers[l].block == Some(b))
+            .collect();
+        for l in members {
+            let keep = self.keeps[l].clone();
+            if !keep.recomputes() {
+                continue;
+            }
+            self.unshard(chip, l).await?;
+            let x = acts[l].take().ok_or_else(|| missing(l))?;
+            let pass = Pass::Recompute {
+                matmul: keep.recompute_matmul,
+                after: keep.recompute_after,
+            };
+            let (z, _) = self.layer_forward(chip, l, &x, pass).await?;
+            acts[l] = Some(x);
+            if !keep.output {
+                let bytes = z.bytes(self.elem);
+                self.hbm.alloc(MemKind::Activations, bytes, || {
+                    format!("recomputed activations of layer {l}")
+                })?;
+                self.held[l] += bytes;
+                acts[l + 1] = Some(z);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether layer `l`'s output is sharded over the tensor-parallel dimension (sharded
+    /// activations: after a row-parallel layer, and after the embedding).
+    fn sharded_output(&self, l: usize) -> bool {
+        self.spec.tp_activations == TpActivations::Sharded
+            && self.plan.tp_dim().is_some()
+            && (self.plan.styles[l] == Style::Row || self.layers[l].kind == LayerKind::Embedding)
+    }
+
+    /// Forward of layer `l` on `x`: returns its output and the width of its matmul's output
+    /// on this chip. `pass` says what to charge (backward's recomputation charges only what
+    /// the policy did not keep).
     async fn layer_forward(
         &mut self,
         chip: &mut Chip,
         l: usize,
         x: &Tensor,
-    ) -> Result<Tensor, WorkerError> {
+        pass: Pass,
+    ) -> Result<(Tensor, usize), WorkerError> {
+        let (matmul_share_of, after_charged) = match pass {
+            Pass::Forward => (1.0, true),
+            Pass::Recompute { matmul, after } => (matmul, after),
+        };
         let style = self.plan.styles[l];
+        let gathered;
+        let x = if l > 0 && self.sharded_output(l - 1) && style != Style::Row {
+            // The region's input, sharded on features, gathered whole.
+            let width = self.layers[l].inputs;
+            gathered = self
+                .tp_redistribute(
+                    chip,
+                    x.clone(),
+                    width,
+                    (Placement::Shard(1), Placement::Replicate),
+                    false,
+                )
+                .await?;
+            &gathered
+        } else {
+            x
+        };
         let [w, b] = working(&self.working, &self.params, l);
         let bias = (style != Style::Row).then_some(b);
         // The watchdog sees a chip inside a kernel as computing, not as stuck.
@@ -577,61 +899,147 @@ impl<'a> Trainer<'a> {
             LayerKind::Linear => mlp::linear(x, w, bias)?,
             LayerKind::Embedding => model::embedding(x, w)?,
         };
-        self.tl.compute(chip, cost);
+        self.tl.compute(chip, matmul_share(cost, matmul_share_of));
         if style == Style::Row {
             // Each chip holds a partial sum over its slice of the input features.
-            z = self.tp_all_reduce(chip, z).await?;
+            let to = if self.sharded_output(l) {
+                Placement::Shard(1)
+            } else {
+                Placement::Replicate
+            };
+            let width = z.shape()[1];
+            z = self
+                .tp_redistribute(
+                    chip,
+                    z,
+                    width,
+                    (Placement::Partial(ReduceOp::Sum), to),
+                    false,
+                )
+                .await?;
             let [_, b] = working(&self.working, &self.params, l);
-            let cost = mlp::add_bias(&mut z, b)?;
-            self.tl.compute(chip, cost);
+            let b = b.clone();
+            let b = self.tp_piece(chip, l, b, width).await?;
+            let cost = mlp::add_bias(&mut z, &b)?;
+            self.tl.compute(chip, matmul_share(cost, matmul_share_of));
+        } else if self.sharded_output(l) {
+            // The embedding's output, cut to this chip's features (no communication).
+            let width = z.shape()[1];
+            z = self
+                .tp_redistribute(
+                    chip,
+                    z,
+                    width,
+                    (Placement::Replicate, Placement::Shard(1)),
+                    false,
+                )
+                .await?;
         }
+        let matmul_width = z.shape()[1];
         let cost = match self.layers[l].after {
             After::None => Cost::default(),
             After::Relu => mlp::relu(&mut z),
             after => {
-                // Ops that narrow the width (attention, SwiGLU) hand the next layer what it
-                // takes on this chip; their input is saved for backward as well.
+                // Ops that narrow the width (attention, gated activations) hand the next layer
+                // what it takes on this chip.
                 let width = match after {
-                    After::Attention { .. } | After::SwiGlu => {
-                        let saved = z.bytes(self.elem);
-                        self.hbm.alloc(MemKind::Activations, saved, || {
-                            format!("saved input of the op after layer {l}")
-                        })?;
-                        self.saved[l] = saved;
-                        self.compute_shape(chip, l + 1, 0)[1]
-                    }
-                    _ => z.shape()[1],
+                    After::ResidualNorm => z.shape()[1],
+                    _ => self.compute_shape(chip, l + 1, 0)[1],
                 };
-                model::after_forward(after, &mut z, width)
+                model::after_forward(
+                    after,
+                    &mut z,
+                    width,
+                    model::after_input_width(&self.layers[l]),
+                )
             }
         };
-        self.tl.compute(chip, cost);
-        Ok(z)
+        if after_charged {
+            self.tl.compute(chip, cost);
+        }
+        Ok((z, matmul_width))
     }
 
-    /// Backward of layer `l`: accumulates its gradients, returns the input gradient.
+    /// Backward of layer `l`: accumulates its gradients, returns the input gradient. The
+    /// input gradient is formed first so that its tensor-parallel collective runs while the
+    /// weight gradient is computed (they do not depend on each other).
     async fn layer_backward(
         &mut self,
         chip: &mut Chip,
         l: usize,
         x: &Tensor,
-        dz: &Tensor,
+        dz: Tensor,
     ) -> Result<Option<Tensor>, WorkerError> {
+        let style = self.plan.styles[l];
+        let sharded_in = l > 0 && self.sharded_output(l - 1);
+        let (inputs, outputs) = (self.layers[l].inputs, self.layers[l].outputs);
+        let dz = if self.sharded_output(l) && style == Style::Row {
+            // The output gradient arrives sharded like the output: gathered whole.
+            let gather = (Placement::Shard(1), Placement::Replicate);
+            self.tp_redistribute(chip, dz, outputs, gather, false)
+                .await?
+        } else {
+            dz
+        };
+        let gathered;
+        let x = if sharded_in && style != Style::Row {
+            // The input as the forward used it (gathered again: it was kept sharded).
+            let gather = (Placement::Shard(1), Placement::Replicate);
+            gathered = self
+                .tp_redistribute(chip, x.clone(), inputs, gather, false)
+                .await?;
+            &gathered
+        } else {
+            x
+        };
         let [w, _] = working(&self.working, &self.params, l);
         chip.recorder().compute_started();
-        let (dw, db, dx, cost) = match self.layers[l].kind {
-            LayerKind::Linear => mlp::linear_backward(x, w, dz, l > 0)?,
+        let (dw, db, dx, weight_cost, input_cost) = match self.layers[l].kind {
+            LayerKind::Linear => mlp::linear_backward(x, w, &dz, l > 0)?,
             LayerKind::Embedding => {
                 let (dw, db, cost) = model::embedding_backward(x, w);
-                (dw, db, None, cost)
+                (dw, db, None, cost, Cost::default())
             }
         };
-        self.tl.compute(chip, cost);
-        let dx = match (dx, self.plan.styles[l]) {
-            // Column-parallel: each chip's input gradient covers only its output features.
-            (Some(dx), Style::Column) => Some(self.tp_all_reduce(chip, dx).await?),
+        self.tl.compute(chip, input_cost);
+        let mut pending = None;
+        let dx = match (dx, style) {
+            (Some(dx), Style::Column) => {
+                // Column-parallel: each chip's input gradient covers only its output
+                // features; summed (or reduce-scattered onto sharded activations) on the
+                // tensor stream while the weight gradient is computed.
+                let to = if sharded_in {
+                    Placement::Shard(1)
+                } else {
+                    Placement::Replicate
+                };
+                let (dx, ready) = self
+                    .tp_redistribute_overlapped(
+                        chip,
+                        dx,
+                        inputs,
+                        (Placement::Partial(ReduceOp::Sum), to),
+                    )
+                    .await?;
+                pending = Some(ready);
+                Some(dx)
+            }
+            (Some(dx), _) if sharded_in => Some(
+                self.tp_redistribute(
+                    chip,
+                    dx,
+                    inputs,
+                    (Placement::Replicate, Placement::Shard(1)),
+                    false,
+                )
+                .await?,
+            ),
             (dx, _) => dx,
         };
+        self.tl.compute(chip, weight_cost);
+        if let Some(ready) = pending {
+            Timeline::wait(chip, ready);
+        }
         for (which, g) in [dw, db].into_iter().enumerate() {
             let name = self.params[2 * l + which].name.clone();
             let p = &mut self.params[2 * l + which];
@@ -651,18 +1059,68 @@ impl<'a> Trainer<'a> {
         Ok(dx)
     }
 
-    async fn tp_all_reduce(&mut self, chip: &mut Chip, t: Tensor) -> Result<Tensor, WorkerError> {
-        let Some(dim) = self.plan.tp_dim() else {
-            return Err(WorkerError::Internal(
-                "a tensor-parallel layer without a tp dimension".into(),
-            ));
-        };
-        let issued = self.tl.begin(chip, Stream::Tensor, false);
-        let out = chip
-            .all_reduce(&self.plan.mesh.comm(dim), &t.to_payload(), ReduceOp::Sum)
-            .await?;
+    /// Placements over the plan's mesh: `tp` on the tensor-parallel dimension, replicated on
+    /// the others (activations are per data-parallel rank).
+    fn tp_placements(&self, tp: Placement) -> Result<Vec<Placement>, WorkerError> {
+        let dim = self.plan.tp_dim().ok_or_else(|| {
+            WorkerError::Internal("a tensor-parallel layer without a tp dimension".into())
+        })?;
+        let mut p = vec![Placement::Replicate; self.plan.mesh.ndim()];
+        p[dim] = tp;
+        Ok(p)
+    }
+
+    /// Moves activations `t` (this chip's piece) between placements over the tensor-parallel
+    /// dimension on the tensor stream; compute waits for the result unless `overlap`.
+    /// `width` is the activations' feature width over all chips.
+    async fn tp_redistribute(
+        &mut self,
+        chip: &mut Chip,
+        t: Tensor,
+        width: usize,
+        (from, to): (Placement, Placement),
+        overlap: bool,
+    ) -> Result<Tensor, WorkerError> {
+        let from_pl = self.tp_placements(from)?;
+        let to_pl = self.tp_placements(to)?;
+        let global = [t.shape()[0], width];
+        let dt = DTensor::from_local(chip, &self.plan.mesh, t, &from_pl, &global)?;
+        let issued = self.tl.begin(chip, Stream::Tensor, overlap);
+        let out = dt.redistribute(chip, &to_pl).await?;
         self.tl.end(chip, issued);
-        Tensor::from_payload(out, t.shape())
+        Ok(out.into_local())
+    }
+
+    /// This chip's piece of a replicated vector of `width` features when layer `l`'s output
+    /// is sharded over tensor parallelism (a row-parallel layer's bias), else the vector.
+    async fn tp_piece(
+        &mut self,
+        chip: &mut Chip,
+        l: usize,
+        v: Tensor,
+        width: usize,
+    ) -> Result<Tensor, WorkerError> {
+        if !self.sharded_output(l) {
+            return Ok(v);
+        }
+        let from = self.tp_placements(Placement::Replicate)?;
+        let to = self.tp_placements(Placement::Shard(0))?;
+        let dt = DTensor::from_local(chip, &self.plan.mesh, v, &from, &[width])?;
+        Ok(dt.redistribute(chip, &to).await?.into_local())
+    }
+
+    /// [`Self::tp_redistribute`] beside compute: returns the result and when it is ready.
+    async fn tp_redistribute_overlapped(
+        &mut self,
+        chip: &mut Chip,
+        t: Tensor,
+        width: usize,
+        placements: (Placement, Placement),
+    ) -> Result<(Tensor, Nanos), WorkerError> {
+        let out = self
+            .tp_redistribute(chip, t, width, placements, true)
+            .await?;
+        Ok((out, self.tl.stream_free[Stream::Tensor as usize]))
     }
 
     /// Gathers layer `l`'s parameters over the shard dimension (on the gather stream in fused

@@ -1,0 +1,455 @@
+//! `podsim compare FILE.csv`: predicts the step time of measured training runs and says how
+//! far off each prediction is.
+//!
+//! Each row describes one run (hardware, slice torus, slices, decoder shape, batch,
+//! parallelism, remat policy) and its measured seconds per step. The row becomes a meta-mode
+//! training job ([`job_toml`]: FSDP within a slice, tensor parallelism with activations
+//! sharded between regions, data parallelism across slices; AdamW with f32 state; one mirrored
+//! chip standing for all), validated like any config, and runs in this process. MFU counts
+//! model flops: 6 per weight per token (the LM head included, the embedding lookup not) plus
+//! causal attention.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use clap::Args;
+use podsim_worker::job::Program;
+use podsim_worker::train::train_chip;
+use serde::Serialize;
+
+use crate::CliError;
+use crate::config;
+
+/// Columns a row must have (others are ignored).
+pub const COLUMNS: [&str; 23] = [
+    "id",
+    "hardware",
+    "topology",
+    "wraparound",
+    "slices",
+    "layers",
+    "d_model",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "ffn",
+    "mlp",
+    "block",
+    "vocab",
+    "tied_embeddings",
+    "seq",
+    "batch_per_chip",
+    "ici_fsdp",
+    "ici_tp",
+    "dcn_dp",
+    "remat",
+    "measured_step_s",
+    "source",
+];
+
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Measured runs, one per row, with the columns of configs/validation/published.csv.
+    pub file: PathBuf,
+    /// One JSON object per row, then a summary object.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit 1 when a row's |error| exceeds this many percent.
+    #[arg(long, value_name = "PCT")]
+    pub max_error: Option<f64>,
+    /// Override a field of every row's job, e.g. `--set hardware.attention_efficiency=0.6`
+    /// (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+}
+
+/// One row's prediction against its measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    pub id: String,
+    pub predicted_step_s: f64,
+    pub measured_step_s: f64,
+    pub error_pct: f64,
+    pub mfu: f64,
+    pub peak_hbm_bytes: u64,
+    pub hbm_capacity_bytes: u64,
+    pub fits: bool,
+}
+
+/// The whole file's agreement.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub rows: usize,
+    pub median_abs_error_pct: f64,
+    pub max_abs_error_pct: f64,
+    pub worst: String,
+    pub out_of_memory: usize,
+}
+
+/// A row of the file by column name.
+#[derive(Debug)]
+struct Row<'a> {
+    line: usize,
+    header: &'a [String],
+    cells: Vec<String>,
+}
+
+impl Row<'_> {
+    fn get(&self, column: &str) -> &str {
+        let i = self.header.iter().position(|h| h == column).unwrap_or(0);
+        self.cells.get(i).map_or("", |c| c.trim())
+    }
+
+    fn bad(&self, column: &str, why: &str) -> String {
+        format!(
+            "row {} ({}), column {column}: {why} (got {:?})",
+            self.line,
+            self.get("id"),
+            self.get(column)
+        )
+    }
+
+    fn number<T: std::str::FromStr>(&self, column: &str) -> Result<T, String> {
+        self.get(column)
+            .parse()
+            .map_err(|_| self.bad(column, "not a valid number"))
+    }
+
+    fn positive(&self, column: &str) -> Result<u64, String> {
+        match self.number::<u64>(column)? {
+            0 => Err(self.bad(column, "must be at least 1")),
+            v => Ok(v),
+        }
+    }
+}
+
+/// Splits one CSV line into cells (double-quoted cells may hold commas and `""`).
+fn cells(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cell = String::new();
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                cell.push('"');
+                chars.next();
+            }
+            ('"', _) => quoted = !quoted,
+            (',', false) => out.push(std::mem::take(&mut cell)),
+            (c, _) => cell.push(c),
+        }
+    }
+    out.push(cell);
+    out
+}
+
+/// The meta-mode job of one row, as config text.
+fn job_toml(row: &Row<'_>) -> Result<String, String> {
+    let hardware = row.get("hardware");
+    let topology = row.get("topology");
+    let dims: Vec<u64> = topology
+        .split('x')
+        .map(|d| {
+            d.parse()
+                .map_err(|_| row.bad("topology", "not a torus like 4x4x4"))
+        })
+        .collect::<Result<_, _>>()?;
+    let per_slice: u64 = dims.iter().product();
+    let wrap = match row.get("wraparound") {
+        "true" => "true".to_string(),
+        "false" => "false".to_string(),
+        axes => {
+            let list: Vec<&str> = axes.split('+').collect();
+            if list.len() != dims.len() || list.iter().any(|a| *a != "true" && *a != "false") {
+                return Err(row.bad(
+                    "wraparound",
+                    "expected true, false or one of them per axis joined by +",
+                ));
+            }
+            format!("[{}]", list.join(", "))
+        }
+    };
+    let slices = row.positive("slices")?;
+    let (fsdp, tp, dp) = (
+        row.positive("ici_fsdp")?,
+        row.positive("ici_tp")?,
+        row.positive("dcn_dp")?,
+    );
+    if fsdp * tp != per_slice {
+        return Err(row.bad(
+            "ici_fsdp",
+            &format!(
+                "ici_fsdp x ici_tp = {} but the slice has {per_slice} chips",
+                fsdp * tp
+            ),
+        ));
+    }
+    if dp != slices {
+        return Err(row.bad("dcn_dp", &format!("must equal slices ({slices})")));
+    }
+    let strategy = match (tp, dp) {
+        (1, 1) => "strategy = \"fsdp\"".to_string(),
+        (1, _) => format!("strategy = \"hsdp\"\nreplicas = {dp}"),
+        _ => format!(
+            "strategy = \"fsdp+tp\"\ntp = {tp}\nreplicas = {dp}\ntp_activations = \"sharded\""
+        ),
+    };
+    let batch_per_chip = row.positive("batch_per_chip")?;
+    let mut model = String::new();
+    for column in [
+        "layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
+    ] {
+        model.push_str(&format!("{column} = {}\n", row.positive(column)?));
+    }
+    for column in ["mlp", "block"] {
+        model.push_str(&format!("{column} = {:?}\n", row.get(column)));
+    }
+    let tied = match row.get("tied_embeddings") {
+        "true" => "true",
+        "false" => "false",
+        _ => return Err(row.bad("tied_embeddings", "expected true or false")),
+    };
+    Ok(format!(
+        r#"name = "compare-{id}"
+[topology]
+shape = "{topology}"
+wraparound = {wrap}
+slices = {slices}
+hardware = "{hardware}"
+[launch]
+workers = 1
+[job]
+kind = "train"
+mode = "meta"
+symmetric = true
+{strategy}
+eager = "fused"
+steps = 2
+batch = {batch}
+remat = {remat:?}
+[job.model]
+kind = "transformer"
+{model}tied_embeddings = {tied}
+dtype = "bf16"
+[job.optimizer]
+kind = "adamw"
+"#,
+        id = row.get("id"),
+        batch = batch_per_chip * tp,
+        remat = row.get("remat"),
+    ))
+}
+
+/// Predicts one row.
+fn predict(
+    row: &Row<'_>,
+    sets: &[String],
+    rt: &tokio::runtime::Runtime,
+) -> Result<Comparison, String> {
+    let measured: f64 = row.number("measured_step_s")?;
+    if !(measured > 0.0 && measured.is_finite()) {
+        return Err(row.bad("measured_step_s", "must be a positive number of seconds"));
+    }
+    let text = job_toml(row)?;
+    let cfg = config::from_text(
+        &format!("row {} ({})", row.line, row.get("id")),
+        &text,
+        sets,
+    )
+    .map_err(|e| e.to_string().trim_end().to_string())?;
+    let Program::Train(spec) = &cfg.program else {
+        return Err(format!("row {}: not a training job", row.line));
+    };
+    let mut chip = podsim_collectives::mirror_chip(cfg.pod.clone(), cfg.hardware.clone(), 0);
+    let report = rt
+        .block_on(train_chip(&mut chip, spec, Arc::new(AtomicU64::new(0))))
+        .map_err(|e| format!("row {} ({}): {e}", row.line, row.get("id")))?;
+    let step = report
+        .steps
+        .last()
+        .ok_or_else(|| format!("row {}: no step ran", row.line))?;
+    let predicted = step.virtual_ns / 1e9;
+    let global_batch = crate::report::global_batch(&cfg.pod, spec);
+    let model_flops = spec.model.step_flops(global_batch as f64);
+    let mfu = model_flops / (f64::from(cfg.pod.chips()) * cfg.hardware.peak_flops * predicted);
+    Ok(Comparison {
+        id: row.get("id").to_string(),
+        predicted_step_s: predicted,
+        measured_step_s: measured,
+        error_pct: (predicted / measured - 1.0) * 100.0,
+        mfu,
+        peak_hbm_bytes: report.hbm.peak_bytes,
+        hbm_capacity_bytes: report.hbm.capacity_bytes,
+        fits: report.hbm.oom.is_none(),
+    })
+}
+
+/// Reads `path` and predicts every row (stops at the first bad row).
+pub fn compare_file(path: &Path, sets: &[String]) -> Result<Vec<Comparison>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut lines = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'));
+    let header: Vec<String> = lines
+        .next()
+        .map(|(_, l)| cells(l).into_iter().map(|c| c.trim().to_string()).collect())
+        .ok_or_else(|| format!("{}: empty file", path.display()))?;
+    let missing: Vec<&str> = COLUMNS
+        .iter()
+        .filter(|c| !header.iter().any(|h| h == *c))
+        .copied()
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "{}: missing column{} {}",
+            path.display(),
+            if missing.len() > 1 { "s" } else { "" },
+            missing.join(", ")
+        ));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    let mut out = Vec::new();
+    for (i, line) in lines {
+        let row = Row {
+            line: i + 1,
+            header: &header,
+            cells: cells(line),
+        };
+        if row.cells.len() < header.len() {
+            return Err(format!(
+                "{}: row {} has {} cells, the header {}",
+                path.display(),
+                row.line,
+                row.cells.len(),
+                header.len()
+            ));
+        }
+        for column in COLUMNS {
+            if row.get(column).is_empty() {
+                return Err(format!(
+                    "{}: {}",
+                    path.display(),
+                    row.bad(column, "missing value")
+                ));
+            }
+        }
+        out.push(predict(&row, sets, &rt).map_err(|e| format!("{}: {e}", path.display()))?);
+    }
+    if out.is_empty() {
+        return Err(format!("{}: no rows", path.display()));
+    }
+    Ok(out)
+}
+
+/// Median and largest |error| over the rows.
+pub fn summarise(rows: &[Comparison]) -> Summary {
+    let mut errors: Vec<f64> = rows.iter().map(|r| r.error_pct.abs()).collect();
+    errors.sort_by(f64::total_cmp);
+    let n = errors.len();
+    let median = match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => errors[n / 2],
+        _ => (errors[n / 2 - 1] + errors[n / 2]) / 2.0,
+    };
+    let worst = rows
+        .iter()
+        .max_by(|a, b| a.error_pct.abs().total_cmp(&b.error_pct.abs()))
+        .map_or(String::new(), |r| r.id.clone());
+    Summary {
+        rows: n,
+        median_abs_error_pct: median,
+        max_abs_error_pct: errors.last().copied().unwrap_or(0.0),
+        worst,
+        out_of_memory: rows.iter().filter(|r| !r.fits).count(),
+    }
+}
+
+fn table(rows: &[Comparison], s: &Summary) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let mut out = format!(
+        "{:<8} {:>12} {:>11} {:>8} {:>7} {:>21} {:>5}\n",
+        "id", "predicted s", "measured s", "error", "MFU", "peak HBM / capacity", "fits"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<8} {:>12.2} {:>11.2} {:>+7.1}% {:>6.1}% {:>9.1} / {:>5.1} GiB {:>5}\n",
+            r.id,
+            r.predicted_step_s,
+            r.measured_step_s,
+            r.error_pct,
+            100.0 * r.mfu,
+            r.peak_hbm_bytes as f64 / GIB,
+            r.hbm_capacity_bytes as f64 / GIB,
+            if r.fits { "yes" } else { "NO" }
+        ));
+    }
+    out.push_str(&format!(
+        "{} rows: median |error| {:.1}%, largest {:.1}% ({}); {} out of memory\n\
+         MFU: model flops (6 per weight per token, LM head included, plus causal attention) \
+         over the predicted step\n",
+        s.rows, s.median_abs_error_pct, s.max_abs_error_pct, s.worst, s.out_of_memory
+    ));
+    out
+}
+
+pub fn main(args: &CompareArgs) -> Result<bool, CliError> {
+    if let Some(max) = args.max_error
+        && !(max >= 0.0 && max.is_finite())
+    {
+        return Err(CliError::Usage(
+            "--max-error must be a percentage of at least 0".into(),
+        ));
+    }
+    let rows = compare_file(&args.file, &args.sets).map_err(CliError::Usage)?;
+    let summary = summarise(&rows);
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        }
+        println!("{}", serde_json::to_string(&summary).unwrap_or_default());
+    } else {
+        print!("{}", table(&rows, &summary));
+    }
+    match args.max_error {
+        Some(max) if summary.max_abs_error_pct > max => Err(CliError::Job(format!(
+            "row {} is off by {:.1}%, more than --max-error {max}%",
+            summary.worst, summary.max_abs_error_pct
+        ))),
+        _ => Ok(true),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_split_on_commas_outside_quotes() {
+        assert_eq!(cells("a,\"b, c\",\"d\"\"\""), vec!["a", "b, c", "d\""]);
+        assert_eq!(cells("x,,y"), vec!["x", "", "y"]);
+    }
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        let row = |id: &str, e: f64| Comparison {
+            id: id.into(),
+            predicted_step_s: 1.0,
+            measured_step_s: 1.0,
+            error_pct: e,
+            mfu: 0.5,
+            peak_hbm_bytes: 1,
+            hbm_capacity_bytes: 2,
+            fits: true,
+        };
+        let s = summarise(&[row("a", -4.0), row("b", 2.0), row("c", 8.0), row("d", 1.0)]);
+        assert_eq!(s.median_abs_error_pct, 3.0);
+        assert_eq!((s.max_abs_error_pct, s.worst.as_str()), (8.0, "c"));
+    }
+}

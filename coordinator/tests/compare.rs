@@ -1,0 +1,93 @@
+//! `podsim compare` end to end: the published TPU step times of `configs/validation/` are
+//! predicted within 10% (median within 5%), nothing out of memory; bad files are exit 2
+//! naming the row and column; `--max-error` turns a miss into exit 1.
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use support::*;
+
+fn published() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/validation/published.csv")
+}
+
+fn compare(args: &[&str]) -> std::process::Output {
+    let mut cmd = podsim();
+    cmd.arg("compare").args(args);
+    run_bounded(cmd, Duration::from_secs(300))
+}
+
+#[test]
+fn every_published_row_is_predicted_within_ten_percent() {
+    let path = published();
+    let out = compare(&[path.to_str().unwrap(), "--json", "--max-error", "10"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let objects: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (summary, rows) = objects.split_last().unwrap();
+    let csv_rows = std::fs::read_to_string(&path).unwrap().lines().count() - 1;
+    assert_eq!(rows.len(), csv_rows);
+    for r in rows {
+        assert!(r["error_pct"].as_f64().unwrap().abs() <= 10.0, "{r}");
+        assert_eq!(r["fits"], true, "{r}");
+        let mfu = r["mfu"].as_f64().unwrap();
+        assert!(mfu > 0.2 && mfu < 0.9, "{r}");
+    }
+    assert!(
+        summary["median_abs_error_pct"].as_f64().unwrap() <= 5.0,
+        "{summary}"
+    );
+    assert_eq!(summary["out_of_memory"], 0);
+}
+
+#[test]
+fn a_tight_max_error_is_exit_one_and_bad_rows_are_exit_two_naming_row_and_column() {
+    let path = published();
+    let out = compare(&[path.to_str().unwrap(), "--max-error", "0.01"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--max-error"));
+
+    let dir = temp_dir("compare-bad");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    // Row 2 (the first data row) with a batch that is no number.
+    let header: Vec<&str> = lines[0].split(',').collect();
+    let col = header.iter().position(|h| *h == "batch_per_chip").unwrap();
+    let mut cells: Vec<String> = lines[1].split(',').map(String::from).collect();
+    cells[col] = "eight".into();
+    lines[1] = cells.join(",");
+    let bad = dir.join("bad.csv");
+    std::fs::write(&bad, lines.join("\n")).unwrap();
+    let out = compare(&[bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("row 2") && err.contains("column batch_per_chip"),
+        "{err}"
+    );
+
+    // A file without the measured column.
+    let missing = dir.join("missing.csv");
+    let cut: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let mut c: Vec<&str> = l.split(',').collect();
+            c.remove(header.iter().position(|h| *h == "measured_step_s").unwrap());
+            c.join(",")
+        })
+        .collect();
+    std::fs::write(&missing, cut.join("\n")).unwrap();
+    let out = compare(&[missing.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing column measured_step_s"));
+}
