@@ -209,10 +209,11 @@ struct RawModel {
     dtype: Option<String>,
 }
 
-/// Keys of `[job.model]` each model kind takes.
-const MLP_KEYS: &[&str] = &["kind", "widths"];
-const TRANSFORMER_KEYS: &[&str] = &[
+/// Keys of `[job.model]`: the kind, the MLP's widths, then the transformer's shape (every
+/// key but `widths`).
+const MODEL_KEYS: &[&str] = &[
     "kind",
+    "widths",
     "layers",
     "d_model",
     "heads",
@@ -227,6 +228,14 @@ const TRANSFORMER_KEYS: &[&str] = &[
     "seq",
     "dtype",
 ];
+
+/// Whether a model of `kind` takes `key`.
+fn model_takes(kind: &str, key: &str) -> bool {
+    match kind {
+        "mlp" => key == "kind" || key == "widths",
+        _ => key != "widths",
+    }
+}
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -326,26 +335,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
             "optimizer",
         ],
     ),
-    (
-        "job.model",
-        &[
-            "kind",
-            "widths",
-            "layers",
-            "d_model",
-            "heads",
-            "kv_heads",
-            "head_dim",
-            "ffn",
-            "mlp",
-            "gated",
-            "block",
-            "vocab",
-            "tied_embeddings",
-            "seq",
-            "dtype",
-        ],
-    ),
+    ("job.model", MODEL_KEYS),
     (
         "job.optimizer",
         &[
@@ -494,9 +484,8 @@ fn symmetric_problems(
 /// The `[job.model]` table: an MLP by its widths or a transformer by its shape.
 fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpec> {
     let kind = m.kind.as_deref().unwrap_or("mlp");
-    let keys: &[&str] = match kind {
-        "mlp" => MLP_KEYS,
-        "transformer" => TRANSFORMER_KEYS,
+    match kind {
+        "mlp" | "transformer" => {}
         other => {
             p.add(
                 "job.model",
@@ -523,7 +512,10 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
         ("dtype", m.dtype.is_some()),
     ];
     let before = p.list.len();
-    for (key, _) in given.iter().filter(|(k, set)| *set && !keys.contains(k)) {
+    for (key, _) in given
+        .iter()
+        .filter(|(k, set)| *set && !model_takes(kind, k))
+    {
         p.add(
             "job.model",
             Some(key),
