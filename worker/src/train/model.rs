@@ -599,27 +599,33 @@ fn after_cost(
     }
 }
 
-/// Forward of a transformer's parameter-free op on `z` `(T, width)`; `out_width` is the width
-/// the next layer takes on this chip, `in_global` the op's input width over all chips.
-/// Returns the op's cost; `z` takes the output shape.
-pub fn after_forward(after: After, z: &mut Tensor, out_width: usize, in_global: usize) -> Cost {
+/// Forward of the parameter-free op after `layer` on `z` `(T, width)`; `out_width` is the
+/// width the next layer takes on this chip. Returns the op's cost; `z` takes the output shape.
+pub fn after_forward(layer: &LayerSpec, z: &mut Tensor, out_width: usize) -> Cost {
     let (t, w) = (z.shape()[0], z.shape()[1]);
-    let cost = after_cost(after, t, w, out_width, in_global, false);
+    let cost = after_cost(
+        layer.after,
+        t,
+        w,
+        out_width,
+        after_input_width(layer),
+        false,
+    );
     *z = Tensor::Meta(vec![t, out_width]);
     cost
 }
 
 /// Backward of [`after_forward`]: `dz` arrives with the op's output shape and leaves with its
 /// input shape `(T, in_width)`.
-pub fn after_backward(after: After, dz: &mut Tensor, in_width: usize, in_global: usize) -> Cost {
+pub fn after_backward(layer: &LayerSpec, dz: &mut Tensor, in_width: usize) -> Cost {
     let (t, w) = (dz.shape()[0], dz.shape()[1]);
-    let cost = after_cost(after, t, in_width, w, in_global, true);
+    let cost = after_cost(layer.after, t, in_width, w, after_input_width(layer), true);
     *dz = Tensor::Meta(vec![t, in_width]);
     cost
 }
 
 /// The op-after's input width over all chips (what tensor parallelism divides).
-pub fn after_input_width(layer: &LayerSpec) -> usize {
+fn after_input_width(layer: &LayerSpec) -> usize {
     match layer.after {
         After::Attention(a) => a.qkv_width(),
         After::ParallelCore {

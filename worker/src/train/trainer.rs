@@ -280,7 +280,7 @@ struct Trainer<'a> {
     held: Vec<u64>,
     /// Per rematerialisation block: when its offloaded activations are back in HBM.
     host_ready: Vec<Option<Nanos>>,
-    /// Offloaded activation bytes of each block, and the most host memory in use.
+    /// Offloaded activation bytes of each block (this micro-batch).
     host_bytes: Vec<u64>,
 }
 
@@ -711,7 +711,7 @@ impl<'a> Trainer<'a> {
             if let Some(b) = self.layers[l].block
                 && self.layers.get(l + 1).and_then(|n| n.block) != Some(b)
             {
-                self.rematerialise(chip, b, &mut acts).await?;
+                self.rematerialise(chip, b, l, &mut acts).await?;
             }
             self.unshard(chip, l).await?;
             if self.overlapped() && l > 0 && self.spec.reshard_after_forward {
@@ -730,12 +730,7 @@ impl<'a> Trainer<'a> {
                         After::ResidualNorm => dz.shape()[1],
                         _ => self.compute_shape(chip, l, 0)[0],
                     };
-                    model::after_backward(
-                        after,
-                        &mut dz,
-                        width,
-                        model::after_input_width(&self.layers[l]),
-                    )
+                    model::after_backward(&self.layers[l], &mut dz, width)
                 }
             };
             self.tl.compute(chip, cost);
@@ -804,13 +799,14 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// Before block `b`'s backward: brings its offloaded activations back (and starts the
+    /// Before the backward of block `b` (whose last layer is `last`): brings its offloaded activations back (and starts the
     /// previous block's), then runs again the forward of every layer whose output the policy
     /// did not keep, from the block's input.
     async fn rematerialise(
         &mut self,
         chip: &mut Chip,
         b: usize,
+        last: usize,
         acts: &mut [Option<Tensor>],
     ) -> Result<(), WorkerError> {
         let now = chip.clock();
@@ -823,10 +819,13 @@ impl<'a> Trainer<'a> {
         if let Some(ready) = self.host_ready[b] {
             Timeline::wait(chip, ready);
         }
-        let members: Vec<usize> = (0..self.layers.len())
-            .filter(|&l| self.layers[l].block == Some(b))
-            .collect();
-        for l in members {
+        // A block's layers are contiguous; it ends at `last`.
+        let first = (0..=last)
+            .rev()
+            .take_while(|&l| self.layers[l].block == Some(b))
+            .last()
+            .unwrap_or(last);
+        for l in first..=last {
             let keep = self.keeps[l].clone();
             if !keep.recomputes() {
                 continue;
@@ -884,7 +883,6 @@ impl<'a> Trainer<'a> {
                     x.clone(),
                     width,
                     (Placement::Shard(1), Placement::Replicate),
-                    false,
                 )
                 .await?;
             &gathered
@@ -909,13 +907,7 @@ impl<'a> Trainer<'a> {
             };
             let width = z.shape()[1];
             z = self
-                .tp_redistribute(
-                    chip,
-                    z,
-                    width,
-                    (Placement::Partial(ReduceOp::Sum), to),
-                    false,
-                )
+                .tp_redistribute(chip, z, width, (Placement::Partial(ReduceOp::Sum), to))
                 .await?;
             let [_, b] = working(&self.working, &self.params, l);
             let b = b.clone();
@@ -926,13 +918,7 @@ impl<'a> Trainer<'a> {
             // The embedding's output, cut to this chip's features (no communication).
             let width = z.shape()[1];
             z = self
-                .tp_redistribute(
-                    chip,
-                    z,
-                    width,
-                    (Placement::Replicate, Placement::Shard(1)),
-                    false,
-                )
+                .tp_redistribute(chip, z, width, (Placement::Replicate, Placement::Shard(1)))
                 .await?;
         }
         let matmul_width = z.shape()[1];
@@ -946,12 +932,7 @@ impl<'a> Trainer<'a> {
                     After::ResidualNorm => z.shape()[1],
                     _ => self.compute_shape(chip, l + 1, 0)[1],
                 };
-                model::after_forward(
-                    after,
-                    &mut z,
-                    width,
-                    model::after_input_width(&self.layers[l]),
-                )
+                model::after_forward(&self.layers[l], &mut z, width)
             }
         };
         if after_charged {
@@ -976,8 +957,7 @@ impl<'a> Trainer<'a> {
         let dz = if self.sharded_output(l) && style == Style::Row {
             // The output gradient arrives sharded like the output: gathered whole.
             let gather = (Placement::Shard(1), Placement::Replicate);
-            self.tp_redistribute(chip, dz, outputs, gather, false)
-                .await?
+            self.tp_redistribute(chip, dz, outputs, gather).await?
         } else {
             dz
         };
@@ -986,7 +966,7 @@ impl<'a> Trainer<'a> {
             // The input as the forward used it (gathered again: it was kept sharded).
             let gather = (Placement::Shard(1), Placement::Replicate);
             gathered = self
-                .tp_redistribute(chip, x.clone(), inputs, gather, false)
+                .tp_redistribute(chip, x.clone(), inputs, gather)
                 .await?;
             &gathered
         } else {
@@ -1007,20 +987,15 @@ impl<'a> Trainer<'a> {
             (Some(dx), Style::Column) => {
                 // Column-parallel: each chip's input gradient covers only its output
                 // features; summed (or reduce-scattered onto sharded activations) on the
-                // tensor stream while the weight gradient is computed.
+                // tensor stream, in fused mode while the weight gradient is computed.
                 let to = if sharded_in {
                     Placement::Shard(1)
                 } else {
                     Placement::Replicate
                 };
-                let (dx, ready) = self
-                    .tp_redistribute_overlapped(
-                        chip,
-                        dx,
-                        inputs,
-                        (Placement::Partial(ReduceOp::Sum), to),
-                    )
-                    .await?;
+                let sum = (Placement::Partial(ReduceOp::Sum), to);
+                let overlap = self.overlapped();
+                let (dx, ready) = self.tp_move(chip, dx, inputs, sum, overlap).await?;
                 pending = Some(ready);
                 Some(dx)
             }
@@ -1030,7 +1005,6 @@ impl<'a> Trainer<'a> {
                     dx,
                     inputs,
                     (Placement::Replicate, Placement::Shard(1)),
-                    false,
                 )
                 .await?,
             ),
@@ -1071,24 +1045,36 @@ impl<'a> Trainer<'a> {
     }
 
     /// Moves activations `t` (this chip's piece) between placements over the tensor-parallel
-    /// dimension on the tensor stream; compute waits for the result unless `overlap`.
-    /// `width` is the activations' feature width over all chips.
+    /// dimension on the tensor stream, and compute waits for the result. `width` is the
+    /// activations' feature width over all chips.
     async fn tp_redistribute(
+        &mut self,
+        chip: &mut Chip,
+        t: Tensor,
+        width: usize,
+        placements: (Placement, Placement),
+    ) -> Result<Tensor, WorkerError> {
+        Ok(self.tp_move(chip, t, width, placements, false).await?.0)
+    }
+
+    /// [`Self::tp_redistribute`], beside compute when `overlap`: returns the result and when
+    /// it is ready.
+    async fn tp_move(
         &mut self,
         chip: &mut Chip,
         t: Tensor,
         width: usize,
         (from, to): (Placement, Placement),
         overlap: bool,
-    ) -> Result<Tensor, WorkerError> {
+    ) -> Result<(Tensor, Nanos), WorkerError> {
         let from_pl = self.tp_placements(from)?;
         let to_pl = self.tp_placements(to)?;
         let global = [t.shape()[0], width];
         let dt = DTensor::from_local(chip, &self.plan.mesh, t, &from_pl, &global)?;
         let issued = self.tl.begin(chip, Stream::Tensor, overlap);
         let out = dt.redistribute(chip, &to_pl).await?;
-        self.tl.end(chip, issued);
-        Ok(out.into_local())
+        let ready = self.tl.end(chip, issued);
+        Ok((out.into_local(), ready))
     }
 
     /// This chip's piece of a replicated vector of `width` features when layer `l`'s output
@@ -1107,20 +1093,6 @@ impl<'a> Trainer<'a> {
         let to = self.tp_placements(Placement::Shard(0))?;
         let dt = DTensor::from_local(chip, &self.plan.mesh, v, &from, &[width])?;
         Ok(dt.redistribute(chip, &to).await?.into_local())
-    }
-
-    /// [`Self::tp_redistribute`] beside compute: returns the result and when it is ready.
-    async fn tp_redistribute_overlapped(
-        &mut self,
-        chip: &mut Chip,
-        t: Tensor,
-        width: usize,
-        placements: (Placement, Placement),
-    ) -> Result<(Tensor, Nanos), WorkerError> {
-        let out = self
-            .tp_redistribute(chip, t, width, placements, true)
-            .await?;
-        Ok((out, self.tl.stream_free[Stream::Tensor as usize]))
     }
 
     /// Gathers layer `l`'s parameters over the shard dimension (on the gather stream in fused
