@@ -201,16 +201,26 @@ pub fn add_bias(y: &mut Tensor, b: &Tensor) -> Result<Cost, WorkerError> {
     Ok(cost)
 }
 
+/// A layer's backward: the gradients of its weight and bias, its input's gradient when asked
+/// for, and the kernels of each (the weight gradient's apart from the input gradient's, which a
+/// tensor-parallel collective may overlap with the former).
+#[derive(Debug)]
+pub struct Grads {
+    pub dw: Tensor,
+    pub db: Tensor,
+    pub dx: Option<Tensor>,
+    pub weight_cost: Cost,
+    pub input_cost: Cost,
+}
+
 /// Gradients of `y = x W^T + b` given `dy`: `dW = dy^T x`, `db = sum_rows dy` and, when
-/// asked, `dx = dy W`. The costs come apart: the weight gradient's kernels, then the input
-/// gradient's (which a tensor-parallel collective may overlap with the former).
-#[allow(clippy::type_complexity)]
+/// asked, `dx = dy W`.
 pub fn linear_backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     want_dx: bool,
-) -> Result<(Tensor, Tensor, Option<Tensor>, Cost, Cost), WorkerError> {
+) -> Result<Grads, WorkerError> {
     let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
     let weight_cost = Cost::matmul(n, m, k).plus(Cost::elementwise(m * n, 1.0, 0.0));
     let input_cost = if want_dx {
@@ -219,30 +229,27 @@ pub fn linear_backward(
         Cost::default()
     };
     if x.is_meta() || dy.is_meta() {
-        let dx = want_dx.then(|| Tensor::Meta(vec![m, k]));
-        return Ok((
-            Tensor::Meta(vec![n, k]),
-            Tensor::Meta(vec![n]),
-            dx,
+        return Ok(Grads {
+            dw: Tensor::Meta(vec![n, k]),
+            db: Tensor::Meta(vec![n]),
+            dx: want_dx.then(|| Tensor::Meta(vec![m, k])),
             weight_cost,
             input_cost,
-        ));
+        });
     }
     let dyv = view2(dy)?;
-    let dw = dyv.t().dot(&view2(x)?);
-    let db = dyv.sum_axis(Axis(0));
     let dx = if want_dx {
         Some(Tensor::Data(dyv.dot(&view2(w)?).into_dyn()))
     } else {
         None
     };
-    Ok((
-        Tensor::Data(dw.into_dyn()),
-        Tensor::Data(db.into_dyn()),
+    Ok(Grads {
+        dw: Tensor::Data(dyv.t().dot(&view2(x)?).into_dyn()),
+        db: Tensor::Data(dyv.sum_axis(Axis(0)).into_dyn()),
         dx,
         weight_cost,
         input_cost,
-    ))
+    })
 }
 
 /// ReLU in place.
@@ -320,7 +327,7 @@ mod tests {
         };
         let (y, _) = linear(&x, &w, Some(&b)).unwrap();
         let (_, dy, _) = cross_entropy(&y, &labels, 1.0).unwrap();
-        let (dw, _, _, _, _) = linear_backward(&x, &w, &dy, false).unwrap();
+        let dw = linear_backward(&x, &w, &dy, false).unwrap().dw;
         let h = 1e-3;
         let mut wp = w.clone();
         wp.values_mut().unwrap()[[1, 2]] += h;

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
 use crate::train::kernels::{Cost, Kernel};
-use crate::train::mlp::MlpSpec;
+use crate::train::mlp::{Grads, MlpSpec};
 use crate::train::remat::Name;
 use crate::train::strategy::Style;
 use crate::train::tensor::Tensor;
@@ -523,13 +523,15 @@ pub fn embedding(x: &Tensor, w: &Tensor) -> Result<(Tensor, Cost), WorkerError> 
 
 /// Backward of an embedding lookup: the rows' gradients scatter-added into a dense `(vocab, d)`
 /// gradient (as `torch.nn.Embedding` does without `sparse=True`).
-pub fn embedding_backward(x: &Tensor, w: &Tensor) -> (Tensor, Tensor, Cost) {
+pub fn embedding_backward(x: &Tensor, w: &Tensor) -> Grads {
     let (t, d) = (x.shape()[0], w.shape()[0]);
-    (
-        Tensor::Meta(w.shape().to_vec()),
-        Tensor::Meta(vec![d]),
-        Cost::elementwise(t * d, 1.0, 1.0),
-    )
+    Grads {
+        dw: Tensor::Meta(w.shape().to_vec()),
+        db: Tensor::Meta(vec![d]),
+        dx: None,
+        weight_cost: Cost::elementwise(t * d, 1.0, 1.0),
+        input_cost: Cost::default(),
+    }
 }
 
 /// The attention kernels on `t` tokens with `share` of the heads (tensor parallelism):

@@ -37,10 +37,10 @@ pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, Work
             if l + 1 < layers {
                 mlp::relu_backward(&mut dz, &acts[l + 1]);
             }
-            let (dw, db, dx, _, _) = mlp::linear_backward(&acts[l], &params[2 * l], &dz, l > 0)?;
-            grads[2 * l] = Some(dw);
-            grads[2 * l + 1] = Some(db);
-            if let Some(dx) = dx {
+            let g = mlp::linear_backward(&acts[l], &params[2 * l], &dz, l > 0)?;
+            grads[2 * l] = Some(g.dw);
+            grads[2 * l + 1] = Some(g.db);
+            if let Some(dx) = g.dx {
                 dz = dx;
             }
         }

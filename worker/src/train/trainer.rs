@@ -333,7 +333,8 @@ fn named_bytes(
     (device, offload, lost_fraction)
 }
 
-/// `cost` with its matmuls cut to `fraction` of their output columns (a partial recompute).
+/// `cost` cut to `fraction` of its work (a partial recompute): matmuls to that share of
+/// their output columns, element-wise passes (their bias adds) to that share of elements.
 fn matmul_share(cost: Cost, fraction: f64) -> Cost {
     let kernels = cost
         .kernels
@@ -974,12 +975,15 @@ impl<'a> Trainer<'a> {
         };
         let [w, _] = working(&self.working, &self.params, l);
         chip.recorder().compute_started();
-        let (dw, db, dx, weight_cost, input_cost) = match self.layers[l].kind {
+        let mlp::Grads {
+            dw,
+            db,
+            dx,
+            weight_cost,
+            input_cost,
+        } = match self.layers[l].kind {
             LayerKind::Linear => mlp::linear_backward(x, w, &dz, l > 0)?,
-            LayerKind::Embedding => {
-                let (dw, db, cost) = model::embedding_backward(x, w);
-                (dw, db, None, cost, Cost::default())
-            }
+            LayerKind::Embedding => model::embedding_backward(x, w),
         };
         self.tl.compute(chip, input_cost);
         let mut pending = None;
