@@ -307,3 +307,26 @@ fn the_mirrored_chip_holds_with_sharded_activations_remat_and_replicas() {
         assert_eq!(one.hbm.peak_bytes, full[0].0.hbm.peak_bytes, "{remat}");
     }
 }
+
+#[test]
+fn fsdp_gathers_the_next_block_whole_under_the_current_one() {
+    // Blocks whose compute far outlasts their gathers: what stays exposed is the first
+    // block's gather and the last reduce-scatter, whatever the depth. Gathering layer by layer
+    // would leave each block's first gathers exposed behind its rematerialisation.
+    let exposed = |layers: usize| {
+        let mut m = model(1024, 4096, 1024);
+        m.layers = layers;
+        m.seq = 2048;
+        let mut s = spec(Strategy::Fsdp, &m, 1);
+        s.batch = 8;
+        s.remat = "full".parse().unwrap();
+        let step = run(&s, "16", v5p(), true)[0].0.steps[0].clone();
+        assert!(step.comm_ns > 0.0);
+        step.virtual_ns - step.compute_ns
+    };
+    let (shallow, deep) = (exposed(2), exposed(6));
+    assert!(
+        (deep - shallow).abs() < 0.01 * shallow,
+        "exposed communication {shallow} ns with 2 blocks, {deep} ns with 6"
+    );
+}

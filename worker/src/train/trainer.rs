@@ -676,8 +676,11 @@ impl<'a> Trainer<'a> {
         let mut acts: Vec<Option<Tensor>> = vec![Some(x)];
         for l in 0..layers {
             self.unshard(chip, l).await?;
-            if self.overlapped() && l + 1 < layers {
-                self.prefetch(chip, l + 1).await?;
+            if self.overlapped() {
+                let unit = self.unit(l);
+                if unit.end < layers {
+                    self.prefetch_unit(chip, unit.end).await?;
+                }
             }
             let x = acts[l].take().ok_or_else(|| missing(l))?;
             let (z, matmul_width) = self.layer_forward(chip, l, &x, Pass::Forward).await?;
@@ -715,8 +718,9 @@ impl<'a> Trainer<'a> {
                 self.rematerialise(chip, b, l, &mut acts).await?;
             }
             self.unshard(chip, l).await?;
-            if self.overlapped() && l > 0 && self.spec.reshard_after_forward {
-                self.prefetch(chip, l - 1).await?;
+            let unit = self.unit(l);
+            if self.overlapped() && unit.start > 0 && self.spec.reshard_after_forward {
+                self.prefetch_unit(chip, unit.start - 1).await?;
             }
             let cost = match self.layers[l].after {
                 After::None => Cost::default(),
@@ -820,13 +824,7 @@ impl<'a> Trainer<'a> {
         if let Some(ready) = self.host_ready[b] {
             Timeline::wait(chip, ready);
         }
-        // A block's layers are contiguous; it ends at `last`.
-        let first = (0..=last)
-            .rev()
-            .take_while(|&l| self.layers[l].block == Some(b))
-            .last()
-            .unwrap_or(last);
-        for l in first..=last {
+        for l in self.unit(last) {
             let keep = self.keeps[l].clone();
             if !keep.recomputes() {
                 continue;
@@ -1097,6 +1095,28 @@ impl<'a> Trainer<'a> {
         let to = self.tp_placements(Placement::Shard(0))?;
         let dt = DTensor::from_local(chip, &self.plan.mesh, v, &from, &[width])?;
         Ok(dt.redistribute(chip, &to).await?.into_local())
+    }
+
+    /// The layers gathered together with layer `l` (its FSDP unit): its transformer block, or
+    /// `l` alone. XLA and FSDP2 gather a decoder block's weights as one unit, so the whole of
+    /// the next block is in flight while the current one computes; prefetching layer by layer
+    /// would leave the block's first gather exposed behind its rematerialisation.
+    fn unit(&self, l: usize) -> std::ops::Range<usize> {
+        let Some(b) = self.layers[l].block else {
+            return l..l + 1;
+        };
+        let same = |m: &usize| self.layers[*m].block == Some(b);
+        let first = (0..=l).rev().take_while(same).last().unwrap_or(l);
+        let last = (l..self.layers.len()).take_while(same).last().unwrap_or(l);
+        first..last + 1
+    }
+
+    /// Prefetches every layer of layer `l`'s unit.
+    async fn prefetch_unit(&mut self, chip: &mut Chip, l: usize) -> Result<(), WorkerError> {
+        for m in self.unit(l) {
+            self.prefetch(chip, m).await?;
+        }
+        Ok(())
     }
 
     /// Gathers layer `l`'s parameters over the shard dimension (on the gather stream in fused
