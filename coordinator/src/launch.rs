@@ -320,12 +320,13 @@ fn workers_kind(children: &Children) -> WorkersKind {
     }
 }
 
-/// Asks every worker for its flight recorders and waits up to a second for the answers (a
+/// Asks every worker for its flight recorders and waits up to `patience` for the answers (a
 /// dead or frozen worker sends none).
 async fn collect_recorders<F, Fut>(
     events: &mut mpsc::Receiver<(u32, Result<pb::worker_msg::Body, String>)>,
     broadcast: &F,
     finding: &Finding,
+    patience: Duration,
 ) -> BTreeMap<u32, serde_json::Value>
 where
     F: Fn(pb::coordinator_msg::Body) -> Fut,
@@ -333,7 +334,7 @@ where
 {
     broadcast(pb::coordinator_msg::Body::Dump(pb::DumpRequest {})).await;
     let mut out = BTreeMap::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    let deadline = tokio::time::Instant::now() + patience;
     while let Ok(Some((id, msg))) = tokio::time::timeout_at(deadline, events.recv()).await {
         if let Ok(pb::worker_msg::Body::Dump(d)) = msg
             && let Ok(v) = serde_json::from_slice(&d.json)
@@ -654,7 +655,10 @@ async fn drive(
             if detected_wall_ns == 0 {
                 detected_wall_ns = podsim_collectives::wall_ns();
             }
-            let recorders = collect_recorders(&mut events, &broadcast, &finding).await;
+            // A second, plus time to write out tens of thousands of recorders.
+            let per_worker = u64::from(spec.pod.chips()) / u64::from(n.max(1));
+            let patience = Duration::from_millis(1000 + per_worker / 5);
+            let recorders = collect_recorders(&mut events, &broadcast, &finding, patience).await;
             // The furthest step any live chip entered: the step the job failed in (the live
             // chips' recorders are fresher than the last heartbeats).
             let step_reached = recorders
@@ -727,7 +731,10 @@ async fn drive(
                 ready += 1;
                 if ready == n {
                     broadcast(pb::coordinator_msg::Body::Start(pb::Start {})).await;
-                    watchdog.start(pids.keys().copied(), std::time::Instant::now());
+                    watchdog.start(
+                        pids.iter().map(|(w, p)| (*w, Some(*p))),
+                        std::time::Instant::now(),
+                    );
                     started = true;
                 }
             }

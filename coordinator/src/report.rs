@@ -130,7 +130,10 @@ pub struct Hang {
     /// From the moment the fault took effect (the injected fault firing, else the culprit's
     /// last sign of life) to the diagnosis.
     pub detected_after_ms: f64,
-    pub waiting_chips: Vec<u32>,
+    /// How many chips were left waiting, and their ids as inclusive ranges `[first, last]`
+    /// (the full lists are in the flight recorders).
+    pub waiting_count: u64,
+    pub waiting_chips: Vec<(u32, u32)>,
     pub explanation: String,
     /// Flight-recorder files written beside the report.
     pub flight_recorders: Vec<String>,
@@ -219,7 +222,8 @@ pub fn add_hang(report: &mut Report, cfg: &JobConfig, h: &crate::launch::HangRep
         seq: f.seq,
         op: f.op.clone(),
         detected_after_ms: h.detected_wall_ns.saturating_sub(effect) as f64 / 1e6,
-        waiting_chips: f.waiting.clone(),
+        waiting_count: f.waiting.count(),
+        waiting_chips: f.waiting.0.clone(),
         explanation: f.explanation.clone(),
         flight_recorders: files,
     });

@@ -1,25 +1,29 @@
 //! The hang watchdog and its diagnosis, as pure logic over heartbeats (no I/O: the launcher
 //! feeds it and acts on what it finds).
 //!
-//! Every heartbeat carries each chip's progress counter, the receives it is blocked on (link,
-//! tag, peer) and its per-link message counters. A chip whose counter has not moved for the
-//! timeout is *stale*. A hang is a stale chip that waits, all of whose transitive waits end
-//! on stale chips too; then the wait-for graph names the root:
-//! - a stale chip that waits on no one (and is not inside a kernel): `stalled_chip`;
-//! - everyone waits, and a peer's send counter on a link is ahead of the waiting receiver's
-//!   receive counter on it: the message was lost on that link (`lost_message`), or, when
-//!   several links between the same groups of workers lost messages, `partition`;
+//! Each worker resolves its own part of the wait-for graph and heartbeats a bounded summary
+//! ([`podsim_worker::watch`]): its stuck chips as id ranges, its roots (quiet chips waiting
+//! on no one) with how many of its chips wait on them, its chips' waits on other workers'
+//! chips, lost messages between its own chips, and send counters on its boundary. The
+//! watchdog joins the summaries, so its cost per heartbeat does not grow with chips:
+//! - a root that stuck chips wait on (on its worker or another): `stalled_chip`;
+//! - a stuck chip whose sender sent more on the link than it received (found by its worker
+//!   for a local sender, here from the boundary counters for a sender on another worker):
+//!   `lost_message`, or `partition` when several links between different workers lost one;
+//! - every worker stuck for the timeout with nothing lost and no root: a deadlock (reported
+//!   as `stalled_chip` on the chip that went quiet first);
 //! - a worker that sends no heartbeats while its process lives: `frozen_worker`.
 //!
 //! Dead workers and desyncs are reported by the launcher as they happen.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use podsim_collectives::{ChipStatus, link_slot, wall_ns};
+use podsim_collectives::{Fingerprint, link_slot, wall_ns};
 use podsim_topology::{ChipId, Link, Pod};
 use podsim_worker::faults::FaultEvent;
 use podsim_worker::job::HeartbeatStatus;
+use podsim_worker::watch::{Ranges, Root, Summary, Wait};
 use serde::Serialize;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -55,19 +59,23 @@ pub struct Finding {
     pub link: Option<Link>,
     pub seq: Option<u64>,
     pub op: Option<String>,
-    pub waiting: Vec<ChipId>,
+    /// Chips left waiting (the full lists are in the flight recorders).
+    pub waiting: Ranges,
     pub explanation: String,
     /// When the fault took effect as far as the heartbeats tell (wall ns); a fault event
     /// reported by the workers, when there is one, is more exact.
     pub effect_wall_ns: u64,
 }
 
+/// The watchdog's view of one worker.
 #[derive(Debug)]
-struct Seen {
-    status: ChipStatus,
-    worker: u32,
-    changed: Instant,
-    changed_wall_ns: u64,
+struct WorkerView {
+    heard: Instant,
+    heard_wall_ns: u64,
+    pid: Option<u32>,
+    summary: Summary,
+    /// When any of its chips last moved.
+    last_moving: Instant,
 }
 
 #[derive(Debug)]
@@ -75,18 +83,15 @@ pub struct Watchdog {
     timeout: Duration,
     heartbeat: Duration,
     pod: Pod,
-    chips: BTreeMap<ChipId, Seen>,
-    workers: BTreeMap<u32, (Instant, u64)>,
-    /// When any chip of each worker last made progress. A worker whose host is busy with
-    /// tens of thousands of other chips may leave one unscheduled for longer than the
-    /// timeout; that is a slow job, not a hang.
-    worker_progress: BTreeMap<u32, Instant>,
+    workers: BTreeMap<u32, WorkerView>,
     finished: BTreeSet<u32>,
     faults: Vec<FaultEvent>,
+    /// Send counters `(chip, link slot)` on worker boundaries, as last reported.
+    boundary_sent: HashMap<(ChipId, u8), u64>,
+    /// Small workers' current waits (waiter -> peers), for stragglers.
+    waits: BTreeMap<u32, Vec<(ChipId, Vec<ChipId>)>>,
     /// How long each chip held others up: peers waited on it while it waited on no one.
     waited_on: BTreeMap<ChipId, Duration>,
-    /// Every chip ever heard of.
-    seen: BTreeSet<ChipId>,
     first_tick: Option<Instant>,
     last_tick: Option<Instant>,
 }
@@ -102,28 +107,55 @@ pub struct Straggler {
     pub slowdown: f64,
 }
 
+/// `12,345`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// `1 chip` / `32,767 chips`.
+fn chips_count(n: u64) -> String {
+    if n == 1 {
+        "1 chip".into()
+    } else {
+        format!("{} chips", thousands(n))
+    }
+}
+
 impl Watchdog {
     pub fn new(pod: Pod, timeout: Duration, heartbeat: Duration) -> Watchdog {
         Watchdog {
             timeout,
             heartbeat,
             pod,
-            chips: BTreeMap::new(),
             workers: BTreeMap::new(),
-            worker_progress: BTreeMap::new(),
             finished: BTreeSet::new(),
             faults: Vec::new(),
+            boundary_sent: HashMap::new(),
+            waits: BTreeMap::new(),
             waited_on: BTreeMap::new(),
-            seen: BTreeSet::new(),
             first_tick: None,
             last_tick: None,
         }
     }
 
-    /// The job starts: from now on every worker owes heartbeats.
-    pub fn start(&mut self, workers: impl IntoIterator<Item = u32>, now: Instant) {
-        for w in workers {
-            self.workers.entry(w).or_insert((now, wall_ns()));
+    /// The job starts: from now on every worker (id, pid) owes heartbeats.
+    pub fn start(&mut self, workers: impl IntoIterator<Item = (u32, Option<u32>)>, now: Instant) {
+        for (w, pid) in workers {
+            self.workers.entry(w).or_insert(WorkerView {
+                heard: now,
+                heard_wall_ns: wall_ns(),
+                pid,
+                summary: Summary::default(),
+                last_moving: now,
+            });
         }
     }
 
@@ -137,91 +169,83 @@ impl Watchdog {
     }
 
     pub fn heartbeat(&mut self, worker: u32, hb: HeartbeatStatus, now: Instant) {
-        let wall = wall_ns();
-        self.workers.insert(worker, (now, wall));
         self.faults_fired(&hb.faults);
-        if !hb.moved.is_empty() {
-            self.worker_progress.insert(worker, now);
+        for &(chip, slot, sent) in &hb.summary.boundary_sent {
+            self.boundary_sent.insert((chip, slot), sent);
         }
-        for chip in hb.moved {
-            // Moving: not hung, and whatever it last waited on is over.
-            let seen = self.chips.entry(chip).or_insert_with(|| Seen {
-                status: ChipStatus {
-                    chip,
-                    ..ChipStatus::default()
-                },
-                worker,
-                changed: now,
-                changed_wall_ns: wall,
-            });
-            seen.changed = now;
-            seen.changed_wall_ns = wall;
-            seen.status.blocked.clear();
-            seen.status.computing_since_ns = None;
+        if hb.waits.is_empty() {
+            self.waits.remove(&worker);
+        } else {
+            self.waits.insert(worker, hb.waits);
         }
-        for status in hb.chips {
-            match self.chips.get_mut(&status.chip) {
-                Some(seen) if seen.status.progress == status.progress => seen.status = status,
-                _ => {
-                    self.worker_progress.insert(worker, now);
-                    self.chips.insert(
-                        status.chip,
-                        Seen {
-                            status,
-                            worker,
-                            changed: now,
-                            changed_wall_ns: wall_ns(),
-                        },
-                    );
-                }
-            }
+        let view = self.workers.entry(worker).or_insert(WorkerView {
+            heard: now,
+            heard_wall_ns: 0,
+            pid: None,
+            summary: Summary::default(),
+            last_moving: now,
+        });
+        view.heard = now;
+        view.heard_wall_ns = wall_ns();
+        if hb.summary.moving > 0 {
+            view.last_moving = now;
         }
+        view.summary = hb.summary;
     }
 
     /// Worker `id` delivered its results: it no longer heartbeats and nobody waits on it.
     pub fn finished(&mut self, worker: u32) {
         self.finished.insert(worker);
-        self.chips.retain(|_, s| s.worker != worker);
+        self.waits.remove(&worker);
+        if let Some(v) = self.workers.get_mut(&worker) {
+            v.summary = Summary::default();
+        }
     }
 
     pub fn faults(&self) -> &[FaultEvent] {
         &self.faults
     }
 
-    /// The step every chip has reached (the slowest chip's current step).
+    fn live(&self) -> impl Iterator<Item = (u32, &WorkerView)> {
+        self.workers
+            .iter()
+            .filter(|(w, _)| !self.finished.contains(w))
+            .map(|(w, v)| (*w, v))
+    }
+
+    /// The step every chip has reached (the slowest worker's slowest chip).
     pub fn step_reached(&self) -> u64 {
-        self.chips
-            .values()
-            .map(|s| s.status.step)
-            .min()
-            .unwrap_or(0)
+        self.live().map(|(_, v)| v.summary.step).min().unwrap_or(0)
     }
 
     /// The last heartbeat of `worker` (wall ns), if any.
     pub fn last_heard(&self, worker: u32) -> Option<u64> {
-        self.workers.get(&worker).map(|w| w.1)
+        self.workers.get(&worker).map(|w| w.heard_wall_ns)
     }
 
-    /// Chips whose status shows them waiting right now (for a dead worker's report).
-    pub fn waiting_chips(&self) -> Vec<ChipId> {
-        self.chips
+    /// Chips stuck waiting right now, over every worker.
+    pub fn waiting_chips(&self) -> Ranges {
+        self.live().fold(Ranges::default(), |acc, (_, v)| {
+            acc.union(&v.summary.waiting)
+        })
+    }
+
+    /// The worker that hosts `chip`, as its summaries tell.
+    fn worker_of(&self, chip: ChipId) -> Option<u32> {
+        self.workers
             .iter()
-            .filter(|(_, s)| !s.status.blocked.is_empty())
-            .map(|(c, _)| *c)
-            .collect()
+            .find(|(_, v)| v.summary.chips.contains(chip))
+            .map(|(w, _)| *w)
     }
 
-    /// The chip a worker's chips were in, for reports on a dead worker.
+    /// A chip of `worker` others wait on, and the collective they wait in (for a report on a
+    /// dead or frozen worker).
     pub fn current_of(&self, worker: u32) -> Option<(ChipId, u64, String)> {
-        self.chips
-            .iter()
-            .filter(|(_, s)| s.worker == worker)
-            .find_map(|(c, s)| {
-                s.status
-                    .current
-                    .as_ref()
-                    .map(|e| (*c, e.fingerprint.seq, e.fingerprint.op.to_string()))
-            })
+        let chips = &self.workers.get(&worker)?.summary.chips;
+        self.live()
+            .flat_map(|(_, v)| &v.summary.remote)
+            .find(|w| chips.contains(w.peer))
+            .map(|w| (w.peer, w.fingerprint.seq, w.fingerprint.op.to_string()))
     }
 
     /// Chips that held others up for a large share of the run: while peers waited on them
@@ -231,11 +255,17 @@ impl Watchdog {
             .first_tick
             .zip(self.last_tick)
             .map_or(0.0, |(a, b)| b.duration_since(a).as_secs_f64() * 1e3);
+        let chips = self
+            .workers
+            .values()
+            .map(|v| v.summary.chips.count())
+            .sum::<u64>() as usize;
         let mut held: Vec<f64> = self
-            .seen
-            .iter()
-            .map(|c| self.waited_on.get(c).map_or(0.0, |d| d.as_secs_f64() * 1e3))
+            .waited_on
+            .values()
+            .map(|d| d.as_secs_f64() * 1e3)
             .collect();
+        held.resize(chips.max(held.len()), 0.0);
         held.sort_by(f64::total_cmp);
         let median = held.get(held.len() / 2).copied().unwrap_or(0.0).max(1.0);
         self.waited_on
@@ -255,312 +285,271 @@ impl Watchdog {
             .collect()
     }
 
-    fn stale(&self, s: &Seen, now: Instant) -> bool {
-        let quiet = now.duration_since(s.changed) >= self.timeout;
-        // A chip inside a long kernel is judged against a longer bound.
-        match s.status.computing_since_ns {
-            Some(_) => now.duration_since(s.changed) >= 5 * self.timeout,
-            None => quiet,
-        }
-    }
-
     /// Looks for a hang now.
     pub fn check(&mut self, now: Instant) -> Option<Finding> {
-        // Waiting time, for stragglers.
+        // Waiting time, for stragglers: chips waited on that do not wait themselves.
         if let Some(last) = self.last_tick {
             let dt = now.duration_since(last);
+            let waiters: BTreeSet<ChipId> =
+                self.waits.values().flatten().map(|(c, _)| *c).collect();
             let targets: BTreeSet<ChipId> = self
-                .chips
+                .waits
                 .values()
-                .flat_map(|s| s.status.blocked.iter().map(|b| b.peer))
-                .filter(|t| {
-                    self.chips
-                        .get(t)
-                        .is_some_and(|s| s.status.blocked.is_empty())
-                })
+                .flatten()
+                .flat_map(|(_, peers)| peers.iter().copied())
+                .filter(|t| !waiters.contains(t))
                 .collect();
             for t in targets {
                 *self.waited_on.entry(t).or_default() += dt;
             }
         }
-        self.seen.extend(self.chips.keys());
         self.first_tick.get_or_insert(now);
         self.last_tick = Some(now);
-        for (&w, &(at, wall)) in &self.workers {
-            if !self.finished.contains(&w) && now.duration_since(at) >= self.timeout {
-                return Some(self.frozen(w, now.duration_since(at), wall));
-            }
+        if let Some((w, v)) = self
+            .live()
+            .find(|(_, v)| now.duration_since(v.heard) >= self.timeout)
+        {
+            return Some(self.frozen(w, now.duration_since(v.heard), v.heard_wall_ns));
         }
-        let stale: BTreeSet<ChipId> = self
-            .chips
-            .iter()
-            .filter(|(_, s)| self.stale(s, now))
-            .map(|(c, _)| *c)
-            .collect();
-        for (&c, s) in &self.chips {
-            if s.status.blocked.is_empty() || !stale.contains(&c) {
-                continue;
-            }
-            let closure = self.closure(c);
-            // A busy host excuses the wait for at most five timeouts: chips of a worker that
-            // never sync with the stuck one must not hide it for the rest of the job.
-            let host_busy = now.duration_since(s.changed) < 5 * self.timeout
-                && closure
-                    .iter()
-                    .filter_map(|x| self.chips.get(x).map(|s| s.worker))
-                    .filter_map(|w| self.worker_progress.get(&w))
-                    .any(|t| now.duration_since(*t) < self.timeout);
-            if !host_busy
-                && closure
-                    .iter()
-                    .all(|x| stale.contains(x) || !self.chips.contains_key(x))
-            {
-                // Chips of a worker whose heartbeats stopped look stuck too: name the worker.
-                let late = (5 * self.heartbeat).max(self.timeout / 2);
-                let silent = closure
-                    .iter()
-                    .filter_map(|x| self.chips.get(x).map(|s| s.worker))
-                    .filter_map(|w| self.workers.get(&w).map(|h| (w, *h)))
-                    .find(|(_, (at, _))| now.duration_since(*at) >= late);
-                if let Some((w, (at, wall))) = silent {
-                    return Some(self.frozen(w, now.duration_since(at), wall));
-                }
-                return Some(self.diagnose(&closure));
-            }
+        if let Some(f) = self.stalled() {
+            return Some(f);
         }
-        None
+        if let Some(f) = self.lost() {
+            return Some(f);
+        }
+        self.deadlock(now)
     }
 
-    /// Every chip `c` waits on, transitively (itself included).
-    fn closure(&self, c: ChipId) -> BTreeSet<ChipId> {
-        let mut seen = BTreeSet::from([c]);
-        let mut queue = VecDeque::from([c]);
-        while let Some(x) = queue.pop_front() {
-            if let Some(s) = self.chips.get(&x) {
-                for b in &s.status.blocked {
-                    if seen.insert(b.peer) {
-                        queue.push_back(b.peer);
-                    }
-                }
-            }
-        }
-        seen
+    /// `chip 20000 (coordinates [16, 17, 19], worker 1, pid 4242)`.
+    fn describe_chip(&self, c: ChipId, worker: Option<u32>) -> String {
+        let worker = worker.or_else(|| self.worker_of(c));
+        let pid = worker
+            .and_then(|w| self.workers.get(&w))
+            .and_then(|v| v.pid)
+            .map_or(String::new(), |p| format!(", pid {p}"));
+        let worker = worker.map_or("?".to_string(), |w| w.to_string());
+        let coords = self.pod.coord(c).to_vec();
+        let slice = if self.pod.slices() > 1 {
+            format!(" of slice {}", self.pod.slice_of(c))
+        } else {
+            String::new()
+        };
+        format!("chip {c} (coordinates {coords:?}{slice}, worker {worker}{pid})")
     }
 
-    fn describe_chip(&self, c: ChipId) -> String {
-        let worker = self
-            .chips
-            .get(&c)
-            .map_or(String::from("?"), |s| s.worker.to_string());
-        format!(
-            "chip {c} (coordinates {:?}, worker {worker})",
-            self.pod.coord(c)
-        )
+    /// `32,767 chips wait (ids 0-19999, 20001-32767)`.
+    fn describe_waiting(waiting: &Ranges) -> String {
+        let n = waiting.count();
+        if n == 0 {
+            return "no chip waits on it yet".into();
+        }
+        let verb = if n == 1 { "waits" } else { "wait" };
+        format!("{} {verb} (ids {waiting})", chips_count(n))
     }
 
     fn frozen(&self, w: u32, quiet: Duration, last_wall: u64) -> Finding {
-        let chips: Vec<ChipId> = self
-            .chips
-            .iter()
-            .filter(|(_, s)| s.worker == w)
-            .map(|(c, _)| *c)
-            .collect();
+        let view = &self.workers[&w];
+        let chips = &view.summary.chips;
         let current = self.current_of(w);
+        let pid = view.pid.map_or(String::new(), |p| format!(" (pid {p})"));
+        let waiting = self
+            .live()
+            .filter(|(o, _)| *o != w)
+            .fold(Ranges::default(), |acc, (_, v)| {
+                acc.union(&v.summary.waiting)
+            });
         Finding {
             kind: HangKind::FrozenWorker,
-            chip: chips.first().copied(),
+            chip: chips.0.first().map(|r| r.0),
             worker: Some(w),
             link: None,
             seq: current.as_ref().map(|c| c.1),
             op: current.map(|c| c.2),
-            waiting: self
-                .waiting_chips()
-                .into_iter()
-                .filter(|c| !chips.contains(c))
-                .collect(),
             explanation: format!(
-                "Worker {w} is alive but has sent no heartbeat for {:.1} s, so its chips {chips:?} make no progress: the process is stopped or frozen (e.g. SIGSTOP); resume it with kill -CONT or kill it.",
-                quiet.as_secs_f64()
+                "Worker {w}{pid} is alive but has sent no heartbeat for {:.1} s, so its {} (ids {chips}) make no progress and {}: the process is stopped or frozen (e.g. SIGSTOP); resume it with kill -CONT or kill it.",
+                quiet.as_secs_f64(),
+                chips_count(chips.count()),
+                Self::describe_waiting(&waiting),
             ),
+            waiting,
             effect_wall_ns: last_wall,
         }
     }
 
-    fn diagnose(&self, closure: &BTreeSet<ChipId>) -> Finding {
-        let waiting: Vec<ChipId> = closure
-            .iter()
-            .copied()
-            .filter(|c| {
-                self.chips
-                    .get(c)
-                    .is_some_and(|s| !s.status.blocked.is_empty())
+    /// Waits on `chip` from other workers than `worker`.
+    fn remote_waits_on(&self, chip: ChipId, worker: u32) -> impl Iterator<Item = &Wait> {
+        self.live()
+            .filter(move |(o, _)| *o != worker)
+            .flat_map(|(_, v)| &v.summary.remote)
+            .filter(move |w| w.peer == chip)
+    }
+
+    /// The root most chips wait on, if any chip waits on one.
+    fn stalled(&self) -> Option<Finding> {
+        let (worker, root, _) = self
+            .live()
+            .flat_map(|(w, v)| v.summary.roots.iter().map(move |r| (w, r)))
+            .map(|(w, r)| {
+                let remote = self.remote_waits_on(r.status.chip, w).count() as u64;
+                (w, r, u64::from(r.local_waiters) + remote)
             })
-            .collect();
-        // Roots: chips in the closure that wait on no one.
-        let mut roots: Vec<(usize, ChipId)> = closure
-            .iter()
-            .filter(|c| {
-                self.chips
-                    .get(c)
-                    .is_some_and(|s| s.status.blocked.is_empty())
-            })
-            .map(|&c| {
-                let waiters = self
-                    .chips
-                    .values()
-                    .filter(|s| s.status.blocked.iter().any(|b| b.peer == c))
-                    .count();
-                (waiters, c)
-            })
-            .collect();
-        roots.sort_by(|a, b| b.cmp(a));
-        if let Some(&(_, root)) = roots.first() {
-            let s = &self.chips[&root];
-            // The collective at fault: the root's own, or the one its waiters are in.
-            let waited = self
-                .chips
-                .values()
-                .flat_map(|w| w.status.blocked.iter())
-                .find(|b| b.peer == root)
-                .map(|b| b.fingerprint);
-            let current = s.status.current.as_ref();
-            let fp = current.map(|e| e.fingerprint).or(waited);
-            let what = current.map_or("between collectives".to_string(), |e| {
-                format!("in {}", e.fingerprint)
-            });
-            return Finding {
-                kind: HangKind::StalledChip,
-                chip: Some(root),
-                worker: Some(s.worker),
-                link: None,
-                seq: fp.map(|f| f.seq),
-                op: fp.map(|f| f.op.to_string()),
-                waiting: waiting.clone(),
-                explanation: format!(
-                    "{} stopped making progress at step {} {what} without waiting on any peer, and {} chips wait on it: look at what that chip's program is doing (a stuck kernel, a lock, host code).",
-                    self.describe_chip(root),
-                    s.status.step,
-                    waiting.len()
-                ),
-                effect_wall_ns: s.changed_wall_ns,
-            };
+            .filter(|(_, _, waiters)| *waiters > 0)
+            .max_by_key(|(_, r, waiters)| (*waiters, std::cmp::Reverse(r.status.chip)))?;
+        Some(self.stalled_finding(worker, root))
+    }
+
+    fn stalled_finding(&self, worker: u32, root: &Root) -> Finding {
+        let chip = root.status.chip;
+        // The link: one a waiter waits on, named from the culprit's side.
+        let waiter = root.first_waiter.or_else(|| {
+            self.remote_waits_on(chip, worker)
+                .next()
+                .map(|w| (w.waiter, w.link, w.fingerprint))
+        });
+        let link = waiter.map(|(w, l, _)| l.reverse(self.pod.slice_of(w)));
+        let waited: Option<Fingerprint> = waiter.map(|(.., f)| f);
+        let current = root.status.current.as_ref();
+        let fp = current.map(|e| e.fingerprint).or(waited);
+        let what = match (current, waited) {
+            (Some(e), _) => format!("in {}", e.fingerprint),
+            (None, Some(f)) => format!("before {f}"),
+            (None, None) => "between collectives".to_string(),
+        };
+        let waiting = self.waiting_chips().without(chip);
+        let through = match waiter {
+            Some((w, l, _)) => format!(", chip {w} first, on its link {l}"),
+            None => String::new(),
+        };
+        Finding {
+            kind: HangKind::StalledChip,
+            chip: Some(chip),
+            worker: Some(worker),
+            link,
+            seq: fp.map(|f| f.seq),
+            op: fp.map(|f| f.op.to_string()),
+            explanation: format!(
+                "{} stopped at step {} {what} without waiting on any peer, and {} on it{through}: look at what that chip's program is doing (a stuck kernel, a lock, host code).",
+                self.describe_chip(chip, Some(worker)),
+                root.status.step,
+                Self::describe_waiting(&waiting),
+            ),
+            waiting,
+            effect_wall_ns: root.quiet_since_wall_ns,
         }
-        // Everyone waits: find receives whose message the sender did send.
-        let mut lost: Vec<(ChipId, Link, ChipId, u64)> = Vec::new();
-        for &a in closure {
-            let Some(sa) = self.chips.get(&a) else {
-                continue;
-            };
-            for b in &sa.status.blocked {
-                let Some(sb) = self.chips.get(&b.peer) else {
-                    continue;
-                };
-                let sender_link = b.link.reverse(self.pod.slice_of(a));
-                let sent = sb
-                    .status
-                    .sent
-                    .get(link_slot(sender_link))
-                    .copied()
-                    .unwrap_or(0);
-                let got = sa
-                    .status
-                    .received
-                    .get(link_slot(b.link))
-                    .copied()
-                    .unwrap_or(0);
-                if sent > got {
-                    lost.push((b.peer, sender_link, a, b.since_wall_ns));
+    }
+
+    /// Messages sent and never received: found by a worker between its own chips, or here on
+    /// a link between workers from the boundary counters.
+    fn lost(&self) -> Option<Finding> {
+        // (sender, link as the sender names it, receiver, waited since, fingerprint)
+        let mut lost: Vec<(ChipId, Link, ChipId, u64, Fingerprint)> = Vec::new();
+        for (_, v) in self.live() {
+            for (w, _) in &v.summary.lost {
+                let link = w.link.reverse(self.pod.slice_of(w.waiter));
+                lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
+            }
+            for w in v.summary.remote.iter().filter(|w| w.stuck) {
+                let link = w.link.reverse(self.pod.slice_of(w.waiter));
+                let sent = self.boundary_sent.get(&(w.peer, link_slot(link) as u8));
+                if sent.is_some_and(|&s| s > w.received) {
+                    lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
                 }
             }
         }
-        let worker = |c: ChipId| self.chips.get(&c).map_or(u32::MAX, |s| s.worker);
+        let &(src, link, dst, _, fp) = lost.first()?;
+        let worker = |c: ChipId| self.worker_of(c).unwrap_or(u32::MAX);
         let pairs: BTreeSet<(u32, u32)> = lost
             .iter()
-            .map(|(s, _, d, _)| (worker(*s).min(worker(*d)), worker(*s).max(worker(*d))))
+            .map(|(s, _, d, _, _)| (worker(*s).min(worker(*d)), worker(*s).max(worker(*d))))
             .collect();
-        let links: BTreeSet<(ChipId, Link)> = lost.iter().map(|(s, l, _, _)| (*s, *l)).collect();
+        let links: BTreeSet<(ChipId, Link)> = lost.iter().map(|(s, l, ..)| (*s, *l)).collect();
         let since = lost.iter().map(|l| l.3).min().unwrap_or_else(wall_ns);
+        let waiting = self.waiting_chips();
         if links.len() >= 2 && pairs.iter().all(|(a, b)| a != b) {
-            let (first, ..) = lost[0];
-            let fp = self.chips[&first]
-                .status
-                .current
-                .as_ref()
-                .map(|e| e.fingerprint);
-            return Finding {
+            let pairs: Vec<String> = pairs.iter().map(|(a, b)| format!("{a}-{b}")).collect();
+            return Some(Finding {
                 kind: HangKind::Partition,
-                chip: Some(first),
-                worker: Some(worker(first)),
-                link: Some(lost[0].1),
-                seq: fp.map(|f| f.seq),
-                op: fp.map(|f| f.op.to_string()),
-                waiting,
-                explanation: format!(
-                    "Workers are cut apart: messages sent on {} links between worker pairs {pairs:?} never arrived and every chip on both sides waits; check the network between those workers.",
-                    links.len()
-                ),
-                effect_wall_ns: since,
-            };
-        }
-        if let Some(&(src, link, dst, since)) = lost.first() {
-            let fp = self.chips[&dst]
-                .status
-                .blocked
-                .iter()
-                .find(|b| b.peer == src)
-                .map(|b| b.fingerprint);
-            return Finding {
-                kind: HangKind::LostMessage,
                 chip: Some(src),
                 worker: Some(worker(src)),
                 link: Some(link),
-                seq: fp.map(|f| f.seq),
-                op: fp.map(|f| f.op.to_string()),
-                waiting,
+                seq: Some(fp.seq),
+                op: Some(fp.op.to_string()),
                 explanation: format!(
-                    "{} sent its message of {} on link {link} to chip {dst}, which never received it and waits for it: the link lost a message (worker {} to worker {}); check that link's transport.",
-                    self.describe_chip(src),
-                    fp.map_or("the collective".to_string(), |f| f.to_string()),
-                    worker(src),
-                    worker(dst)
+                    "Workers are cut apart: messages sent on {} links between workers {} never arrived (the first from {} on link {link}, in {fp}), and {}: check the network between those workers.",
+                    links.len(),
+                    pairs.join(", "),
+                    self.describe_chip(src, None),
+                    Self::describe_waiting(&waiting),
                 ),
+                waiting,
                 effect_wall_ns: since,
-            };
+            });
         }
-        // A cycle with nothing lost: the oldest quiet chip.
-        let oldest = closure
-            .iter()
-            .filter_map(|c| self.chips.get(c).map(|s| (s.changed, *c)))
-            .min()
-            .map_or(0, |x| x.1);
-        let s = self.chips.get(&oldest);
-        Finding {
-            kind: HangKind::StalledChip,
-            chip: Some(oldest),
-            worker: s.map(|s| s.worker),
-            link: None,
-            seq: s.and_then(|s| s.status.current.as_ref().map(|e| e.fingerprint.seq)),
-            op: s.and_then(|s| {
-                s.status
-                    .current
-                    .as_ref()
-                    .map(|e| e.fingerprint.op.to_string())
-            }),
-            waiting,
+        Some(Finding {
+            kind: HangKind::LostMessage,
+            chip: Some(src),
+            worker: Some(worker(src)),
+            link: Some(link),
+            seq: Some(fp.seq),
+            op: Some(fp.op.to_string()),
             explanation: format!(
-                "Chips {closure:?} all wait on each other and nothing was lost on the way: a deadlock; {} went quiet first.",
-                self.describe_chip(oldest)
+                "{} sent its message of {fp} on link {link} to chip {dst} (worker {}), which never received it, and {}: the link lost a message; check that link's transport.",
+                self.describe_chip(src, None),
+                worker(dst),
+                Self::describe_waiting(&waiting),
             ),
-            effect_wall_ns: s.map_or(0, |s| s.changed_wall_ns),
+            waiting,
+            effect_wall_ns: since,
+        })
+    }
+
+    /// Every worker stuck for the timeout with nothing lost and no root: the chips wait on
+    /// each other in a cycle.
+    fn deadlock(&self, now: Instant) -> Option<Finding> {
+        let mut live = self.live().peekable();
+        live.peek()?;
+        let mut oldest: Option<(u64, ChipId, u32)> = None;
+        for (w, v) in live {
+            if now.duration_since(v.last_moving) < self.timeout || v.summary.oldest.is_none() {
+                return None;
+            }
+            if let Some((c, since)) = v.summary.oldest
+                && oldest.is_none_or(|o| since < o.0)
+            {
+                oldest = Some((since, c, w));
+            }
         }
+        let (since, chip, worker) = oldest?;
+        let fp = self
+            .workers
+            .get(&worker)
+            .and_then(|v| v.summary.remote.iter().find(|w| w.waiter == chip))
+            .map(|w| w.fingerprint);
+        let waiting = self.waiting_chips();
+        Some(Finding {
+            kind: HangKind::StalledChip,
+            chip: Some(chip),
+            worker: Some(worker),
+            link: None,
+            seq: fp.map(|f| f.seq),
+            op: fp.map(|f| f.op.to_string()),
+            explanation: format!(
+                "{} all wait on each other and nothing was lost on the way: a deadlock; {} went quiet first.",
+                chips_count(waiting.count()),
+                self.describe_chip(chip, Some(worker)),
+            ),
+            waiting,
+            effect_wall_ns: since,
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use podsim_collectives::{Blocked, DType, Fingerprint, OpKind, Tag};
+    use podsim_collectives::{Blocked, ChipStatus, DType, OpKind, Tag};
     use podsim_topology::Dir;
+    use podsim_worker::watch::Summariser;
 
     const T: Duration = Duration::from_millis(100);
 
@@ -599,24 +588,51 @@ mod tests {
         }
     }
 
-    fn watchdog() -> Watchdog {
-        Watchdog::new(
-            Pod::single("4".parse().unwrap()),
-            T,
-            Duration::from_millis(10),
-        )
+    fn pod() -> Pod {
+        Pod::single("4".parse().unwrap())
     }
 
-    fn beat(w: &mut Watchdog, worker: u32, chips: Vec<ChipStatus>, at: Instant) {
-        w.heartbeat(
-            worker,
-            HeartbeatStatus {
-                chips,
-                moved: Vec::new(),
-                faults: Vec::new(),
-            },
-            at,
-        );
+    /// Workers of a 4-chip ring: each owns `chips`, summarised from statuses as its
+    /// heartbeat thread would.
+    struct Worker {
+        id: u32,
+        summariser: Summariser,
+    }
+
+    impl Worker {
+        fn new(id: u32, chips: &[ChipId], t0: Instant) -> Worker {
+            Worker {
+                id,
+                summariser: Summariser::new(&pod(), chips.to_vec(), T, t0),
+            }
+        }
+
+        fn beat(&mut self, w: &mut Watchdog, statuses: &[ChipStatus], at: Instant) {
+            let summary = self.summariser.beat(
+                at,
+                wall_ns(),
+                |i| {
+                    let s = &statuses[i];
+                    (s.progress, s.blocked.len(), false, 0)
+                },
+                |i| statuses[i].clone(),
+            );
+            w.heartbeat(
+                self.id,
+                HeartbeatStatus {
+                    summary,
+                    waits: Vec::new(),
+                    faults: Vec::new(),
+                },
+                at,
+            );
+        }
+    }
+
+    fn watchdog(workers: &[u32], t0: Instant) -> Watchdog {
+        let mut w = Watchdog::new(pod(), T, Duration::from_millis(10));
+        w.start(workers.iter().map(|&w| (w, Some(100 + w))), t0);
+        w
     }
 
     const PLUS: Link = Link::Ici {
@@ -630,46 +646,103 @@ mod tests {
 
     #[test]
     fn a_quiet_chip_nobody_waits_for_is_not_a_hang_and_progress_is_never_one() {
-        let mut w = watchdog();
         let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
         for i in 0..10u64 {
-            // Chip 0 waits on chip 1, but chip 1 keeps making progress.
+            // Chip 0 waits on chip 1, but chip 1 keeps making progress; chips 2 and 3 are
+            // quiet and wait on no one, and nobody waits on them (finished).
             let at = t0 + T * i as u32;
-            beat(
-                &mut w,
-                0,
-                vec![status(0, 1, &[(1, PLUS)]), status(1, i, &[])],
-                at,
-            );
+            let chips = [
+                status(0, 1, &[(1, PLUS)]),
+                status(1, i, &[]),
+                status(2, 1, &[]),
+                status(3, 1, &[]),
+            ];
+            worker.beat(&mut w, &chips, at);
             assert_eq!(w.check(at), None, "tick {i}");
         }
     }
 
     #[test]
     fn the_root_of_the_waits_is_the_stalled_chip() {
-        let mut w = watchdog();
         let t0 = Instant::now();
-        let chips = || {
-            vec![
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+        let chips = [
+            status(0, 5, &[(1, PLUS)]),
+            status(1, 5, &[(2, PLUS)]),
+            status(2, 5, &[]),
+            status(3, 9, &[]),
+        ];
+        worker.beat(&mut w, &chips, t0);
+        worker.beat(&mut w, &chips, t0 + T / 2);
+        assert_eq!(w.check(t0 + T / 2), None);
+        worker.beat(&mut w, &chips, t0 + T * 2);
+        let f = w.check(t0 + T * 2).unwrap();
+        assert_eq!(
+            (f.kind, f.chip, f.worker),
+            (HangKind::StalledChip, Some(2), Some(0))
+        );
+        assert_eq!(f.waiting, Ranges(vec![(0, 1)]));
+        assert_eq!(f.seq, Some(3));
+        assert_eq!(
+            f.link,
+            Some(MINUS),
+            "named from the culprit: its -x link to chip 1"
+        );
+        assert!(f.explanation.contains("pid 100"), "{}", f.explanation);
+        assert!(
+            f.explanation.contains("2 chips wait (ids 0-1)"),
+            "{}",
+            f.explanation
+        );
+    }
+
+    #[test]
+    fn a_stalled_chip_on_another_worker_is_found_through_the_remote_waits() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0, 1], t0);
+        let (mut a, mut b) = (Worker::new(0, &[0, 1], t0), Worker::new(1, &[2, 3], t0));
+        // Chip 1 waits on chip 2 (worker 1), which waits on no one.
+        let left = [status(0, 5, &[(1, PLUS)]), status(1, 5, &[(2, PLUS)])];
+        let right = [status(2, 5, &[]), status(3, 5, &[(2, MINUS)])];
+        for at in [t0, t0 + T * 2] {
+            a.beat(&mut w, &left, at);
+            b.beat(&mut w, &right, at);
+        }
+        let f = w.check(t0 + T * 2).unwrap();
+        assert_eq!(
+            (f.kind, f.chip, f.worker),
+            (HangKind::StalledChip, Some(2), Some(1))
+        );
+        assert_eq!(f.waiting.count(), 3);
+    }
+
+    #[test]
+    fn a_wait_on_a_moving_chip_of_the_same_worker_is_excused() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+        for i in 0..6u32 {
+            // Chip 3 is quiet and waits on no one, but nobody waits on it; 0 -> 1 -> 2 and 2
+            // moves.
+            let chips = [
                 status(0, 5, &[(1, PLUS)]),
                 status(1, 5, &[(2, PLUS)]),
-                status(2, 5, &[]),
-                status(3, 9, &[]),
-            ]
-        };
-        beat(&mut w, 0, chips(), t0);
-        assert_eq!(w.check(t0 + T / 2), None);
-        beat(&mut w, 0, chips(), t0 + T * 2);
-        let f = w.check(t0 + T * 2).unwrap();
-        assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(2)));
-        assert_eq!(f.waiting, vec![0, 1]);
-        assert_eq!(f.seq, Some(3));
+                status(2, u64::from(i), &[]),
+                status(3, 5, &[]),
+            ];
+            worker.beat(&mut w, &chips, t0 + T * i);
+            assert_eq!(w.check(t0 + T * i), None);
+        }
     }
 
     #[test]
     fn a_message_sent_but_never_received_names_the_link() {
-        let mut w = watchdog();
         let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1], t0);
         let mut a = status(0, 5, &[(1, PLUS)]);
         let mut b = status(1, 5, &[(0, MINUS)]);
         // Chip 1 sent 4 messages on its -x link (to chip 0); chip 0 took 3 from its +x link.
@@ -677,8 +750,9 @@ mod tests {
         a.received[link_slot(PLUS)] = 3;
         a.sent[link_slot(PLUS)] = 3;
         b.received[link_slot(MINUS)] = 3;
-        beat(&mut w, 0, vec![a, b], t0);
-        beat(&mut w, 0, vec![], t0 + T * 2);
+        let chips = [a, b];
+        worker.beat(&mut w, &chips, t0);
+        worker.beat(&mut w, &chips, t0 + T * 2);
         let f = w.check(t0 + T * 2).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.link),
@@ -687,20 +761,58 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_that_stops_heartbeating_is_frozen() {
-        let mut w = watchdog();
+    fn a_message_lost_between_workers_is_found_from_the_boundary_counters() {
         let t0 = Instant::now();
-        w.start([0, 1], t0);
+        let mut w = watchdog(&[0, 1], t0);
+        let (mut x, mut y) = (Worker::new(0, &[0, 1], t0), Worker::new(1, &[2, 3], t0));
+        // Chip 2 sent 4 messages on its -x link to chip 1 (another worker), which took 3.
+        let mut one = status(1, 5, &[(2, PLUS)]);
+        one.received[link_slot(PLUS)] = 3;
+        let mut two = status(2, 5, &[(3, PLUS)]);
+        two.sent[link_slot(MINUS)] = 4;
+        let left = [status(0, 5, &[(1, PLUS)]), one];
+        let right = [two, status(3, 5, &[(0, PLUS)])];
+        for at in [t0, t0 + T * 2] {
+            x.beat(&mut w, &left, at);
+            y.beat(&mut w, &right, at);
+        }
+        let f = w.check(t0 + T * 2).unwrap();
+        assert_eq!(
+            (f.kind, f.chip, f.link, f.worker),
+            (HangKind::LostMessage, Some(2), Some(MINUS), Some(1))
+        );
+    }
+
+    #[test]
+    fn a_worker_that_stops_heartbeating_is_frozen() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0, 1], t0);
+        let mut worker = Worker::new(0, &[0, 1], t0);
         for i in 0..3u32 {
-            beat(
-                &mut w,
-                0,
-                vec![status(0, u64::from(i), &[])],
-                t0 + T * i / 2,
-            );
+            let chips = [status(0, u64::from(i), &[]), status(1, u64::from(i), &[])];
+            worker.beat(&mut w, &chips, t0 + T * i / 2);
         }
         let f = w.check(t0 + T + T / 2).unwrap();
         assert_eq!((f.kind, f.worker), (HangKind::FrozenWorker, Some(1)));
+        assert!(f.explanation.contains("pid 101"), "{}", f.explanation);
         w.finished(1);
+    }
+
+    #[test]
+    fn ranges_are_compact_and_readable() {
+        let r = Ranges::from_ids([5, 0, 1, 2, 7, 6, 9]);
+        assert_eq!(r, Ranges(vec![(0, 2), (5, 7), (9, 9)]));
+        assert_eq!((r.count(), r.contains(6), r.contains(8)), (7, true, false));
+        assert_eq!(r.to_string(), "0-2, 5-7, 9");
+        assert_eq!(r.without(6).to_string(), "0-2, 5, 7, 9");
+        let many = Ranges::from_ids((0..40).map(|i| i * 2));
+        assert_eq!(many.to_string().matches(", ").count(), 7);
+        assert!(many.to_string().ends_with("and 32 more ranges"));
+        assert_eq!(
+            Ranges::from_ids([1, 2])
+                .union(&Ranges::from_ids([3, 9]))
+                .to_string(),
+            "1-3, 9"
+        );
     }
 }

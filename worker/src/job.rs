@@ -48,23 +48,21 @@ fn default_watchdog_ms() -> u64 {
     2000
 }
 
-/// What a heartbeat carries: every local chip's status and the faults fired so far.
+/// What a heartbeat carries: the worker's summary of its chips (see [`crate::watch`]), the
+/// waits of its chips for straggler accounting (small workers only) and the faults fired so far.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HeartbeatStatus {
-    /// Statuses of chips whose progress stood still since the last heartbeat and whose state
-    /// changed since their status was last sent (all of them every tenth heartbeat).
-    pub chips: Vec<ChipStatus>,
-    /// Workers of more than [`COMPACT_HEARTBEAT_CHIPS`] chips: chips whose progress moved since
-    /// the last heartbeat, by id only, since a moving chip is not hung (at 100,000 chips full
-    /// statuses every heartbeat would bury the coordinator). What such a chip waits on is then
-    /// not reported, so stragglers are not named at that scale.
+    pub summary: crate::watch::Summary,
+    /// Workers of at most [`STRAGGLER_WAITS_CHIPS`] chips: every waiting chip and the chips it
+    /// waits on, right now (how long each chip holds the others up names stragglers).
     #[serde(default)]
-    pub moved: Vec<u32>,
+    pub waits: Vec<(u32, Vec<u32>)>,
     pub faults: Vec<FaultEvent>,
 }
 
-/// Above this many chips a worker's heartbeats name moving chips by id only.
-pub const COMPACT_HEARTBEAT_CHIPS: usize = 2500;
+/// Up to this many chips a worker's heartbeats list every wait (for stragglers); above it they
+/// carry the summary alone.
+pub const STRAGGLER_WAITS_CHIPS: usize = 2500;
 
 /// One chip's flight recorder as dumped for a diagnosis.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -10,6 +10,7 @@ pub mod net;
 pub mod programs;
 pub mod session;
 pub mod train;
+pub mod watch;
 pub mod wire;
 
 pub use error::WorkerError;

@@ -186,37 +186,38 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             faults.clone(),
         );
         let every = Duration::from_millis(fabric.spec.heartbeat_ms.max(1));
+        let mut summariser = crate::watch::Summariser::new(
+            &fabric.spec.pod,
+            recorders.iter().map(|r| r.chip()).collect(),
+            Duration::from_millis(fabric.spec.watchdog_ms),
+            std::time::Instant::now(),
+        );
         async move {
             let mut tick = tokio::time::interval(every);
-            // Only chips whose state moved since the last heartbeat are sent (the coordinator
-            // keeps the last status of the others, which is what "unchanged" means to the
-            // watchdog), with a full refresh every ten heartbeats.
-            type Key = Option<(u64, usize, bool, u64)>;
-            // Each chip's state at the last heartbeat, and as its status was last sent.
-            let mut last: Vec<Key> = vec![None; recorders.len()];
-            let mut sent: Vec<Key> = vec![None; recorders.len()];
-            let compact = recorders.len() > crate::job::COMPACT_HEARTBEAT_CHIPS;
-            let mut beat = 0u64;
+            let list_waits = recorders.len() <= crate::job::STRAGGLER_WAITS_CHIPS;
             loop {
                 tick.tick().await;
-                let full = beat.is_multiple_of(10);
-                beat += 1;
-                let mut chips = Vec::new();
-                let mut moved = Vec::new();
-                for (i, r) in recorders.iter().enumerate() {
-                    let key = Some(r.summary());
-                    let progressed = last[i].is_some_and(|k| key.is_some_and(|n| n.0 != k.0));
-                    last[i] = key;
-                    if progressed && compact {
-                        moved.push(r.chip());
-                    } else if full || sent[i] != key {
-                        sent[i] = key;
-                        chips.push(r.status());
-                    }
-                }
+                let summary = summariser.beat(
+                    std::time::Instant::now(),
+                    podsim_collectives::wall_ns(),
+                    |i| recorders[i].summary(),
+                    |i| recorders[i].status(),
+                );
+                let waits = if list_waits {
+                    recorders
+                        .iter()
+                        .filter(|r| r.summary().1 > 0)
+                        .map(|r| {
+                            let s = r.status();
+                            (s.chip, s.blocked.iter().map(|b| b.peer).collect())
+                        })
+                        .collect()
+                } else {
+                    Vec::new()
+                };
                 let status = HeartbeatStatus {
-                    chips,
-                    moved,
+                    summary,
+                    waits,
                     faults: faults.events(),
                 };
                 let msg = pb::WorkerMsg {

@@ -1,0 +1,429 @@
+//! What a worker tells the watchdog about its chips at each heartbeat: a summary whose size
+//! does not grow with the number of chips the worker hosts.
+//!
+//! The worker sees every one of its chips' flight recorders, so it resolves its own part of
+//! the wait-for graph and sends only the conclusions:
+//! - a chip that waits on a receive and whose progress counter has not moved for a quarter of
+//!   the watchdog timeout is *waiting*, unless its waits, followed through this worker's
+//!   chips, reach a chip that is still moving or inside a kernel (it waits on live work);
+//!   waiting chips are sent as id ranges, and those quiet for the whole timeout are *stuck*;
+//! - a chip quiet for the whole timeout that waits on no one and is not inside a kernel is a
+//!   *root* (a candidate culprit), sent with its full status and how many waiting chips here
+//!   wait on it: the waiters need not have been quiet as long, the root is the one judged;
+//! - waits of stuck chips on chips of other workers are sent one per (peer, link), with the
+//!   waiter's receive counter on that link, so the coordinator can join the workers' graphs;
+//! - a stuck chip whose local sender has sent more on the link than it received is a *lost*
+//!   message, found here;
+//! - stuck chips on a worker boundary send their per-link send counters once (and again when
+//!   they change), so the coordinator can find a message lost between workers.
+//!
+//! Cost per heartbeat: one cheap summary read per chip, and a full status read only for quiet
+//! chips whose state changed. The coordinator's work per heartbeat is bounded by the caps
+//! below, whatever the number of chips.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use podsim_collectives::{ChipStatus, Fingerprint, link_slot};
+use podsim_topology::{ChipId, Link, Pod};
+use serde::{Deserialize, Serialize};
+
+/// At most this many roots per heartbeat (the ones most waited on).
+pub const MAX_ROOTS: usize = 8;
+/// At most this many waits on other workers' chips, or lost messages, per heartbeat.
+pub const MAX_WAITS: usize = 256;
+
+/// Chip ids as inclusive ranges, ascending: compact for the contiguous blocks a worker owns.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ranges(pub Vec<(ChipId, ChipId)>);
+
+impl Ranges {
+    /// From ids in any order (duplicates allowed).
+    pub fn from_ids(ids: impl IntoIterator<Item = ChipId>) -> Ranges {
+        let mut ids: Vec<ChipId> = ids.into_iter().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut out: Vec<(ChipId, ChipId)> = Vec::new();
+        for id in ids {
+            match out.last_mut() {
+                Some((_, last)) if *last + 1 == id => *last = id,
+                _ => out.push((id, id)),
+            }
+        }
+        Ranges(out)
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.iter().map(|(a, b)| u64::from(b - a) + 1).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn contains(&self, id: ChipId) -> bool {
+        let i = self.0.partition_point(|(_, last)| *last < id);
+        self.0.get(i).is_some_and(|(first, _)| *first <= id)
+    }
+
+    /// The union with `other`.
+    pub fn union(&self, other: &Ranges) -> Ranges {
+        let mut all: Vec<(ChipId, ChipId)> = self.0.iter().chain(&other.0).copied().collect();
+        all.sort_unstable();
+        let mut out: Vec<(ChipId, ChipId)> = Vec::new();
+        for (a, b) in all {
+            match out.last_mut() {
+                Some((_, last)) if a <= last.saturating_add(1) => *last = (*last).max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        Ranges(out)
+    }
+
+    /// Without `id`.
+    pub fn without(&self, id: ChipId) -> Ranges {
+        let mut out = Vec::with_capacity(self.0.len() + 1);
+        for &(a, b) in &self.0 {
+            if id < a || id > b {
+                out.push((a, b));
+                continue;
+            }
+            if a < id {
+                out.push((a, id - 1));
+            }
+            if id < b {
+                out.push((id + 1, b));
+            }
+        }
+        Ranges(out)
+    }
+}
+
+/// `0-19999, 20001-32767`; past eight ranges, `and N more ranges`.
+impl fmt::Display for Ranges {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const SHOWN: usize = 8;
+        for (i, (a, b)) in self.0.iter().take(SHOWN).enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            if a == b {
+                write!(f, "{a}")?;
+            } else {
+                write!(f, "{a}-{b}")?;
+            }
+        }
+        if self.0.len() > SHOWN {
+            write!(f, " and {} more ranges", self.0.len() - SHOWN)?;
+        }
+        Ok(())
+    }
+}
+
+/// A quiet chip that waits on no one: a candidate culprit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Root {
+    pub status: ChipStatus,
+    /// Wall time (ns) its progress last moved.
+    pub quiet_since_wall_ns: u64,
+    /// Waiting chips of this worker whose waits lead to it.
+    pub local_waiters: u32,
+    /// One chip of this worker that waits on it directly, the link it waits on and the
+    /// collective it waits in.
+    pub first_waiter: Option<(ChipId, Link, Fingerprint)>,
+}
+
+/// A stuck chip's wait on one link.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Wait {
+    pub waiter: ChipId,
+    /// The link as the waiter names it.
+    pub link: Link,
+    pub peer: ChipId,
+    /// Messages the waiter has taken from that link.
+    pub received: u64,
+    pub fingerprint: Fingerprint,
+    pub since_wall_ns: u64,
+    /// The waiter has been quiet for the whole timeout.
+    pub stuck: bool,
+}
+
+/// One worker's heartbeat view of its chips.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// The worker's chips.
+    pub chips: Ranges,
+    /// Chips whose progress moved since the previous heartbeat.
+    pub moving: u32,
+    /// Chips that wait and are not excused by live work on this worker.
+    pub waiting: Ranges,
+    /// Quiet chips waiting on no one, most waited-on first (at most [`MAX_ROOTS`]).
+    pub roots: Vec<Root>,
+    /// Waits of waiting chips on other workers' chips, one per (peer, link).
+    pub remote: Vec<Wait>,
+    /// Waits of stuck chips on a chip of this worker that sent more on the link than the
+    /// waiter received, with that send count.
+    pub lost: Vec<(Wait, u64)>,
+    /// Send counters `(chip, link slot, sent)` of stuck or root chips on links that leave the
+    /// worker, new or changed since the previous heartbeat.
+    pub boundary_sent: Vec<(ChipId, u8, u64)>,
+    /// The stuck chip quiet the longest, with the wall time it went quiet.
+    pub oldest: Option<(ChipId, u64)>,
+    /// Training step (or script iteration) of the slowest chip.
+    pub step: u64,
+}
+
+/// What the heartbeat reads of one chip each time: progress, receives waited on, whether in a
+/// kernel, step (a flight recorder's `summary`).
+pub type Key = (u64, usize, bool, u64);
+
+#[derive(Debug, Clone)]
+struct Track {
+    key: Option<Key>,
+    quiet_since: Instant,
+    quiet_since_wall_ns: u64,
+    /// The full status, read when the chip went quiet or its key changed while quiet.
+    status: Option<ChipStatus>,
+}
+
+/// A worker's side of the watchdog: follows its chips from one heartbeat to the next.
+#[derive(Debug)]
+pub struct Summariser {
+    pod: Pod,
+    chips: Vec<ChipId>,
+    ranges: Ranges,
+    local: HashMap<ChipId, usize>,
+    /// Per local chip: the link slots that lead to another worker's chips.
+    boundary: Vec<Vec<u8>>,
+    timeout: Duration,
+    track: Vec<Track>,
+    /// Boundary send counters as last reported.
+    reported: HashMap<(ChipId, u8), u64>,
+}
+
+impl Summariser {
+    /// `chips`: the chips whose recorders the heartbeat reads, in that order; `pod` to find
+    /// which of their links leave the worker (chips not in `chips` are another worker's).
+    pub fn new(pod: &Pod, chips: Vec<ChipId>, timeout: Duration, now: Instant) -> Summariser {
+        let local: HashMap<ChipId, usize> =
+            chips.iter().enumerate().map(|(i, c)| (*c, i)).collect();
+        let boundary = chips
+            .iter()
+            .map(|&c| {
+                let mut slots: Vec<u8> = pod
+                    .links(c)
+                    .into_iter()
+                    .filter(|l| pod.peer(c, *l).is_some_and(|p| !local.contains_key(&p)))
+                    .map(|l| link_slot(l) as u8)
+                    .collect();
+                slots.dedup();
+                slots
+            })
+            .collect();
+        let track = vec![
+            Track {
+                key: None,
+                quiet_since: now,
+                quiet_since_wall_ns: podsim_collectives::wall_ns(),
+                status: None,
+            };
+            chips.len()
+        ];
+        Summariser {
+            pod: pod.clone(),
+            ranges: Ranges::from_ids(chips.iter().copied()),
+            chips,
+            local,
+            boundary,
+            timeout,
+            track,
+            reported: HashMap::new(),
+        }
+    }
+
+    /// One heartbeat: `key(i)` and `status(i)` read local chip `i` (in the order given to
+    /// [`Summariser::new`]).
+    pub fn beat(
+        &mut self,
+        now: Instant,
+        wall_ns: u64,
+        key: impl Fn(usize) -> Key,
+        status: impl Fn(usize) -> ChipStatus,
+    ) -> Summary {
+        let n = self.chips.len();
+        let settle = self.timeout / 4;
+        let mut moving = 0u32;
+        let mut step = u64::MAX;
+        // Quiet for a quarter of the timeout (status read), and for all of it.
+        let mut quiet = vec![false; n];
+        let mut stale = vec![false; n];
+        for (i, t) in self.track.iter_mut().enumerate() {
+            let k = key(i);
+            step = step.min(k.3);
+            let moved = t.key.is_none_or(|old| old.0 != k.0);
+            if moved {
+                moving += 1;
+                t.quiet_since = now;
+                t.quiet_since_wall_ns = wall_ns;
+                t.status = None;
+            } else {
+                let quiet_for = now.duration_since(t.quiet_since);
+                quiet[i] = quiet_for >= settle;
+                stale[i] = quiet_for >= self.timeout;
+                if quiet[i] && (t.status.is_none() || t.key != Some(k)) {
+                    t.status = Some(status(i));
+                }
+            }
+            t.key = Some(k);
+        }
+        // Reverse local edges among quiet waiting chips; chips excused by live local work.
+        let mut waiters_of: Vec<Vec<usize>> = vec![Vec::new(); n];
+        let mut live: Vec<usize> = Vec::new();
+        for (i, t) in self.track.iter().enumerate() {
+            let Some(s) = t.status.as_ref().filter(|_| quiet[i]) else {
+                live.push(i);
+                continue;
+            };
+            if s.computing_since_ns.is_some() {
+                live.push(i);
+            }
+            for b in &s.blocked {
+                if let Some(&p) = self.local.get(&b.peer) {
+                    waiters_of[p].push(i);
+                }
+            }
+        }
+        let mut excused = vec![false; n];
+        while let Some(x) = live.pop() {
+            for &w in &waiters_of[x] {
+                if !excused[w] {
+                    excused[w] = true;
+                    live.push(w);
+                }
+            }
+        }
+        let blocked = |i: usize| {
+            self.track[i]
+                .status
+                .as_ref()
+                .is_some_and(|s| !s.blocked.is_empty())
+        };
+        let is_waiting = |i: usize| quiet[i] && !excused[i] && blocked(i);
+        let is_stuck = |i: usize| stale[i] && is_waiting(i);
+        let waiting_ids: Vec<ChipId> = (0..n)
+            .filter(|&i| is_waiting(i))
+            .map(|i| self.chips[i])
+            .collect();
+        // Roots and the waiting chips that reach each (each counted for the first root found).
+        let mut roots: Vec<Root> = Vec::new();
+        let mut counted = vec![false; n];
+        for i in 0..n {
+            let Some(s) = self.track[i].status.as_ref().filter(|_| stale[i]) else {
+                continue;
+            };
+            if !s.blocked.is_empty() || s.computing_since_ns.is_some() {
+                continue;
+            }
+            let mut waiters = 0u32;
+            let mut queue = vec![i];
+            while let Some(x) = queue.pop() {
+                for &w in &waiters_of[x] {
+                    if is_waiting(w) && !counted[w] {
+                        counted[w] = true;
+                        waiters += 1;
+                        queue.push(w);
+                    }
+                }
+            }
+            let first_waiter = waiters_of[i]
+                .iter()
+                .find(|&&w| is_waiting(w))
+                .and_then(|&w| {
+                    let ws = self.track[w].status.as_ref()?;
+                    let b = ws.blocked.iter().find(|b| b.peer == s.chip)?;
+                    Some((ws.chip, b.link, b.fingerprint))
+                });
+            roots.push(Root {
+                status: s.clone(),
+                quiet_since_wall_ns: self.track[i].quiet_since_wall_ns,
+                local_waiters: waiters,
+                first_waiter,
+            });
+        }
+        // Most waited on first; then the longest quiet (a root nobody here waits on may still
+        // hold up another worker's chips).
+        roots.sort_by_key(|r| (std::cmp::Reverse(r.local_waiters), r.quiet_since_wall_ns));
+        roots.truncate(MAX_ROOTS);
+        // Waits that leave the worker, and local sends never received.
+        let mut remote: BTreeMap<(ChipId, Link), Wait> = BTreeMap::new();
+        let mut lost: Vec<(Wait, u64)> = Vec::new();
+        let mut oldest: Option<(ChipId, u64)> = None;
+        for i in (0..n).filter(|&i| is_waiting(i)) {
+            let t = &self.track[i];
+            let stuck = is_stuck(i);
+            if stuck && oldest.is_none_or(|(_, w)| t.quiet_since_wall_ns < w) {
+                oldest = Some((self.chips[i], t.quiet_since_wall_ns));
+            }
+            let Some(s) = t.status.as_ref() else { continue };
+            for b in &s.blocked {
+                let wait = Wait {
+                    waiter: s.chip,
+                    link: b.link,
+                    peer: b.peer,
+                    received: s.received.get(link_slot(b.link)).copied().unwrap_or(0),
+                    fingerprint: b.fingerprint,
+                    since_wall_ns: b.since_wall_ns,
+                    stuck,
+                };
+                match self.local.get(&b.peer) {
+                    None => {
+                        if remote.len() < MAX_WAITS {
+                            remote.entry((b.peer, b.link)).or_insert(wait);
+                        }
+                    }
+                    Some(&p) => {
+                        let sender = self.track[p].status.as_ref().filter(|_| quiet[p] && stuck);
+                        let back = link_slot(b.link.reverse(self.pod.slice_of(s.chip)));
+                        if let Some(sent) = sender.and_then(|x| x.sent.get(back).copied())
+                            && sent > wait.received
+                            && lost.len() < MAX_WAITS
+                        {
+                            lost.push((wait, sent));
+                        }
+                    }
+                }
+            }
+        }
+        // Send counters on the worker's boundary, for chips that stopped there.
+        let mut boundary_sent = Vec::new();
+        for ((t, slots), _) in self
+            .track
+            .iter()
+            .zip(&self.boundary)
+            .zip(&stale)
+            .filter(|(_, s)| **s)
+        {
+            let Some(s) = t.status.as_ref() else {
+                continue;
+            };
+            for &slot in slots {
+                let sent = s.sent.get(usize::from(slot)).copied().unwrap_or(0);
+                if self.reported.insert((s.chip, slot), sent) != Some(sent) {
+                    boundary_sent.push((s.chip, slot, sent));
+                }
+            }
+        }
+        Summary {
+            chips: self.ranges.clone(),
+            moving,
+            waiting: Ranges::from_ids(waiting_ids),
+            roots,
+            remote: remote.into_values().collect(),
+            lost,
+            boundary_sent,
+            oldest,
+            step: if step == u64::MAX { 0 } else { step },
+        }
+    }
+}
