@@ -7,11 +7,12 @@ Each case is one `podsim launch` of a meta-mode all-reduce job (a data-mode DDP 
 outside (SIGSTOP, SIGKILL) to the worker hosting the culprit once the job makes progress.
 Prints one row per case: the kind found, the culprit (chip, worker), the detection time
 (`hang.detected_after_ms` of report.json: from the fault taking effect to the diagnosis) and
-whether it is right: the expected kind and culprit, within the time budget.
+whether it is right: the expected kind and culprit (and, with `--budget`, within the time
+budget; the `budget` column shows it either way).
 
     scripts/fault_matrix.py --podsim target/release/podsim --shape 32x32x32 --workers 2
     scripts/fault_matrix.py --shape 48x48x48 --workers 4 --kinds stall,freeze
-    scripts/fault_matrix.py --shape 8x8x8 --workers 2 --check   # exit 1 if any case is wrong
+    scripts/fault_matrix.py --shape 8x8x8 --workers 2 --check   # exit 1 on a wrong kind or culprit
 
 Positions assume the launcher's split of the torus into slabs along z (what it picks for
 cubes on 2 or 4 workers): the boundary chip is the first z-layer of worker 1, the interior
@@ -156,14 +157,16 @@ def run_case(args, kind, where, chip, coord, dims, out_root):
         ok = culprit.get("chip") == chip or (kind in ("desync", "corrupt") and culprit.get("chip") is not None)
     if ok and expected in ("dead_worker", "frozen_worker"):
         ok = culprit.get("worker") == worker_of(chip, chips, args.workers)
-    if ok and expected is not None:
-        ok = after is not None and after <= budget_ms(chips, kind)
+    in_budget = after is not None and after <= budget_ms(chips, kind)
+    if ok and expected is not None and args.budget:
+        ok = in_budget
     if expected is None:
         ok = code == 0
     return {
         "kind": kind, "where": where, "coord": coord, "chip": chip, "found": found or f"none (exit {code})",
         "culprit_chip": culprit.get("chip"), "culprit_worker": culprit.get("worker"),
         "detected_ms": after, "budget_ms": budget_ms(chips, kind) if expected else None,
+        "in_budget": in_budget if expected else None,
         "wall_s": round(wall, 1), "exit": code, "ok": ok,
         "explanation": hang.get("explanation", ""),
     }
@@ -181,6 +184,8 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--json", action="store_true", help="one JSON object per case")
     p.add_argument("--check", action="store_true", help="exit 1 when a case is wrong")
+    p.add_argument("--budget", action="store_true",
+                   help="a case detected later than its budget is wrong too (a timing target: not for noisy CI machines)")
     args = p.parse_args()
     dims = [int(d) for d in args.shape.split("x")]
     if len(dims) != 3:
@@ -202,7 +207,7 @@ def main():
                 print(json.dumps(r), flush=True)
             else:
                 det = "-" if r["detected_ms"] is None else f"{r['detected_ms']:.0f}"
-                print(f"{kind:10} {where:10} {str(coord):14} {r['found']:15} {str(r['culprit_chip']):>7} {str(r['culprit_worker']):>6} {det:>11} {str(r['budget_ms'] or '-'):>6} {r['wall_s']:>6}  {'yes' if r['ok'] else 'NO'}", flush=True)
+                print(f"{kind:10} {where:10} {str(coord):14} {r['found']:15} {str(r['culprit_chip']):>7} {str(r['culprit_worker']):>6} {det:>11} {(str(r['budget_ms']) + ('' if r['in_budget'] in (None, True) else '!')) if r['budget_ms'] else '-':>6} {r['wall_s']:>6}  {'yes' if r['ok'] else 'NO'}", flush=True)
     wrong = [r for r in rows if not r["ok"]]
     if not args.json:
         print(f"{len(rows) - len(wrong)} of {len(rows)} cases right")

@@ -8,5 +8,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo test --workspace 2>&1 | tee "$log"
+# The watchdog's fault matrix, bounded: every kind at three places on 8x8x8 over 2 workers
+# (kind and culprit checked; detection times are printed, not enforced on a shared machine).
+python3 scripts/fault_matrix.py --podsim target/debug/podsim --shape 8x8x8 --workers 2 \
+    --deadline 120 --check 2>&1 | tee -a "$log"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -23,9 +23,10 @@ use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
+use std::time::Duration;
 
 use crate::error::CollectiveError;
 
@@ -103,6 +104,37 @@ struct Shared {
     threads: Box<[OnceLock<Thread>]>,
     /// Set when every thread must stop: a chip failed, or the caller gave up.
     stop: AtomicBool,
+    /// Per thread: wall ns when its previous pass over its words started (0 while it sleeps).
+    /// A chip woken now runs before the end of the thread's next pass, so `now - this` bounds
+    /// how long a runnable chip can have waited to run.
+    previous_pass_ns: Box<[AtomicU64]>,
+}
+
+/// Every executor running in this process, for [`scheduling_lag`].
+static EXECUTORS: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
+
+/// The longest a runnable chip of this process may have waited for its thread, now: how far
+/// behind a busy host is. A chip that has not moved for longer than this was not runnable all
+/// that time (it waits, or it stopped): what lets a watchdog tell a stalled chip from one that
+/// did not get a turn. Zero when no chips run.
+pub fn scheduling_lag() -> Duration {
+    let now = crate::wall_ns();
+    let mut executors = EXECUTORS.lock().unwrap_or_else(|e| e.into_inner());
+    executors.retain(|w| w.strong_count() > 0);
+    let lag = executors
+        .iter()
+        .filter_map(Weak::upgrade)
+        .flat_map(|s| {
+            s.previous_pass_ns
+                .iter()
+                .map(|p| p.load(Ordering::Relaxed))
+                .filter(|&p| p > 0)
+                .map(|p| now.saturating_sub(p))
+                .collect::<Vec<_>>()
+        })
+        .max()
+        .unwrap_or(0);
+    Duration::from_nanos(lag)
 }
 
 impl Shared {
@@ -195,7 +227,12 @@ where
         sleeping: (0..threads).map(|_| AtomicBool::new(false)).collect(),
         threads: (0..threads).map(|_| OnceLock::new()).collect(),
         stop: AtomicBool::new(false),
+        previous_pass_ns: (0..threads).map(|_| AtomicU64::new(0)).collect(),
     });
+    EXECUTORS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(Arc::downgrade(&shared));
     let mut stop = StopOnDrop {
         shared: shared.clone(),
         armed: true,
@@ -279,7 +316,11 @@ where
         shared.stop_all();
     };
     let mut pass = Direction::Ascending;
+    let mut pass_started = crate::wall_ns();
     'run: while left > 0 {
+        let now = crate::wall_ns();
+        shared.previous_pass_ns[t].store(pass_started, Ordering::Relaxed);
+        pass_started = now;
         let mut ran = false;
         for k in 0..end - start {
             let word = pass.word(start, end, k);
@@ -335,7 +376,10 @@ where
             shared.sleeping[t].store(true, Ordering::SeqCst);
             let idle = (start..end).all(|w| shared.runnable[w].load(Ordering::SeqCst) == 0);
             if idle && !shared.stop.load(Ordering::SeqCst) {
+                // Nothing of this thread's is runnable: it keeps no chip waiting.
+                shared.previous_pass_ns[t].store(0, Ordering::Relaxed);
                 std::thread::park();
+                pass_started = crate::wall_ns();
             }
             shared.sleeping[t].store(false, Ordering::SeqCst);
         }

@@ -42,6 +42,7 @@ pub use algo::Algo;
 pub use chip::{Chip, ChipStats, Nanos, TimeSnapshot};
 pub use collective::{Comm, chunk_len};
 pub use error::CollectiveError;
+pub use executor::scheduling_lag;
 pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};

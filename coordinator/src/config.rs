@@ -932,7 +932,8 @@ fn parse(
     let wd = Watchdog {
         timeout_ms: watchdog
             .timeout_ms
-            .unwrap_or(timeout_ms.max(20 * heartbeat_ms)),
+            // A few heartbeats at least, when a heartbeat is set long.
+            .unwrap_or(timeout_ms.max(4 * heartbeat_ms)),
         heartbeat_ms,
         recorder_entries: watchdog.recorder_entries.unwrap_or(2000),
     };

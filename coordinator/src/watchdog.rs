@@ -608,9 +608,21 @@ mod tests {
         }
 
         fn beat(&mut self, w: &mut Watchdog, statuses: &[ChipStatus], at: Instant) {
+            self.beat_lagging(w, statuses, at, Duration::ZERO);
+        }
+
+        /// A heartbeat while a runnable chip may have waited `lag` for its turn.
+        fn beat_lagging(
+            &mut self,
+            w: &mut Watchdog,
+            statuses: &[ChipStatus],
+            at: Instant,
+            lag: Duration,
+        ) {
             let summary = self.summariser.beat(
                 at,
                 wall_ns(),
+                lag,
                 |i| {
                     let s = &statuses[i];
                     (s.progress, s.blocked.len(), false, 0)
@@ -717,6 +729,29 @@ mod tests {
             (HangKind::StalledChip, Some(2), Some(1))
         );
         assert_eq!(f.waiting.count(), 3);
+    }
+
+    #[test]
+    fn a_chip_that_may_not_have_had_its_turn_is_not_a_culprit() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+        let chips = [
+            status(0, 5, &[(1, PLUS)]),
+            status(1, 5, &[]),
+            status(2, 5, &[]),
+            status(3, 5, &[]),
+        ];
+        // The host is so busy that a runnable chip may have waited half the timeout: chip 1
+        // may be runnable, not stalled.
+        for i in 0..5 {
+            worker.beat_lagging(&mut w, &chips, t0 + T * i, T / 2);
+            assert_eq!(w.check(t0 + T * i), None, "tick {i}");
+        }
+        // Once the host keeps up, it is.
+        worker.beat(&mut w, &chips, t0 + T * 5);
+        let f = w.check(t0 + T * 5).unwrap();
+        assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(1)));
     }
 
     #[test]

@@ -200,6 +200,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 let summary = summariser.beat(
                     std::time::Instant::now(),
                     podsim_collectives::wall_ns(),
+                    podsim_collectives::scheduling_lag(),
                     |i| recorders[i].summary(),
                     |i| recorders[i].status(),
                 );

@@ -8,14 +8,20 @@
 //!   chips, reach a chip that is still moving or inside a kernel (it waits on live work);
 //!   waiting chips are sent as id ranges, and those quiet for the whole timeout are *stuck*;
 //! - a chip quiet for the whole timeout that waits on no one and is not inside a kernel is a
-//!   *root* (a candidate culprit), sent with its full status and how many waiting chips here
-//!   wait on it: the waiters need not have been quiet as long, the root is the one judged;
+//!   *root* (a candidate culprit), sent with its full status and how many chips here wait on
+//!   it: its neighbours blocked on it right now (whether or not they are still busy on other
+//!   links) and the waiting chips behind them; the root is the one judged;
 //! - waits of stuck chips on chips of other workers are sent one per (peer, link), with the
 //!   waiter's receive counter on that link, so the coordinator can join the workers' graphs;
 //! - a stuck chip whose local sender has sent more on the link than it received is a *lost*
 //!   message, found here;
-//! - stuck chips on a worker boundary send their per-link send counters once (and again when
+//! - quiet chips on a worker boundary send their per-link send counters once (and again when
 //!   they change), so the coordinator can find a message lost between workers.
+//!
+//! A chip that has not moved may simply not have had its turn on a busy host: while the
+//! executor's scheduling lag (how long a runnable chip may have waited to run,
+//! [`podsim_collectives::scheduling_lag`]) is a quarter of the timeout or more, no root, lost
+//! message or stuck chip is reported, only waiting ranges: a slow host, not a hang.
 //!
 //! Cost per heartbeat: one cheap summary read per chip, and a full status read only for quiet
 //! chips whose state changed. The coordinator's work per heartbeat is bounded by the caps
@@ -172,6 +178,8 @@ pub struct Summary {
     pub oldest: Option<(ChipId, u64)>,
     /// Training step (or script iteration) of the slowest chip.
     pub step: u64,
+    /// The executor's scheduling lag at this heartbeat, ms.
+    pub lag_ms: u64,
 }
 
 /// What the heartbeat reads of one chip each time: progress, receives waited on, whether in a
@@ -243,16 +251,19 @@ impl Summariser {
     }
 
     /// One heartbeat: `key(i)` and `status(i)` read local chip `i` (in the order given to
-    /// [`Summariser::new`]).
+    /// [`Summariser::new`]); `lag` is the executor's scheduling lag now.
     pub fn beat(
         &mut self,
         now: Instant,
         wall_ns: u64,
+        lag: Duration,
         key: impl Fn(usize) -> Key,
         status: impl Fn(usize) -> ChipStatus,
     ) -> Summary {
         let n = self.chips.len();
         let settle = self.timeout / 4;
+        // Verdicts only when every runnable chip has had its turn recently.
+        let trusted = lag < settle;
         let mut moving = 0u32;
         let mut step = u64::MAX;
         // Quiet for a quarter of the timeout (status read), and for all of it.
@@ -310,7 +321,7 @@ impl Summariser {
                 .is_some_and(|s| !s.blocked.is_empty())
         };
         let is_waiting = |i: usize| quiet[i] && !excused[i] && blocked(i);
-        let is_stuck = |i: usize| stale[i] && is_waiting(i);
+        let is_stuck = |i: usize| trusted && stale[i] && is_waiting(i);
         let waiting_ids: Vec<ChipId> = (0..n)
             .filter(|&i| is_waiting(i))
             .map(|i| self.chips[i])
@@ -318,15 +329,42 @@ impl Summariser {
         // Roots and the waiting chips that reach each (each counted for the first root found).
         let mut roots: Vec<Root> = Vec::new();
         let mut counted = vec![false; n];
-        for i in 0..n {
-            let Some(s) = self.track[i].status.as_ref().filter(|_| stale[i]) else {
+        for (i, _) in stale.iter().enumerate().filter(|(_, s)| trusted && **s) {
+            let Some(s) = self.track[i].status.as_ref() else {
                 continue;
             };
             if !s.blocked.is_empty() || s.computing_since_ns.is_some() {
                 continue;
             }
+            // Its neighbours here that wait on it right now (read afresh: a neighbour may
+            // still be busy on its other links), then the waiting chips behind them.
+            let mut direct: Vec<(usize, Link, Fingerprint)> = Vec::new();
+            for link in self.pod.links(s.chip) {
+                let Some(&p) = self.pod.peer(s.chip, link).and_then(|p| self.local.get(&p)) else {
+                    continue;
+                };
+                let fresh;
+                let ps = match self.track[p].status.as_ref().filter(|_| quiet[p]) {
+                    Some(x) => x,
+                    None => {
+                        fresh = status(p);
+                        &fresh
+                    }
+                };
+                if let Some(b) = ps.blocked.iter().find(|b| b.peer == s.chip) {
+                    direct.push((p, b.link, b.fingerprint));
+                }
+            }
+            direct.dedup_by_key(|d| d.0);
             let mut waiters = 0u32;
-            let mut queue = vec![i];
+            let mut queue: Vec<usize> = vec![i];
+            for &(p, ..) in &direct {
+                if !counted[p] {
+                    counted[p] = true;
+                    waiters += 1;
+                    queue.push(p);
+                }
+            }
             while let Some(x) = queue.pop() {
                 for &w in &waiters_of[x] {
                     if is_waiting(w) && !counted[w] {
@@ -336,14 +374,9 @@ impl Summariser {
                     }
                 }
             }
-            let first_waiter = waiters_of[i]
-                .iter()
-                .find(|&&w| is_waiting(w))
-                .and_then(|&w| {
-                    let ws = self.track[w].status.as_ref()?;
-                    let b = ws.blocked.iter().find(|b| b.peer == s.chip)?;
-                    Some((ws.chip, b.link, b.fingerprint))
-                });
+            let first_waiter = direct
+                .first()
+                .map(|&(p, link, fp)| (self.chips[p], link, fp));
             roots.push(Root {
                 status: s.clone(),
                 quiet_since_wall_ns: self.track[i].quiet_since_wall_ns,
@@ -383,11 +416,17 @@ impl Summariser {
                         }
                     }
                     Some(&p) => {
-                        let sender = self.track[p].status.as_ref().filter(|_| quiet[p] && stuck);
+                        if !stuck || lost.len() >= MAX_WAITS {
+                            continue;
+                        }
+                        // The sender as it is now (it may still be busy elsewhere).
                         let back = link_slot(b.link.reverse(self.pod.slice_of(s.chip)));
-                        if let Some(sent) = sender.and_then(|x| x.sent.get(back).copied())
+                        let sent = match self.track[p].status.as_ref().filter(|_| quiet[p]) {
+                            Some(x) => x.sent.get(back).copied(),
+                            None => status(p).sent.get(back).copied(),
+                        };
+                        if let Some(sent) = sent
                             && sent > wait.received
-                            && lost.len() < MAX_WAITS
                         {
                             lost.push((wait, sent));
                         }
@@ -395,14 +434,14 @@ impl Summariser {
                 }
             }
         }
-        // Send counters on the worker's boundary, for chips that stopped there.
+        // Send counters on the worker's boundary, for chips that went quiet there.
         let mut boundary_sent = Vec::new();
         for ((t, slots), _) in self
             .track
             .iter()
             .zip(&self.boundary)
-            .zip(&stale)
-            .filter(|(_, s)| **s)
+            .zip(&quiet)
+            .filter(|(_, q)| **q)
         {
             let Some(s) = t.status.as_ref() else {
                 continue;
@@ -424,6 +463,7 @@ impl Summariser {
             boundary_sent,
             oldest,
             step: if step == u64::MAX { 0 } else { step },
+            lag_ms: lag.as_millis() as u64,
         }
     }
 }
