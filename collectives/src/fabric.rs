@@ -237,9 +237,11 @@ impl Inbox {
         self.lock().records.iter().flatten().cloned().collect()
     }
 
-    /// How many receives are parked on this inbox.
-    pub fn blocked_count(&self) -> usize {
-        self.lock().parked.count_ones() as usize
+    /// How many receives are parked on this inbox, and since when (wall ns) the oldest waits.
+    pub fn parked(&self) -> (usize, Option<u64>) {
+        let st = self.lock();
+        let oldest = st.records.iter().flatten().map(|r| r.since_wall_ns).min();
+        (st.parked.count_ones() as usize, oldest)
     }
 
     /// Waits for the message `want` names. Any pending message of the same group that belongs

@@ -106,6 +106,21 @@ pub fn link_slot(link: Link) -> usize {
     }
 }
 
+/// A chip at a glance: what a heartbeat reads of every chip each time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Glance {
+    /// The progress counter (see [`ChipStatus::progress`]).
+    pub progress: u64,
+    /// Receives it waits on.
+    pub blocked: usize,
+    /// Since when (wall ns) the oldest of them waits.
+    pub blocked_since_wall_ns: Option<u64>,
+    /// Inside a compute kernel.
+    pub computing: bool,
+    /// Training step or script iteration.
+    pub step: u64,
+}
+
 /// What a chip is doing now (a heartbeat's view of it).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChipStatus {
@@ -270,17 +285,18 @@ impl FlightRecorder {
         self.lock().step = step;
     }
 
-    /// What a heartbeat needs to know changed: progress, number of receives waited on,
-    /// whether in a kernel, step.
-    pub fn summary(&self) -> (u64, usize, bool, u64) {
-        let blocked = self.inbox.blocked_count();
+    /// What a heartbeat reads of the chip every time (cheap; [`FlightRecorder::status`] is
+    /// the whole view).
+    pub fn glance(&self) -> Glance {
+        let (blocked, blocked_since_wall_ns) = self.inbox.parked();
         let g = self.lock();
-        (
-            self.progress.load(Ordering::Relaxed),
+        Glance {
+            progress: self.progress.load(Ordering::Relaxed),
             blocked,
-            g.computing_since_ns.is_some(),
-            g.step,
-        )
+            blocked_since_wall_ns,
+            computing: g.computing_since_ns.is_some(),
+            step: g.step,
+        }
     }
 
     /// The chip this recorder belongs to.
@@ -371,7 +387,7 @@ mod tests {
         assert_eq!((s.chip, s.completed, s.blocked.len()), (7, 5, 1));
         assert_eq!((s.blocked[0].peer, s.blocked[0].tag), (3, tag));
         assert_eq!(s.current.map(|e| e.fingerprint.seq), Some(5));
-        assert_eq!(r.summary().1, 1);
+        assert_eq!(r.glance().blocked, 1);
         inbox.push(message(3, 7, link.reverse(0), fp(5), tag));
         // Blocked until the chip takes the message.
         assert_eq!(r.status().blocked.len(), 1);
@@ -401,9 +417,9 @@ mod tests {
         {
             let mut recv = std::pin::pin!(inbox.receive(want));
             assert!(recv.as_mut().poll(&mut cx).is_pending());
-            assert_eq!(r.summary().1, 1);
+            assert_eq!(r.glance().blocked, 1);
         }
-        assert_eq!(r.summary().1, 0);
+        assert_eq!(r.glance().blocked, 0);
         assert!(r.status().blocked.is_empty());
     }
 }

@@ -231,6 +231,16 @@ impl Children {
             .map(|(id, how, _)| (id, how))
     }
 
+    /// Whether worker `id`'s process is stopped (SIGSTOP, a debugger), as the kernel tells;
+    /// `None` for a worker this launcher did not spawn, or where `/proc` cannot tell.
+    fn stopped(&self, id: u32) -> Option<bool> {
+        let (_, child) = self.0.iter().find(|(w, _)| *w == id)?;
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id()?)).ok()?;
+        // `pid (comm) S ...`: the state follows the last parenthesis.
+        let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
+        Some(matches!(state, 'T' | 't'))
+    }
+
     /// Every spawned worker that has exited, with how; `abnormal` is true unless it ended
     /// the way a worker that reports its own error does (exit code 1).
     fn all_exited(&mut self) -> Vec<(u32, String, bool)> {
@@ -689,7 +699,7 @@ async fn drive(
                 }
             }
             if found.is_none() {
-                found = watchdog.check(std::time::Instant::now());
+                found = watchdog.check(std::time::Instant::now(), |w| children.stopped(w));
             }
             if found.is_some() {
                 detected_wall_ns = podsim_collectives::wall_ns();

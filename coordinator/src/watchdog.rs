@@ -285,8 +285,13 @@ impl Watchdog {
             .collect()
     }
 
-    /// Looks for a hang now.
-    pub fn check(&mut self, now: Instant) -> Option<Finding> {
+    /// Looks for a hang now. `stopped(worker)` tells whether a worker's process is stopped
+    /// (`None`: cannot tell, as for a worker on another host).
+    pub fn check(
+        &mut self,
+        now: Instant,
+        stopped: impl Fn(u32) -> Option<bool>,
+    ) -> Option<Finding> {
         // Waiting time, for stragglers: chips waited on that do not wait themselves.
         if let Some(last) = self.last_tick {
             let dt = now.duration_since(last);
@@ -305,11 +310,21 @@ impl Watchdog {
         }
         self.first_tick.get_or_insert(now);
         self.last_tick = Some(now);
-        if let Some((w, v)) = self
-            .live()
-            .find(|(_, v)| now.duration_since(v.heard) >= self.timeout)
-        {
-            return Some(self.frozen(w, now.duration_since(v.heard), v.heard_wall_ns));
+        // A silent worker: at once if its process is stopped (or nobody can tell); a process
+        // that runs but cannot get a heartbeat out for five timeouts is hung all the same, but
+        // until then it may only be starved of CPU by a host running far more than it has.
+        let frozen = self.live().find_map(|(w, v)| {
+            let silent = now.duration_since(v.heard);
+            let state = stopped(w);
+            let limit = if state == Some(false) {
+                5 * self.timeout
+            } else {
+                self.timeout
+            };
+            (silent >= limit).then_some((w, silent, v.heard_wall_ns, state))
+        });
+        if let Some((w, silent, heard, state)) = frozen {
+            return Some(self.frozen(w, silent, heard, state));
         }
         if let Some(f) = self.stalled() {
             return Some(f);
@@ -347,7 +362,7 @@ impl Watchdog {
         format!("{} {verb} (ids {waiting})", chips_count(n))
     }
 
-    fn frozen(&self, w: u32, quiet: Duration, last_wall: u64) -> Finding {
+    fn frozen(&self, w: u32, quiet: Duration, last_wall: u64, stopped: Option<bool>) -> Finding {
         let view = &self.workers[&w];
         let chips = &view.summary.chips;
         let current = self.current_of(w);
@@ -366,10 +381,18 @@ impl Watchdog {
             seq: current.as_ref().map(|c| c.1),
             op: current.map(|c| c.2),
             explanation: format!(
-                "Worker {w}{pid} is alive but has sent no heartbeat for {:.1} s, so its {} (ids {chips}) make no progress and {}: the process is stopped or frozen (e.g. SIGSTOP); resume it with kill -CONT or kill it.",
+                "Worker {w}{pid} is alive but has sent no heartbeat for {:.1} s, so its {} (ids {chips}) make no progress and {}: {}",
                 quiet.as_secs_f64(),
                 chips_count(chips.count()),
                 Self::describe_waiting(&waiting),
+                match stopped {
+                    Some(true) =>
+                        "the process is stopped (SIGSTOP, a debugger); resume it with kill -CONT or kill it.",
+                    Some(false) =>
+                        "the process runs but its heartbeat thread cannot get through (a host far overloaded, or the process hung); look at the host and the process.",
+                    None =>
+                        "the process is stopped or frozen (e.g. SIGSTOP), or its host unreachable; resume it with kill -CONT or kill it.",
+                },
             ),
             waiting,
             effect_wall_ns: last_wall,
@@ -625,7 +648,13 @@ mod tests {
                 lag,
                 |i| {
                     let s = &statuses[i];
-                    (s.progress, s.blocked.len(), false, 0)
+                    podsim_collectives::Glance {
+                        progress: s.progress,
+                        blocked: s.blocked.len(),
+                        blocked_since_wall_ns: s.blocked.iter().map(|b| b.since_wall_ns).min(),
+                        computing: false,
+                        step: 0,
+                    }
                 },
                 |i| statuses[i].clone(),
             );
@@ -639,6 +668,11 @@ mod tests {
                 at,
             );
         }
+    }
+
+    /// A check where no process state is known.
+    fn check(w: &mut Watchdog, at: Instant) -> Option<Finding> {
+        w.check(at, |_| None)
     }
 
     fn watchdog(workers: &[u32], t0: Instant) -> Watchdog {
@@ -672,7 +706,7 @@ mod tests {
                 status(3, 1, &[]),
             ];
             worker.beat(&mut w, &chips, at);
-            assert_eq!(w.check(at), None, "tick {i}");
+            assert_eq!(check(&mut w, at), None, "tick {i}");
         }
     }
 
@@ -689,9 +723,9 @@ mod tests {
         ];
         worker.beat(&mut w, &chips, t0);
         worker.beat(&mut w, &chips, t0 + T / 2);
-        assert_eq!(w.check(t0 + T / 2), None);
+        assert_eq!(check(&mut w, t0 + T / 2), None);
         worker.beat(&mut w, &chips, t0 + T * 2);
-        let f = w.check(t0 + T * 2).unwrap();
+        let f = check(&mut w, t0 + T * 2).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.worker),
             (HangKind::StalledChip, Some(2), Some(0))
@@ -723,7 +757,7 @@ mod tests {
             a.beat(&mut w, &left, at);
             b.beat(&mut w, &right, at);
         }
-        let f = w.check(t0 + T * 2).unwrap();
+        let f = check(&mut w, t0 + T * 2).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.worker),
             (HangKind::StalledChip, Some(2), Some(1))
@@ -746,11 +780,11 @@ mod tests {
         // may be runnable, not stalled.
         for i in 0..5 {
             worker.beat_lagging(&mut w, &chips, t0 + T * i, T / 2);
-            assert_eq!(w.check(t0 + T * i), None, "tick {i}");
+            assert_eq!(check(&mut w, t0 + T * i), None, "tick {i}");
         }
         // Once the host keeps up, it is.
         worker.beat(&mut w, &chips, t0 + T * 5);
-        let f = w.check(t0 + T * 5).unwrap();
+        let f = check(&mut w, t0 + T * 5).unwrap();
         assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(1)));
     }
 
@@ -769,7 +803,7 @@ mod tests {
                 status(3, 5, &[]),
             ];
             worker.beat(&mut w, &chips, t0 + T * i);
-            assert_eq!(w.check(t0 + T * i), None);
+            assert_eq!(check(&mut w, t0 + T * i), None);
         }
     }
 
@@ -788,7 +822,7 @@ mod tests {
         let chips = [a, b];
         worker.beat(&mut w, &chips, t0);
         worker.beat(&mut w, &chips, t0 + T * 2);
-        let f = w.check(t0 + T * 2).unwrap();
+        let f = check(&mut w, t0 + T * 2).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.link),
             (HangKind::LostMessage, Some(1), Some(MINUS))
@@ -811,7 +845,7 @@ mod tests {
             x.beat(&mut w, &left, at);
             y.beat(&mut w, &right, at);
         }
-        let f = w.check(t0 + T * 2).unwrap();
+        let f = check(&mut w, t0 + T * 2).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.link, f.worker),
             (HangKind::LostMessage, Some(2), Some(MINUS), Some(1))
@@ -827,9 +861,15 @@ mod tests {
             let chips = [status(0, u64::from(i), &[]), status(1, u64::from(i), &[])];
             worker.beat(&mut w, &chips, t0 + T * i / 2);
         }
-        let f = w.check(t0 + T + T / 2).unwrap();
+        let f = check(&mut w, t0 + T + T / 2).unwrap();
         assert_eq!((f.kind, f.worker), (HangKind::FrozenWorker, Some(1)));
         assert!(f.explanation.contains("pid 101"), "{}", f.explanation);
+        // A process known to run is given five timeouts (a starved host), one known stopped
+        // none.
+        assert_eq!(w.check(t0 + T + T / 2, |_| Some(false)), None);
+        let f = w.check(t0 + T + T / 2, |w| Some(w == 1)).unwrap();
+        assert!(f.explanation.contains("SIGSTOP"), "{}", f.explanation);
+        assert!(w.check(t0 + T * 6, |_| Some(false)).is_some());
         w.finished(1);
     }
 

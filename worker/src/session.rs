@@ -201,13 +201,13 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                     std::time::Instant::now(),
                     podsim_collectives::wall_ns(),
                     podsim_collectives::scheduling_lag(),
-                    |i| recorders[i].summary(),
+                    |i| recorders[i].glance(),
                     |i| recorders[i].status(),
                 );
                 let waits = if list_waits {
                     recorders
                         .iter()
-                        .filter(|r| r.summary().1 > 0)
+                        .filter(|r| r.glance().blocked > 0)
                         .map(|r| {
                             let s = r.status();
                             (s.chip, s.blocked.iter().map(|b| b.peer).collect())

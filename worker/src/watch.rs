@@ -11,10 +11,12 @@
 //!   *root* (a candidate culprit), sent with its full status and how many chips here wait on
 //!   it: its neighbours blocked on it right now (whether or not they are still busy on other
 //!   links) and the waiting chips behind them; the root is the one judged;
-//! - waits of stuck chips on chips of other workers are sent one per (peer, link), with the
+//! - waits of waiting chips on chips of other workers are sent one per (peer, link), with the
 //!   waiter's receive counter on that link, so the coordinator can join the workers' graphs;
-//! - a stuck chip whose local sender has sent more on the link than it received is a *lost*
-//!   message, found here;
+//!   so are the waits of chips with a receive parked for the whole timeout, even if they are
+//!   still busy on other links;
+//! - a receive parked for the whole timeout whose local sender has sent more on the link than
+//!   the waiter received is a *lost* message, found here;
 //! - quiet chips on a worker boundary send their per-link send counters once (and again when
 //!   they change), so the coordinator can find a message lost between workers.
 //!
@@ -31,7 +33,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use podsim_collectives::{ChipStatus, Fingerprint, link_slot};
+use podsim_collectives::{ChipStatus, Fingerprint, Glance, link_slot};
 use podsim_topology::{ChipId, Link, Pod};
 use serde::{Deserialize, Serialize};
 
@@ -151,7 +153,7 @@ pub struct Wait {
     pub received: u64,
     pub fingerprint: Fingerprint,
     pub since_wall_ns: u64,
-    /// The waiter has been quiet for the whole timeout.
+    /// This receive has waited the whole timeout, on a host that keeps up.
     pub stuck: bool,
 }
 
@@ -182,13 +184,9 @@ pub struct Summary {
     pub lag_ms: u64,
 }
 
-/// What the heartbeat reads of one chip each time: progress, receives waited on, whether in a
-/// kernel, step (a flight recorder's `summary`).
-pub type Key = (u64, usize, bool, u64);
-
 #[derive(Debug, Clone)]
 struct Track {
-    key: Option<Key>,
+    key: Option<Glance>,
     quiet_since: Instant,
     quiet_since_wall_ns: u64,
     /// The full status, read when the chip went quiet or its key changed while quiet.
@@ -257,7 +255,7 @@ impl Summariser {
         now: Instant,
         wall_ns: u64,
         lag: Duration,
-        key: impl Fn(usize) -> Key,
+        key: impl Fn(usize) -> Glance,
         status: impl Fn(usize) -> ChipStatus,
     ) -> Summary {
         let n = self.chips.len();
@@ -269,10 +267,12 @@ impl Summariser {
         // Quiet for a quarter of the timeout (status read), and for all of it.
         let mut quiet = vec![false; n];
         let mut stale = vec![false; n];
+        let mut long = vec![false; n];
+        let timeout_ns = self.timeout.as_nanos() as u64;
         for (i, t) in self.track.iter_mut().enumerate() {
             let k = key(i);
-            step = step.min(k.3);
-            let moved = t.key.is_none_or(|old| old.0 != k.0);
+            step = step.min(k.step);
+            let moved = t.key.is_none_or(|old| old.progress != k.progress);
             if moved {
                 moving += 1;
                 t.quiet_since = now;
@@ -282,9 +282,14 @@ impl Summariser {
                 let quiet_for = now.duration_since(t.quiet_since);
                 quiet[i] = quiet_for >= settle;
                 stale[i] = quiet_for >= self.timeout;
-                if quiet[i] && (t.status.is_none() || t.key != Some(k)) {
-                    t.status = Some(status(i));
-                }
+            }
+            // A receive parked for the whole timeout, even on a chip still busy on its other
+            // links: the wait a lost message leaves.
+            long[i] = k
+                .blocked_since_wall_ns
+                .is_some_and(|since| wall_ns.saturating_sub(since) >= timeout_ns);
+            if (quiet[i] || long[i]) && (t.status.is_none() || t.key != Some(k)) {
+                t.status = Some(status(i));
             }
             t.key = Some(k);
         }
@@ -392,14 +397,15 @@ impl Summariser {
         let mut remote: BTreeMap<(ChipId, Link), Wait> = BTreeMap::new();
         let mut lost: Vec<(Wait, u64)> = Vec::new();
         let mut oldest: Option<(ChipId, u64)> = None;
-        for i in (0..n).filter(|&i| is_waiting(i)) {
+        for i in (0..n).filter(|&i| is_waiting(i) || long[i]) {
             let t = &self.track[i];
-            let stuck = is_stuck(i);
-            if stuck && oldest.is_none_or(|(_, w)| t.quiet_since_wall_ns < w) {
+            if is_stuck(i) && oldest.is_none_or(|(_, w)| t.quiet_since_wall_ns < w) {
                 oldest = Some((self.chips[i], t.quiet_since_wall_ns));
             }
             let Some(s) = t.status.as_ref() else { continue };
             for b in &s.blocked {
+                // This receive has waited the whole timeout, on a host that keeps up.
+                let stuck = trusted && wall_ns.saturating_sub(b.since_wall_ns) >= timeout_ns;
                 let wait = Wait {
                     waiter: s.chip,
                     link: b.link,
