@@ -237,6 +237,16 @@ impl Inbox {
         self.lock().records.iter().flatten().cloned().collect()
     }
 
+    /// Messages that arrived on each link slot and are not taken yet.
+    pub fn pending_per_slot(&self) -> [u64; LINK_SLOTS] {
+        let st = self.lock();
+        let mut out = [0u64; LINK_SLOTS];
+        for i in 0..st.pending.messages.len() {
+            out[usize::from(st.pending.slot(i))] += 1;
+        }
+        out
+    }
+
     /// How many receives are parked on this inbox, and since when (wall ns) the oldest waits.
     pub fn parked(&self) -> (usize, Option<u64>) {
         let st = self.lock();

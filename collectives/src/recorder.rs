@@ -137,9 +137,13 @@ pub struct ChipStatus {
     pub computing_since_ns: Option<u64>,
     /// Training step or script iteration the chip is in.
     pub step: u64,
-    /// Messages sent and received per link slot.
+    /// Messages sent and received (taken by a receive) per link slot.
     pub sent: Vec<u64>,
     pub received: Vec<u64>,
+    /// Messages arrived per link slot and not taken yet: a sender's count ahead of
+    /// `received + pending` on a link is a message in flight, or lost.
+    #[serde(default)]
+    pub pending: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -307,6 +311,7 @@ impl FlightRecorder {
     /// The live view for a heartbeat.
     pub fn status(&self) -> ChipStatus {
         let blocked = self.inbox.blocked();
+        let pending = self.inbox.pending_per_slot().to_vec();
         let g = self.lock();
         ChipStatus {
             chip: self.chip,
@@ -330,6 +335,7 @@ impl FlightRecorder {
                 .iter()
                 .map(|c| c.load(Ordering::Relaxed))
                 .collect(),
+            pending,
         }
     }
 

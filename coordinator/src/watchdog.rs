@@ -76,6 +76,8 @@ struct WorkerView {
     summary: Summary,
     /// When any of its chips last moved.
     last_moving: Instant,
+    /// Heartbeats received.
+    beats: u64,
 }
 
 #[derive(Debug)]
@@ -88,6 +90,10 @@ pub struct Watchdog {
     faults: Vec<FaultEvent>,
     /// Send counters `(chip, link slot)` on worker boundaries, as last reported.
     boundary_sent: HashMap<(ChipId, u8), u64>,
+    /// Waits across workers that looked lost: (waiter, link) -> (sent, arrived, the waiter's
+    /// worker's heartbeat). Reported only when two heartbeats show the same counts (they are
+    /// read at different moments on two hosts).
+    suspects: HashMap<(ChipId, Link), (u64, u64, u64)>,
     /// Small workers' current waits (waiter -> peers), for stragglers.
     waits: BTreeMap<u32, Vec<(ChipId, Vec<ChipId>)>>,
     /// How long each chip held others up: peers waited on it while it waited on no one.
@@ -139,6 +145,7 @@ impl Watchdog {
             finished: BTreeSet::new(),
             faults: Vec::new(),
             boundary_sent: HashMap::new(),
+            suspects: HashMap::new(),
             waits: BTreeMap::new(),
             waited_on: BTreeMap::new(),
             first_tick: None,
@@ -155,6 +162,7 @@ impl Watchdog {
                 pid,
                 summary: Summary::default(),
                 last_moving: now,
+                beats: 0,
             });
         }
     }
@@ -184,7 +192,9 @@ impl Watchdog {
             pid: None,
             summary: Summary::default(),
             last_moving: now,
+            beats: 0,
         });
+        view.beats += 1;
         view.heard = now;
         view.heard_wall_ns = wall_ns();
         if hb.summary.moving > 0 {
@@ -463,9 +473,10 @@ impl Watchdog {
 
     /// Messages sent and never received: found by a worker between its own chips, or here on
     /// a link between workers from the boundary counters.
-    fn lost(&self) -> Option<Finding> {
+    fn lost(&mut self) -> Option<Finding> {
         // (sender, link as the sender names it, receiver, waited since, fingerprint)
         let mut lost: Vec<(ChipId, Link, ChipId, u64, Fingerprint)> = Vec::new();
+        let mut suspects = HashMap::new();
         for (_, v) in self.live() {
             for (w, _) in &v.summary.lost {
                 let link = w.link.reverse(self.pod.slice_of(w.waiter));
@@ -473,12 +484,25 @@ impl Watchdog {
             }
             for w in v.summary.remote.iter().filter(|w| w.stuck) {
                 let link = w.link.reverse(self.pod.slice_of(w.waiter));
-                let sent = self.boundary_sent.get(&(w.peer, link_slot(link) as u8));
-                if sent.is_some_and(|&s| s > w.received) {
-                    lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
+                let Some(&sent) = self.boundary_sent.get(&(w.peer, link_slot(link) as u8)) else {
+                    continue;
+                };
+                if sent > w.received {
+                    let key = (w.waiter, w.link);
+                    let seen = match self.suspects.get(&key) {
+                        Some(&(s, r, beat)) if (s, r) == (sent, w.received) => {
+                            if beat != v.beats {
+                                lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
+                            }
+                            beat
+                        }
+                        _ => v.beats,
+                    };
+                    suspects.insert(key, (sent, w.received, seen));
                 }
             }
         }
+        self.suspects = suspects;
         let &(src, link, dst, _, fp) = lost.first()?;
         let worker = |c: ChipId| self.worker_of(c).unwrap_or(u32::MAX);
         let pairs: BTreeSet<(u32, u32)> = lost
@@ -529,6 +553,10 @@ impl Watchdog {
     /// Every worker stuck for the timeout with nothing lost and no root: the chips wait on
     /// each other in a cycle.
     fn deadlock(&self, now: Instant) -> Option<Finding> {
+        // A lost message still being confirmed explains the waits better.
+        if !self.suspects.is_empty() || self.live().any(|(_, v)| v.summary.suspected > 0) {
+            return None;
+        }
         let mut live = self.live().peekable();
         live.peek()?;
         let mut oldest: Option<(u64, ChipId, u32)> = None;
@@ -725,7 +753,13 @@ mod tests {
         worker.beat(&mut w, &chips, t0 + T / 2);
         assert_eq!(check(&mut w, t0 + T / 2), None);
         worker.beat(&mut w, &chips, t0 + T * 2);
-        let f = check(&mut w, t0 + T * 2).unwrap();
+        assert_eq!(
+            check(&mut w, t0 + T * 2),
+            None,
+            "a root is confirmed by the next beat"
+        );
+        worker.beat(&mut w, &chips, t0 + T * 3);
+        let f = check(&mut w, t0 + T * 3).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.worker),
             (HangKind::StalledChip, Some(2), Some(0))
@@ -753,11 +787,11 @@ mod tests {
         // Chip 1 waits on chip 2 (worker 1), which waits on no one.
         let left = [status(0, 5, &[(1, PLUS)]), status(1, 5, &[(2, PLUS)])];
         let right = [status(2, 5, &[]), status(3, 5, &[(2, MINUS)])];
-        for at in [t0, t0 + T * 2] {
+        for at in [t0, t0 + T * 2, t0 + T * 3] {
             a.beat(&mut w, &left, at);
             b.beat(&mut w, &right, at);
         }
-        let f = check(&mut w, t0 + T * 2).unwrap();
+        let f = check(&mut w, t0 + T * 3).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.worker),
             (HangKind::StalledChip, Some(2), Some(1))
@@ -782,9 +816,10 @@ mod tests {
             worker.beat_lagging(&mut w, &chips, t0 + T * i, T / 2);
             assert_eq!(check(&mut w, t0 + T * i), None, "tick {i}");
         }
-        // Once the host keeps up, it is.
+        // Once the host keeps up, it is (confirmed at the next heartbeat).
         worker.beat(&mut w, &chips, t0 + T * 5);
-        let f = check(&mut w, t0 + T * 5).unwrap();
+        worker.beat(&mut w, &chips, t0 + T * 6);
+        let f = check(&mut w, t0 + T * 6).unwrap();
         assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(1)));
     }
 
@@ -822,7 +857,8 @@ mod tests {
         let chips = [a, b];
         worker.beat(&mut w, &chips, t0);
         worker.beat(&mut w, &chips, t0 + T * 2);
-        let f = check(&mut w, t0 + T * 2).unwrap();
+        worker.beat(&mut w, &chips, t0 + T * 3);
+        let f = check(&mut w, t0 + T * 3).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.link),
             (HangKind::LostMessage, Some(1), Some(MINUS))
@@ -844,8 +880,12 @@ mod tests {
         for at in [t0, t0 + T * 2] {
             x.beat(&mut w, &left, at);
             y.beat(&mut w, &right, at);
+            assert_eq!(check(&mut w, at), None, "suspected, not yet confirmed");
         }
-        let f = check(&mut w, t0 + T * 2).unwrap();
+        // Confirmed by the next heartbeat with the same counts.
+        x.beat(&mut w, &left, t0 + T * 3);
+        y.beat(&mut w, &right, t0 + T * 3);
+        let f = check(&mut w, t0 + T * 3).unwrap();
         assert_eq!(
             (f.kind, f.chip, f.link, f.worker),
             (HangKind::LostMessage, Some(2), Some(MINUS), Some(1))

@@ -29,7 +29,7 @@
 //! chips whose state changed. The coordinator's work per heartbeat is bounded by the caps
 //! below, whatever the number of chips.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
@@ -149,7 +149,7 @@ pub struct Wait {
     /// The link as the waiter names it.
     pub link: Link,
     pub peer: ChipId,
-    /// Messages the waiter has taken from that link.
+    /// Messages that reached the waiter on that link (taken, or waiting to be taken).
     pub received: u64,
     pub fingerprint: Fingerprint,
     pub since_wall_ns: u64,
@@ -182,6 +182,8 @@ pub struct Summary {
     pub step: u64,
     /// The executor's scheduling lag at this heartbeat, ms.
     pub lag_ms: u64,
+    /// Lost messages and roots suspected, to be confirmed at the next heartbeat.
+    pub suspected: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -206,6 +208,13 @@ pub struct Summariser {
     track: Vec<Track>,
     /// Boundary send counters as last reported.
     reported: HashMap<(ChipId, u8), u64>,
+    /// Lost messages suspected at the previous heartbeat: (waiter, link slot) -> (sent,
+    /// arrived). A message is reported lost only when the same counts are seen twice in a
+    /// row: a receive that completes between two reads, or a message between the sender's
+    /// count and the receiver's inbox, is gone by the next heartbeat.
+    suspects: HashMap<(ChipId, usize), (u64, u64)>,
+    /// Chips that looked like roots at the previous heartbeat.
+    root_candidates: HashSet<usize>,
 }
 
 impl Summariser {
@@ -245,6 +254,8 @@ impl Summariser {
             timeout,
             track,
             reported: HashMap::new(),
+            suspects: HashMap::new(),
+            root_candidates: HashSet::new(),
         }
     }
 
@@ -334,13 +345,29 @@ impl Summariser {
         // Roots and the waiting chips that reach each (each counted for the first root found).
         let mut roots: Vec<Root> = Vec::new();
         let mut counted = vec![false; n];
+        let mut candidates = HashSet::new();
         for (i, _) in stale.iter().enumerate().filter(|(_, s)| trusted && **s) {
-            let Some(s) = self.track[i].status.as_ref() else {
-                continue;
-            };
-            if !s.blocked.is_empty() || s.computing_since_ns.is_some() {
+            if self.track[i]
+                .status
+                .as_ref()
+                .is_none_or(|s| !s.blocked.is_empty() || s.computing_since_ns.is_some())
+            {
                 continue;
             }
+            // Judged on the chip as it is now, and only when it looked the same at the
+            // previous heartbeat too (a status read while the chip ran is a moment's view).
+            let fresh = status(i);
+            let unchanged = self.track[i]
+                .key
+                .is_some_and(|k| k.progress == fresh.progress);
+            if !unchanged || !fresh.blocked.is_empty() || fresh.computing_since_ns.is_some() {
+                continue;
+            }
+            candidates.insert(i);
+            if !self.root_candidates.contains(&i) {
+                continue;
+            }
+            let s = &fresh;
             // Its neighbours here that wait on it right now (read afresh: a neighbour may
             // still be busy on its other links), then the waiting chips behind them.
             let mut direct: Vec<(usize, Link, Fingerprint)> = Vec::new();
@@ -383,12 +410,13 @@ impl Summariser {
                 .first()
                 .map(|&(p, link, fp)| (self.chips[p], link, fp));
             roots.push(Root {
-                status: s.clone(),
+                status: fresh.clone(),
                 quiet_since_wall_ns: self.track[i].quiet_since_wall_ns,
                 local_waiters: waiters,
                 first_waiter,
             });
         }
+        self.root_candidates = candidates;
         // Most waited on first; then the longest quiet (a root nobody here waits on may still
         // hold up another worker's chips).
         roots.sort_by_key(|r| (std::cmp::Reverse(r.local_waiters), r.quiet_since_wall_ns));
@@ -396,24 +424,50 @@ impl Summariser {
         // Waits that leave the worker, and local sends never received.
         let mut remote: BTreeMap<(ChipId, Link), Wait> = BTreeMap::new();
         let mut lost: Vec<(Wait, u64)> = Vec::new();
+        let mut suspects = HashMap::new();
         let mut oldest: Option<(ChipId, u64)> = None;
+        // What reached a chip on a link: taken, or arrived and not taken yet.
+        let arrived = |s: &ChipStatus, link: Link| -> u64 {
+            [&s.received, &s.pending]
+                .iter()
+                .filter_map(|v| v.get(link_slot(link)))
+                .sum()
+        };
         for i in (0..n).filter(|&i| is_waiting(i) || long[i]) {
             let t = &self.track[i];
             if is_stuck(i) && oldest.is_none_or(|(_, w)| t.quiet_since_wall_ns < w) {
                 oldest = Some((self.chips[i], t.quiet_since_wall_ns));
             }
-            let Some(s) = t.status.as_ref() else { continue };
+            let Some(cached) = t.status.as_ref() else {
+                continue;
+            };
+            // This receive has waited the whole timeout, on a host that keeps up.
+            let stuck = |b: &podsim_collectives::Blocked| {
+                trusted && wall_ns.saturating_sub(b.since_wall_ns) >= timeout_ns
+            };
+            // Messages may have arrived since the status was read (arrivals alone do not
+            // change what a heartbeat glances at): a wait that another worker will judge by
+            // its counts is read afresh.
+            let fresh;
+            let s = if cached
+                .blocked
+                .iter()
+                .any(|b| stuck(b) && !self.local.contains_key(&b.peer))
+            {
+                fresh = status(i);
+                &fresh
+            } else {
+                cached
+            };
             for b in &s.blocked {
-                // This receive has waited the whole timeout, on a host that keeps up.
-                let stuck = trusted && wall_ns.saturating_sub(b.since_wall_ns) >= timeout_ns;
                 let wait = Wait {
                     waiter: s.chip,
                     link: b.link,
                     peer: b.peer,
-                    received: s.received.get(link_slot(b.link)).copied().unwrap_or(0),
+                    received: arrived(s, b.link),
                     fingerprint: b.fingerprint,
                     since_wall_ns: b.since_wall_ns,
-                    stuck,
+                    stuck: stuck(b),
                 };
                 match self.local.get(&b.peer) {
                     None => {
@@ -422,24 +476,32 @@ impl Summariser {
                         }
                     }
                     Some(&p) => {
-                        if !stuck || lost.len() >= MAX_WAITS {
+                        if !wait.stuck || lost.len() >= MAX_WAITS {
                             continue;
                         }
-                        // The sender as it is now (it may still be busy elsewhere).
+                        // Suspected from what was read before, confirmed on both chips as
+                        // they are now.
                         let back = link_slot(b.link.reverse(self.pod.slice_of(s.chip)));
-                        let sent = match self.track[p].status.as_ref().filter(|_| quiet[p]) {
-                            Some(x) => x.sent.get(back).copied(),
-                            None => status(p).sent.get(back).copied(),
-                        };
-                        if let Some(sent) = sent
-                            && sent > wait.received
-                        {
-                            lost.push((wait, sent));
+                        let sent_by = |x: &ChipStatus| x.sent.get(back).copied().unwrap_or(0);
+                        let sender = self.track[p].status.as_ref().filter(|_| quiet[p]);
+                        if sender.is_some_and(|x| sent_by(x) <= wait.received) {
+                            continue;
+                        }
+                        let sent = sent_by(&status(p));
+                        let received = arrived(&status(i), b.link);
+                        if sent > received {
+                            let key = (s.chip, link_slot(b.link));
+                            if self.suspects.get(&key) == Some(&(sent, received)) {
+                                lost.push((Wait { received, ..wait }, sent));
+                            }
+                            suspects.insert(key, (sent, received));
                         }
                     }
                 }
             }
         }
+        let suspected = (suspects.len() + self.root_candidates.len()) as u32;
+        self.suspects = suspects;
         // Send counters on the worker's boundary, for chips that went quiet there.
         let mut boundary_sent = Vec::new();
         for ((t, slots), _) in self
@@ -470,6 +532,7 @@ impl Summariser {
             oldest,
             step: if step == u64::MAX { 0 } else { step },
             lag_ms: lag.as_millis() as u64,
+            suspected,
         }
     }
 }
