@@ -362,7 +362,15 @@ impl<'a> Call<'a> {
     ) -> Result<(), CollectiveError> {
         match self.start_send(t, link, tag, payload)? {
             None => Ok(()),
-            Some(rest) => rest.await,
+            Some(rest) => {
+                // Waiting for room on a full link to another worker (or a fault's delay):
+                // busy in the transport, not stopped, as far as the watchdog is concerned.
+                let recorder = &self.chip.recorder;
+                recorder.compute_started();
+                let sent = rest.await;
+                recorder.compute_finished();
+                sent
+            }
         }
     }
 

@@ -90,10 +90,9 @@ pub struct Watchdog {
     faults: Vec<FaultEvent>,
     /// Send counters `(chip, link slot)` on worker boundaries, as last reported.
     boundary_sent: HashMap<(ChipId, u8), u64>,
-    /// Waits across workers that looked lost: (waiter, link) -> (sent, arrived, the waiter's
-    /// worker's heartbeat). Reported only when two heartbeats show the same counts (they are
-    /// read at different moments on two hosts).
-    suspects: HashMap<(ChipId, Link), (u64, u64, u64)>,
+    /// Waits across workers that looked lost: (waiter, link) -> (sent, arrived, first seen,
+    /// the waiter's worker's heartbeat then).
+    suspects: HashMap<(ChipId, Link), (u64, u64, Instant, u64)>,
     /// Small workers' current waits (waiter -> peers), for stragglers.
     waits: BTreeMap<u32, Vec<(ChipId, Vec<ChipId>)>>,
     /// How long each chip held others up: peers waited on it while it waited on no one.
@@ -339,7 +338,7 @@ impl Watchdog {
         if let Some(f) = self.stalled() {
             return Some(f);
         }
-        if let Some(f) = self.lost() {
+        if let Some(f) = self.lost(now) {
             return Some(f);
         }
         self.deadlock(now)
@@ -473,32 +472,38 @@ impl Watchdog {
 
     /// Messages sent and never received: found by a worker between its own chips, or here on
     /// a link between workers from the boundary counters.
-    fn lost(&mut self) -> Option<Finding> {
+    fn lost(&mut self, now: Instant) -> Option<Finding> {
         // (sender, link as the sender names it, receiver, waited since, fingerprint)
         let mut lost: Vec<(ChipId, Link, ChipId, u64, Fingerprint)> = Vec::new();
         let mut suspects = HashMap::new();
-        for (_, v) in self.live() {
+        for (waiter_worker, v) in self.live() {
             for (w, _) in &v.summary.lost {
                 let link = w.link.reverse(self.pod.slice_of(w.waiter));
                 lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
             }
             for w in v.summary.remote.iter().filter(|w| w.stuck) {
+                // Only while nothing is in flight between the two workers: on a loaded host a
+                // message can sit in the transport for seconds.
+                if !self.transport_idle(self.worker_of(w.peer), waiter_worker) {
+                    continue;
+                }
                 let link = w.link.reverse(self.pod.slice_of(w.waiter));
                 let Some(&sent) = self.boundary_sent.get(&(w.peer, link_slot(link) as u8)) else {
                     continue;
                 };
                 if sent > w.received {
                     let key = (w.waiter, w.link);
-                    let seen = match self.suspects.get(&key) {
-                        Some(&(s, r, beat)) if (s, r) == (sent, w.received) => {
-                            if beat != v.beats {
-                                lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
-                            }
-                            beat
-                        }
-                        _ => v.beats,
+                    let (since, beat) = match self.suspects.get(&key) {
+                        Some(&(s, r, since, beat)) if (s, r) == (sent, w.received) => (since, beat),
+                        _ => (now, v.beats),
                     };
-                    suspects.insert(key, (sent, w.received, seen));
+                    // Counted on two hosts at different moments, and a message may sit in the
+                    // transport of a loaded host: the same counts over two of the waiter's
+                    // heartbeats and a quarter of the timeout.
+                    if beat != v.beats && now.duration_since(since) >= self.timeout / 4 {
+                        lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
+                    }
+                    suspects.insert(key, (sent, w.received, since, beat));
                 }
             }
         }
@@ -548,6 +553,24 @@ impl Watchdog {
             waiting,
             effect_wall_ns: since,
         })
+    }
+
+    /// Whether every message worker `from` handed to the transport for worker `to` has
+    /// arrived there, as their last heartbeats tell.
+    fn transport_idle(&self, from: Option<u32>, to: u32) -> bool {
+        let Some(from) = from else { return false };
+        let count = |w: u32, peer: u32, pick: fn(&(u32, u64, u64)) -> u64| {
+            self.workers
+                .get(&w)?
+                .summary
+                .transport
+                .iter()
+                .find(|t| t.0 == peer)
+                .map(pick)
+        };
+        let handed = count(from, to, |t| t.1);
+        let arrived = count(to, from, |t| t.2);
+        handed.is_some() && handed == arrived
     }
 
     /// Every worker stuck for the timeout with nothing lost and no root: the chips wait on
@@ -670,7 +693,7 @@ mod tests {
             at: Instant,
             lag: Duration,
         ) {
-            let summary = self.summariser.beat(
+            let mut summary = self.summariser.beat(
                 at,
                 wall_ns(),
                 lag,
@@ -686,6 +709,8 @@ mod tests {
                 },
                 |i| statuses[i].clone(),
             );
+            // The tests' workers pair up (0 and 1), with nothing in flight between them.
+            summary.transport = vec![(1 - self.id.min(1), 7, 7)];
             w.heartbeat(
                 self.id,
                 HeartbeatStatus {

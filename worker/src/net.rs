@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -46,6 +46,10 @@ struct Outgoing {
 
 #[derive(Debug)]
 struct Peer {
+    /// Messages handed to the transport for this peer, and received from it (the watchdog
+    /// compares the two ends: equal totals mean nothing is in flight between the workers).
+    handed: AtomicU64,
+    arrived: AtomicU64,
     queue: mpsc::UnboundedSender<Outgoing>,
     /// Taken by whichever side sets up the stream to this peer.
     queue_rx: Mutex<Option<mpsc::UnboundedReceiver<Outgoing>>>,
@@ -79,6 +83,23 @@ pub struct NodeFabric {
 }
 
 impl NodeFabric {
+    /// Per neighbouring worker: messages handed to the transport for it, and received from it.
+    pub fn transport_counts(&self) -> Vec<(u32, u64, u64)> {
+        let mut out: Vec<(u32, u64, u64)> = self
+            .peers
+            .iter()
+            .map(|(w, p)| {
+                (
+                    *w,
+                    p.handed.load(Ordering::Relaxed),
+                    p.arrived.load(Ordering::Relaxed),
+                )
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     pub fn new(spec: JobSpec, me: u32) -> Result<Arc<NodeFabric>, WorkerError> {
         let placement = Placement::new(&spec.pod, spec.workers)
             .map_err(|e| WorkerError::Invalid(e.to_string()))?;
@@ -107,6 +128,8 @@ impl NodeFabric {
             .map(|w| {
                 let (tx, rx) = mpsc::unbounded_channel();
                 let peer = Peer {
+                    handed: AtomicU64::new(0),
+                    arrived: AtomicU64::new(0),
                     queue: tx,
                     queue_rx: Mutex::new(Some(rx)),
                     room: Arc::new(Semaphore::new(PEER_BUDGET_BYTES)),
@@ -354,6 +377,7 @@ impl Router for NodeFabric {
                 msg.dst
             ))
         })?;
+        peer.handed.fetch_add(1, Ordering::Relaxed);
         let bytes = (msg.payload.len() * 4).clamp(1, PEER_BUDGET_BYTES);
         let cost = u32::try_from(bytes).unwrap_or(u32::MAX);
         let closed =
@@ -434,7 +458,12 @@ async fn pump_in(fabric: Arc<NodeFabric>, peer: u32, mut incoming: Streaming<pb:
                         wire::decode(env, &fabric.spec.pod, &fabric.placement, peer, fabric.me);
                     match decoded {
                         Ok(msg) => match fabric.inboxes.get(msg.dst as usize) {
-                            Some(Some(inbox)) => inbox.push(msg),
+                            Some(Some(inbox)) => {
+                                if let Some(p) = fabric.peers.get(&peer) {
+                                    p.arrived.fetch_add(1, Ordering::Relaxed);
+                                }
+                                inbox.push(msg);
+                            }
                             _ => {
                                 fabric.link_failed(format!(
                                     "link from worker {peer}: chip {} is not hosted here",

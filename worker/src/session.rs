@@ -186,6 +186,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             faults.clone(),
         );
         let every = Duration::from_millis(fabric.spec.heartbeat_ms.max(1));
+        let transport = fabric.clone();
         let mut summariser = crate::watch::Summariser::new(
             &fabric.spec.pod,
             recorders.iter().map(|r| r.chip()).collect(),
@@ -197,13 +198,14 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             let list_waits = recorders.len() <= crate::job::STRAGGLER_WAITS_CHIPS;
             loop {
                 tick.tick().await;
-                let summary = summariser.beat(
+                let mut summary = summariser.beat(
                     std::time::Instant::now(),
                     podsim_collectives::wall_ns(),
                     podsim_collectives::scheduling_lag(),
                     |i| recorders[i].glance(),
                     |i| recorders[i].status(),
                 );
+                summary.transport = transport.transport_counts();
                 let waits = if list_waits {
                     recorders
                         .iter()

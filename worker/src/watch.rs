@@ -184,6 +184,10 @@ pub struct Summary {
     pub lag_ms: u64,
     /// Lost messages and roots suspected, to be confirmed at the next heartbeat.
     pub suspected: u32,
+    /// Per neighbouring worker: messages this worker handed to the transport for it, and
+    /// messages received from it (filled in by the session, which owns the transport).
+    #[serde(default)]
+    pub transport: Vec<(u32, u64, u64)>,
 }
 
 #[derive(Debug, Clone)]
@@ -208,11 +212,11 @@ pub struct Summariser {
     track: Vec<Track>,
     /// Boundary send counters as last reported.
     reported: HashMap<(ChipId, u8), u64>,
-    /// Lost messages suspected at the previous heartbeat: (waiter, link slot) -> (sent,
-    /// arrived). A message is reported lost only when the same counts are seen twice in a
-    /// row: a receive that completes between two reads, or a message between the sender's
-    /// count and the receiver's inbox, is gone by the next heartbeat.
-    suspects: HashMap<(ChipId, usize), (u64, u64)>,
+    /// Lost messages suspected: (waiter, link slot) -> (sent, arrived, first seen). A message
+    /// is reported lost only when the same counts hold for a quarter of the timeout: a
+    /// receive that completes between two reads, or a message still between the sender's
+    /// count and the receiver's inbox, is gone by then.
+    suspects: HashMap<(ChipId, usize), (u64, u64, Instant)>,
     /// Chips that looked like roots at the previous heartbeat.
     root_candidates: HashSet<usize>,
 }
@@ -491,10 +495,14 @@ impl Summariser {
                         let received = arrived(&status(i), b.link);
                         if sent > received {
                             let key = (s.chip, link_slot(b.link));
-                            if self.suspects.get(&key) == Some(&(sent, received)) {
+                            let since = match self.suspects.get(&key) {
+                                Some(&(s0, r0, since)) if (s0, r0) == (sent, received) => since,
+                                _ => now,
+                            };
+                            if now.duration_since(since) >= settle {
                                 lost.push((Wait { received, ..wait }, sent));
                             }
-                            suspects.insert(key, (sent, received));
+                            suspects.insert(key, (sent, received, since));
                         }
                     }
                 }
@@ -533,6 +541,7 @@ impl Summariser {
             step: if step == u64::MAX { 0 } else { step },
             lag_ms: lag.as_millis() as u64,
             suspected,
+            transport: Vec::new(),
         }
     }
 }
