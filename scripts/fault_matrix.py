@@ -99,14 +99,20 @@ def job(kind, shape, workers, chip, timeout_ms):
 
 
 def worker_pid(launch_pid, worker):
-    """The pid of worker `worker` among the launcher's children (by its --worker-id)."""
-    for child in subprocess.run(["pgrep", "-P", str(launch_pid)], capture_output=True, text=True).stdout.split():
+    """The pid of worker `worker` among the launcher's children (by its --worker-id), from /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            cmd = open(f"/proc/{child}/cmdline").read().split("\0")
-        except OSError:
+            stat = open(f"/proc/{entry}/stat").read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != launch_pid:
+                continue
+            cmd = open(f"/proc/{entry}/cmdline").read().split("\0")
+        except (OSError, ValueError, IndexError):
             continue
         if "--worker-id" in cmd and cmd[cmd.index("--worker-id") + 1] == str(worker):
-            return int(child)
+            return int(entry)
     return None
 
 
