@@ -517,39 +517,38 @@ impl Watchdog {
         let links: BTreeSet<(ChipId, Link)> = lost.iter().map(|(s, l, ..)| (*s, *l)).collect();
         let since = lost.iter().map(|l| l.3).min().unwrap_or_else(wall_ns);
         let waiting = self.waiting_chips();
-        if links.len() >= 2 && pairs.iter().all(|(a, b)| a != b) {
+        // Several links between different workers: the network between them, not one link.
+        let (kind, explanation) = if links.len() >= 2 && pairs.iter().all(|(a, b)| a != b) {
             let pairs: Vec<String> = pairs.iter().map(|(a, b)| format!("{a}-{b}")).collect();
-            return Some(Finding {
-                kind: HangKind::Partition,
-                chip: Some(src),
-                worker: Some(worker(src)),
-                link: Some(link),
-                seq: Some(fp.seq),
-                op: Some(fp.op.to_string()),
-                explanation: format!(
+            (
+                HangKind::Partition,
+                format!(
                     "Workers are cut apart: messages sent on {} links between workers {} never arrived (the first from {} on link {link}, in {fp}), and {}: check the network between those workers.",
                     links.len(),
                     pairs.join(", "),
                     self.describe_chip(src, None),
                     Self::describe_waiting(&waiting),
                 ),
-                waiting,
-                effect_wall_ns: since,
-            });
-        }
+            )
+        } else {
+            (
+                HangKind::LostMessage,
+                format!(
+                    "{} sent its message of {fp} on link {link} to chip {dst} (worker {}), which never received it, and {}: the link lost a message; check that link's transport.",
+                    self.describe_chip(src, None),
+                    worker(dst),
+                    Self::describe_waiting(&waiting),
+                ),
+            )
+        };
         Some(Finding {
-            kind: HangKind::LostMessage,
+            kind,
             chip: Some(src),
             worker: Some(worker(src)),
             link: Some(link),
             seq: Some(fp.seq),
             op: Some(fp.op.to_string()),
-            explanation: format!(
-                "{} sent its message of {fp} on link {link} to chip {dst} (worker {}), which never received it, and {}: the link lost a message; check that link's transport.",
-                self.describe_chip(src, None),
-                worker(dst),
-                Self::describe_waiting(&waiting),
-            ),
+            explanation,
             waiting,
             effect_wall_ns: since,
         })
