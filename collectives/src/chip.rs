@@ -10,8 +10,8 @@
 //! ICI links each have their own `busy_until`; all DCN traffic of a chip shares one egress.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use podsim_topology::{ChipId, Coord, Dir, Group, Hardware, Link, MAX_AXES, Pod};
 
@@ -22,9 +22,13 @@ use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
 use crate::recorder::{self, FlightRecorder, LINK_SLOTS, add_own, link_slot};
 use crate::reduce::ReduceOp;
+use crate::trace::{Arg, ChipTrace, MessageEvent, Span, TraceLog};
 
 /// Virtual time in nanoseconds of modelled hardware.
 pub type Nanos = f64;
+
+/// The track collectives are traced on until a program names its streams.
+pub const DEFAULT_STREAM: &str = "collectives";
 
 /// When each outgoing link of a chip is next free (f64 bits), by link slot: ICI links each
 /// have their own, all DCN traffic shares the last (one egress per chip). Only the chip's own
@@ -85,6 +89,19 @@ pub struct ChipCore {
     faults: Option<Arc<dyn FaultHook>>,
     /// The chip stands for every chip of a symmetric job (a mirror fabric).
     mirrored: bool,
+    /// Present on a chip being traced (see [`crate::trace`]).
+    trace: Option<Arc<Mutex<TraceLog>>>,
+    /// The track a traced chip's next collective is drawn on (its communication stream).
+    pub(crate) stream: &'static str,
+}
+
+impl ChipCore {
+    /// The trace being recorded, on a traced chip.
+    pub(crate) fn trace(&self) -> Option<MutexGuard<'_, TraceLog>> {
+        self.trace
+            .as_ref()
+            .map(|t| t.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
 }
 
 /// An emulated chip: a rank with torus coordinates, a virtual clock and a fabric endpoint.
@@ -97,6 +114,8 @@ pub struct Chip {
     current: Option<u64>,
     /// The collective in progress checks message payloads (debug mode).
     verify: bool,
+    /// The traced slice of the collective in progress.
+    open_collective: Option<usize>,
 }
 
 impl Chip {
@@ -129,11 +148,14 @@ impl Chip {
                 stats: ChipStats::default(),
                 faults: None,
                 mirrored: false,
+                trace: None,
+                stream: DEFAULT_STREAM,
             },
             clock: 0.0,
             seqs: HashMap::new(),
             current: None,
             verify: false,
+            open_collective: None,
         }
     }
 
@@ -268,6 +290,26 @@ impl Chip {
             }
         }
         self.current = Some(self.core.recorder.started(fp, self.clock));
+        if let Some(mut log) = self.core.trace() {
+            let elems = fp.count as f64;
+            let mut args = vec![
+                ("op".to_string(), Arg::from(fp.op.name())),
+                ("seq".to_string(), Arg::from(fp.seq)),
+                ("group".to_string(), Arg::from(group.to_string())),
+                ("elements".to_string(), Arg::from(elems)),
+                ("dtype".to_string(), Arg::from(fp.dtype.name())),
+                (
+                    "bytes".to_string(),
+                    Arg::from(elems * fp.dtype.size() as f64),
+                ),
+            ];
+            if let Some(r) = reduce {
+                args.push(("reduce".to_string(), Arg::from(r.name())));
+            }
+            let name = format!("{}#{}", fp.op.name(), fp.seq);
+            self.open_collective =
+                Some(log.open(self.core.stream, "collective", name, self.clock, args));
+        }
         fp
     }
 
@@ -275,6 +317,116 @@ impl Chip {
     pub(crate) fn finish(&mut self) {
         if let Some(index) = self.current.take() {
             self.core.recorder.completed(index, self.clock);
+        }
+        if let Some(i) = self.open_collective.take()
+            && let Some(mut log) = self.core.trace()
+        {
+            log.close(i, self.clock);
+        }
+    }
+
+    /// Adds an argument to the traced slice of the collective in progress.
+    pub(crate) fn trace_note(&self, key: &str, value: Arg) {
+        if let Some(i) = self.open_collective
+            && let Some(mut log) = self.core.trace()
+            && let Some(span) = log.trace.spans.get_mut(i)
+        {
+            span.args.push((key.to_string(), value));
+        }
+    }
+
+    /// Starts recording a trace of this chip (see [`crate::trace`]); `flows` also records
+    /// every message it sends, for flow arrows.
+    pub fn enable_trace(&mut self, flows: bool) {
+        self.core.trace = Some(Arc::new(Mutex::new(TraceLog::new(self.core.id, flows))));
+    }
+
+    /// Sets the trace aside while the program does work that is not part of the modelled job
+    /// (checks after the last step); [`Chip::resume_trace`] takes it back.
+    pub fn pause_trace(&mut self) -> PausedTrace {
+        PausedTrace(self.core.trace.take())
+    }
+
+    pub fn resume_trace(&mut self, paused: PausedTrace) {
+        if paused.0.is_some() {
+            self.core.trace = paused.0;
+        }
+    }
+
+    /// Whether this chip records a trace.
+    pub fn tracing(&self) -> bool {
+        self.core.trace.is_some()
+    }
+
+    /// The trace recorded so far (tracing stops).
+    pub fn take_trace(&mut self) -> Option<ChipTrace> {
+        self.core.trace.take().map(|t| TraceHandle(t).snapshot())
+    }
+
+    /// A handle that reads this chip's trace from outside while the chip runs (a hung chip's
+    /// timeline goes into the flight-recorder dump).
+    pub fn trace_handle(&self) -> Option<TraceHandle> {
+        self.core.trace.clone().map(TraceHandle)
+    }
+
+    /// The track the next collectives are drawn on: programs with several communication
+    /// streams name the one a collective is issued on.
+    pub fn set_trace_stream(&mut self, stream: &'static str) {
+        self.core.stream = stream;
+    }
+
+    /// Opens a traced slice at the chip's clock (none on an untraced chip).
+    pub fn trace_open(
+        &self,
+        track: &str,
+        cat: &str,
+        name: impl FnOnce() -> String,
+        args: Vec<(String, Arg)>,
+    ) -> Option<usize> {
+        self.core
+            .trace()
+            .map(|mut log| log.open(track, cat, name(), self.clock, args))
+    }
+
+    /// Closes a slice opened by [`Chip::trace_open`] at the chip's clock.
+    pub fn trace_close(&self, index: Option<usize>) {
+        if let Some(i) = index
+            && let Some(mut log) = self.core.trace()
+        {
+            log.close(i, self.clock);
+        }
+    }
+
+    /// Records a slice over `[start, end)` of virtual time; `name` and `args` are only built on
+    /// a traced chip.
+    pub fn trace_span(
+        &self,
+        track: &str,
+        cat: &str,
+        start: Nanos,
+        end: Nanos,
+        describe: impl FnOnce() -> (String, Vec<(String, Arg)>),
+    ) {
+        if let Some(mut log) = self.core.trace() {
+            let (name, args) = describe();
+            let wall = crate::recorder::wall_ns();
+            log.span(Span {
+                track: track.to_string(),
+                name,
+                cat: cat.to_string(),
+                virtual_start_ns: start,
+                virtual_end_ns: Some(end.max(start)),
+                wall_start_ns: wall,
+                wall_end_ns: Some(wall),
+                args,
+            });
+        }
+    }
+
+    /// Sets counter `name` to `value` from the chip's clock on.
+    pub fn trace_counter(&self, name: &str, value: f64) {
+        if let Some(mut log) = self.core.trace() {
+            log.counter(name, self.clock, value);
         }
     }
 
@@ -301,6 +453,25 @@ impl Chip {
         self.core.recorder.compute_finished();
         self.clock += ns;
         ns
+    }
+}
+
+/// A chip's trace set aside by [`Chip::pause_trace`].
+#[derive(Debug)]
+pub struct PausedTrace(Option<Arc<Mutex<TraceLog>>>);
+
+/// Reads a traced chip's trace (see [`Chip::trace_handle`]).
+#[derive(Debug, Clone)]
+pub struct TraceHandle(Arc<Mutex<TraceLog>>);
+
+impl TraceHandle {
+    /// The trace so far.
+    pub fn snapshot(&self) -> ChipTrace {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .trace
+            .clone()
     }
 }
 
@@ -440,10 +611,20 @@ impl<'a> Call<'a> {
         let depart = t.max(self.chip.links.get(slot));
         let busy_until = depart + bytes / bandwidth * 1e9;
         self.chip.links.set(slot, busy_until);
+        let arrive = busy_until + latency + extra_latency_ns;
+        if let Some(mut log) = self.chip.trace() {
+            log.link(slot, depart, busy_until);
+            log.message(MessageEvent {
+                dst: msg.dst,
+                depart_ns: depart,
+                arrive_ns: arrive,
+                bytes: bytes as u64,
+            });
+        }
         add_own(&self.chip.stats.messages_sent, 1);
         add_own(&self.chip.stats.bytes_sent, bytes as u64);
         self.chip.recorder.sent(msg.link);
-        busy_until + latency + extra_latency_ns
+        arrive
     }
 
     /// Books the message and gives it to the router.

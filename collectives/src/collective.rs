@@ -106,6 +106,7 @@ impl Chip {
             .begin(comm.group, op, comm.dtype, input.len(), reduce)
             .await;
         self.set_verify(comm.verify);
+        self.trace_note("algo", crate::trace::Arg::from(comm.algo.name()));
         if comm.verify && !input.is_meta() {
             self.verify_fingerprint(comm, fp).await?;
         }

@@ -37,9 +37,10 @@ mod payload;
 mod recorder;
 mod reduce;
 pub mod reference;
+pub mod trace;
 
 pub use algo::Algo;
-pub use chip::{Chip, ChipStats, Nanos, TimeSnapshot};
+pub use chip::{Chip, ChipStats, DEFAULT_STREAM, Nanos, PausedTrace, TimeSnapshot, TraceHandle};
 pub use collective::{Comm, chunk_len};
 pub use error::CollectiveError;
 pub use executor::scheduling_lag;

@@ -10,11 +10,12 @@ use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use podsim_collectives::trace::ChipTrace;
 use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp, mirror_chip};
 use podsim_topology::{Group, Hardware, Pod, Torus};
 use podsim_worker::bench::{BenchCase, buffer_bytes, elements_for_buffer};
-use podsim_worker::job::{ChipStepReport, JobSpec, Program};
-use podsim_worker::programs::run_program;
+use podsim_worker::job::{ChipStepReport, JobSpec, Program, TraceRequest};
+use podsim_worker::programs::{enable_traces, run_program};
 use serde::Serialize;
 
 use crate::launch::{self, ControlPlane, Workers, new_token};
@@ -75,6 +76,8 @@ pub struct BenchArgs {
     /// collectives on wraparound tori in meta mode, at any scale.
     #[arg(long)]
     pub symmetric: bool,
+    #[command(flatten)]
+    pub trace: crate::trace::TraceArgs,
 }
 
 /// One row of results.
@@ -119,6 +122,8 @@ pub struct BenchPlan {
     pub warmup: usize,
     pub threads: usize,
     pub symmetric: bool,
+    /// Chips to trace (`--trace`).
+    pub trace: Option<TraceRequest>,
 }
 
 impl BenchPlan {
@@ -171,6 +176,7 @@ impl BenchPlan {
                 return Err(format!("--symmetric: {}", why.join("; ")));
             }
         }
+        let trace_chips = a.trace.chips(pod.chips())?;
         Ok(BenchPlan {
             pod,
             hardware,
@@ -183,6 +189,10 @@ impl BenchPlan {
             warmup: a.warmup,
             threads,
             symmetric: a.symmetric,
+            trace: (!trace_chips.is_empty()).then_some(TraceRequest {
+                chips: trace_chips,
+                flows: a.trace.trace_flows,
+            }),
         })
     }
 
@@ -232,36 +242,62 @@ impl BenchPlan {
             recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
             watchdog_ms,
             symmetric: false,
+            trace: self.trace.clone(),
         }
     }
 }
 
+/// Rows of a benchmark, and the timelines of its traced chips.
+pub type BenchResult = (Vec<BenchRow>, Vec<ChipTrace>);
+
 /// Runs every size of the plan in this process; `on_row` sees each row as it completes.
+/// Each size runs on fresh chips: their traces are laid one after another in virtual time.
 pub fn run_in_process(
     plan: &BenchPlan,
     mut on_row: impl FnMut(&BenchRow),
-) -> Result<Vec<BenchRow>, String> {
+) -> Result<BenchResult, String> {
     let rt = runtime(plan.threads)?;
     // One chip on a mirror fabric needs no fabric of all chips.
     let fabric =
         (!plan.symmetric).then(|| LocalFabric::new(plan.pod.clone(), plan.hardware.clone()));
     let mut rows = Vec::new();
+    let mut traces: Vec<ChipTrace> = Vec::new();
+    let mut offset_ns = 0.0;
     for &size in &plan.sizes {
         let program = Program::Bench {
             cases: vec![plan.case(size)],
         };
-        let chips = match &fabric {
+        let mut chips = match &fabric {
             Some(fabric) => fabric.chips(),
             None => vec![mirror_chip(plan.pod.clone(), plan.hardware.clone(), 0)],
         };
+        enable_traces(&mut chips, plan.trace.as_ref());
         let out = rt
             .block_on(run_program(chips, &program, Arc::new(AtomicU64::new(0))))
             .map_err(|e| format!("{} of {}: {e}", plan.op, format_size(size)))?;
         let row = make_row(plan, size, &out.steps);
         on_row(&row);
         rows.push(row);
+        let end = out
+            .traces
+            .iter()
+            .flat_map(|t| t.spans.iter().filter_map(|s| s.virtual_end_ns))
+            .fold(0.0, f64::max);
+        for mut t in out.traces {
+            crate::trace::shift(&mut t, offset_ns);
+            match traces.iter_mut().find(|o| o.chip == t.chip) {
+                Some(o) => {
+                    o.spans.extend(t.spans);
+                    o.counters.extend(t.counters);
+                    o.link_busy.extend(t.link_busy);
+                    o.messages.extend(t.messages);
+                }
+                None => traces.push(t),
+            }
+        }
+        offset_ns += end;
     }
-    Ok(rows)
+    Ok((rows, traces))
 }
 
 fn runtime(threads: usize) -> Result<tokio::runtime::Runtime, String> {
@@ -277,7 +313,7 @@ pub fn run_on_workers(
     plan: &BenchPlan,
     workers: u32,
     mut on_row: impl FnMut(&BenchRow),
-) -> Result<Vec<BenchRow>, String> {
+) -> Result<BenchResult, String> {
     let rt = runtime(plan.threads)?;
     let spec = plan.spec(workers);
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the podsim binary: {e}"))?;
@@ -296,6 +332,11 @@ pub fn run_on_workers(
             .await
         })
         .map_err(|e| e.to_string())?;
+    let traces: Vec<ChipTrace> = outcome
+        .reports
+        .iter()
+        .flat_map(|r| r.traces.iter().cloned())
+        .collect();
     let steps: Vec<ChipStepReport> = outcome.reports.into_iter().flat_map(|r| r.steps).collect();
     let mut rows = Vec::new();
     for (k, &size) in plan.sizes.iter().enumerate() {
@@ -304,7 +345,7 @@ pub fn run_on_workers(
         on_row(&row);
         rows.push(row);
     }
-    Ok(rows)
+    Ok((rows, traces))
 }
 
 /// Per-iteration wall time (first start to last end over all chips) and virtual time.
@@ -460,7 +501,7 @@ pub fn main(args: &BenchArgs) -> Result<bool, crate::CliError> {
             println!("{}", table_row(row));
         }
     };
-    let rows = match args.workers {
+    let (rows, traces) = match args.workers {
         None => run_in_process(&plan, print),
         Some(w) => {
             podsim_topology::Placement::new(&plan.pod, w)
@@ -470,6 +511,22 @@ pub fn main(args: &BenchArgs) -> Result<bool, crate::CliError> {
     }
     .map_err(crate::CliError::Job)?;
     let errors: u64 = rows.iter().map(|r| r.errors).sum();
+    if let Some(file) = &args.trace.trace {
+        let input = crate::trace::TraceInput {
+            chips: traces,
+            wall: args.trace.trace_wall,
+            pod: Some(&plan.pod),
+            ..Default::default()
+        };
+        let size = crate::trace::write(file, &crate::trace::build(&input))
+            .map_err(crate::CliError::Job)?;
+        eprintln!(
+            "trace: {} ({}, {} chips)",
+            file.display(),
+            format_size(size),
+            input.chips.len()
+        );
+    }
     if !args.json {
         for r in &rows {
             println!(

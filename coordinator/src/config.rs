@@ -100,6 +100,7 @@ impl JobConfig {
             recorder_entries: self.watchdog.recorder_entries,
             watchdog_ms: self.watchdog.timeout_ms,
             symmetric: self.symmetric,
+            trace: None,
         }
     }
 

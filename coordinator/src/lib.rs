@@ -5,9 +5,11 @@
 pub mod bench;
 pub mod compare;
 pub mod config;
+pub mod html;
 pub mod launch;
 pub mod report;
 pub mod study;
+pub mod trace;
 pub mod units;
 pub mod watchdog;
 

@@ -11,6 +11,7 @@ use podsim_coordinator::compare::{self, CompareArgs};
 use podsim_coordinator::config::{self, JobConfig};
 use podsim_coordinator::launch::{self, ControlPlane, LaunchError, Workers, new_token};
 use podsim_coordinator::study::{self, StudyArgs};
+use podsim_coordinator::trace::TraceArgs;
 use podsim_coordinator::watchdog::HangKind;
 use podsim_coordinator::{CliError, report};
 use podsim_worker::job::{JobSpec, Program};
@@ -46,6 +47,14 @@ enum Command {
     Study(StudyArgs),
     /// Predict measured training runs (a CSV of published step times) and report the error.
     Compare(CompareArgs),
+    /// Draw report.html (and a study's study.html) again from the files in DIR.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Args)]
+struct ReportArgs {
+    /// A job's output folder (with report.json) or a study's (with results.csv).
+    dir: PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -67,6 +76,8 @@ struct ConfigArgs {
 struct LaunchArgs {
     #[command(flatten)]
     config: ConfigArgs,
+    #[command(flatten)]
+    trace: TraceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -82,6 +93,8 @@ struct CoordinatorArgs {
     /// How long to wait for every worker to join, seconds.
     #[arg(long, default_value_t = 600)]
     join_timeout: u64,
+    #[command(flatten)]
+    trace: TraceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -213,9 +226,15 @@ fn run_job(
     cfg: &JobConfig,
     listen: Option<(&str, String)>,
     join_timeout: Duration,
+    trace: &TraceArgs,
 ) -> Result<bool, CliError> {
     let rt = runtime()?;
     let mut spec = cfg.spec();
+    let traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
+    spec.trace = Some(podsim_coordinator::trace::request(
+        &traced,
+        trace.trace_flows,
+    ));
     let external = listen.is_some();
     let mut roster = Vec::new();
     let checkpoints = match &spec.program {
@@ -276,6 +295,24 @@ fn run_job(
     let path = report::write(&cfg.output_dir, &report).map_err(CliError::Job)?;
     print!("{}", report::summary(&report));
     println!("report: {}", path.display());
+    match report::write_html(&cfg.output_dir, &report) {
+        Ok(page) => println!("page: {}", page.display()),
+        Err(e) => eprintln!("podsim: {e}"),
+    }
+    if let Some(file) = &trace.trace {
+        let input = report::trace_input(cfg, &result, &traced, trace.trace_wall);
+        let t0 = std::time::Instant::now();
+        let size =
+            podsim_coordinator::trace::write(file, &podsim_coordinator::trace::build(&input))
+                .map_err(CliError::Job)?;
+        println!(
+            "trace: {} ({}, {} chips, written in {:.2} s)",
+            file.display(),
+            podsim_coordinator::units::format_size(size),
+            input.chips.len(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
     match result {
         Ok(_) => Ok(report.status == "ok"),
         Err(LaunchError::Hang(h)) => Err(CliError::Hang {
@@ -298,6 +335,14 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::main(args),
         Command::Study(args) => study::main(args),
         Command::Compare(args) => compare::main(args),
+        Command::Report(args) => report::redraw(&args.dir)
+            .map(|pages| {
+                for p in pages {
+                    println!("page: {}", p.display());
+                }
+                true
+            })
+            .map_err(CliError::Usage),
         Command::Validate(args) => load(args).map(|cfg| {
             println!(
                 "{}: ok ({} job on {}, {} chips, {} workers)",
@@ -309,15 +354,15 @@ fn main() -> ExitCode {
             );
             true
         }),
-        Command::Launch(args) => {
-            load(&args.config).and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30)))
-        }
+        Command::Launch(args) => load(&args.config)
+            .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
         Command::Coordinator(args) => load(&args.config).and_then(|cfg| {
             let token = args.token.clone().unwrap_or_else(new_token);
             run_job(
                 &cfg,
                 Some((&args.listen, token)),
                 Duration::from_secs(args.join_timeout),
+                &args.trace,
             )
         }),
         Command::Worker(args) => {

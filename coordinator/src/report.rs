@@ -5,6 +5,7 @@ use std::collections::btree_map::Entry;
 use std::path::Path;
 
 use hdrhistogram::Histogram;
+use podsim_collectives::trace::{ChipTrace, Span};
 use podsim_worker::job::{ChipStepReport, Program};
 use serde::Serialize;
 
@@ -41,6 +42,104 @@ pub struct Report {
     pub virtual_s: f64,
     pub wall_s: f64,
     pub link_errors: Vec<String>,
+    /// One step (the median one) of chip 0 and, when others were traced, of the traced chip
+    /// whose same step took longest: every slice of it, for the page's Gantt chart.
+    pub timelines: Vec<StepTimeline>,
+}
+
+/// One step of one chip, slice by slice (times in ns from the step's start).
+#[derive(Debug, Serialize)]
+pub struct StepTimeline {
+    pub chip: u32,
+    pub step: String,
+    pub virtual_ms: f64,
+    pub slices: Vec<TimelineSlice>,
+    /// Slices left out past [`TIMELINE_SLICES`].
+    pub slices_left_out: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TimelineSlice {
+    pub track: String,
+    pub name: String,
+    pub cat: String,
+    pub start_ns: f64,
+    pub end_ns: f64,
+}
+
+/// Slices a report's step timeline keeps.
+pub const TIMELINE_SLICES: usize = 4000;
+
+/// The steps-track slice of `trace` named `name`.
+fn step_span<'t>(trace: &'t ChipTrace, name: &str) -> Option<&'t Span> {
+    trace
+        .spans
+        .iter()
+        .find(|s| s.track == podsim_worker::programs::STEPS_TRACK && s.name == name)
+}
+
+/// Chip 0's median step and the same step of the traced chip where it took longest.
+fn timelines(traces: &[&ChipTrace]) -> Vec<StepTimeline> {
+    let Some(first) = traces.iter().find(|t| t.chip == 0) else {
+        return Vec::new();
+    };
+    let mut steps: Vec<&Span> = first
+        .spans
+        .iter()
+        .filter(|s| s.track == podsim_worker::programs::STEPS_TRACK && s.name != "setup")
+        .filter(|s| s.virtual_end_ns.is_some())
+        .collect();
+    steps.sort_by(|a, b| span_ns(a).total_cmp(&span_ns(b)));
+    let Some(median) = steps.get(steps.len() / 2) else {
+        return Vec::new();
+    };
+    let name = median.name.clone();
+    let slowest = traces
+        .iter()
+        .filter_map(|t| step_span(t, &name).map(|s| (*t, span_ns(s))))
+        .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.chip.cmp(&a.0.chip)));
+    let mut out = vec![timeline(first, median)];
+    if let Some((t, _)) = slowest
+        && t.chip != 0
+        && let Some(s) = step_span(t, &name)
+    {
+        out.push(timeline(t, s));
+    }
+    out
+}
+
+fn span_ns(s: &Span) -> f64 {
+    s.virtual_end_ns.unwrap_or(s.virtual_start_ns) - s.virtual_start_ns
+}
+
+fn timeline(trace: &ChipTrace, step: &Span) -> StepTimeline {
+    let (start, end) = (
+        step.virtual_start_ns,
+        step.virtual_end_ns.unwrap_or(step.virtual_start_ns),
+    );
+    let inside: Vec<TimelineSlice> = trace
+        .spans
+        .iter()
+        .filter(|s| s.track != podsim_worker::programs::STEPS_TRACK)
+        .filter_map(|s| {
+            let e = s.virtual_end_ns?;
+            (s.virtual_start_ns >= start && e <= end).then(|| TimelineSlice {
+                track: s.track.clone(),
+                name: s.name.clone(),
+                cat: s.cat.clone(),
+                start_ns: s.virtual_start_ns - start,
+                end_ns: e - start,
+            })
+        })
+        .collect();
+    let left_out = inside.len().saturating_sub(TIMELINE_SLICES);
+    StepTimeline {
+        chip: trace.chip,
+        step: step.name.clone(),
+        virtual_ms: (end - start) / 1e6,
+        slices: inside.into_iter().take(TIMELINE_SLICES).collect(),
+        slices_left_out: left_out,
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -317,6 +416,7 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         virtual_s: 0.0,
         wall_s: 0.0,
         link_errors: Vec::new(),
+        timelines: Vec::new(),
     };
     let out = match outcome {
         Ok(out) => out,
@@ -343,6 +443,8 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         }
     };
     report.wall_s = out.wall.as_secs_f64();
+    let traces: Vec<&ChipTrace> = out.reports.iter().flat_map(|r| &r.traces).collect();
+    report.timelines = timelines(&traces);
     report.stragglers = out.stragglers.clone();
     report.faults_injected = out.faults.clone();
     for info in &out.workers {
@@ -562,6 +664,48 @@ pub fn write(dir: &Path, report: &Report) -> Result<std::path::PathBuf, String> 
     Ok(path)
 }
 
+/// Writes `report.html` into `dir`, drawn from the report as `report.json` holds it.
+pub fn write_html(dir: &Path, report: &Report) -> Result<std::path::PathBuf, String> {
+    let value = serde_json::to_value(report).map_err(|e| e.to_string())?;
+    let path = dir.join("report.html");
+    std::fs::write(&path, crate::html::render_report(&value))
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok(path)
+}
+
+/// `podsim report DIR`: draws `report.html` again from `DIR/report.json`, and `study.html`
+/// from a study's `results.csv` and plots when `DIR` holds a study. Returns the pages written.
+pub fn redraw(dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
+    let mut pages = Vec::new();
+    let report = dir.join("report.json");
+    if report.exists() {
+        let text = std::fs::read_to_string(&report)
+            .map_err(|e| format!("cannot read {}: {e}", report.display()))?;
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not a report: {e}", report.display()))?;
+        if !value["job"].is_object() || !value["topology"].is_object() {
+            return Err(format!(
+                "{}: not a podsim report (no job or topology)",
+                report.display()
+            ));
+        }
+        let path = dir.join("report.html");
+        std::fs::write(&path, crate::html::render_report(&value))
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        pages.push(path);
+    }
+    if dir.join("results.csv").exists() {
+        pages.push(crate::study::write_html(dir)?);
+    }
+    if pages.is_empty() {
+        return Err(format!(
+            "{}: holds neither report.json nor results.csv",
+            dir.display()
+        ));
+    }
+    Ok(pages)
+}
+
 /// A few lines for a person.
 pub fn summary(report: &Report) -> String {
     let mut s = format!(
@@ -679,4 +823,89 @@ pub fn summary(report: &Report) -> String {
         s.push_str(&format!("  error: {e}\n"));
     }
     s
+}
+
+/// What `--trace` draws of a finished or hung job: the traced chips among `traced`, pod-wide
+/// steps, and the diagnosis of a hang.
+pub fn trace_input<'a>(
+    cfg: &'a JobConfig,
+    result: &Result<Outcome, crate::launch::LaunchError>,
+    traced: &[u32],
+    wall: bool,
+) -> crate::trace::TraceInput<'a> {
+    let mut input = crate::trace::TraceInput {
+        wall,
+        pod: Some(&cfg.pod),
+        ..Default::default()
+    };
+    match result {
+        Ok(out) => {
+            input.chips = out
+                .reports
+                .iter()
+                .flat_map(|r| &r.traces)
+                .filter(|t| traced.contains(&t.chip))
+                .cloned()
+                .collect();
+            input.pod_spans = pod_spans(out);
+        }
+        Err(crate::launch::LaunchError::Hang(h)) => {
+            let f = &h.finding;
+            input.chips = crate::trace::from_recorders(&h.recorders, traced, f.chip);
+            let kind = serde_json::to_value(f.kind)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_uppercase))
+                .unwrap_or_default();
+            input.hang = Some(crate::trace::HangMark {
+                title: match f.chip {
+                    Some(c) => format!("{kind}: chip {c}"),
+                    None => kind,
+                },
+                explanation: f.explanation.clone(),
+                culprit: f.chip,
+            });
+        }
+        Err(_) => {}
+    }
+    input
+}
+
+/// Each step (training) or script iteration of the whole pod: from the first chip in to the
+/// last chip out, with every chip's finishing time.
+fn pod_spans(out: &Outcome) -> Vec<crate::trace::PodSpan> {
+    // (order, name) -> per chip (start, end)
+    let mut by_step: BTreeMap<(u64, String), BTreeMap<u32, (f64, f64)>> = BTreeMap::new();
+    for r in &out.reports {
+        for s in &r.steps {
+            for c in &s.calls {
+                let e = by_step
+                    .entry((u64::from(s.iteration), format!("iteration {}", s.iteration)))
+                    .or_default()
+                    .entry(s.chip)
+                    .or_insert((f64::INFINITY, 0.0));
+                e.0 = e.0.min(c.virtual_start_ns);
+                e.1 = e.1.max(c.virtual_end_ns);
+            }
+        }
+        for t in &r.train {
+            for st in &t.steps {
+                by_step
+                    .entry((u64::from(st.step), format!("step {}", st.step)))
+                    .or_default()
+                    .insert(
+                        t.chip,
+                        (st.virtual_start_ns, st.virtual_start_ns + st.virtual_ns),
+                    );
+            }
+        }
+    }
+    by_step
+        .into_iter()
+        .map(|((_, name), chips)| crate::trace::PodSpan {
+            name,
+            start_ns: chips.values().map(|c| c.0).fold(f64::INFINITY, f64::min),
+            end_ns: chips.values().map(|c| c.1).fold(0.0, f64::max),
+            chip_ends_ns: chips.values().map(|c| c.1).collect(),
+        })
+        .collect()
 }

@@ -1310,6 +1310,7 @@ fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<bool, C
         )));
     }
     let plots = results.write_plots().map_err(job)?;
+    let page = write_html(&study.out).map_err(job)?;
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     for o in results.outcomes.values() {
         *counts.entry(o.status.name()).or_insert(0) += 1;
@@ -1325,7 +1326,50 @@ fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<bool, C
     for p in plots {
         println!("plot: {}", p.display());
     }
+    println!("page: {}", page.display());
     Ok(true)
+}
+
+/// Writes `study.html` into a study's output folder: its plots (as listed in `study.json`, else
+/// every SVG there) and `results.csv` as a table.
+pub fn write_html(dir: &Path) -> Result<PathBuf, String> {
+    let read = |p: &Path| {
+        std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+    };
+    let csv = read(&dir.join("results.csv"))?;
+    let meta: serde_json::Value = std::fs::read_to_string(dir.join("study.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let mut files: Vec<String> = meta["plots"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|f| f.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    if files.is_empty()
+        && let Ok(entries) = std::fs::read_dir(dir)
+    {
+        files = entries
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".svg"))
+            .collect();
+        files.sort();
+    }
+    let plots: Vec<(String, String)> = files
+        .into_iter()
+        .filter_map(|f| Some((f.clone(), std::fs::read_to_string(dir.join(&f)).ok()?)))
+        .collect();
+    let name = meta["name"].as_str().map(String::from).unwrap_or_else(|| {
+        dir.file_name()
+            .map_or_else(|| "study".into(), |n| n.to_string_lossy().into_owned())
+    });
+    write_atomic(
+        &dir.join("study.html"),
+        &crate::html::render_study(&name, &plots, &csv),
+    )
 }
 
 #[cfg(test)]

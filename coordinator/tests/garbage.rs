@@ -136,6 +136,7 @@ fn spec() -> JobSpec {
         recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
         watchdog_ms: 2000,
         symmetric: false,
+        trace: None,
     }
 }
 

@@ -34,6 +34,16 @@ pub struct JobSpec {
     /// `podsim_collectives::MirrorRouter`): symmetric meta-mode jobs at any scale.
     #[serde(default)]
     pub symmetric: bool,
+    /// Chips to record a timeline of (`--trace`).
+    #[serde(default)]
+    pub trace: Option<TraceRequest>,
+}
+
+/// Which chips record a trace, and whether their messages are recorded too (flow arrows).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TraceRequest {
+    pub chips: Vec<u32>,
+    pub flows: bool,
 }
 
 fn default_heartbeat_ms() -> u64 {
@@ -69,6 +79,9 @@ pub const STRAGGLER_WAITS_CHIPS: usize = 2500;
 pub struct RecorderDump {
     pub status: ChipStatus,
     pub entries: Vec<podsim_collectives::RecordEntry>,
+    /// A traced chip's timeline up to the dump.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<podsim_collectives::trace::ChipTrace>,
 }
 
 /// A failure the watchdog can diagnose, as a worker reports it: a desync (both chips and both
@@ -245,4 +258,7 @@ pub struct WorkerReport {
     /// Training jobs: one report per chip.
     #[serde(default)]
     pub train: Vec<ChipTrainReport>,
+    /// Timelines of the traced chips.
+    #[serde(default)]
+    pub traces: Vec<podsim_collectives::trace::ChipTrace>,
 }

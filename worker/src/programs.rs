@@ -8,8 +8,11 @@ use podsim_collectives::{Chip, run_chips};
 
 use crate::bench::bench_chip;
 use crate::error::WorkerError;
-use crate::job::{ChipStepReport, Program};
+use crate::job::{ChipStepReport, Program, TraceRequest};
 use crate::train::{ChipTrainReport, train_chip};
+
+/// The track of a traced chip's steps (script iterations, bench cases, training steps).
+pub const STEPS_TRACK: &str = "steps";
 
 /// Units of work (one chip finishing one step) a program has for `chips` chips.
 pub fn total_units(program: &Program, chips: usize) -> u64 {
@@ -23,7 +26,17 @@ pub fn total_units(program: &Program, chips: usize) -> u64 {
     (per_chip * chips) as u64
 }
 
-/// Runs `program` on every chip; `done` counts finished units as they happen.
+/// Starts a trace on the requested chips among `chips`.
+pub fn enable_traces(chips: &mut [Chip], request: Option<&TraceRequest>) {
+    let Some(request) = request else { return };
+    for chip in chips {
+        if request.chips.contains(&chip.id()) {
+            chip.enable_trace(request.flows);
+        }
+    }
+}
+
+/// Runs `program` on every chip (traced chips report their timelines); `done` counts finished units as they happen.
 pub async fn run_program(
     chips: Vec<Chip>,
     program: &Program,
@@ -45,6 +58,12 @@ pub async fn run_program(
                 } => {
                     for iteration in 0..*iterations {
                         chip.enter_step(u64::from(iteration)).await;
+                        let span = chip.trace_open(
+                            STEPS_TRACK,
+                            "step",
+                            || format!("iteration {iteration}"),
+                            Vec::new(),
+                        );
                         for (step, s) in script.iter().enumerate() {
                             let case = s.case(chip.pod(), *meta);
                             let r = Box::pin(bench_chip(&mut chip, &case, false)).await?;
@@ -58,11 +77,19 @@ pub async fn run_program(
                             });
                             done.fetch_add(1, Ordering::Relaxed);
                         }
+                        chip.trace_close(span);
                     }
                 }
                 Program::Bench { cases } => {
                     for (step, case) in cases.iter().enumerate() {
+                        let span = chip.trace_open(
+                            STEPS_TRACK,
+                            "step",
+                            || format!("case {step}: {} of {} elements", case.op, case.count),
+                            Vec::new(),
+                        );
                         let r = Box::pin(bench_chip(&mut chip, case, true)).await?;
+                        chip.trace_close(span);
                         reports.push(ChipStepReport {
                             chip: chip.id(),
                             step,
@@ -83,14 +110,16 @@ pub async fn run_program(
                 stats.messages_sent.load(Ordering::Relaxed),
                 stats.bytes_sent.load(Ordering::Relaxed),
             );
-            Ok::<_, WorkerError>((reports, train, sent))
+            let trace = chip.take_trace();
+            Ok::<_, WorkerError>((reports, train, sent, trace))
         }
     })
     .await?;
     let mut out = ProgramOutput::default();
-    for (reports, train, (messages, bytes)) in per_chip {
+    for (reports, train, (messages, bytes), trace) in per_chip {
         out.steps.extend(reports);
         out.train.extend(train);
+        out.traces.extend(trace);
         out.messages_sent += messages;
         out.bytes_sent += bytes;
     }
@@ -102,6 +131,7 @@ pub async fn run_program(
 pub struct ProgramOutput {
     pub steps: Vec<ChipStepReport>,
     pub train: Vec<ChipTrainReport>,
+    pub traces: Vec<podsim_collectives::trace::ChipTrace>,
     pub messages_sent: u64,
     pub bytes_sent: u64,
 }

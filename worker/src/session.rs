@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Request;
 
-use podsim_collectives::FlightRecorder;
+use podsim_collectives::{FlightRecorder, TraceHandle};
 
 use crate::error::WorkerError;
 use crate::faults::FaultPlan;
@@ -169,7 +169,9 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             chip.set_faults(faults.clone());
         }
     }
+    crate::programs::enable_traces(&mut chips, fabric.spec.trace.as_ref());
     let recorders: Vec<Arc<FlightRecorder>> = chips.iter().map(|c| c.recorder()).collect();
+    let traces: Vec<Option<TraceHandle>> = chips.iter().map(|c| c.trace_handle()).collect();
     let local_chips = fabric.local_chips();
     let program = fabric.spec.program.clone();
     let total = total_units(&program, chips.len());
@@ -257,7 +259,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
         tokio::select! {
             r = &mut run => break r,
             m = from_coord.next() => match m {
-                Ok(pb::coordinator_msg::Body::Dump(_)) => send_dump(&to_coord, &recorders).await?,
+                Ok(pb::coordinator_msg::Body::Dump(_)) => send_dump(&to_coord, &recorders, &traces).await?,
                 Ok(pb::coordinator_msg::Body::Shutdown(s)) => break Err(session_error(format!("stopped: {}", s.reason))),
                 Ok(other) => break Err(session_error(format!("unexpected {other:?} during the job"))),
                 Err(e) => break Err(e),
@@ -278,6 +280,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 chips: local_chips,
                 steps: out.steps,
                 train: out.train,
+                traces: out.traces,
                 messages_sent: out.messages_sent,
                 bytes_sent: out.bytes_sent,
                 peak_rss_bytes: net::peak_rss_bytes(),
@@ -311,7 +314,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
             while let Ok(Ok(pb::coordinator_msg::Body::Dump(_))) =
                 tokio::time::timeout_at(deadline, from_coord.next()).await
             {
-                let _ = send_dump(&to_coord, &recorders).await;
+                let _ = send_dump(&to_coord, &recorders, &traces).await;
             }
             return Err(e);
         }
@@ -325,12 +328,15 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
 async fn send_dump(
     to_coord: &mpsc::Sender<pb::WorkerMsg>,
     recorders: &[Arc<FlightRecorder>],
+    traces: &[Option<TraceHandle>],
 ) -> Result<(), WorkerError> {
     let dump: Vec<RecorderDump> = recorders
         .iter()
-        .map(|r| RecorderDump {
+        .zip(traces)
+        .map(|(r, t)| RecorderDump {
             status: r.status(),
             entries: r.entries(),
+            trace: t.as_ref().map(TraceHandle::snapshot),
         })
         .collect();
     let json = serde_json::to_vec(&dump).unwrap_or_default();

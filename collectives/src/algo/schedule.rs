@@ -203,6 +203,7 @@ impl Schedule {
                             phase: phase0 + k as u16,
                         };
                         let kind = self.kind(a);
+                        let start = st.clock;
                         (st.buf, st.clock) = phase::reduce_scatter(
                             call,
                             &self.axes[a],
@@ -213,6 +214,7 @@ impl Schedule {
                             st.clock,
                         )
                         .await?;
+                        trace_phase(&call, j, "reduce-scatter", &self.axes[a], start, st.clock);
                         st.axes.retain(|&r| r != a);
                         Ok(st)
                     },
@@ -263,9 +265,11 @@ impl Schedule {
                         };
                         let kind = self.kind(a);
                         let groups;
+                        let start = st.clock;
                         (groups, st.clock) =
                             phase::all_gather(call, &self.axes[a], kind, id, st.buf, st.clock)
                                 .await?;
+                        trace_phase(&call, j, "all-gather", &self.axes[a], start, st.clock);
                         let at = st.axes.partition_point(|&g| g < a);
                         st.axes.insert(at, a);
                         let chunk = self.stride(&st.axes, a) * st.len;
@@ -302,11 +306,51 @@ impl Schedule {
                 phase: k as u16,
             };
             let received;
+            let start = t;
             (received, t) =
                 phase::all_to_all(call, &self.axes[a], self.kind(a), id, groups, t).await?;
+            trace_phase(&call, 0, "all-to-all", &self.axes[a], start, t);
             buf = Payload::merge_interleaved(received, chunk);
         }
         Ok((buf, t))
+    }
+}
+
+/// Records one phase of one part on a traced chip: part 0 on the collective's own track
+/// (nested in its slice), the parts that run beside it on tracks of their own.
+fn trace_phase(
+    call: &Call<'_>,
+    part: usize,
+    what: &str,
+    axis: &AxisPath,
+    start: Nanos,
+    end: Nanos,
+) {
+    if let Some(mut log) = call.chip.trace() {
+        let stream = call.chip.stream;
+        let track = if part == 0 {
+            stream.to_string()
+        } else {
+            format!("{stream} part {part}")
+        };
+        let wall = crate::recorder::wall_ns();
+        log.span(crate::trace::Span {
+            track,
+            name: format!("{what} {}", axis.axis),
+            cat: "phase".into(),
+            virtual_start_ns: start,
+            virtual_end_ns: Some(end.max(start)),
+            wall_start_ns: wall,
+            wall_end_ns: Some(wall),
+            args: vec![
+                (
+                    "axis".into(),
+                    crate::trace::Arg::from(axis.axis.to_string()),
+                ),
+                ("chips".into(), crate::trace::Arg::from(axis.n as u64)),
+                ("part".into(), crate::trace::Arg::from(part as u64)),
+            ],
+        });
     }
 }
 

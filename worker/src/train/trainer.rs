@@ -108,6 +108,9 @@ const FIRST_BUCKET_BYTES: u64 = 1 << 20;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     pub step: u32,
+    /// The chip's virtual clock when the step began, ns.
+    #[serde(default)]
+    pub virtual_start_ns: f64,
     /// Mean loss of this chip's samples (none in meta mode).
     pub loss: Option<f64>,
     pub virtual_ns: f64,
@@ -179,11 +182,41 @@ struct Issued {
     stream: Stream,
 }
 
+impl Stream {
+    /// The stream's track in a trace.
+    fn track(self) -> &'static str {
+        match self {
+            Stream::Gather => "gather",
+            Stream::Reduce => "reduce",
+            Stream::Tensor => "tensor",
+            Stream::Host => "host",
+        }
+    }
+}
+
+/// The track of a traced chip's kernels.
+const COMPUTE_TRACK: &str = "compute";
+
 impl Timeline {
-    fn compute(&mut self, chip: &mut Chip, cost: Cost) {
+    /// Charges one kernel to the compute stream; a traced chip records it as a slice named by
+    /// `what` (called only then), with the HBM in use (`hbm`) as a counter.
+    fn compute(&mut self, chip: &mut Chip, cost: Cost, hbm: u64, what: impl FnOnce() -> String) {
+        let start = chip.clock();
         let ns = cost.time_ns(chip.hardware(), self.elem_bytes);
         self.compute_ns += chip.compute(ns);
         self.flops += cost.flops();
+        if chip.tracing() {
+            chip.trace_span(COMPUTE_TRACK, "kernel", start, chip.clock(), || {
+                (
+                    what(),
+                    vec![
+                        ("flops".to_string(), cost.flops().into()),
+                        ("kernels".to_string(), (cost.kernels.len() as u64).into()),
+                    ],
+                )
+            });
+            chip.trace_counter("HBM in use", hbm as f64);
+        }
     }
 
     /// Moves `bytes` over the host link on its own stream, starting no earlier than
@@ -194,6 +227,12 @@ impl Timeline {
         let start = stream.max(not_before);
         let done = start + bytes as f64 / chip.hardware().host_bandwidth * 1e9;
         *stream = done;
+        chip.trace_span(Stream::Host.track(), "transfer", start, done, || {
+            (
+                "host transfer".to_string(),
+                vec![("bytes".to_string(), bytes.into())],
+            )
+        });
         done
     }
 
@@ -202,6 +241,7 @@ impl Timeline {
         let issued_at = chip.clock();
         let start = issued_at.max(self.stream_free[stream as usize]);
         chip.set_clock(start);
+        chip.set_trace_stream(stream.track());
         Issued {
             issued_at,
             start,
@@ -214,6 +254,7 @@ impl Timeline {
     /// clock back to the compute stream.
     fn end(&mut self, chip: &mut Chip, issued: Issued) -> Nanos {
         let done = chip.clock();
+        chip.set_trace_stream(podsim_collectives::DEFAULT_STREAM);
         self.stream_free[issued.stream as usize] = done;
         self.comm_ns += done - issued.start;
         if issued.overlap {
@@ -367,6 +408,15 @@ enum Pass {
     Recompute { matmul: f64, after: bool },
 }
 
+impl Pass {
+    fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "forward",
+            Pass::Recompute { .. } => "recompute",
+        }
+    }
+}
+
 /// Trains on one chip; `done` counts finished steps.
 pub async fn train_chip(
     chip: &mut Chip,
@@ -382,7 +432,14 @@ pub async fn train_chip_with_parameters(
     spec: &TrainSpec,
     done: Arc<AtomicU64>,
 ) -> Result<(ChipTrainReport, Vec<Tensor>), WorkerError> {
+    let setup = chip.trace_open(
+        crate::programs::STEPS_TRACK,
+        "step",
+        || "setup".to_string(),
+        Vec::new(),
+    );
     let mut t = Trainer::new(chip, spec).await?;
+    chip.trace_close(setup);
     let dir = spec.checkpoint_dir.as_deref().map(std::path::Path::new);
     let first = match (spec.resume_from, dir) {
         (Some(step), Some(dir)) if !spec.meta => {
@@ -408,6 +465,7 @@ pub async fn train_chip_with_parameters(
     }
     // Verification below is not part of the modelled job: it costs no virtual time.
     let time = chip.time_snapshot();
+    let trace = chip.pause_trace();
     let full = t.full_parameters(chip).await?;
     let replicas_identical = if spec.meta {
         None
@@ -422,6 +480,7 @@ pub async fn train_chip_with_parameters(
         (None, None)
     };
     chip.restore_time(time);
+    chip.resume_trace(trace);
     let params_hash = (!spec.meta).then(|| {
         let h = full
             .iter()
@@ -605,6 +664,13 @@ impl<'a> Trainer<'a> {
     async fn step(&mut self, chip: &mut Chip, step: u32) -> Result<StepRecord, WorkerError> {
         let wall = Instant::now();
         let t0 = chip.clock();
+        // Opened now so that a step that never ends shows unfinished.
+        let span = chip.trace_open(
+            crate::programs::STEPS_TRACK,
+            "step",
+            || format!("step {step}"),
+            Vec::new(),
+        );
         self.tl = Timeline {
             stream_free: [t0; 4],
             elem_bytes: self.elem as f64,
@@ -637,8 +703,10 @@ impl<'a> Trainer<'a> {
             self.check_replicas(chip, step).await?;
         }
         let virtual_ns = chip.clock() - t0;
+        chip.trace_close(span);
         Ok(StepRecord {
             step,
+            virtual_start_ns: t0,
             loss,
             virtual_ns,
             compute_ns: self.tl.compute_ns,
@@ -710,7 +778,8 @@ impl<'a> Trainer<'a> {
         chip.recorder().compute_started();
         let logits = acts[layers].as_ref().ok_or_else(|| missing(layers))?;
         let (loss, mut dz, cost) = mlp::cross_entropy(logits, labels, 1.0 / micro_batches as f32)?;
-        self.tl.compute(chip, cost);
+        self.tl
+            .compute(chip, cost, self.hbm.in_use(), || "loss".to_string());
         for l in (0..layers).rev() {
             if let Some(b) = self.layers[l].block
                 && self.layers.get(l + 1).and_then(|n| n.block) != Some(b)
@@ -738,7 +807,9 @@ impl<'a> Trainer<'a> {
                     model::after_backward(&self.layers[l], &mut dz, width)
                 }
             };
-            self.tl.compute(chip, cost);
+            self.tl.compute(chip, cost, self.hbm.in_use(), || {
+                format!("{} backward (op after)", self.layers[l].name)
+            });
             let x = acts[l].take().ok_or_else(|| missing(l))?;
             let dx = self.layer_backward(chip, l, &x, dz).await?;
             acts[l] = Some(x);
@@ -896,7 +967,12 @@ impl<'a> Trainer<'a> {
             LayerKind::Linear => mlp::linear(x, w, bias)?,
             LayerKind::Embedding => model::embedding(x, w)?,
         };
-        self.tl.compute(chip, matmul_share(cost, matmul_share_of));
+        self.tl.compute(
+            chip,
+            matmul_share(cost, matmul_share_of),
+            self.hbm.in_use(),
+            || format!("{} {}", self.layers[l].name, pass.name()),
+        );
         if style == Style::Row {
             // Each chip holds a partial sum over its slice of the input features.
             let to = if self.sharded_output(l) {
@@ -912,7 +988,12 @@ impl<'a> Trainer<'a> {
             let b = b.clone();
             let b = self.tp_piece(chip, l, b, width).await?;
             let cost = mlp::add_bias(&mut z, &b)?;
-            self.tl.compute(chip, matmul_share(cost, matmul_share_of));
+            self.tl.compute(
+                chip,
+                matmul_share(cost, matmul_share_of),
+                self.hbm.in_use(),
+                || format!("{} {} (bias)", self.layers[l].name, pass.name()),
+            );
         } else if self.sharded_output(l) {
             // The embedding's output, cut to this chip's features (no communication).
             let width = z.shape()[1];
@@ -935,7 +1016,9 @@ impl<'a> Trainer<'a> {
             }
         };
         if after_charged {
-            self.tl.compute(chip, cost);
+            self.tl.compute(chip, cost, self.hbm.in_use(), || {
+                format!("{} {} (op after)", self.layers[l].name, pass.name())
+            });
         }
         Ok((z, matmul_width))
     }
@@ -983,7 +1066,9 @@ impl<'a> Trainer<'a> {
             LayerKind::Linear => mlp::linear_backward(x, w, &dz, l > 0)?,
             LayerKind::Embedding => model::embedding_backward(x, w),
         };
-        self.tl.compute(chip, input_cost);
+        self.tl.compute(chip, input_cost, self.hbm.in_use(), || {
+            format!("{} backward (input gradient)", self.layers[l].name)
+        });
         let mut pending = None;
         let dx = match (dx, style) {
             (Some(dx), Style::Column) => {
@@ -1012,7 +1097,9 @@ impl<'a> Trainer<'a> {
             ),
             (dx, _) => dx,
         };
-        self.tl.compute(chip, weight_cost);
+        self.tl.compute(chip, weight_cost, self.hbm.in_use(), || {
+            format!("{} backward (weight gradient)", self.layers[l].name)
+        });
         if let Some(ready) = pending {
             Timeline::wait(chip, ready);
         }
@@ -1315,8 +1402,13 @@ impl<'a> Trainer<'a> {
             if let (Some(param), Some(g)) = (p.stored.local_mut().values_mut(), g.values()) {
                 p.state.step(spec, param, g);
             }
-            self.tl
-                .compute(chip, Cost::elementwise(n, spec.flops_per_param(), reads));
+            let name = &p.name;
+            self.tl.compute(
+                chip,
+                Cost::elementwise(n, spec.flops_per_param(), reads),
+                self.hbm.in_use(),
+                || format!("optimizer {name}"),
+            );
             p.grad = None;
         }
         self.next_bucket = 0;
