@@ -307,29 +307,72 @@ fn chip_counters(trace: &ChipTrace, label: &str, events: &mut Vec<Value>) {
                 format!("ICI {}", ["x", "y", "z"].get(axis).copied().unwrap_or("?")),
             )
         };
-        let mut edges: Vec<(f64, f64)> = Vec::new();
-        for b in trace.link_busy.iter().filter(|b| slots.contains(&b.slot)) {
-            edges.push((b.start_ns, 1.0));
-            edges.push((b.end_ns, -1.0));
-        }
-        if edges.is_empty() {
-            continue;
-        }
-        edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
-        let mut busy = 0.0;
-        let mut i = 0;
-        while i < edges.len() {
-            let t = edges[i].0;
-            while i < edges.len() && edges[i].0 == t {
-                busy += edges[i].1;
-                i += 1;
-            }
+        let busy: Vec<(f64, f64)> = trace
+            .link_busy
+            .iter()
+            .filter(|b| slots.contains(&b.slot))
+            .map(|b| (b.start_ns, b.end_ns))
+            .collect();
+        let counter = format!("{label} {name} links in use");
+        for (t, share) in link_use(&busy, links) {
             events.push(json!({
-                "ph": "C", "name": format!("{label} {name} links in use"), "pid": VIRTUAL_PID,
-                "ts": us(t), "args": {"share": busy / links},
+                "ph": "C", "name": counter, "pid": VIRTUAL_PID,
+                "ts": us(t), "args": {"share": share},
             }));
         }
     }
+}
+
+/// Points of a link-use counter at most this many per chip and axis: past it, the share is
+/// averaged over as many equal windows (a long run's counter stays small).
+const LINK_USE_POINTS: usize = 1000;
+
+/// The share of `links` links busy over time, from their busy intervals: exact steps, or the
+/// average over [`LINK_USE_POINTS`] windows when there would be more steps than that.
+fn link_use(busy: &[(f64, f64)], links: f64) -> Vec<(f64, f64)> {
+    if busy.is_empty() {
+        return Vec::new();
+    }
+    if 2 * busy.len() > LINK_USE_POINTS {
+        let start = busy.iter().map(|b| b.0).fold(f64::INFINITY, f64::min);
+        let end = busy.iter().map(|b| b.1).fold(0.0, f64::max);
+        let width = (end - start) / LINK_USE_POINTS as f64;
+        if width > 0.0 {
+            let mut sum = vec![0.0; LINK_USE_POINTS];
+            for &(a, b) in busy {
+                let first = (((a - start) / width) as usize).min(LINK_USE_POINTS - 1);
+                let last = (((b - start) / width) as usize).min(LINK_USE_POINTS - 1);
+                for (w, slot) in sum.iter_mut().enumerate().take(last + 1).skip(first) {
+                    let (lo, hi) = (start + width * w as f64, start + width * (w + 1) as f64);
+                    *slot += (b.min(hi) - a.max(lo)).max(0.0);
+                }
+            }
+            let mut out: Vec<(f64, f64)> = sum
+                .iter()
+                .enumerate()
+                .map(|(w, busy)| (start + width * w as f64, busy / (width * links)))
+                .collect();
+            out.push((end, 0.0));
+            return out;
+        }
+    }
+    let mut edges: Vec<(f64, f64)> = busy
+        .iter()
+        .flat_map(|&(a, b)| [(a, 1.0), (b, -1.0)])
+        .collect();
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1)));
+    let mut out = Vec::new();
+    let mut in_use = 0.0;
+    let mut i = 0;
+    while i < edges.len() {
+        let t = edges[i].0;
+        while i < edges.len() && edges[i].0 == t {
+            in_use += edges[i].1;
+            i += 1;
+        }
+        out.push((t, in_use / links));
+    }
+    out
 }
 
 /// The track (of `trace`) with a collective slice covering `t`.
@@ -552,5 +595,21 @@ mod tests {
             })
             .collect();
         assert_eq!(shares, vec![(0.0, 0.5), (0.005, 1.0), (0.01, 0.0)]);
+    }
+
+    #[test]
+    fn a_long_run_averages_link_use_over_windows() {
+        // 2000 sends on two links, each link busy for the first half of every 10 ns.
+        let busy: Vec<(f64, f64)> = (0..2000)
+            .map(|i| (f64::from(i / 2) * 10.0, f64::from(i / 2) * 10.0 + 5.0))
+            .collect();
+        let points = link_use(&busy, 2.0);
+        assert_eq!(points.len(), LINK_USE_POINTS + 1);
+        let width = points[1].0 - points[0].0;
+        // Busy time is conserved: the windows' shares add up to the intervals' lengths.
+        let total: f64 = points.iter().map(|p| p.1 * width * 2.0).sum();
+        assert!((total - 2000.0 * 5.0).abs() < 1e-6, "{total}");
+        assert!(points.iter().all(|p| (0.0..=1.0).contains(&p.1)));
+        assert_eq!(points.last(), Some(&(9995.0, 0.0)));
     }
 }

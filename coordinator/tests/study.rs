@@ -179,6 +179,24 @@ y_label = "GB/s"
     assert_eq!(points[3]["overrides"]["topology.wraparound"], false);
     assert_eq!(points[3]["report"], "point-003/report.json");
     assert!(points.iter().all(|p| p["status"] == "ok"));
+
+    // study.html: the plot inline and the results as a table, nothing fetched.
+    let page = std::fs::read_to_string(out.join("study.html")).unwrap();
+    assert!(
+        page.contains("All-reduce bus bandwidth"),
+        "the plot is inline"
+    );
+    assert_eq!(
+        page.matches("<tr>").count(),
+        rows.len(),
+        "the header and a row per point"
+    );
+    assert!(!page.contains("src=") && !page.contains("href=") && !page.contains("<script"));
+    assert!(point_dir_page(&out.join("point-000")).contains("<svg"));
+}
+
+fn point_dir_page(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("report.html")).expect("each point has its report.html")
 }
 
 #[test]
