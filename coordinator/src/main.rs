@@ -230,9 +230,17 @@ fn run_job(
 ) -> Result<bool, CliError> {
     let rt = runtime()?;
     let mut spec = cfg.spec();
-    let traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
+    let mut traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
+    // The chips faults are injected into are the ones to look at: always traced (the report's
+    // step timeline shows the slowest traced chip), and in the trace file when there is one.
+    let faulty: Vec<u32> = cfg.faults.iter().filter_map(|f| f.chip).collect();
+    if trace.trace.is_some() {
+        traced.extend(&faulty);
+        traced.sort_unstable();
+        traced.dedup();
+    }
     spec.trace = Some(podsim_coordinator::trace::request(
-        &traced,
+        &[traced.as_slice(), &faulty].concat(),
         trace.trace_flows,
     ));
     let external = listen.is_some();
