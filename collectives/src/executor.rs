@@ -29,6 +29,7 @@ use std::thread::Thread;
 use std::time::Duration;
 
 use crate::error::CollectiveError;
+use crate::recorder::FlightRecorder;
 
 /// A chip's program, as the executor holds it.
 pub(crate) type ChipFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
@@ -108,6 +109,8 @@ struct Shared {
     /// A chip woken now runs before the end of the thread's next pass, so `now - this` bounds
     /// how long a runnable chip can have waited to run.
     previous_pass_ns: Box<[AtomicU64]>,
+    /// Per chip, the flight recorder told where the executor has it (empty: none told).
+    observers: Vec<Arc<FlightRecorder>>,
 }
 
 /// Every executor running in this process, for [`scheduling_lag`].
@@ -144,6 +147,9 @@ impl Shared {
 
     /// Chip `chip` can make progress.
     fn mark(&self, chip: usize) {
+        if let Some(o) = self.observers.get(chip) {
+            o.set_runnable();
+        }
         let (word, bit) = (chip / WORD, 1u64 << (chip % WORD));
         let before = self.runnable[word].fetch_or(bit, Ordering::SeqCst);
         if before & bit == 0 {
@@ -202,9 +208,11 @@ impl Drop for StopOnDrop {
 
 /// Runs every future to completion on `threads` OS threads (inside the current tokio runtime)
 /// and returns the results in order. The first error, or a panic, stops all the others.
+/// `observers` (one per future, or none) are told when their chip is runnable, idle or done.
 pub(crate) async fn run_on_threads<T, E>(
     futures: Vec<ChipFuture<T, E>>,
     threads: usize,
+    observers: Vec<Arc<FlightRecorder>>,
 ) -> Result<Vec<T>, E>
 where
     T: Send + 'static,
@@ -228,7 +236,14 @@ where
         threads: (0..threads).map(|_| OnceLock::new()).collect(),
         stop: AtomicBool::new(false),
         previous_pass_ns: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+        observers: if observers.len() == n {
+            observers
+        } else {
+            Vec::new()
+        },
     });
+    // Every chip starts runnable.
+    shared.observers.iter().for_each(|o| o.set_runnable());
     EXECUTORS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -339,11 +354,22 @@ where
                     if results[i].is_some() {
                         continue;
                     }
+                    let observer = shared.observers.get(first_chip + i);
+                    if let Some(o) = observer {
+                        o.set_polling();
+                    }
                     let mut cx = Context::from_waker(&wakers[i]);
                     let polled = catch_unwind(AssertUnwindSafe(|| chips[i].as_mut().poll(&mut cx)));
                     match polled {
-                        Ok(Poll::Pending) => {}
+                        Ok(Poll::Pending) => {
+                            if let Some(o) = observer {
+                                o.set_idle_unless_woken();
+                            }
+                        }
                         Ok(Poll::Ready(Ok(v))) => {
+                            if let Some(o) = observer {
+                                o.set_done();
+                            }
                             results[i] = Some(v);
                             left -= 1;
                         }
@@ -458,7 +484,7 @@ mod tests {
                     .block_on(async {
                         tokio::time::timeout(
                             std::time::Duration::from_secs(20),
-                            run_on_threads(futures, threads),
+                            run_on_threads(futures, threads, Vec::new()),
                         )
                         .await
                     })

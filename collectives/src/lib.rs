@@ -51,6 +51,6 @@ pub use mirror::{MirrorRouter, mirror_chip, symmetry_obstacles};
 pub use payload::{Payload, Rope};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{
-    Blocked, ChipStatus, FlightRecorder, Glance, OpState, RecordEntry, link_slot, wall_ns,
+    Blocked, ChipStatus, FlightRecorder, Glance, OpState, RecordEntry, RunState, link_slot, wall_ns,
 };
 pub use reduce::ReduceOp;

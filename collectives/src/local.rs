@@ -76,9 +76,57 @@ where
     E: From<CollectiveError> + Send + 'static,
 {
     let threads = tokio::runtime::Handle::current().metrics().num_workers();
+    // Each chip's flight recorder learns whether it waits for a thread or for a wake-up.
+    let observers = chips.iter().map(Chip::recorder).collect();
     let futures: Vec<ChipFuture<T, E>> = chips
         .into_iter()
         .map(|chip| Box::pin(program(chip)) as ChipFuture<T, E>)
         .collect();
-    run_on_threads(futures, threads).await
+    run_on_threads(futures, threads, observers).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podsim_topology::{Hardware, Pod};
+
+    /// The executor tells each chip's flight recorder whether it waits for a wake-up (idle) or
+    /// for its thread: a chip stopped for good is idle, one that keeps yielding never is.
+    #[test]
+    fn a_stopped_chip_is_idle_and_a_busy_one_is_not() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let pod = Pod::single("4".parse().unwrap());
+        let fabric = LocalFabric::new(pod, Hardware::preset("v5p").unwrap());
+        let chips = fabric.chips();
+        let recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let run = {
+            let stop = stop.clone();
+            rt.spawn(run_chips(chips, move |chip| {
+                let stop = stop.clone();
+                async move {
+                    match chip.id() {
+                        0 => std::future::pending::<()>().await,
+                        1 => {
+                            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                tokio::task::yield_now().await;
+                            }
+                        }
+                        _ => {}
+                    }
+                    Ok::<_, CollectiveError>(())
+                }
+            }))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let idle: Vec<bool> = recorders.iter().map(|r| r.glance().idle).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        run.abort();
+        // Chips 2 and 3 finished (done, not idle).
+        assert_eq!(idle, vec![true, false, false, false]);
+    }
 }

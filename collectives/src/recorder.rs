@@ -11,7 +11,7 @@
 //! Collectives starting and finishing take the recorder's lock, once per collective.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -117,6 +117,9 @@ pub struct Glance {
     pub blocked_since_wall_ns: Option<u64>,
     /// Inside a compute kernel.
     pub computing: bool,
+    /// Its executor polled it, it did all it could, and nothing has woken it since (see
+    /// [`RunState`]): not a chip waiting for its turn on a busy host.
+    pub idle: bool,
     /// Training step or script iteration.
     pub step: u64,
 }
@@ -144,6 +147,9 @@ pub struct ChipStatus {
     /// `received + pending` on a link is a message in flight, or lost.
     #[serde(default)]
     pub pending: Vec<u64>,
+    /// See [`Glance::idle`].
+    #[serde(default)]
+    pub idle: bool,
 }
 
 #[derive(Debug)]
@@ -171,6 +177,25 @@ pub struct FlightRecorder {
     /// Wall clock and `waited_ns` at the last send.
     last_send_ns: AtomicU64,
     waited_at_last_send: AtomicU64,
+    /// Where the chip's executor has it ([`RunState`] as a byte).
+    run_state: AtomicU8,
+}
+
+/// Where a chip's executor has it. Only an executor that reports it sets it: a chip run any
+/// other way stays `Unknown`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RunState {
+    Unknown = 0,
+    /// Woken, waiting for its thread.
+    Runnable = 1,
+    /// Being polled.
+    Polling = 4,
+    /// Its last poll returned pending and nothing has woken it since: it waits for a wake-up
+    /// (a message, a timer), not for a thread.
+    Idle = 2,
+    /// Its program has finished.
+    Done = 3,
 }
 
 impl FlightRecorder {
@@ -193,6 +218,7 @@ impl FlightRecorder {
             received: Default::default(),
             waited_ns: AtomicU64::new(0),
             last_send_ns: AtomicU64::new(coarse_wall_ns()),
+            run_state: AtomicU8::new(RunState::Unknown as u8),
             waited_at_last_send: AtomicU64::new(0),
         }
     }
@@ -291,6 +317,37 @@ impl FlightRecorder {
 
     /// What a heartbeat reads of the chip every time (cheap; [`FlightRecorder::status`] is
     /// the whole view).
+    /// The executor woke the chip or is polling it.
+    pub(crate) fn set_runnable(&self) {
+        self.run_state
+            .store(RunState::Runnable as u8, Ordering::Release);
+    }
+
+    /// The executor is about to poll the chip.
+    pub(crate) fn set_polling(&self) {
+        self.run_state
+            .store(RunState::Polling as u8, Ordering::Release);
+    }
+
+    /// The executor's poll returned pending: idle, unless a wake-up came during the poll.
+    pub(crate) fn set_idle_unless_woken(&self) {
+        let _ = self.run_state.compare_exchange(
+            RunState::Polling as u8,
+            RunState::Idle as u8,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    pub(crate) fn set_done(&self) {
+        self.run_state
+            .store(RunState::Done as u8, Ordering::Release);
+    }
+
+    fn idle(&self) -> bool {
+        self.run_state.load(Ordering::Acquire) == RunState::Idle as u8
+    }
+
     pub fn glance(&self) -> Glance {
         let (blocked, blocked_since_wall_ns) = self.inbox.parked();
         let g = self.lock();
@@ -299,6 +356,7 @@ impl FlightRecorder {
             blocked,
             blocked_since_wall_ns,
             computing: g.computing_since_ns.is_some(),
+            idle: self.idle(),
             step: g.step,
         }
     }
@@ -336,6 +394,7 @@ impl FlightRecorder {
                 .map(|c| c.load(Ordering::Relaxed))
                 .collect(),
             pending,
+            idle: self.idle(),
         }
     }
 

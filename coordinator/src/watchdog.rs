@@ -703,6 +703,7 @@ mod tests {
                         blocked: s.blocked.len(),
                         blocked_since_wall_ns: s.blocked.iter().map(|b| b.since_wall_ns).min(),
                         computing: false,
+                        idle: s.idle,
                         step: 0,
                     }
                 },
@@ -845,6 +846,33 @@ mod tests {
         worker.beat(&mut w, &chips, t0 + T * 6);
         let f = check(&mut w, t0 + T * 6).unwrap();
         assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(1)));
+    }
+
+    #[test]
+    fn a_chip_its_executor_reports_idle_is_a_culprit_on_a_busy_host() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+        let idle = |s: ChipStatus| ChipStatus { idle: true, ..s };
+        // As before the host lags by half the timeout, but chip 1 has had its turn: polled,
+        // nothing left to do, not woken since. Its waiters are no culprits whatever they say.
+        let chips = [
+            status(0, 5, &[(1, PLUS)]),
+            idle(status(1, 5, &[])),
+            status(2, 5, &[]),
+            status(3, 5, &[]),
+        ];
+        let mut found = None;
+        for i in 0..8 {
+            worker.beat_lagging(&mut w, &chips, t0 + T * i, T / 2);
+            if let Some(f) = check(&mut w, t0 + T * i) {
+                found = Some((i, f));
+                break;
+            }
+        }
+        let (tick, f) = found.expect("diagnosed while the host still lags");
+        assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(1)));
+        assert!(tick <= 6, "at tick {tick}");
     }
 
     #[test]

@@ -22,8 +22,12 @@
 //!
 //! A chip that has not moved may simply not have had its turn on a busy host: while the
 //! executor's scheduling lag (how long a runnable chip may have waited to run,
-//! [`podsim_collectives::scheduling_lag`]) is a quarter of the timeout or more, no root, lost
-//! message or stuck chip is reported, only waiting ranges: a slow host, not a hang.
+//! [`podsim_collectives::scheduling_lag`]) is a quarter of the timeout or more, no lost
+//! message or stuck chip is reported, only waiting ranges: a slow host, not a hang. Roots are
+//! the exception when their executor reports them idle (polled, nothing left to do, not woken
+//! since: [`podsim_collectives::RunState`]): such a chip is not waiting for a thread, and as it
+//! waits on no receive and is in no kernel, nothing will wake it. This is what finds a stalled
+//! chip while the rest of a large worker is still busy.
 //!
 //! Cost per heartbeat: one cheap summary read per chip, and a full status read only for quiet
 //! chips whose state changed. The coordinator's work per heartbeat is bounded by the caps
@@ -350,7 +354,14 @@ impl Summariser {
         let mut roots: Vec<Root> = Vec::new();
         let mut counted = vec![false; n];
         let mut candidates = HashSet::new();
-        for (i, _) in stale.iter().enumerate().filter(|(_, s)| trusted && **s) {
+        // On a busy host a quiet chip may only be waiting for its turn, unless its executor
+        // says it is idle: polled, with nothing left to do, and not woken since.
+        let idle = |i: usize| self.track[i].key.is_some_and(|k| k.idle);
+        for (i, _) in stale
+            .iter()
+            .enumerate()
+            .filter(|&(i, s)| *s && (trusted || idle(i)))
+        {
             if self.track[i]
                 .status
                 .as_ref()
@@ -364,7 +375,11 @@ impl Summariser {
             let unchanged = self.track[i]
                 .key
                 .is_some_and(|k| k.progress == fresh.progress);
-            if !unchanged || !fresh.blocked.is_empty() || fresh.computing_since_ns.is_some() {
+            if !unchanged
+                || !fresh.blocked.is_empty()
+                || fresh.computing_since_ns.is_some()
+                || !(trusted || fresh.idle)
+            {
                 continue;
             }
             candidates.insert(i);
