@@ -4,6 +4,20 @@
 //! Nothing here opens a socket or starts a process: the multi-process fabric plugs in through
 //! [`Router`] and [`Inbox`].
 //!
+//! Modules:
+//! - `chip`: a chip (id, virtual clock, link clocks, inbox) and the virtual-time rules of a
+//!   send and a receive; `collective`: the collectives as methods on [`Chip`];
+//! - `algo`: lanes, phases and schedules (ring, bidirectional ring, torus);
+//! - `fabric`: messages, tags, [`Router`] and [`Inbox`]; `local`: all chips in one process and
+//!   [`run_chips`]; `mirror`: one chip standing for a symmetric pod;
+//! - `executor`: runs chips as futures on a few threads, id order (see [`scheduling_lag`]);
+//! - `payload` and `buffer`: data (shared f32 slices) and meta (sizes only) payloads; `reduce`:
+//!   reduce ops; `bits`: f32 and byte conversions;
+//! - `fingerprint`: op kinds, dtypes and a collective's identity; `recorder`: the flight
+//!   recorder and live status the watchdog reads; [`faults`]: the hook fault injection uses;
+//! - [`trace`]: timelines of sampled chips; [`reference`](mod@reference): naive collectives for tests;
+//!   `error`: [`CollectiveError`].
+//!
 //! ```
 //! use podsim_collectives::{Algo, Comm, LocalFabric, Payload, ReduceOp, run_chips};
 //! use podsim_topology::{Group, Hardware, Pod};

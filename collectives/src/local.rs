@@ -67,7 +67,7 @@ impl LocalFabric {
 
 /// Runs `program` on every chip concurrently and returns the results in chip order. The first
 /// chip error stops all the others and is returned. Chips run on the chip executor (see
-/// [`crate::executor`]) with as many threads as the calling tokio runtime has workers.
+/// `executor`) with as many threads as the calling tokio runtime has workers.
 pub async fn run_chips<T, E, F, Fut>(chips: Vec<Chip>, program: F) -> Result<Vec<T>, E>
 where
     F: Fn(Chip) -> Fut,

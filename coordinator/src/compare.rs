@@ -3,7 +3,7 @@
 //!
 //! Each row describes one run (hardware, slice torus, slices, decoder shape, batch,
 //! parallelism, remat policy) and its measured seconds per step. The row becomes a meta-mode
-//! training job ([`job_toml`]: FSDP within a slice, tensor parallelism with activations
+//! training job (`job_toml`: FSDP within a slice, tensor parallelism with activations
 //! sharded between regions, data parallelism across slices; AdamW with f32 state; one mirrored
 //! chip standing for all), validated like any config, and runs in this process. MFU counts
 //! model flops: 6 per weight per token (the LM head included, the embedding lookup not) plus

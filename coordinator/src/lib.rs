@@ -1,6 +1,15 @@
-//! podsim's coordinator: the `podsim` command-line tool and the drivers behind it.
-//! Config validation, the launcher and control service, reports, `podsim bench` and
-//! `podsim study`.
+//! podsim's coordinator: the `podsim` command-line tool (`src/main.rs`) and the drivers
+//! behind it.
+//!
+//! Modules:
+//! - [`config`]: job configs (TOML), validated with every problem reported at once, file:line;
+//! - [`launch`]: the control service, spawning or awaiting workers, running a job, no orphans;
+//! - [`watchdog`]: the join of the workers' heartbeat summaries into a hang diagnosis (pure);
+//! - [`report`]: `report.json` and the terminal summary; [`html`]: `report.html` and
+//!   `study.html`; [`trace`]: `--trace` files (Chrome JSON trace format);
+//! - [`bench`](mod@bench): `podsim bench`; [`study`]: `podsim study` (sweeps, results.csv, plots);
+//!   [`compare`]: `podsim compare` (predictions against published step times);
+//! - [`units`]: sizes and their parsing.
 
 pub mod bench;
 pub mod compare;

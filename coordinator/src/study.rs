@@ -29,7 +29,7 @@ mod plot;
 pub struct StudyArgs {
     /// The study config (TOML): a base job config, the fields to sweep, metrics and plots.
     pub config: PathBuf,
-    /// Output folder (default: the study's `out`, else runs/<name>).
+    /// Output folder (default: the study's `out`, else `runs/<name>`).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Points to run at once (default: the study's `parallel`, else 1).

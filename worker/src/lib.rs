@@ -1,6 +1,17 @@
-//! podsim's chip runtime: the programs emulated chips execute (scripted collectives and the
-//! benchmark), the fabric of a worker process (in-memory links between its own chips, gRPC
-//! streams to other workers) and the worker's control session with the coordinator.
+//! podsim's chip runtime: the programs emulated chips execute (scripted collectives, the
+//! benchmark, training), the fabric of a worker process (in-memory links between its own
+//! chips, gRPC streams to other workers) and the worker's control session with the coordinator.
+//!
+//! Modules:
+//! - [`job`]: the job a worker receives and what it reports (results, heartbeats, failures,
+//!   flight-recorder dumps); [`programs`]: runs a job's program on a set of chips;
+//! - [`bench`](mod@bench): one timed, checked collective per chip; [`train`]: training (models, kernel
+//!   model, strategies, DTensor, remat, HBM ledger, the step loop, the single-chip reference);
+//! - [`net`]: the worker's fabric (local inboxes, one gRPC stream per neighbouring worker);
+//!   [`wire`]: chip messages to and from checked protobuf envelopes;
+//! - [`session`]: a worker from joining the coordinator to exit; [`watch`]: the per-worker
+//!   summary each heartbeat carries; [`faults`]: fault injection;
+//! - `error`: [`WorkerError`].
 
 pub mod bench;
 mod error;

@@ -10,7 +10,7 @@
 //!   shape) lowered to the layers the trainer runs; [`optim`]: SGD and AdamW;
 //! - [`memory`]: the per-chip HBM ledger; [`strategy`]: how each strategy places parameters
 //!   and syncs gradients; [`trainer`]: the step loop with its compute and communication
-//!   streams; [`reference`]: single-chip training on the global batch, the yardstick.
+//!   streams; [`reference`](mod@reference): single-chip training on the global batch, the yardstick.
 
 pub mod checkpoint;
 pub mod dtensor;
