@@ -2,8 +2,8 @@
 """The watchdog's fault matrix: every fault kind, with its culprit at a corner, on a worker
 boundary and in the interior of a torus, plus the cases that must not raise an alarm.
 
-Each case is one `podsim launch` of a meta-mode all-reduce job (a data-mode DDP job for
-`corrupt`, which needs payloads to checksum). `freeze` and `kill` are signals sent from
+Each case is one `podsim launch` of a meta-mode all-reduce job (for `corrupt`, which needs
+payloads to checksum, a small data-mode all-reduce with `verify = true`). `freeze` and `kill` are signals sent from
 outside (SIGSTOP, SIGKILL) to the worker hosting the culprit once the job makes progress.
 Prints one row per case: the kind found, the culprit (chip, worker), the detection time
 (`hang.detected_after_ms` of report.json: from the fault taking effect to the diagnosis) and
@@ -75,9 +75,11 @@ def job(kind, shape, workers, chip, timeout_ms):
     lines = [f'name = "matrix-{kind}"', "[topology]", f'shape = "{shape}"', 'hardware = "v5p"',
              "[launch]", f"workers = {workers}"]
     if kind == "corrupt":
-        lines += ["[job]", 'kind = "train"', 'mode = "data"', 'strategy = "ddp"', 'eager = "debug"',
-                  "steps = 6", "batch = 1", "check = false", "[job.model]", "widths = [4, 4]",
-                  "[job.optimizer]", 'kind = "sgd"', "lr = 0.1"]
+        # Payloads to checksum: a small data-mode all-reduce with the debug checks on, along x
+        # (the corrupted link's axis). Over the whole pod every chip's buffer would be padded
+        # to a block per chip: 32,768 elements each on 32x32x32.
+        lines += ["[job]", 'kind = "collectives"', 'mode = "data"', "iterations = 6", "verify = true",
+                  "[[job.collectives]]", 'op = "all-reduce"', 'size = "4KiB"', 'group = "x"']
     else:
         lines += ["[job]", 'kind = "collectives"', 'mode = "meta"', f"iterations = {iterations}",
                   "[[job.collectives]]", 'op = "all-reduce"', 'size = "64MiB"']

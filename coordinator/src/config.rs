@@ -171,6 +171,7 @@ struct RawJob {
     mode: Option<String>,
     iterations: Option<u32>,
     collectives: Option<Vec<RawCollective>>,
+    verify: Option<bool>,
     strategy: Option<String>,
     eager: Option<String>,
     steps: Option<u32>,
@@ -317,6 +318,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
             "mode",
             "iterations",
             "collectives",
+            "verify",
             "strategy",
             "eager",
             "steps",
@@ -988,6 +990,7 @@ fn parse(
         let collective_keys = [
             ("iterations", j.iterations.is_some()),
             ("collectives", j.collectives.is_some()),
+            ("verify", j.verify.is_some()),
         ];
         let (foreign, owner): (&[(&str, bool)], &str) = match j.kind.as_str() {
             "train" => (&collective_keys, "collectives"),
@@ -1021,10 +1024,19 @@ fn parse(
                         script.push(step);
                     }
                 }
+                let verify = j.verify.unwrap_or(false);
+                if verify && meta {
+                    p.add(
+                        "job",
+                        Some("verify"),
+                        "checksums need payloads: verify applies to mode = \"data\" only",
+                    );
+                }
                 program = Some(Program::Collectives {
                     iterations,
                     meta,
                     script,
+                    verify,
                 });
             }
             "train" => program = train(&mut p, j, pod.as_ref(), meta).map(Program::Train),

@@ -216,7 +216,7 @@ fn train_job_problems_are_all_reported() {
     assert_eq!(code, 0, "{err}");
     // A strategy that does not exist, an unknown key in [job.model], a key of another kind.
     let text = train_config(
-        "iterations = 3\neager = \"lazy\"",
+        "iterations = 3\nverify = true\neager = \"lazy\"",
         "widths = [8, 16, 4]\ndepth = 3",
     )
     .replace("strategy = \"fsdp+tp\"", "strategy = \"zero3\"");
@@ -226,6 +226,7 @@ fn train_job_problems_are_all_reported() {
         &[
             "job.model.depth: unknown key",
             "job.iterations: applies to kind = \"collectives\" jobs only",
+            "job.verify: applies to kind = \"collectives\" jobs only",
             "job.strategy: unknown strategy \"zero3\"",
             "job.eager: unknown eager mode \"lazy\"",
         ],
@@ -300,5 +301,18 @@ fn fault_entries_are_checked() {
             "faults[2].chip: chip 99 is outside the pod's 8 chips",
             "faults[3].groups: worker 7 is outside the job's 2 workers",
         ],
+    );
+}
+
+#[test]
+fn verify_needs_payloads() {
+    let good = base().replace("iterations = 1", "iterations = 1\nverify = true");
+    let (code, err) = validate("verify-good", &good);
+    assert_eq!(code, 0, "{err}");
+    let meta = good.replace("mode = \"data\"", "mode = \"meta\"");
+    expect_error(
+        "verify-meta",
+        &meta,
+        &["job.verify: checksums need payloads: verify applies to mode = \"data\" only"],
     );
 }

@@ -170,6 +170,10 @@ pub enum Program {
         iterations: u32,
         meta: bool,
         script: Vec<CollectiveStep>,
+        /// Debug checks on every collective: payload checksums on every message (a corrupted
+        /// one is reported with its link) and fingerprints compared across the group first.
+        #[serde(default)]
+        verify: bool,
     },
     /// `podsim bench` across processes: each case timed and checked.
     Bench { cases: Vec<BenchCase> },

@@ -55,6 +55,7 @@ pub async fn run_program(
                     iterations,
                     meta,
                     script,
+                    verify,
                 } => {
                     for iteration in 0..*iterations {
                         chip.enter_step(u64::from(iteration)).await;
@@ -65,7 +66,8 @@ pub async fn run_program(
                             Vec::new(),
                         );
                         for (step, s) in script.iter().enumerate() {
-                            let case = s.case(chip.pod(), *meta);
+                            let mut case = s.case(chip.pod(), *meta);
+                            case.comm.verify = *verify;
                             let r = Box::pin(bench_chip(&mut chip, &case, false)).await?;
                             reports.push(ChipStepReport {
                                 chip: chip.id(),
