@@ -307,8 +307,7 @@ impl Chip {
                 args.push(("reduce".to_string(), Arg::from(r.name())));
             }
             let name = format!("{}#{}", fp.op.name(), fp.seq);
-            self.open_collective =
-                Some(log.open(self.core.stream, "collective", name, self.clock, args));
+            self.open_collective = log.open(self.core.stream, "collective", name, self.clock, args);
         }
         fp
     }
@@ -385,7 +384,7 @@ impl Chip {
     ) -> Option<usize> {
         self.core
             .trace()
-            .map(|mut log| log.open(track, cat, name(), self.clock, args))
+            .and_then(|mut log| log.open(track, cat, name(), self.clock, args))
     }
 
     /// Closes a slice opened by [`Chip::trace_open`] at the chip's clock.

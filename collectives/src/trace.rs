@@ -98,6 +98,24 @@ pub struct ChipTrace {
     pub link_busy: Vec<LinkBusy>,
     /// Only when flows were asked for.
     pub messages: Vec<MessageEvent>,
+    /// Records left out once a list reached [`MAX_RECORDS`] (a long job's trace stays bounded).
+    #[serde(default)]
+    pub left_out: u64,
+}
+
+/// Records one chip's trace keeps per list (slices, counter points, busy intervals, messages):
+/// a few hundred bytes each, so a trace stays within tens of MB however long the job runs.
+pub const MAX_RECORDS: usize = 200_000;
+
+/// Pushes `item` unless `list` is full; counts what is left out.
+fn push_bounded<T>(list: &mut Vec<T>, left_out: &mut u64, item: T) -> bool {
+    if list.len() < MAX_RECORDS {
+        list.push(item);
+        true
+    } else {
+        *left_out += 1;
+        false
+    }
 }
 
 /// A chip's trace while it is being recorded.
@@ -129,8 +147,8 @@ impl TraceLog {
         name: String,
         t: Nanos,
         args: Vec<(String, Arg)>,
-    ) -> usize {
-        self.trace.spans.push(Span {
+    ) -> Option<usize> {
+        let span = Span {
             track: track.to_string(),
             name,
             cat: cat.to_string(),
@@ -139,8 +157,9 @@ impl TraceLog {
             wall_start_ns: wall_ns(),
             wall_end_ns: None,
             args,
-        });
-        self.trace.spans.len() - 1
+        };
+        let t = &mut self.trace;
+        push_bounded(&mut t.spans, &mut t.left_out, span).then(|| t.spans.len() - 1)
     }
 
     pub fn close(&mut self, index: usize, t: Nanos) {
@@ -153,15 +172,18 @@ impl TraceLog {
     /// A slice whose virtual extent is known when it is recorded (its wall extent is the
     /// moment of recording).
     pub fn span(&mut self, span: Span) {
-        self.trace.spans.push(span);
+        let t = &mut self.trace;
+        push_bounded(&mut t.spans, &mut t.left_out, span);
     }
 
     pub fn counter(&mut self, name: &str, t: Nanos, value: f64) {
-        self.trace.counters.push(CounterSample {
+        let sample = CounterSample {
             name: name.to_string(),
             virtual_ns: t,
             value,
-        });
+        };
+        let t = &mut self.trace;
+        push_bounded(&mut t.counters, &mut t.left_out, sample);
     }
 
     /// Books a send on link `slot` busy over `[start, end)`, merged with the slot's previous
@@ -174,19 +196,23 @@ impl TraceLog {
             last.end_ns = last.end_ns.max(end);
             return;
         }
-        self.trace.link_busy.push(LinkBusy {
+        let busy = LinkBusy {
             slot,
             start_ns: start,
             end_ns: end,
-        });
-        if let Some(l) = self.last_busy.get_mut(slot) {
-            *l = Some(self.trace.link_busy.len() - 1);
+        };
+        let t = &mut self.trace;
+        if push_bounded(&mut t.link_busy, &mut t.left_out, busy)
+            && let Some(l) = self.last_busy.get_mut(slot)
+        {
+            *l = Some(t.link_busy.len() - 1);
         }
     }
 
     pub fn message(&mut self, event: MessageEvent) {
         if self.flows {
-            self.trace.messages.push(event);
+            let t = &mut self.trace;
+            push_bounded(&mut t.messages, &mut t.left_out, event);
         }
     }
 }
@@ -194,6 +220,17 @@ impl TraceLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_list_counts_what_it_leaves_out() {
+        let mut log = TraceLog::new(0, false);
+        for i in 0..MAX_RECORDS + 3 {
+            log.counter("c", i as f64, 1.0);
+        }
+        assert_eq!(log.trace.counters.len(), MAX_RECORDS);
+        assert_eq!(log.trace.left_out, 3);
+        assert_eq!(log.open("t", "step", "s".into(), 0.0, Vec::new()), Some(0));
+    }
 
     #[test]
     fn touching_sends_merge_into_one_busy_interval() {
@@ -214,7 +251,9 @@ mod tests {
     #[test]
     fn a_closed_slice_never_ends_before_it_starts() {
         let mut log = TraceLog::new(0, false);
-        let i = log.open("compute", "kernel", "k".into(), 5.0, Vec::new());
+        let i = log
+            .open("compute", "kernel", "k".into(), 5.0, Vec::new())
+            .unwrap();
         log.close(i, 4.0);
         assert_eq!(log.trace.spans[0].virtual_end_ns, Some(5.0));
         assert!(log.trace.messages.is_empty());

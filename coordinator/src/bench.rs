@@ -291,6 +291,7 @@ pub fn run_in_process(
                     o.counters.extend(t.counters);
                     o.link_busy.extend(t.link_busy);
                     o.messages.extend(t.messages);
+                    o.left_out += t.left_out;
                 }
                 None => traces.push(t),
             }

@@ -476,7 +476,10 @@ pub fn build(input: &TraceInput<'_>) -> Value {
             "ts": us(end), "args": {"diagnosis": h.explanation}}),
         );
     }
-    json!({"traceEvents": events, "displayTimeUnit": "ns"})
+    // Records a chip left out past its bound (a very long job), said where a reader looks.
+    let left_out: u64 = input.chips.iter().map(|t| t.left_out).sum();
+    json!({"traceEvents": events, "displayTimeUnit": "ns",
+        "metadata": {"chips": input.chips.len(), "records_left_out": left_out}})
 }
 
 /// Pod-wide slices and the counter of chips that have finished each.
