@@ -122,7 +122,12 @@ mod tests {
                 }
             }))
         };
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        // Chip 0 is idle after its first poll; a loaded machine may take a while to get there.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !recorders[0].glance().idle && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
         let idle: Vec<bool> = recorders.iter().map(|r| r.glance().idle).collect();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         run.abort();
