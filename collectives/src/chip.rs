@@ -22,7 +22,7 @@ use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
 use crate::recorder::{self, FlightRecorder, LINK_SLOTS, add_own, link_slot};
 use crate::reduce::ReduceOp;
-use crate::trace::{Arg, ChipTrace, MessageEvent, Span, TraceLog};
+use crate::trace::{Arg, ChipTrace, MessageEvent, TraceLog};
 
 /// Virtual time in nanoseconds of modelled hardware.
 pub type Nanos = f64;
@@ -408,17 +408,7 @@ impl Chip {
     ) {
         if let Some(mut log) = self.core.trace() {
             let (name, args) = describe();
-            let wall = crate::recorder::wall_ns();
-            log.span(Span {
-                track: track.to_string(),
-                name,
-                cat: cat.to_string(),
-                virtual_start_ns: start,
-                virtual_end_ns: Some(end.max(start)),
-                wall_start_ns: wall,
-                wall_end_ns: Some(wall),
-                args,
-            });
+            log.closed(track.to_string(), cat, name, (start, end), args);
         }
     }
 

@@ -169,9 +169,27 @@ impl TraceLog {
         }
     }
 
-    /// A slice whose virtual extent is known when it is recorded (its wall extent is the
-    /// moment of recording).
-    pub fn span(&mut self, span: Span) {
+    /// A slice whose virtual extent `[start, end)` is known when it is recorded (its wall
+    /// extent is the moment of recording).
+    pub fn closed(
+        &mut self,
+        track: String,
+        cat: &str,
+        name: String,
+        (start, end): (Nanos, Nanos),
+        args: Vec<(String, Arg)>,
+    ) {
+        let wall = wall_ns();
+        let span = Span {
+            track,
+            name,
+            cat: cat.to_string(),
+            virtual_start_ns: start,
+            virtual_end_ns: Some(end.max(start)),
+            wall_start_ns: wall,
+            wall_end_ns: Some(wall),
+            args,
+        };
         let t = &mut self.trace;
         push_bounded(&mut t.spans, &mut t.left_out, span);
     }

@@ -19,6 +19,7 @@ use crate::chip::{Call, Nanos};
 use crate::error::CollectiveError;
 use crate::payload::Payload;
 use crate::reduce::ReduceOp;
+use crate::trace::Arg;
 
 /// One part of a collective in progress on this chip.
 #[derive(Debug)]
@@ -333,24 +334,13 @@ fn trace_phase(
         } else {
             format!("{stream} part {part}")
         };
-        let wall = crate::recorder::wall_ns();
-        log.span(crate::trace::Span {
-            track,
-            name: format!("{what} {}", axis.axis),
-            cat: "phase".into(),
-            virtual_start_ns: start,
-            virtual_end_ns: Some(end.max(start)),
-            wall_start_ns: wall,
-            wall_end_ns: Some(wall),
-            args: vec![
-                (
-                    "axis".into(),
-                    crate::trace::Arg::from(axis.axis.to_string()),
-                ),
-                ("chips".into(), crate::trace::Arg::from(axis.n as u64)),
-                ("part".into(), crate::trace::Arg::from(part as u64)),
-            ],
-        });
+        let args = vec![
+            ("axis".into(), Arg::from(axis.axis.to_string())),
+            ("chips".into(), Arg::from(axis.n as u64)),
+            ("part".into(), Arg::from(part as u64)),
+        ];
+        let name = format!("{what} {}", axis.axis);
+        log.closed(track, "phase", name, (start, end), args);
     }
 }
 
