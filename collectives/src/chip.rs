@@ -571,12 +571,9 @@ impl<'a> Call<'a> {
             }
             OnSend::Delay { wall, virtual_ns } => {
                 let call = *self;
+                // `send` marks the chip busy for the whole wait (the delay, then room).
                 Ok(Some(Box::pin(async move {
-                    // Held up by the fault: busy, not stuck, as far as the watchdog is
-                    // concerned.
-                    call.chip.recorder.compute_started();
                     tokio::time::sleep(wall).await;
-                    call.chip.recorder.compute_finished();
                     match call.hand_over(t, msg, virtual_ns)? {
                         None => Ok(()),
                         Some(rest) => rest.await,
