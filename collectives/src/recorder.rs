@@ -190,12 +190,12 @@ pub enum RunState {
     /// Woken, waiting for its thread.
     Runnable = 1,
     /// Being polled.
-    Polling = 4,
+    Polling = 2,
     /// Its last poll returned pending and nothing has woken it since: it waits for a wake-up
     /// (a message, a timer), not for a thread.
-    Idle = 2,
+    Idle = 3,
     /// Its program has finished.
-    Done = 3,
+    Done = 4,
 }
 
 impl FlightRecorder {
@@ -315,9 +315,7 @@ impl FlightRecorder {
         self.lock().step = step;
     }
 
-    /// What a heartbeat reads of the chip every time (cheap; [`FlightRecorder::status`] is
-    /// the whole view).
-    /// The executor woke the chip or is polling it.
+    /// The executor woke the chip.
     pub(crate) fn set_runnable(&self) {
         self.run_state
             .store(RunState::Runnable as u8, Ordering::Release);
@@ -348,6 +346,8 @@ impl FlightRecorder {
         self.run_state.load(Ordering::Acquire) == RunState::Idle as u8
     }
 
+    /// What a heartbeat reads of the chip every time (cheap; [`FlightRecorder::status`] is
+    /// the whole view).
     pub fn glance(&self) -> Glance {
         let (blocked, blocked_since_wall_ns) = self.inbox.parked();
         let g = self.lock();
