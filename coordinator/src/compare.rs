@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::CliError;
 use crate::config;
+use crate::study::csv_cells;
 
 /// Columns a row must have (others are ignored).
 pub const COLUMNS: [&str; 23] = [
@@ -122,27 +123,6 @@ impl Row<'_> {
             v => Ok(v),
         }
     }
-}
-
-/// Splits one CSV line into cells (double-quoted cells may hold commas and `""`).
-fn cells(line: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut cell = String::new();
-    let mut quoted = false;
-    let mut chars = line.chars().peekable();
-    while let Some(c) = chars.next() {
-        match (c, quoted) {
-            ('"', true) if chars.peek() == Some(&'"') => {
-                cell.push('"');
-                chars.next();
-            }
-            ('"', _) => quoted = !quoted,
-            (',', false) => out.push(std::mem::take(&mut cell)),
-            (c, _) => cell.push(c),
-        }
-    }
-    out.push(cell);
-    out
 }
 
 /// The meta-mode job of one row, as config text.
@@ -296,7 +276,12 @@ pub fn compare_file(path: &Path, sets: &[String]) -> Result<Vec<Comparison>, Str
         .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'));
     let header: Vec<String> = lines
         .next()
-        .map(|(_, l)| cells(l).into_iter().map(|c| c.trim().to_string()).collect())
+        .map(|(_, l)| {
+            csv_cells(l)
+                .into_iter()
+                .map(|c| c.trim().to_string())
+                .collect()
+        })
         .ok_or_else(|| format!("{}: empty file", path.display()))?;
     let missing: Vec<&str> = COLUMNS
         .iter()
@@ -320,7 +305,7 @@ pub fn compare_file(path: &Path, sets: &[String]) -> Result<Vec<Comparison>, Str
         let row = Row {
             line: i + 1,
             header: &header,
-            cells: cells(line),
+            cells: csv_cells(line),
         };
         if row.cells.len() < header.len() {
             return Err(format!(
@@ -432,8 +417,8 @@ mod tests {
 
     #[test]
     fn cells_split_on_commas_outside_quotes() {
-        assert_eq!(cells("a,\"b, c\",\"d\"\"\""), vec!["a", "b, c", "d\""]);
-        assert_eq!(cells("x,,y"), vec!["x", "", "y"]);
+        assert_eq!(csv_cells("a,\"b, c\",\"d\"\"\""), vec!["a", "b, c", "d\""]);
+        assert_eq!(csv_cells("x,,y"), vec!["x", "", "y"]);
     }
 
     #[test]

@@ -730,34 +730,13 @@ pub fn render_study(name: &str, plots: &[(String, String)], csv: &str) -> String
     for (i, line) in csv.lines().enumerate() {
         let tag = if i == 0 { "th" } else { "td" };
         b.push_str("<tr>");
-        for cell in split_csv(line) {
+        for cell in crate::study::csv_cells(line) {
             let _ = write!(b, "<{tag}>{}</{tag}>", esc(&cell));
         }
         b.push_str("</tr>\n");
     }
     b.push_str("</table>\n");
     page(&format!("podsim study: {name}"), &b)
-}
-
-/// Cells of one CSV line (quotes as results.csv writes them).
-fn split_csv(line: &str) -> Vec<String> {
-    let mut cells = Vec::new();
-    let mut cur = String::new();
-    let mut quoted = false;
-    let mut chars = line.chars().peekable();
-    while let Some(ch) = chars.next() {
-        match ch {
-            '"' if quoted && chars.peek() == Some(&'"') => {
-                cur.push('"');
-                chars.next();
-            }
-            '"' => quoted = !quoted,
-            ',' if !quoted => cells.push(std::mem::take(&mut cur)),
-            c => cur.push(c),
-        }
-    }
-    cells.push(cur);
-    cells
 }
 
 #[cfg(test)]
@@ -777,10 +756,5 @@ mod tests {
         let r = [(2, 4), (10, 10)];
         let hits: Vec<u32> = (0..12).filter(|&c| in_ranges(&r, c)).collect();
         assert_eq!(hits, vec![2, 3, 4, 10]);
-    }
-
-    #[test]
-    fn csv_cells_keep_quoted_commas() {
-        assert_eq!(split_csv("a,\"b,c\",\"d\"\"e\""), vec!["a", "b,c", "d\"e"]);
     }
 }

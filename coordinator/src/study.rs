@@ -735,6 +735,28 @@ pub fn csv_field(s: &str) -> String {
     }
 }
 
+/// The cells of one CSV line as [`csv_line`] writes them (double-quoted cells may hold commas
+/// and `""`).
+pub fn csv_cells(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cell = String::new();
+    let mut quoted = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, quoted) {
+            ('"', true) if chars.peek() == Some(&'"') => {
+                cell.push('"');
+                chars.next();
+            }
+            ('"', _) => quoted = !quoted,
+            (',', false) => out.push(std::mem::take(&mut cell)),
+            (c, _) => cell.push(c),
+        }
+    }
+    out.push(cell);
+    out
+}
+
 pub fn csv_line(fields: &[String]) -> String {
     let mut line = fields
         .iter()
@@ -1531,6 +1553,14 @@ series = "topology.wraparound"
             csv_line(&["1".into(), "x,y".into(), String::new()]),
             "1,\"x,y\",\n"
         );
+    }
+
+    #[test]
+    fn csv_cells_read_back_what_csv_line_writes() {
+        let fields: Vec<String> = ["1", "x,y", "", "say \"hi\"", " edge"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(csv_cells(csv_line(&fields).trim_end_matches('\n')), fields);
     }
 
     #[test]
