@@ -25,6 +25,7 @@ use podsim_collectives::trace::{Arg, ChipTrace, Span};
 use podsim_collectives::{OpState, link_slot};
 use podsim_topology::{Dir, Link, MAX_AXES, Pod};
 use podsim_worker::job::{RecorderDump, TraceRequest};
+use serde::Deserialize;
 use serde_json::{Value, json};
 
 /// The trace options of `podsim launch`, `podsim coordinator` and `podsim bench`.
@@ -131,15 +132,21 @@ pub fn from_recorders(
     culprit: Option<u32>,
 ) -> Vec<ChipTrace> {
     let mut out = Vec::new();
+    // A dump holds every chip of its worker (110,592 on one worker): only the wanted ones are
+    // read in full.
+    let wanted_chip = |v: &&Value| {
+        v["status"]["chip"]
+            .as_u64()
+            .and_then(|c| u32::try_from(c).ok())
+            .is_some_and(|c| wanted.contains(&c) || culprit == Some(c))
+    };
     for dump in recorders.values() {
-        let Ok(chips) = serde_json::from_value::<Vec<RecorderDump>>(dump.clone()) else {
-            continue;
-        };
-        for chip in chips {
-            let id = chip.status.chip;
-            if !wanted.contains(&id) && culprit != Some(id) {
+        let dumps = dump.as_array().map(Vec::as_slice).unwrap_or_default();
+        for chip in dumps.iter().filter(wanted_chip) {
+            let Ok(chip) = RecorderDump::deserialize(chip) else {
                 continue;
-            }
+            };
+            let id = chip.status.chip;
             if let Some(trace) = chip.trace {
                 out.push(trace);
                 continue;
@@ -180,9 +187,9 @@ const POD_PID: u32 = 2;
 const WALL_PID: u32 = 3;
 /// Tracks a chip may have (the first tracks of each chip keep this order).
 const TRACK_ORDER: [&str; 7] = [
-    "steps",
-    "compute",
-    "collectives",
+    podsim_worker::programs::STEPS_TRACK,
+    podsim_worker::programs::COMPUTE_TRACK,
+    podsim_collectives::DEFAULT_STREAM,
     "gather",
     "reduce",
     "tensor",

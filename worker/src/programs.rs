@@ -13,6 +13,8 @@ use crate::train::{ChipTrainReport, train_chip};
 
 /// The track of a traced chip's steps (script iterations, bench cases, training steps).
 pub const STEPS_TRACK: &str = "steps";
+/// The track of a traced chip's compute kernels.
+pub const COMPUTE_TRACK: &str = "compute";
 
 /// Units of work (one chip finishing one step) a program has for `chips` chips.
 pub fn total_units(program: &Program, chips: usize) -> u64 {

@@ -194,9 +194,6 @@ impl Stream {
     }
 }
 
-/// The track of a traced chip's kernels.
-const COMPUTE_TRACK: &str = "compute";
-
 impl Timeline {
     /// Charges one kernel to the compute stream; a traced chip records it as a slice named by
     /// `what` (called only then), with the HBM in use (`hbm`) as a counter.
@@ -206,15 +203,21 @@ impl Timeline {
         self.compute_ns += chip.compute(ns);
         self.flops += cost.flops();
         if chip.tracing() {
-            chip.trace_span(COMPUTE_TRACK, "kernel", start, chip.clock(), || {
-                (
-                    what(),
-                    vec![
-                        ("flops".to_string(), cost.flops().into()),
-                        ("kernels".to_string(), (cost.kernels.len() as u64).into()),
-                    ],
-                )
-            });
+            chip.trace_span(
+                crate::programs::COMPUTE_TRACK,
+                "kernel",
+                start,
+                chip.clock(),
+                || {
+                    (
+                        what(),
+                        vec![
+                            ("flops".to_string(), cost.flops().into()),
+                            ("kernels".to_string(), (cost.kernels.len() as u64).into()),
+                        ],
+                    )
+                },
+            );
             chip.trace_counter("HBM in use", hbm as f64);
         }
     }
