@@ -159,6 +159,7 @@ struct Inner {
     next_index: u64,
     completed: u64,
     step: u64,
+    host_stack: Vec<String>,
 }
 
 /// A chip's flight recorder.
@@ -212,6 +213,7 @@ impl FlightRecorder {
                 next_index: 0,
                 completed: 0,
                 step: 0,
+                host_stack: Vec::new(),
             }),
             progress: AtomicU64::new(0),
             sent: Default::default(),
@@ -313,6 +315,17 @@ impl FlightRecorder {
     pub fn set_step(&self, step: u64) {
         self.bump();
         self.lock().step = step;
+    }
+
+    /// Where the program driving the chip is in its own code while the chip is outside a
+    /// collective (a PyTorch rank's Python stack, innermost frame last), for a diagnosis that
+    /// names the line a stalled program sits on. Empty: not known.
+    pub fn set_host_stack(&self, frames: Vec<String>) {
+        self.lock().host_stack = frames;
+    }
+
+    pub fn host_stack(&self) -> Vec<String> {
+        self.lock().host_stack.clone()
     }
 
     /// The executor woke the chip.

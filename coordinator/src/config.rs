@@ -12,6 +12,7 @@ use podsim_topology::{
 };
 use podsim_worker::faults::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::job::{CollectiveStep, JobSpec, Program, Transport};
+use podsim_worker::torch::TorchSpec;
 use podsim_worker::train::strategy::Plan;
 use podsim_worker::train::{
     BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy, TpActivations,
@@ -120,6 +121,7 @@ impl JobConfig {
             Program::Collectives { .. } => "collectives",
             Program::Bench { .. } => "bench",
             Program::Train(_) => "train",
+            Program::Torch(_) => "torch",
         }
     }
 }
@@ -211,6 +213,8 @@ table! {
         tp_activations: Option<String>,
         model: Option<RawModel>,
         optimizer: Option<RawOptimizer>,
+        program: Option<String>,
+        args: Option<Vec<String>>,
     }
 }
 
@@ -422,7 +426,7 @@ fn symmetric_problems(
             (*meta, script.iter().map(|s| s.op).collect())
         }
         Some(Program::Train(spec)) => (spec.meta, Vec::new()),
-        Some(Program::Bench { .. }) | None => (true, Vec::new()),
+        Some(Program::Bench { .. } | Program::Torch(_)) | None => (true, Vec::new()),
     };
     if let Some(pod) = pod {
         podsim_collectives::symmetry_obstacles(pod, meta, ops)
@@ -960,16 +964,22 @@ fn parse(
             ("collectives", j.collectives.is_some()),
             ("verify", j.verify.is_some()),
         ];
-        let (foreign, owner): (&[(&str, bool)], &str) = match j.kind.as_str() {
-            "train" => (&collective_keys, "collectives"),
-            _ => (&train_keys, "train"),
-        };
-        for (key, _) in foreign.iter().filter(|(_, set)| *set) {
-            p.add(
-                "job",
-                Some(key),
-                format!("applies to kind = \"{owner}\" jobs only"),
-            );
+        let torch_keys = [("program", j.program.is_some()), ("args", j.args.is_some())];
+        let owned: [(&str, &[(&str, bool)]); 3] = [
+            ("collectives", &collective_keys),
+            ("train", &train_keys),
+            ("torch", &torch_keys),
+        ];
+        for (owner, keys) in owned.iter().filter(|(owner, _)| *owner != j.kind) {
+            // `algo` is a train and torch key.
+            let shared = |key: &str| key == "algo" && j.kind == "torch";
+            for (key, _) in keys.iter().filter(|(k, set)| *set && !shared(k)) {
+                p.add(
+                    "job",
+                    Some(key),
+                    format!("applies to kind = \"{owner}\" jobs only"),
+                );
+            }
         }
         match j.kind.as_str() {
             "collectives" => {
@@ -1008,10 +1018,11 @@ fn parse(
                 });
             }
             "train" => program = train(&mut p, j, pod.as_ref(), meta).map(Program::Train),
+            "torch" => program = torch(&mut p, j, pod.as_ref(), meta, workers).map(Program::Torch),
             other => p.add(
                 "job",
                 Some("kind"),
-                format!("unknown job kind {other:?} (supported: collectives, train)"),
+                format!("unknown job kind {other:?} (supported: collectives, train, torch)"),
             ),
         }
     }
@@ -1157,6 +1168,61 @@ fn collective(
         reduce: reduce?,
         root: c.root.unwrap_or(0),
         dtype: dtype?,
+    })
+}
+
+/// A `kind = "torch"` job: the command each rank runs. A program ending in `.py` runs under
+/// the Python of `PODSIM_PYTHON`, else `python3`.
+fn torch(
+    p: &mut Problems<'_>,
+    j: &RawJob,
+    pod: Option<&Pod>,
+    meta: bool,
+    workers: u32,
+) -> Option<TorchSpec> {
+    if meta {
+        p.add(
+            "job",
+            Some("mode"),
+            "a PyTorch program moves real tensors: mode = \"data\" only",
+        );
+    }
+    if workers != 1 {
+        p.add(
+            "launch",
+            Some("workers"),
+            format!(
+                "a torch job's ranks share one worker's chips: workers must be 1, not {workers}"
+            ),
+        );
+    }
+    let algo = match j.algo.as_deref().map(str::parse::<Algo>) {
+        None => Algo::Torus,
+        Some(Ok(a)) => a,
+        Some(Err(e)) => {
+            p.add("job", Some("algo"), e);
+            return None;
+        }
+    };
+    let Some(program) = j.program.as_deref().filter(|s| !s.trim().is_empty()) else {
+        p.add(
+            "job",
+            Some("program"),
+            "missing: the program each rank runs (a script.py, or an executable with args)",
+        );
+        return None;
+    };
+    let mut command = Vec::new();
+    if program.ends_with(".py") {
+        command.push(std::env::var("PODSIM_PYTHON").unwrap_or_else(|_| "python3".into()));
+    }
+    command.push(program.to_string());
+    command.extend(j.args.iter().flatten().cloned());
+    Some(TorchSpec {
+        command,
+        cwd: None,
+        topology: pod.map_or(String::new(), |p| p.torus().to_string()),
+        algo,
     })
 }
 

@@ -460,7 +460,9 @@ fn spawn_workers(
             .arg(threads.to_string())
             .env("PODSIM_TOKEN", &control.token)
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            // A worker prints nothing of its own on standard output; a torch job's ranks print
+            // there, each line prefixed with its rank, for the user's terminal.
+            .stdout(Stdio::inherit())
             .stderr(stderr)
             .kill_on_drop(true)
             .spawn()

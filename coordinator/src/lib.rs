@@ -11,6 +11,7 @@
 //!   `study.html`; [`trace`]: `--trace` files (Chrome JSON trace format);
 //! - [`bench`](mod@bench): `podsim bench`; [`study`]: `podsim study` (sweeps, results.csv, plots);
 //!   [`compare`]: `podsim compare` (predictions against published step times);
+//! - [`run`]: `podsim run` (a PyTorch program, one rank per chip, as a `kind = "torch"` job);
 //! - [`status`]: how a job ended ([`JobStatus`]: its name and exit code, one place);
 //! - [`units`]: sizes and their parsing.
 
@@ -21,6 +22,7 @@ pub mod html;
 pub mod launch;
 pub mod recovery;
 pub mod report;
+pub mod run;
 pub mod status;
 pub mod study;
 pub mod supervisor;

@@ -47,6 +47,8 @@ enum Command {
     Study(StudyArgs),
     /// Predict measured training runs (a CSV of published step times) and report the error.
     Compare(CompareArgs),
+    /// Run a PyTorch program with one rank per emulated chip (`-- python train.py ...`).
+    Run(podsim_coordinator::run::RunArgs),
     /// Draw report.html (and a study's study.html) again from the files in DIR.
     Report(ReportArgs),
 }
@@ -162,6 +164,8 @@ fn progress_reporter() -> impl FnMut(u64, u64) + Send {
     });
     let mut last = std::time::Instant::now();
     move |done, total| match &bar {
+        // A job that does not know its length ahead (a PyTorch program) shows none.
+        _ if total == 0 => {}
         Some(bar) => {
             bar.set_length(total);
             bar.set_position(done);
@@ -339,6 +343,8 @@ fn main() -> ExitCode {
             );
             JobStatus::Ok
         }),
+        Command::Run(args) => podsim_coordinator::run::config(args)
+            .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &TraceArgs::default())),
         Command::Launch(args) => load(&args.config)
             .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
         Command::Coordinator(args) => load(&args.config).and_then(|cfg| {

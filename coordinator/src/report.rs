@@ -39,6 +39,9 @@ pub struct Report {
     /// Training jobs: the strategy, every step and each chip's memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub training: Option<Training>,
+    /// PyTorch jobs: every rank's virtual time per collective and per marked step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub torch: Option<TorchRun>,
     /// Virtual time of the whole job: the latest chip clock, seconds.
     pub virtual_s: f64,
     pub wall_s: f64,
@@ -66,6 +69,47 @@ pub struct TimelineSlice {
     pub cat: String,
     pub start_ns: f64,
     pub end_ns: f64,
+}
+
+/// A PyTorch program's run: each rank's report, and each marked step over all ranks.
+#[derive(Debug, Serialize)]
+pub struct TorchRun {
+    pub command: Vec<String>,
+    /// Step `i` of the job: the slowest rank's step time, with that rank's split.
+    pub steps: Vec<TorchStep>,
+    pub ranks: Vec<podsim_worker::torch::RankReport>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TorchStep {
+    pub step: usize,
+    /// The rank whose step took longest.
+    pub rank: u32,
+    pub virtual_ms: f64,
+    pub compute_ms: f64,
+    pub comm_ms: f64,
+    pub exposed_comm_ms: f64,
+}
+
+/// Each step marked by every rank, as its slowest rank saw it.
+fn torch_steps(ranks: &[podsim_worker::torch::RankReport]) -> Vec<TorchStep> {
+    let steps = ranks.iter().map(|r| r.steps.len()).min().unwrap_or(0);
+    (0..steps)
+        .filter_map(|i| {
+            let slowest = ranks
+                .iter()
+                .max_by(|a, b| a.steps[i].step_ns.total_cmp(&b.steps[i].step_ns))?;
+            let s = slowest.steps[i];
+            Some(TorchStep {
+                step: i,
+                rank: slowest.rank,
+                virtual_ms: s.step_ns / 1e6,
+                compute_ms: s.compute_ns / 1e6,
+                comm_ms: s.comm_ns / 1e6,
+                exposed_comm_ms: s.exposed_comm_ns / 1e6,
+            })
+        })
+        .collect()
 }
 
 /// Slices a report's step timeline keeps.
@@ -283,6 +327,42 @@ pub struct Culprit {
     pub pid: Option<u32>,
     /// Named from its sending chip.
     pub link: Option<String>,
+    /// A PyTorch rank's Python stack where it was last seen outside podsim's calls
+    /// (`file:line function`, innermost last).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub python_stack: Vec<String>,
+}
+
+/// The explanation, and where a PyTorch culprit's Python program sits (its innermost frame).
+fn with_python_line(
+    explanation: &str,
+    recorders: &BTreeMap<u32, serde_json::Value>,
+    chip: Option<u32>,
+) -> String {
+    match host_stack_of(recorders, chip).last() {
+        Some(line) => format!("{explanation} Its Python program is at {line}."),
+        None => explanation.to_string(),
+    }
+}
+
+/// The stack the culprit's program last reported (from the flight-recorder dumps).
+fn host_stack_of(recorders: &BTreeMap<u32, serde_json::Value>, chip: Option<u32>) -> Vec<String> {
+    let Some(chip) = chip else {
+        return Vec::new();
+    };
+    recorders
+        .values()
+        .filter_map(|dump| dump.as_array())
+        .flatten()
+        .find(|d| d["status"]["chip"].as_u64() == Some(u64::from(chip)))
+        .and_then(|d| d["host_stack"].as_array())
+        .map(|frames| {
+            frames
+                .iter()
+                .filter_map(|f| f.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Fills `report.hang` from a diagnosed hang and writes the flight recorders into `dir`.
@@ -316,13 +396,14 @@ pub fn add_hang(report: &mut Report, cfg: &JobConfig, h: &crate::launch::HangRep
             worker: f.worker,
             pid: f.worker.and_then(|w| h.pids.get(&w).copied()),
             link: f.link.map(|l| l.to_string()),
+            python_stack: host_stack_of(&h.recorders, f.chip),
         },
         seq: f.seq,
         op: f.op.clone(),
         detected_after_ms: h.detected_wall_ns.saturating_sub(effect) as f64 / 1e6,
         waiting_count: f.waiting.count(),
         waiting_chips: f.waiting.0.clone(),
-        explanation: f.explanation.clone(),
+        explanation: with_python_line(&f.explanation, &h.recorders, f.chip),
         flight_recorders: files,
     });
 }
@@ -410,6 +491,7 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
             replicas_identical: None,
         },
         training: None,
+        torch: None,
         hang: None,
         faults_injected: Vec::new(),
         stragglers: Vec::new(),
@@ -475,6 +557,17 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         .flat_map(|s| s.calls.iter().map(|c| c.virtual_end_ns))
         .fold(0.0, f64::max)
         / 1e9;
+    if let Program::Torch(spec) = &cfg.program {
+        let mut ranks: Vec<podsim_worker::torch::RankReport> =
+            out.reports.iter().flat_map(|r| r.torch.clone()).collect();
+        ranks.sort_by_key(|r| r.rank);
+        report.virtual_s = ranks.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
+        report.torch = Some(TorchRun {
+            command: spec.command.clone(),
+            steps: torch_steps(&ranks),
+            ranks,
+        });
+    }
     let mut hists: BTreeMap<String, Histogram<u64>> = BTreeMap::new();
     if let Program::Collectives {
         script, iterations, ..
@@ -794,7 +887,31 @@ pub fn summary(report: &Report) -> String {
             s.push_str(&format!("  replicas identical: {same}\n"));
         }
     }
-    if report.job.kind == "train" {
+    if let Some(t) = &report.torch {
+        s.push_str(&format!("  {}\n", t.command.join(" ")));
+        if !t.steps.is_empty() {
+            let ms: Vec<f64> = t.steps.iter().map(|s| s.virtual_ms).collect();
+            let last = &t.steps[t.steps.len() - 1];
+            s.push_str(&format!(
+                "  {} steps marked; last step {:.3} ms virtual (compute {:.3}, communication {:.3}, exposed {:.3}); median {:.3} ms\n",
+                t.steps.len(),
+                last.virtual_ms,
+                last.compute_ms,
+                last.comm_ms,
+                last.exposed_comm_ms,
+                median(&ms)
+            ));
+        }
+        for r in t.ranks.iter().take(1) {
+            let ops: Vec<String> = r
+                .collectives
+                .iter()
+                .map(|c| format!("{} x{} {:.3} ms", c.op, c.calls, c.virtual_ns / 1e6))
+                .collect();
+            s.push_str(&format!("  rank {}: {}\n", r.rank, ops.join(", ")));
+        }
+    }
+    if report.job.kind == "train" || report.job.kind == "torch" {
         s.push_str(&format!(
             "  virtual time {:.3} ms; wall {:.2} s\n",
             report.virtual_s * 1e3,
@@ -916,4 +1033,10 @@ fn pod_spans(out: &Outcome) -> Vec<crate::trace::PodSpan> {
             chip_ends_ns: chips.values().map(|c| c.1).collect(),
         })
         .collect()
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }

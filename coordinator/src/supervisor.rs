@@ -271,6 +271,33 @@ fn dead_worker(watchdog: &Watchdog, id: u32, how: &str, pid: Option<u32>) -> Fin
 }
 
 fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Finding {
+    let seq = d.mine.map(|m| m.seq);
+    let op = d.mine.map(|m| m.op.to_string());
+    let mine = d.mine.map_or("?".to_string(), |m| m.to_string());
+    if let Some(exit) = &d.rank_exit {
+        let last = exit
+            .stderr_tail
+            .iter()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .map_or(String::new(), |l| {
+                format!(" (its last words: {:?})", l.trim())
+            });
+        return Finding {
+            kind: HangKind::DeadWorker,
+            chip: Some(d.chip),
+            worker: Some(worker),
+            link: None,
+            seq: None,
+            op: None,
+            waiting: watchdog.waiting_chips(),
+            explanation: format!(
+                "Rank {} (pid {}) {}{last} while its job ran, leaving its peers waiting: check its output ([rank {}] lines).",
+                d.chip, exit.pid, exit.how, d.chip
+            ),
+            effect_wall_ns: podsim_collectives::wall_ns(),
+        };
+    }
     if d.kind == "corrupt" {
         let link = d.link.map_or("?".to_string(), |l| l.to_string());
         return Finding {
@@ -278,12 +305,12 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
             chip: Some(d.peer),
             worker: None,
             link: d.link,
-            seq: Some(d.mine.seq),
-            op: Some(d.mine.op.to_string()),
+            seq,
+            op,
             waiting: watchdog.waiting_chips(),
             explanation: format!(
-                "Chip {}'s message of {} on link {link} reached chip {} with bits flipped (its checksum does not match): the link corrupts data; check that link's transport.",
-                d.peer, d.mine, d.chip
+                "Chip {}'s message of {mine} on link {link} reached chip {} with bits flipped (its checksum does not match): the link corrupts data; check that link's transport.",
+                d.peer, d.chip
             ),
             effect_wall_ns: podsim_collectives::wall_ns(),
         };
@@ -293,12 +320,12 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
         chip: Some(d.chip),
         worker: Some(worker),
         link: d.link,
-        seq: Some(d.mine.seq),
-        op: Some(d.mine.op.to_string()),
+        seq,
+        op,
         waiting: watchdog.waiting_chips(),
         explanation: format!(
-            "Chip {} is in {} but chip {} is in {}: the chips' programs diverged (a skipped or different collective); check the control flow that leads to this collective on both chips.",
-            d.chip, d.mine, d.peer, d.theirs
+            "Chip {} is in {mine} but chip {} is in {}: the chips' programs diverged (a skipped or different collective); check the control flow that leads to this collective on both chips.",
+            d.chip, d.peer, d.theirs
         ),
         effect_wall_ns: podsim_collectives::wall_ns(),
     }
@@ -339,6 +366,7 @@ mod tests {
             train: Vec::new(),
             traces: Vec::new(),
             links: Vec::new(),
+            torch: Vec::new(),
         };
         let json = serde_json::to_vec(&report).unwrap_or_default();
         Body::Result(pb::WorkerResult { json })
@@ -473,10 +501,11 @@ mod tests {
             kind: "desync".into(),
             chip: 2,
             peer: 1,
-            mine: fp(3),
+            mine: Some(fp(3)),
             theirs: fp(4).to_string(),
             link: None,
             faults: Vec::new(),
+            rank_exit: None,
         };
         let failure = Body::Failure(pb::WorkerFailure {
             error: "desync".into(),

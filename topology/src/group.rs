@@ -303,6 +303,54 @@ impl Group {
             .fold(0, |acc, p| acc * p.extent + p.position(pod, chip))
     }
 
+    /// The group whose members, seen from `chip`, are exactly `members` (any order): a product
+    /// of parts of axes, as `torch.distributed.new_group` or a device mesh asks for. An error
+    /// names why a set is not such a group (podsim routes collectives along torus axes).
+    pub fn from_members(pod: &Pod, chip: ChipId, members: &[ChipId]) -> Result<Group, String> {
+        let mut wanted: Vec<ChipId> = members.to_vec();
+        wanted.sort_unstable();
+        wanted.dedup();
+        if wanted.binary_search(&chip).is_err() {
+            return Err(format!("chip {chip} is not among the members {wanted:?}"));
+        }
+        if let Some(&bad) = wanted.iter().find(|&&m| m >= pod.chips()) {
+            return Err(format!(
+                "chip {bad} is outside the pod of {} chips",
+                pod.chips()
+            ));
+        }
+        let axes = (0..pod.torus().ndims())
+            .map(|a| PodAxis::Torus(a as u8))
+            .chain(std::iter::once(PodAxis::Slices));
+        let mut group = Group::of(&[]);
+        for axis in axes {
+            let mut at: Vec<u32> = wanted
+                .iter()
+                .map(|&m| Group::coord_on(pod, m, axis))
+                .collect();
+            at.sort_unstable();
+            at.dedup();
+            if at.len() < 2 {
+                continue;
+            }
+            let part = AxisPart {
+                axis,
+                stride: at[1] - at[0],
+                extent: at.len() as u32,
+            };
+            group = group.with_part(part, pod)?;
+        }
+        let mut got = group.members(pod, chip);
+        got.sort_unstable();
+        if got != wanted {
+            return Err(format!(
+                "chips {wanted:?} are not a sub-torus of {} (evenly spaced along each axis, every combination present)",
+                pod.torus()
+            ));
+        }
+        Ok(group)
+    }
+
     /// The members of `chip`'s group in group-rank order.
     pub fn members(self, pod: &Pod, chip: ChipId) -> Vec<ChipId> {
         let parts = self.parts(pod);
@@ -352,5 +400,47 @@ impl fmt::Display for Group {
         } else {
             write!(f, "{{{}}}", names.join(","))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(shape: &str) -> Pod {
+        Pod::single(shape.parse().expect("shape"))
+    }
+
+    #[test]
+    fn member_lists_of_axes_and_parts_are_groups_in_rank_order() {
+        let p = pod("2x4");
+        // A row of the 2x4 device mesh over 8 ranks (x has 2 chips, y 4): ranks 0..4 are
+        // x = 0,1 and y = 0,1.
+        for (members, size) in [
+            (vec![0, 1, 2, 3, 4, 5, 6, 7], 8),
+            (vec![0, 1], 2),
+            (vec![1, 3, 5, 7], 4),
+            (vec![0, 4], 2),
+            (vec![0, 1, 2, 3], 4),
+        ] {
+            for &chip in &members {
+                let g = Group::from_members(&p, chip, &members).expect("a group");
+                assert_eq!(g.size(&p), size);
+                let mut sorted = members.clone();
+                sorted.sort_unstable();
+                assert_eq!(g.members(&p, chip), sorted, "{members:?} from {chip}");
+            }
+        }
+    }
+
+    #[test]
+    fn sets_that_are_not_sub_tori_are_refused_with_a_reason() {
+        let p = pod("2x4");
+        for members in [vec![0, 1, 2], vec![0, 3], vec![0, 1, 2, 5]] {
+            let e = Group::from_members(&p, 0, &members).expect_err("not a group");
+            assert!(e.contains("sub-torus") || e.contains("join"), "{e}");
+        }
+        assert!(Group::from_members(&p, 7, &[0, 1]).is_err());
+        assert!(Group::from_members(&p, 0, &[0, 9]).is_err());
     }
 }

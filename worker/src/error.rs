@@ -29,6 +29,15 @@ pub enum WorkerError {
     /// Debug mode: replicas that must hold the same values do not.
     #[error("replicas diverged after step {step}: {detail}")]
     Diverged { step: u64, detail: String },
+    /// A PyTorch rank's process ended before its job did (or badly).
+    #[error("rank {chip} (pid {pid}) {how}")]
+    RankExited {
+        chip: u32,
+        pid: u32,
+        how: String,
+        /// Its last lines of standard error.
+        stderr_tail: Vec<String>,
+    },
     #[error("internal error: {0}")]
     Internal(String),
 }

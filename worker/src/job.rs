@@ -85,18 +85,23 @@ pub struct RecorderDump {
     /// A traced chip's timeline up to the dump.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<podsim_collectives::trace::ChipTrace>,
+    /// Where the chip's driving program is in its own code (a PyTorch rank's Python stack,
+    /// `file:line function`, innermost last), when it reports one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub host_stack: Vec<String>,
 }
 
 /// A failure the watchdog can diagnose, as a worker reports it: a desync (both chips and both
-/// collectives) or a corrupt message (receiver, sender and link).
+/// collectives), a corrupt message (receiver, sender and link) or a PyTorch rank that died.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FailureReport {
-    /// `desync`, or `corrupt` (a payload that failed its checksum).
+    /// `desync`, `corrupt` (a payload that failed its checksum) or `rank_exit`.
     #[serde(default = "desync_kind")]
     pub kind: String,
     pub chip: u32,
     pub peer: u32,
-    pub mine: Fingerprint,
+    /// The reporting chip's collective (none for a rank's exit).
+    pub mine: Option<Fingerprint>,
     /// The peer's collective as seen (a fingerprint, or its description).
     pub theirs: String,
     /// The link the mismatching message came over (absent for debug-mode checks).
@@ -104,6 +109,19 @@ pub struct FailureReport {
     /// Faults fired in the reporting worker (an injected desync among them).
     #[serde(default)]
     pub faults: Vec<FaultEvent>,
+    /// `rank_exit`: the rank's process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_exit: Option<RankExitReport>,
+}
+
+/// A PyTorch rank whose process ended before its job did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankExitReport {
+    pub pid: u32,
+    /// `exited with code 1`, `was killed by signal 9`.
+    pub how: String,
+    /// Its last lines of standard error.
+    pub stderr_tail: Vec<String>,
 }
 
 fn desync_kind() -> String {
@@ -124,10 +142,11 @@ impl FailureReport {
                 kind: desync_kind(),
                 chip: *chip,
                 peer: *peer,
-                mine: *expected,
+                mine: Some(*expected),
                 theirs: got.to_string(),
                 link: Some(*link),
                 faults: Vec::new(),
+                rank_exit: None,
             }),
             crate::WorkerError::Collective(CollectiveError::Mismatch {
                 chip,
@@ -138,10 +157,11 @@ impl FailureReport {
                 kind: desync_kind(),
                 chip: *chip,
                 peer: *peer,
-                mine: *mine,
+                mine: Some(*mine),
                 theirs: theirs.clone(),
                 link: None,
                 faults: Vec::new(),
+                rank_exit: None,
             }),
             crate::WorkerError::Collective(CollectiveError::Corrupt {
                 chip,
@@ -152,10 +172,30 @@ impl FailureReport {
                 kind: "corrupt".into(),
                 chip: *chip,
                 peer: *peer,
-                mine: *fingerprint,
+                mine: Some(*fingerprint),
                 theirs: String::new(),
                 link: Some(*link),
                 faults: Vec::new(),
+                rank_exit: None,
+            }),
+            crate::WorkerError::RankExited {
+                chip,
+                pid,
+                how,
+                stderr_tail,
+            } => Some(FailureReport {
+                kind: "rank_exit".into(),
+                chip: *chip,
+                peer: *chip,
+                mine: None,
+                theirs: String::new(),
+                link: None,
+                faults: Vec::new(),
+                rank_exit: Some(RankExitReport {
+                    pid: *pid,
+                    how: how.clone(),
+                    stderr_tail: stderr_tail.clone(),
+                }),
             }),
             _ => None,
         }
@@ -182,6 +222,8 @@ pub enum Program {
     Bench { cases: Vec<BenchCase> },
     /// Training steps of a model under a parallel strategy.
     Train(TrainSpec),
+    /// A PyTorch program, one rank process per chip (`podsim run`).
+    Torch(crate::torch::TorchSpec),
 }
 
 /// One collective of a script.
@@ -271,6 +313,9 @@ pub struct WorkerReport {
     /// The transport of each link to another worker.
     #[serde(default)]
     pub links: Vec<PeerLink>,
+    /// Torch jobs: one report per rank.
+    #[serde(default)]
+    pub torch: Vec<crate::torch::RankReport>,
 }
 
 /// A link between two workers and how it is carried.

@@ -7,6 +7,7 @@
 //!   flight-recorder dumps); [`programs`]: runs a job's program on a set of chips;
 //! - [`bench`](mod@bench): one timed, checked collective per chip; [`train`]: training (models, kernel
 //!   model, strategies, DTensor, remat, HBM ledger, the step loop, the single-chip reference);
+//! - [`torch`](mod@torch): PyTorch programs, one rank process per chip, served by its chip;
 //! - [`net`]: the worker's fabric (local inboxes, one link per neighbouring worker: gRPC over
 //!   TCP, or [`uds`]: a Unix socket with raw records to a worker on the same host);
 //!   [`wire`]: chip messages to and from checked protobuf envelopes;
@@ -21,6 +22,7 @@ pub mod job;
 pub mod net;
 pub mod programs;
 pub mod session;
+pub mod torch;
 pub mod train;
 pub mod uds;
 pub mod watch;

@@ -24,6 +24,8 @@ pub fn total_units(program: &Program, chips: usize) -> u64 {
         } => *iterations as usize * script.len(),
         Program::Bench { cases } => cases.len(),
         Program::Train(spec) => spec.steps as usize,
+        // Steps are whatever the program marks; its length is not known ahead.
+        Program::Torch(_) => 0,
     };
     (per_chip * chips) as u64
 }
@@ -44,6 +46,13 @@ pub async fn run_program(
     program: &Program,
     done: Arc<AtomicU64>,
 ) -> Result<ProgramOutput, WorkerError> {
+    if let Program::Torch(spec) = program {
+        let torch = crate::torch::run(chips, spec, done).await?;
+        return Ok(ProgramOutput {
+            torch,
+            ..ProgramOutput::default()
+        });
+    }
     // Each program's future is boxed: a chip task's future is as large as the largest
     // program it could run (the trainer's), which at 100,000 chips was most of the memory.
     let per_chip = run_chips(chips, |mut chip| {
@@ -108,6 +117,9 @@ pub async fn run_program(
                 Program::Train(spec) => {
                     train = Some(Box::pin(train_chip(&mut chip, spec, done.clone())).await?);
                 }
+                Program::Torch(_) => {
+                    return Err(WorkerError::Internal("torch programs run apart".into()));
+                }
             }
             let stats = chip.stats();
             let sent = (
@@ -138,4 +150,5 @@ pub struct ProgramOutput {
     pub traces: Vec<podsim_collectives::trace::ChipTrace>,
     pub messages_sent: u64,
     pub bytes_sent: u64,
+    pub torch: Vec<crate::torch::RankReport>,
 }

@@ -95,6 +95,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 peak_rss_bytes: net::peak_rss_bytes(),
                 link_errors: fabric.link_errors(),
                 links: fabric.links(),
+                torch: out.torch,
             };
             let json = serde_json::to_vec(&report).map_err(session_error)?;
             session
@@ -468,6 +469,7 @@ async fn send_dump(
             status: r.status(),
             entries: r.entries(),
             trace: t.as_ref().map(TraceHandle::snapshot),
+            host_stack: r.host_stack(),
         })
         .collect();
     let json = serde_json::to_vec(&dump).unwrap_or_default();

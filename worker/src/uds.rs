@@ -64,11 +64,17 @@ pub fn host_id() -> String {
 /// where abstract Unix sockets do not exist (the links then go over TCP).
 #[cfg(target_os = "linux")]
 pub fn bind() -> Option<(tokio::net::UnixListener, String)> {
+    bind_abstract("podsim-link")
+}
+
+/// Binds a listener in the abstract namespace under a fresh name starting with `prefix`.
+#[cfg(target_os = "linux")]
+pub fn bind_abstract(prefix: &str) -> Option<(tokio::net::UnixListener, String)> {
     use std::os::linux::net::SocketAddrExt;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    let name = format!("podsim-link-{}-{nanos:09}", std::process::id());
+    let name = format!("{prefix}-{}-{nanos:09}", std::process::id());
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).ok()?;
     let listener = std::os::unix::net::UnixListener::bind_addr(&addr).ok()?;
     listener.set_nonblocking(true).ok()?;
@@ -78,6 +84,11 @@ pub fn bind() -> Option<(tokio::net::UnixListener, String)> {
 
 #[cfg(not(target_os = "linux"))]
 pub fn bind() -> Option<(tokio::net::UnixListener, String)> {
+    None
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn bind_abstract(_prefix: &str) -> Option<(tokio::net::UnixListener, String)> {
     None
 }
 

@@ -1,0 +1,70 @@
+//! `podsim run`: a PyTorch program on the emulated pod with torchrun's habits. The flags make
+//! the same job a `[job] kind = "torch"` config would (one rank per chip, every rank in one
+//! worker's chips), so a run and a config are launched, watched and reported alike.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use crate::CliError;
+use crate::config::{self, JobConfig};
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The torus of each slice, e.g. `2x2x2` (one rank per chip).
+    #[arg(long)]
+    pub topology: String,
+    /// Hardware preset of the modelled chips.
+    #[arg(long, default_value = "v5p")]
+    pub hardware: String,
+    /// Slices joined by DCN.
+    #[arg(long, default_value_t = 1)]
+    pub slices: u32,
+    /// Output folder (report.json); default `runs/run`.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// The watchdog's hang timeout, ms.
+    #[arg(long)]
+    pub timeout_ms: Option<u64>,
+    /// Any other config field, e.g. `--set job.algo="ring"` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// The program every rank runs, after `--`: `-- python train.py ARGS...`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// TOML's basic strings take JSON's escapes.
+fn quoted(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// The job `podsim run` launches, checked as a config file is.
+pub fn config(args: &RunArgs) -> Result<JobConfig, CliError> {
+    let Some((program, rest)) = args.command.split_first() else {
+        return Err(CliError::Usage(
+            "podsim run needs a command after --".into(),
+        ));
+    };
+    let list: Vec<String> = rest.iter().map(|a| quoted(a)).collect();
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("runs").join("run"));
+    let mut text = format!(
+        "name = \"run\"\n[topology]\nshape = {}\nhardware = {}\nslices = {}\n\
+         [launch]\nworkers = 1\n[job]\nkind = \"torch\"\nprogram = {}\nargs = [{}]\n\
+         [output]\ndir = {}\n",
+        quoted(&args.topology),
+        quoted(&args.hardware),
+        args.slices,
+        quoted(program),
+        list.join(", "),
+        quoted(&out.display().to_string()),
+    );
+    if let Some(ms) = args.timeout_ms {
+        text.push_str(&format!("[watchdog]\ntimeout_ms = {ms}\n"));
+    }
+    config::from_text("podsim run", &text, &args.sets)
+        .map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
+}

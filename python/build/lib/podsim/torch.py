@@ -1,0 +1,432 @@
+"""The ``podsim`` torch.distributed backend.
+
+Importing this module registers the backend; under ``podsim run`` a program then calls
+``dist.init_process_group("podsim")`` as it would with gloo. Each rank is one emulated chip:
+its collectives run on podsim's fabric and algorithms (``worker/src/torch/``), under the
+chip's virtual clock, flight recorder, fault hooks and desync checks, and the compute the
+rank runs between collectives is counted at torch's dispatcher and charged to the modelled
+hardware. ``step()`` marks the end of a training step for the per-step report.
+
+Values travel as float32: 16-bit floats are widened for reductions (and rounded back), so a
+bf16 sum is rounded once, not at every hop. Collectives that only move data (all-gather,
+all-to-all, broadcast of non-float32 tensors) move raw bytes and are exact for every dtype.
+Reductions podsim's chips do not do (product, bitwise ops, integer sums) gather the inputs and
+reduce them on the rank, in rank order, and are charged as the all-gather they are.
+"""
+
+import atexit
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from ._compute import Compute
+from ._wire import Connection, PodsimError
+
+__all__ = ["step", "torus_mesh", "PodsimError", "ProcessGroupPodsim"]
+
+BACKEND = "podsim"
+# How often the sampler reports where the rank is while it is outside podsim calls.
+_STACK_EVERY_S = 0.2
+
+
+class _Rank:
+    """This process's link to its chip: the connection, the compute counter, the sampler."""
+
+    def __init__(self):
+        try:
+            socket_name = os.environ["PODSIM_SOCKET"]
+        except KeyError:
+            raise PodsimError(
+                "podsim: PODSIM_SOCKET is not set: start the program with "
+                "`podsim run --topology SHAPE -- python script.py` (or a kind = \"torch\" job)"
+            ) from None
+        _die_with_parent()
+        self.rank = int(os.environ["RANK"])
+        self.conn = Connection(socket_name, self.rank, os.environ.get("PODSIM_TOKEN", ""))
+        self.compute = Compute()
+        self.compute.__enter__()
+        self.in_call = 0
+        self.next_group = 0
+        self.done = False
+        self.clock_ns = 0.0
+        threading.Thread(target=self._sample, name="podsim-stack", daemon=True).start()
+        atexit.register(self.bye)
+
+    def call(self, request, payload=None, out=None):
+        """One request to the chip, with the compute run since the previous one."""
+        if self.done:
+            raise PodsimError("podsim: the process group was shut down")
+        self.in_call += 1
+        self.compute.paused = True
+        try:
+            request["compute"] = self.compute.take()
+            request["site"] = _call_site()
+            reply, values = self.conn.call(request, payload, out)
+            self.clock_ns = reply.get("clock_ns", self.clock_ns)
+            return values
+        finally:
+            self.compute.paused = False
+            self.in_call -= 1
+
+    def bye(self):
+        if not self.done:
+            try:
+                self.call({"op": "bye"})
+            except Exception:
+                pass
+            self.done = True
+            self.conn.close()
+
+    def _sample(self):
+        main = threading.main_thread().ident
+        last = None
+        while not self.done:
+            time.sleep(_STACK_EVERY_S)
+            if self.in_call:
+                continue
+            frame = sys._current_frames().get(main)
+            if frame is None:
+                return
+            frames = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)]
+            del frame
+            if frames != last:
+                try:
+                    self.conn.send({"op": "stack", "frames": frames})
+                except Exception:
+                    return
+                last = frames
+
+
+_rank = None
+
+
+def _connect():
+    global _rank
+    if _rank is None:
+        _rank = _Rank()
+    return _rank
+
+
+def _die_with_parent():
+    """Asks the kernel to kill this rank when the worker that started it dies, so that no
+    rank outlives its job, however the worker ended."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() == 1:
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
+
+
+def _call_site():
+    """`file:line function` of the innermost frame outside torch and podsim."""
+    frame = sys._getframe(2)
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(torch_dir) and not path.startswith(here):
+            return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+def step():
+    """Marks the end of a training step: the report gives each step's compute, communication
+    and exposed communication in virtual time (and step-based faults fire here)."""
+    _connect().call({"op": "step"})
+
+
+def torus_mesh(names=None):
+    """A device mesh shaped like the emulated torus, one mesh dimension per torus axis
+    (outermost first: `z, y, x`), so that each dimension's groups are torus rings."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = [int(d) for d in os.environ["PODSIM_TOPOLOGY"].split("x")]
+    shape = tuple(reversed(dims))
+    names = names or tuple(reversed(["x", "y", "z"][: len(dims)]))
+    return init_device_mesh("cpu", shape, mesh_dim_names=tuple(names))
+
+
+# ---- values on the wire -------------------------------------------------------------------
+
+_FLOAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_REDUCE_NAMES = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.MIN: "min",
+}
+
+
+def _as_f32(t):
+    """A flat, contiguous float32 copy (or view) of a float tensor's values."""
+    return t.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _as_words(t):
+    """A tensor's raw bytes as float32 words (padded to a whole word): moved, never added."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    return raw.view(torch.float32)
+
+
+def _from_words(words, like, nbytes=None):
+    """`like`-shaped values from float32 words holding raw bytes."""
+    raw = words.view(torch.uint8)[: nbytes if nbytes is not None else like.numel() * like.element_size()]
+    return raw.view(like.dtype).reshape(like.shape)
+
+
+def _reduce_locally(stacked, op):
+    """The reduction podsim's chips do not do, over gathered inputs (rank order)."""
+    if op == dist.ReduceOp.SUM:
+        return stacked.sum(0, dtype=stacked.dtype)
+    if op == dist.ReduceOp.PRODUCT:
+        return stacked.prod(0, dtype=stacked.dtype)
+    if op == dist.ReduceOp.MAX:
+        return stacked.amax(0)
+    if op == dist.ReduceOp.MIN:
+        return stacked.amin(0)
+    if op == dist.ReduceOp.AVG:
+        return stacked.sum(0) / stacked.shape[0]
+    bitwise = {dist.ReduceOp.BAND: torch.bitwise_and, dist.ReduceOp.BOR: torch.bitwise_or,
+               dist.ReduceOp.BXOR: torch.bitwise_xor}
+    if op in bitwise:
+        out = stacked[0].clone()
+        for x in stacked[1:]:
+            out = bitwise[op](out, x)
+        return out
+    raise PodsimError(f"podsim: reduce op {op} is not supported")
+
+
+class _Done(dist._Work):
+    """A finished collective: podsim runs each call to completion before returning, so
+    `async_op=True` work is already done (its virtual time is on the chip's clock)."""
+
+    def __init__(self, result=None):
+        super().__init__()
+        self._result = result if result is not None else []
+        self._future = torch.futures.Future()
+        self._future.set_result(self._result)
+
+    def wait(self, timeout=None):
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+    def result(self):
+        return self._result
+
+
+class ProcessGroupPodsim(dist.ProcessGroup):
+    """A group of ranks whose collectives run on their emulated chips."""
+
+    def __init__(self, rank, size, ranks):
+        super().__init__(rank, size)
+        self._node = _connect()
+        self._ranks = sorted(ranks) if ranks else list(range(size))
+        self._id = self._node.next_group
+        self._node.next_group += 1
+        self._node.call({"op": "group", "id": self._id, "ranks": self._ranks})
+
+    def getBackendName(self):
+        return BACKEND
+
+    # -- the chip's collectives on one flat float32 buffer --
+
+    def _chip(self, op, values, **fields):
+        return self._node.call({"op": op, "group": self._id, **fields}, values)
+
+    def _all_gather_words(self, t):
+        words = _as_words(t)
+        return self._chip("all_gather", words, dtype="f32").view(self.size(), words.numel())
+
+    def _all_reduce_into(self, t, op):
+        name = _REDUCE_NAMES.get(op)
+        if t.dtype in _FLOAT_NAMES and name is not None:
+            out = self._chip("all_reduce", _as_f32(t), reduce=name, dtype=_FLOAT_NAMES[t.dtype])
+            t.copy_(out.view(t.shape))
+        else:
+            rows = self._all_gather_words(t)
+            stacked = torch.stack([_from_words(r, t) for r in rows])
+            t.copy_(_reduce_locally(stacked, op))
+
+    def _reduce_scatter_into(self, out, inp, op):
+        n = self.size()
+        name = _REDUCE_NAMES.get(op)
+        if inp.numel() != n * out.numel():
+            raise PodsimError(
+                f"podsim: reduce_scatter of {inp.numel()} elements into {out.numel()} per rank "
+                f"does not fit a group of {n}"
+            )
+        if inp.dtype in _FLOAT_NAMES and name is not None:
+            got = self._chip("reduce_scatter", _as_f32(inp), reduce=name, dtype=_FLOAT_NAMES[inp.dtype])
+            out.copy_(got.view(out.shape))
+        else:
+            rows = self._all_gather_words(inp)
+            stacked = torch.stack([_from_words(r, inp).reshape(-1) for r in rows])
+            mine = _reduce_locally(stacked, op).view(n, -1)[self.rank()]
+            out.copy_(mine.view(out.shape))
+
+    def _broadcast_into(self, t, root):
+        if t.dtype == torch.float32:
+            got = self._chip("broadcast", _as_f32(t), root=root, dtype="f32")
+            t.copy_(got.view(t.shape))
+        else:
+            rows = self._all_gather_words(t)
+            t.copy_(_from_words(rows[root], t))
+
+    # -- torch.distributed's entry points (names as the C++ trampoline calls them) --
+
+    def allreduce(self, tensors, opts):
+        for t in tensors:
+            self._all_reduce_into(t, opts.reduceOp)
+        return _Done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts):
+        return self.allreduce(tensors, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts):
+        for outs, inp in zip(output_tensors, input_tensors):
+            rows = self._all_gather_words(inp)
+            for o, r in zip(outs, rows):
+                o.copy_(_from_words(r, inp).view(o.shape))
+        return _Done(output_tensors)
+
+    def all_gather_single(self, output, input, opts):
+        rows = self._all_gather_words(input)
+        parts = [_from_words(r, input).reshape(-1) for r in rows]
+        output.copy_(torch.cat(parts).view(output.shape))
+        return _Done([output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
+        for o, i in zip(outputs, inputs):
+            self.all_gather_single(o, i, opts)
+        return _Done(outputs)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        for out, ins in zip(output_tensors, input_tensors):
+            flat = torch.cat([x.reshape(-1) for x in ins])
+            self._reduce_scatter_into(out, flat, opts.reduceOp)
+        return _Done(output_tensors)
+
+    def reduce_scatter_single(self, output, input, opts):
+        self._reduce_scatter_into(output, input.reshape(-1), opts.reduceOp)
+        return _Done([output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        for o, i in zip(outputs, inputs):
+            self._reduce_scatter_into(o, i.reshape(-1), opts.reduceOp)
+        return _Done(outputs)
+
+    def broadcast(self, tensors, opts):
+        for t in tensors:
+            self._broadcast_into(t, opts.rootRank)
+        return _Done(tensors)
+
+    def reduce(self, tensors, opts):
+        # Every rank gets the result; torch leaves non-roots' buffers unspecified.
+        for t in tensors:
+            self._all_reduce_into(t, opts.reduceOp)
+        return _Done(tensors)
+
+    def gather(self, output_tensors, input_tensors, opts):
+        rows = self._all_gather_words(input_tensors[0])
+        if self.rank() == opts.rootRank:
+            for o, r in zip(output_tensors[0], rows):
+                o.copy_(_from_words(r, input_tensors[0]).view(o.shape))
+        return _Done(output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        out = output_tensors[0]
+        root = opts.rootRank
+        if self.rank() == root:
+            whole = torch.cat([x.reshape(-1) for x in input_tensors[0]])
+        else:
+            whole = out.new_empty(self.size() * out.numel())
+        self._broadcast_into(whole, root)
+        out.copy_(whole.view(self.size(), -1)[self.rank()].view(out.shape))
+        return _Done(output_tensors)
+
+    def barrier(self, opts):
+        self._node.call({"op": "barrier", "group": self._id})
+        return _Done()
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        n = self.size()
+        if not input_split_sizes and not output_split_sizes:
+            blocks_in = list(input.reshape(n, -1)) if input.numel() else [input] * n
+            blocks_out = list(output.view(n, -1)) if output.numel() else [output] * n
+        else:
+            rows_in = input.shape[0] and input.numel() // input.shape[0]
+            rows_out = output.shape[0] and output.numel() // output.shape[0]
+            ins = list(input_split_sizes) or [input.shape[0] // n] * n
+            outs = list(output_split_sizes) or [output.shape[0] // n] * n
+            blocks_in = list(torch.split(input.reshape(input.shape[0], -1), ins))
+            blocks_out = list(torch.split(output.reshape(output.shape[0], -1), outs))
+            del rows_in, rows_out
+        equal = not input_split_sizes and not output_split_sizes
+        self._all_to_all_blocks(blocks_out, blocks_in, equal)
+        return _Done([output])
+
+    def alltoall(self, output_tensors, input_tensors, opts):
+        self._all_to_all_blocks(output_tensors, input_tensors)
+        return _Done(output_tensors)
+
+    def _all_to_all_blocks(self, outs, ins, equal=False):
+        """Block j of `ins` to rank j; block i of `outs` from rank i. Blocks of unequal size
+        are padded to the largest any rank sends (agreed with one small all-reduce)."""
+        words = [_as_words(b) for b in ins]
+        longest = max((w.numel() for w in words), default=0)
+        if not equal:
+            agreed = torch.tensor([float(longest)])
+            longest = int(self._chip("all_reduce", agreed, reduce="max", dtype="f32").item())
+        padded = torch.zeros(self.size() * longest, dtype=torch.float32)
+        for j, w in enumerate(words):
+            padded[j * longest : j * longest + w.numel()] = w
+        got = self._chip("all_to_all", padded, dtype="f32").view(self.size(), longest)
+        for i, o in enumerate(outs):
+            nbytes = o.numel() * o.element_size()
+            o.copy_(_from_words(got[i], o, nbytes).view(o.shape))
+
+    def send(self, tensors, dst, tag):
+        raise PodsimError("podsim: send/recv (point-to-point) is not supported yet")
+
+    def recv(self, tensors, src, tag):
+        raise PodsimError("podsim: send/recv (point-to-point) is not supported yet")
+
+    def recvAnysource(self, tensors, tag):
+        raise PodsimError("podsim: recv from any source is not supported")
+
+    def start_coalescing(self, device):
+        return None
+
+    def end_coalescing(self, device):
+        return _Done()
+
+
+def _create(opts, backend_options):
+    ranks = list(opts.global_ranks_in_group or [])
+    return ProcessGroupPodsim(opts.group_rank, opts.group_size, ranks)
+
+
+dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])

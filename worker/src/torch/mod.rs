@@ -1,0 +1,107 @@
+//! PyTorch programs on the emulated pod: each chip serves one rank, a process running the
+//! user's script with the `podsim` torch.distributed backend (`python/podsim/torch.py`).
+//!
+//! The rank computes with its own torch; every collective it calls comes here as a request
+//! and runs on its chip, on podsim's fabric, algorithms and virtual clock, under the same
+//! flight recorder, fault hooks and desync checks as podsim's own programs. So the watchdog
+//! diagnoses a Python program as it does any other: a rank that never arrives is a stalled
+//! chip (its flight recorder carries the rank's Python stack), a rank that calls a different
+//! collective is a desync, a rank that dies is reported with its exit code or signal.
+//!
+//! - [`wire`]: the frames between a rank and its chip;
+//! - [`ranks`]: starting the rank processes, their output and exits, their connections;
+//! - [`serve`]: a chip serving its rank's requests.
+
+pub mod ranks;
+pub mod serve;
+pub mod wire;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use podsim_collectives::{Algo, Chip, run_chips};
+use serde::{Deserialize, Serialize};
+
+use crate::error::WorkerError;
+
+/// A torch job: the command every rank runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TorchSpec {
+    /// Program and arguments (`python train.py --steps 20`).
+    pub command: Vec<String>,
+    /// The ranks' working directory (default: the worker's).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// The pod's torus as written in the config (`PODSIM_TOPOLOGY`, for device meshes).
+    pub topology: String,
+    /// The algorithm of every collective.
+    pub algo: Algo,
+}
+
+/// What one rank did, in virtual time.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RankReport {
+    pub rank: u32,
+    pub pid: u32,
+    /// How the process ended.
+    pub exit: Option<String>,
+    /// The chip's virtual clock at the end, ns.
+    pub virtual_ns: f64,
+    /// Compute charged from the torch ops the rank ran, ns.
+    pub compute_ns: f64,
+    /// Time in collectives, ns.
+    pub comm_ns: f64,
+    /// Per collective kind: calls, bytes of this rank's inputs, virtual time.
+    pub collectives: Vec<OpTotals>,
+    /// Per step the program marked (`podsim.torch.step()`).
+    pub steps: Vec<RankStep>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpTotals {
+    pub op: String,
+    pub calls: u64,
+    pub bytes: u64,
+    pub virtual_ns: f64,
+}
+
+/// One step of a rank, in virtual ns. Collectives run when called (the rank waits for each),
+/// so communication is exposed unless the program overlapped nothing else with it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RankStep {
+    pub step_ns: f64,
+    pub compute_ns: f64,
+    pub comm_ns: f64,
+    /// Step time minus compute.
+    pub exposed_comm_ns: f64,
+}
+
+/// Starts a rank per chip and serves each until it exits; `done` counts marked steps.
+pub async fn run(
+    chips: Vec<Chip>,
+    spec: &TorchSpec,
+    done: Arc<AtomicU64>,
+) -> Result<Vec<RankReport>, WorkerError> {
+    let Some(world) = chips.first().map(|c| c.pod().chips()) else {
+        return Ok(Vec::new());
+    };
+    let recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
+    let (ranks, _guard) = ranks::start(spec, world, &recorders)?;
+    let ranks: std::collections::HashMap<u32, ranks::Rank> =
+        ranks.into_iter().map(|r| (r.rank, r)).collect();
+    let ranks = Arc::new(std::sync::Mutex::new(ranks));
+    run_chips(chips, |mut chip| {
+        let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
+        async move {
+            let rank = ranks
+                .lock()
+                .ok()
+                .and_then(|mut r| r.remove(&chip.id()))
+                .ok_or_else(|| WorkerError::Internal(format!("no rank for chip {}", chip.id())))?;
+            let report = serve::serve(&mut chip, rank, &spec).await?;
+            done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
+            Ok::<_, WorkerError>(report)
+        }
+    })
+    .await
+}

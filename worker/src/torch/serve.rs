@@ -1,0 +1,429 @@
+//! A chip serving its PyTorch rank: each request the rank sends (a collective on its
+//! tensor, a group, a step mark) runs on the chip, on podsim's fabric and algorithms, under
+//! its virtual clock; the compute the rank ran since its previous request is charged first,
+//! priced by the kernel model.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use podsim_collectives::{Chip, Comm, OpKind, Payload};
+use podsim_topology::{Group, Hardware};
+
+use super::ranks::{Rank, RankExit, RankLink, exited};
+use super::wire::{Compute, Frame, Reply, Request};
+use super::{OpTotals, RankReport, RankStep, TorchSpec};
+use crate::error::WorkerError;
+use crate::train::kernels::Kernel;
+
+/// How long a rank that said goodbye (or closed its connection) may take to exit.
+const EXIT_GRACE: Duration = Duration::from_secs(30);
+
+/// How often a chip looks at its rank's CPU time while it waits for the rank's next request.
+const BUSY_TICK: Duration = Duration::from_millis(100);
+/// The window over which a rank must have used [`BUSY_TICKS`] clock ticks of CPU to count as
+/// busy (a rank in `time.sleep` or a deadlock uses none; its stack sampler about 0.3 %).
+const BUSY_WINDOW: usize = 5;
+const BUSY_TICKS: u64 = 5;
+
+/// Whether the rank is working between requests (importing torch, computing, loading data)
+/// or sitting still: the chip shows a working rank as computing, so that the watchdog does
+/// not take a rank that is slow to arrive for one that stopped.
+struct BusyWatch {
+    pid: u32,
+    /// CPU ticks at the last few looks, oldest first.
+    seen: std::collections::VecDeque<u64>,
+    busy: bool,
+}
+
+impl BusyWatch {
+    fn new(pid: u32) -> BusyWatch {
+        BusyWatch {
+            pid,
+            seen: std::collections::VecDeque::new(),
+            busy: false,
+        }
+    }
+
+    fn update(&mut self, chip: &Chip) {
+        let Some(now) = cpu_ticks(self.pid) else {
+            return;
+        };
+        if self.seen.len() == BUSY_WINDOW {
+            self.seen.pop_front();
+        }
+        self.seen.push_back(now);
+        let used = now - self.seen.front().copied().unwrap_or(now);
+        let busy = used >= BUSY_TICKS;
+        if busy != self.busy {
+            let recorder = chip.recorder();
+            if busy {
+                recorder.compute_started();
+            } else {
+                recorder.compute_finished();
+            }
+            self.busy = busy;
+        }
+    }
+
+    /// A request came: the rank is no longer between requests.
+    fn end(&mut self, chip: &Chip) {
+        if self.busy {
+            chip.recorder().compute_finished();
+            self.busy = false;
+        }
+        self.seen.clear();
+    }
+}
+
+/// User plus system CPU time of process `pid`, in clock ticks (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces: count fields after its closing paren.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// Virtual ns of the work in `compute` on `hw`.
+pub fn compute_ns(compute: &Compute, hw: &Hardware) -> f64 {
+    let matmuls: f64 = compute
+        .matmuls
+        .iter()
+        .map(|&[m, k, n, calls, elem_bytes]| {
+            let kernel = Kernel::Matmul {
+                m: m as usize,
+                k: k as usize,
+                n: n as usize,
+            };
+            calls as f64 * kernel.time_ns(hw, elem_bytes as f64)
+        })
+        .sum();
+    let passes = compute.pass_bytes as f64 / (hw.hbm_bandwidth * hw.hbm_efficiency) * 1e9
+        + compute.kernels as f64 * hw.kernel_overhead_ns;
+    matmuls + passes
+}
+
+/// What a chip keeps while serving its rank.
+struct Served {
+    groups: HashMap<u32, Comm>,
+    report: RankReport,
+    /// Compute and communication since the last step mark, ns.
+    step_compute_ns: f64,
+    step_comm_ns: f64,
+    step_start_ns: f64,
+    said_bye: bool,
+}
+
+/// Serves `rank` on `chip` until the rank exits: its result is the rank's report, or the
+/// error that ends the job (a rank that died, a desync, a garbage frame).
+pub async fn serve(
+    chip: &mut Chip,
+    mut rank: Rank,
+    spec: &TorchSpec,
+) -> Result<RankReport, WorkerError> {
+    let mut served = Served {
+        groups: HashMap::new(),
+        report: RankReport {
+            rank: rank.rank,
+            pid: rank.pid,
+            ..RankReport::default()
+        },
+        step_compute_ns: 0.0,
+        step_comm_ns: 0.0,
+        step_start_ns: 0.0,
+        said_bye: false,
+    };
+    let link = tokio::select! {
+        link = &mut rank.link => link.ok(),
+        _ = exited(&mut rank.exit) => None,
+    };
+    let Some(mut link) = link else {
+        // Exited without connecting: a program that never initialised the backend.
+        let exit = wait_exit(&mut rank).await;
+        return finish(chip, rank, served, exit);
+    };
+    let mut cpu = BusyWatch::new(rank.pid);
+    let mut tick = tokio::time::interval(BUSY_TICK);
+    loop {
+        let next = tokio::select! {
+            r = link.requests.recv() => r,
+            _ = exited(&mut rank.exit) => None,
+            _ = tick.tick() => {
+                cpu.update(chip);
+                continue;
+            }
+        };
+        cpu.end(chip);
+        let (frame, values) = match next {
+            Some(Ok(request)) => request,
+            Some(Err(e)) => return Err(WorkerError::Invalid(e)),
+            None => break,
+        };
+        handle(chip, &mut served, &mut link, spec, frame, values).await?;
+    }
+    let exit = wait_exit(&mut rank).await;
+    finish(chip, rank, served, exit)
+}
+
+async fn wait_exit(rank: &mut Rank) -> Option<RankExit> {
+    tokio::time::timeout(EXIT_GRACE, exited(&mut rank.exit))
+        .await
+        .ok()
+        .flatten()
+}
+
+fn finish(
+    chip: &Chip,
+    rank: Rank,
+    mut served: Served,
+    exit: Option<RankExit>,
+) -> Result<RankReport, WorkerError> {
+    match &exit {
+        Some(e) if e.success() => {}
+        None if served.said_bye => {}
+        other => {
+            let how = other
+                .as_ref()
+                .map_or("closed its connection without exiting".to_string(), |e| {
+                    e.to_string()
+                });
+            let tail: Vec<String> = rank
+                .stderr_tail
+                .lock()
+                .map(|t| t.iter().cloned().collect())
+                .unwrap_or_default();
+            return Err(WorkerError::RankExited {
+                chip: chip.id(),
+                pid: rank.pid,
+                how,
+                stderr_tail: tail,
+            });
+        }
+    }
+    served.report.exit = exit.map(|e| e.to_string());
+    served.report.virtual_ns = chip.clock();
+    Ok(served.report)
+}
+
+async fn handle(
+    chip: &mut Chip,
+    served: &mut Served,
+    link: &mut RankLink,
+    spec: &TorchSpec,
+    frame: Frame,
+    values: Vec<f32>,
+) -> Result<(), WorkerError> {
+    if !frame.compute.is_empty() {
+        let ns = compute_ns(&frame.compute, chip.hardware());
+        chip.compute(ns);
+        served.report.compute_ns += ns;
+        served.step_compute_ns += ns;
+    }
+    let reply = |chip: &Chip, error: Option<String>| Reply {
+        error,
+        clock_ns: chip.clock(),
+    };
+    let answer = match frame.request {
+        Request::Group { id, ranks } => {
+            let group = Group::from_members(chip.pod(), chip.id(), &ranks);
+            let error = group
+                .map(|g| {
+                    served.groups.insert(id, Comm::new(g, spec.algo));
+                })
+                .err()
+                .map(|e| format!("podsim cannot make a group of ranks {ranks:?}: {e}"));
+            (reply(chip, error), None)
+        }
+        Request::Step => {
+            let now = chip.clock();
+            let step = RankStep {
+                step_ns: now - served.step_start_ns,
+                compute_ns: served.step_compute_ns,
+                comm_ns: served.step_comm_ns,
+                exposed_comm_ns: (now - served.step_start_ns - served.step_compute_ns).max(0.0),
+            };
+            served.report.steps.push(step);
+            served.step_start_ns = now;
+            served.step_compute_ns = 0.0;
+            served.step_comm_ns = 0.0;
+            chip.enter_step(served.report.steps.len() as u64).await;
+            (reply(chip, None), None)
+        }
+        Request::Bye => {
+            served.said_bye = true;
+            (reply(chip, None), None)
+        }
+        Request::Hello { .. } | Request::Stack { .. } => {
+            return Err(WorkerError::Invalid(format!(
+                "rank {}: an unexpected {:?} request",
+                served.report.rank, frame.request
+            )));
+        }
+        request => {
+            let before = chip.clock();
+            let bytes = 4 * values.len() as u64;
+            let (op, result) = match collective(chip, served, request, values).await {
+                Ok(done) => done,
+                Err(Refused(why)) => {
+                    let _ = link.replies.send((reply(chip, Some(why)), None)).await;
+                    return Ok(());
+                }
+            };
+            let result = result?;
+            let spent = chip.clock() - before;
+            served.step_comm_ns += spent;
+            served.report.comm_ns += spent;
+            served.report.add(op, bytes, spent);
+            (reply(chip, None), result)
+        }
+    };
+    // A rank that went away no longer reads replies; its exit decides what happens next.
+    let _ = link.replies.send(answer).await;
+    Ok(())
+}
+
+/// A request the rank made wrongly (an unknown group, a count that does not divide): the rank
+/// raises it at the call; the job goes on.
+struct Refused(String);
+
+type Done = (OpKind, Result<Option<Payload>, WorkerError>);
+
+async fn collective(
+    chip: &mut Chip,
+    served: &Served,
+    request: Request,
+    values: Vec<f32>,
+) -> Result<Done, Refused> {
+    let comm_of = |group: u32| {
+        served
+            .groups
+            .get(&group)
+            .copied()
+            .ok_or_else(|| Refused(format!("group {group} was never declared")))
+    };
+    let n = |comm: &Comm| comm.group.size(chip.pod()) as usize;
+    let input = Payload::from_vec(values);
+    let done: Done = match request {
+        Request::AllReduce {
+            group,
+            reduce,
+            dtype,
+        } => {
+            let comm = Comm {
+                dtype: dtype.into(),
+                ..comm_of(group)?
+            };
+            let r = chip.all_reduce(&comm, &input, reduce.into()).await;
+            (OpKind::AllReduce, r.map(Some).map_err(Into::into))
+        }
+        Request::AllGather { group, dtype } => {
+            let comm = Comm {
+                dtype: dtype.into(),
+                ..comm_of(group)?
+            };
+            let r = chip.all_gather(&comm, &input).await;
+            (OpKind::AllGather, r.map(Some).map_err(Into::into))
+        }
+        Request::ReduceScatter {
+            group,
+            reduce,
+            dtype,
+        } => {
+            let comm = Comm {
+                dtype: dtype.into(),
+                ..comm_of(group)?
+            };
+            if !input.len().is_multiple_of(n(&comm)) {
+                return Err(Refused(format!(
+                    "reduce_scatter: {} elements do not divide among {} ranks",
+                    input.len(),
+                    n(&comm)
+                )));
+            }
+            let r = chip.reduce_scatter(&comm, &input, reduce.into()).await;
+            (OpKind::ReduceScatter, r.map(Some).map_err(Into::into))
+        }
+        Request::Broadcast { group, root, dtype } => {
+            let comm = Comm {
+                dtype: dtype.into(),
+                ..comm_of(group)?
+            };
+            if root as usize >= n(&comm) {
+                return Err(Refused(format!(
+                    "broadcast: root {root} is outside a group of {} ranks",
+                    n(&comm)
+                )));
+            }
+            let r = chip.broadcast(&comm, &input, root).await;
+            (OpKind::Broadcast, r.map(Some).map_err(Into::into))
+        }
+        Request::AllToAll { group, dtype } => {
+            let comm = Comm {
+                dtype: dtype.into(),
+                ..comm_of(group)?
+            };
+            if !input.len().is_multiple_of(n(&comm)) {
+                return Err(Refused(format!(
+                    "all_to_all: {} elements do not divide among {} ranks",
+                    input.len(),
+                    n(&comm)
+                )));
+            }
+            let r = chip.all_to_all(&comm, &input).await;
+            (OpKind::AllToAll, r.map(Some).map_err(Into::into))
+        }
+        Request::Barrier { group } => {
+            let comm = comm_of(group)?;
+            let r = chip.barrier(&comm).await;
+            (OpKind::Barrier, r.map(|()| None).map_err(Into::into))
+        }
+        other => return Err(Refused(format!("{other:?} is not a collective"))),
+    };
+    Ok(done)
+}
+
+impl RankReport {
+    fn add(&mut self, op: OpKind, bytes: u64, ns: f64) {
+        let name = op.name();
+        if let Some(t) = self.collectives.iter_mut().find(|t| t.op == name) {
+            t.calls += 1;
+            t.bytes += bytes;
+            t.virtual_ns += ns;
+        } else {
+            self.collectives.push(OpTotals {
+                op: name.to_string(),
+                calls: 1,
+                bytes,
+                virtual_ns: ns,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compute_is_priced_by_the_kernel_model() {
+        let hw = Hardware::preset("v5p").expect("preset");
+        let matmul = Kernel::Matmul {
+            m: 129,
+            k: 1024,
+            n: 1024,
+        }
+        .time_ns(&hw, 4.0);
+        let c = Compute {
+            matmuls: vec![[129, 1024, 1024, 3, 4]],
+            pass_bytes: 1 << 30,
+            kernels: 10,
+        };
+        let passes = (1u64 << 30) as f64 / (hw.hbm_bandwidth * hw.hbm_efficiency) * 1e9
+            + 10.0 * hw.kernel_overhead_ns;
+        let got = compute_ns(&c, &hw);
+        assert!((got - (3.0 * matmul + passes)).abs() < 1e-6 * got, "{got}");
+        assert_eq!(compute_ns(&Compute::default(), &hw), 0.0);
+    }
+}

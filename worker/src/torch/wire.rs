@@ -1,0 +1,303 @@
+//! The protocol between a PyTorch rank (the `podsim.torch` backend, `python/podsim/torch.py`)
+//! and the chip that serves it, over one Unix socket per rank.
+//!
+//! Every frame, both ways: a 16-byte header (magic `PDT1`, the JSON length as u32, the payload
+//! length as u64, little-endian), a small JSON object saying what the frame is, then the
+//! payload: f32 values in the host's byte order (both ends are on one host). JSON keeps the
+//! Python side a few lines of `json` and `struct`; the payload travels raw, read straight into
+//! a pooled buffer and written straight from the chip's buffers. Every length is checked
+//! against its limit and every request against what it claims (a count that is not the
+//! payload's), so a garbage frame is an error naming the rank, never a panic or a huge
+//! allocation.
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use podsim_collectives::{DType, Payload, ReduceOp, Run};
+
+/// `b"PDT1"` read as a little-endian u32.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"PDT1");
+pub const HEADER_BYTES: usize = 16;
+/// Longest JSON part of a frame (a request names a group by id; only `group` and `stack`
+/// carry lists).
+pub const MAX_JSON_BYTES: u32 = 1 << 20;
+/// Largest payload of one call (a rank's tensor), bytes.
+pub const MAX_PAYLOAD_BYTES: u64 = 16 << 30;
+
+/// What a rank asks of its chip.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// The first frame of a connection: who is calling, with the job's token.
+    Hello {
+        rank: u32,
+        pid: u32,
+        token: String,
+    },
+    /// Declares group `id` (a `new_group`, a device mesh dimension) as its global ranks.
+    Group {
+        id: u32,
+        ranks: Vec<u32>,
+    },
+    AllReduce {
+        group: u32,
+        reduce: ReduceName,
+        dtype: DTypeName,
+    },
+    AllGather {
+        group: u32,
+        dtype: DTypeName,
+    },
+    ReduceScatter {
+        group: u32,
+        reduce: ReduceName,
+        dtype: DTypeName,
+    },
+    Broadcast {
+        group: u32,
+        root: u32,
+        dtype: DTypeName,
+    },
+    AllToAll {
+        group: u32,
+        dtype: DTypeName,
+    },
+    Barrier {
+        group: u32,
+    },
+    /// The program marks the end of a training step (`podsim.torch.step()`).
+    Step,
+    /// The rank's Python stack while it is outside podsim calls (no reply).
+    Stack {
+        frames: Vec<String>,
+    },
+    /// The rank is done (`destroy_process_group`, or the interpreter exits).
+    Bye,
+}
+
+/// A request with what every request carries: the compute the rank ran since its previous
+/// request and the line of the user's program that made the call.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Frame {
+    #[serde(flatten)]
+    pub request: Request,
+    #[serde(default)]
+    pub compute: Compute,
+    /// `file:line function` of the call in the user's program.
+    #[serde(default)]
+    pub site: Option<String>,
+}
+
+/// Torch ops a rank ran, counted at the dispatcher: matrix products by shape, everything else
+/// as bytes moved through HBM and a number of kernels.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct Compute {
+    /// `[m, k, n, calls, element bytes]` per distinct product shape.
+    #[serde(default)]
+    pub matmuls: Vec<[u64; 5]>,
+    /// Bytes read and written by the other kernels.
+    #[serde(default)]
+    pub pass_bytes: u64,
+    /// Kernels other than matrix products.
+    #[serde(default)]
+    pub kernels: u64,
+}
+
+impl Compute {
+    pub fn is_empty(&self) -> bool {
+        self.matmuls.is_empty() && self.pass_bytes == 0 && self.kernels == 0
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceName {
+    Sum,
+    Avg,
+    Max,
+    Min,
+}
+
+impl From<ReduceName> for ReduceOp {
+    fn from(r: ReduceName) -> ReduceOp {
+        match r {
+            ReduceName::Sum => ReduceOp::Sum,
+            ReduceName::Avg => ReduceOp::Avg,
+            ReduceName::Max => ReduceOp::Max,
+            ReduceName::Min => ReduceOp::Min,
+        }
+    }
+}
+
+/// The element type the rank's tensor has, for virtual time (values travel as f32; 16-bit
+/// floats are widened by the rank and cost their own size on the modelled links).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DTypeName {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl From<DTypeName> for DType {
+    fn from(d: DTypeName) -> DType {
+        match d {
+            DTypeName::F32 => DType::F32,
+            DTypeName::Bf16 | DTypeName::F16 => DType::Bf16,
+        }
+    }
+}
+
+/// What a chip answers.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Reply {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The chip's virtual clock after the call, ns.
+    pub clock_ns: f64,
+}
+
+/// Reads one frame: `None` at a clean end of the stream (between frames).
+pub async fn read_frame(
+    r: &mut (impl AsyncRead + Unpin),
+) -> Result<Option<(Frame, Vec<f32>)>, String> {
+    let mut header = [0u8; HEADER_BYTES];
+    match r.read_exact(&mut header[..1]).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.to_string()),
+    }
+    r.read_exact(&mut header[1..])
+        .await
+        .map_err(|e| format!("a frame's header was cut short: {e}"))?;
+    let (json_len, payload_len) = parse_header(&header)?;
+    let mut json = vec![0u8; json_len];
+    r.read_exact(&mut json)
+        .await
+        .map_err(|e| format!("a frame's JSON was cut short: {e}"))?;
+    let frame: Frame = serde_json::from_slice(&json).map_err(|e| {
+        format!(
+            "bad request {:?}: {e}",
+            String::from_utf8_lossy(&json[..json.len().min(200)])
+        )
+    })?;
+    let mut values = Payload::receive_buffer(payload_len / 4);
+    r.read_exact(bytemuck::cast_slice_mut(&mut values))
+        .await
+        .map_err(|e| format!("a frame's payload was cut short: {e}"))?;
+    Ok(Some((frame, values)))
+}
+
+/// The JSON and payload lengths a header announces, checked against the limits.
+pub fn parse_header(header: &[u8; HEADER_BYTES]) -> Result<(usize, usize), String> {
+    let word = |at: usize| {
+        u32::from_le_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
+    if word(0) != MAGIC {
+        return Err(format!(
+            "not a podsim rank frame (magic {:#010x}, expected {MAGIC:#010x})",
+            word(0)
+        ));
+    }
+    let json_len = word(4);
+    if json_len == 0 || json_len > MAX_JSON_BYTES {
+        return Err(format!(
+            "a frame's JSON of {json_len} bytes is outside 1..={MAX_JSON_BYTES}"
+        ));
+    }
+    let payload_len = u64::from(word(8)) | (u64::from(word(12)) << 32);
+    if payload_len > MAX_PAYLOAD_BYTES || !payload_len.is_multiple_of(4) {
+        return Err(format!(
+            "a payload of {payload_len} bytes is not a whole number of f32 values up to {MAX_PAYLOAD_BYTES}"
+        ));
+    }
+    Ok((json_len as usize, payload_len as usize))
+}
+
+/// Writes one frame: `reply` as JSON, then `payload`'s values.
+pub async fn write_frame(
+    w: &mut (impl AsyncWrite + Unpin),
+    reply: &Reply,
+    payload: Option<&Payload>,
+) -> std::io::Result<()> {
+    let json = serde_json::to_vec(reply).map_err(std::io::Error::other)?;
+    let values = payload.map_or(0, Payload::len);
+    let mut head = Vec::with_capacity(HEADER_BYTES + json.len());
+    head.extend_from_slice(&MAGIC.to_le_bytes());
+    head.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    head.extend_from_slice(&(4 * values as u64).to_le_bytes());
+    head.extend_from_slice(&json);
+    w.write_all(&head).await?;
+    if let Some(rope) = payload.and_then(Payload::as_rope) {
+        for run in rope.runs() {
+            match run {
+                Run::Values(v) => w.write_all(bytemuck::cast_slice(v)).await?,
+                Run::Zeros(n) => w.write_all(&vec![0u8; 4 * n]).await?,
+            }
+        }
+    }
+    w.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(json: &str, payload: &[f32]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&MAGIC.to_le_bytes());
+        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(4 * payload.len() as u64).to_le_bytes());
+        out.extend_from_slice(json.as_bytes());
+        out.extend_from_slice(bytemuck::cast_slice(payload));
+        out
+    }
+
+    fn read(bytes: &[u8]) -> Result<Option<(Frame, Vec<f32>)>, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let mut r = bytes;
+        rt.block_on(read_frame(&mut r))
+    }
+
+    #[test]
+    fn a_request_reads_back_with_its_payload_compute_and_call_site() {
+        let json = r#"{"op":"all_reduce","group":0,"reduce":"avg","dtype":"bf16","site":"t.py:3 f","compute":{"matmuls":[[2,3,4,1,4]],"pass_bytes":64,"kernels":2}}"#;
+        let (f, values) = read(&frame(json, &[1.0, 2.0]))
+            .expect("ok")
+            .expect("a frame");
+        assert_eq!(
+            f.request,
+            Request::AllReduce {
+                group: 0,
+                reduce: ReduceName::Avg,
+                dtype: DTypeName::Bf16
+            }
+        );
+        assert_eq!(f.compute.matmuls, vec![[2, 3, 4, 1, 4]]);
+        assert_eq!(f.site.as_deref(), Some("t.py:3 f"));
+        assert_eq!(values, vec![1.0, 2.0]);
+        assert_eq!(read(&[]).expect("ok"), None);
+    }
+
+    #[test]
+    fn garbage_frames_are_refused_with_what_is_wrong() {
+        let good = frame(r#"{"op":"bye"}"#, &[]);
+        let mut bad_magic = good.clone();
+        bad_magic[0] ^= 0xff;
+        assert!(read(&bad_magic).expect_err("magic").contains("magic"));
+        let mut huge = good.clone();
+        huge[8..16].copy_from_slice(&(MAX_PAYLOAD_BYTES + 4).to_le_bytes());
+        assert!(read(&huge).expect_err("huge").contains("payload"));
+        let mut odd = good.clone();
+        odd[8..16].copy_from_slice(&3u64.to_le_bytes());
+        assert!(read(&odd).expect_err("odd").contains("whole number"));
+        assert!(
+            read(&frame(r#"{"op":"teleport"}"#, &[]))
+                .expect_err("op")
+                .contains("bad request")
+        );
+        assert!(read(&good[..10]).expect_err("short").contains("cut short"));
+    }
+}
