@@ -49,7 +49,8 @@ class _Rank:
         self.rank = int(os.environ["RANK"])
         self.conn = Connection(socket_name, self.rank, os.environ.get("PODSIM_TOKEN", ""))
         self.compute = Compute()
-        self.compute.__enter__()
+        if os.environ.get("PODSIM_COUNT_COMPUTE", "1") != "0":
+            self.compute.__enter__()
         self.in_call = 0
         self.next_group = 0
         self.done = False
@@ -161,12 +162,18 @@ def torus_mesh(names=None):
 # ---- values on the wire -------------------------------------------------------------------
 
 _FLOAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-_REDUCE_NAMES = {
-    dist.ReduceOp.SUM: "sum",
-    dist.ReduceOp.AVG: "avg",
-    dist.ReduceOp.MAX: "max",
-    dist.ReduceOp.MIN: "min",
-}
+_REDUCE_NAMES = [
+    (dist.ReduceOp.SUM, "sum"),
+    (dist.ReduceOp.AVG, "avg"),
+    (dist.ReduceOp.MAX, "max"),
+    (dist.ReduceOp.MIN, "min"),
+]
+
+
+def _reduce_name(op):
+    """podsim's name of a reduce op its chips do, or None (a `ReduceOp` compares equal to its
+    kind but does not hash like it)."""
+    return next((name for kind, name in _REDUCE_NAMES if op == kind), None)
 
 
 def _as_f32(t):
@@ -240,8 +247,12 @@ class _Done(dist._Work):
 class ProcessGroupPodsim(dist.ProcessGroup):
     """A group of ranks whose collectives run on their emulated chips."""
 
-    def __init__(self, rank, size, ranks):
+    def __init__(self, rank, size, ranks, name=None):
         super().__init__(rank, size)
+        # A ProcessGroup keeps its name in its backends; this one is its own backend, so it
+        # keeps them here (functional collectives, DTensor and FSDP2 find groups by name).
+        self._name = name or ""
+        self._desc = ""
         self._node = _connect()
         self._ranks = sorted(ranks) if ranks else list(range(size))
         self._id = self._node.next_group
@@ -250,6 +261,18 @@ class ProcessGroupPodsim(dist.ProcessGroup):
 
     def getBackendName(self):
         return BACKEND
+
+    def getGroupName(self):
+        return self._name
+
+    def setGroupName(self, name):
+        self._name = name
+
+    def getGroupDesc(self):
+        return self._desc
+
+    def setGroupDesc(self, desc):
+        self._desc = desc
 
     # -- the chip's collectives on one flat float32 buffer --
 
@@ -261,7 +284,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         return self._chip("all_gather", words, dtype="f32").view(self.size(), words.numel())
 
     def _all_reduce_into(self, t, op):
-        name = _REDUCE_NAMES.get(op)
+        name = _reduce_name(op)
         if t.dtype in _FLOAT_NAMES and name is not None:
             out = self._chip("all_reduce", _as_f32(t), reduce=name, dtype=_FLOAT_NAMES[t.dtype])
             t.copy_(out.view(t.shape))
@@ -272,7 +295,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
 
     def _reduce_scatter_into(self, out, inp, op):
         n = self.size()
-        name = _REDUCE_NAMES.get(op)
+        name = _reduce_name(op)
         if inp.numel() != n * out.numel():
             raise PodsimError(
                 f"podsim: reduce_scatter of {inp.numel()} elements into {out.numel()} per rank "
@@ -426,7 +449,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
 
 def _create(opts, backend_options):
     ranks = list(opts.global_ranks_in_group or [])
-    return ProcessGroupPodsim(opts.group_rank, opts.group_size, ranks)
+    return ProcessGroupPodsim(opts.group_rank, opts.group_size, ranks, opts.group_id)
 
 
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])

@@ -122,6 +122,11 @@ pub fn start(
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
+        // As torchrun does: one intra-op thread per rank unless the user says otherwise
+        // (several ranks share this host's cores; more threads only spin against each other).
+        if std::env::var_os("OMP_NUM_THREADS").is_none() && recorders.len() > 1 {
+            command.env("OMP_NUM_THREADS", "1");
+        }
         if let Some(dir) = &spec.cwd {
             command.current_dir(dir);
         }

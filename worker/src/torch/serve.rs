@@ -45,7 +45,7 @@ impl BusyWatch {
     }
 
     fn update(&mut self, chip: &Chip) {
-        let Some(now) = cpu_ticks(self.pid) else {
+        let Some((now, running)) = cpu_ticks(self.pid) else {
             return;
         };
         if self.seen.len() == BUSY_WINDOW {
@@ -53,7 +53,8 @@ impl BusyWatch {
         }
         self.seen.push_back(now);
         let used = now - self.seen.front().copied().unwrap_or(now);
-        let busy = used >= BUSY_TICKS;
+        // Running or waiting for a core (8 ranks share 2 cores while they import torch).
+        let busy = used >= BUSY_TICKS || running;
         if busy != self.busy {
             let recorder = chip.recorder();
             if busy {
@@ -75,15 +76,16 @@ impl BusyWatch {
     }
 }
 
-/// User plus system CPU time of process `pid`, in clock ticks (`/proc/PID/stat`).
-fn cpu_ticks(pid: u32) -> Option<u64> {
+/// User plus system CPU time of process `pid`, in clock ticks, and whether it is running or
+/// runnable now (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> Option<(u64, bool)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces: count fields after its closing paren.
     let rest = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some(utime + stime)
+    Some((utime + stime, fields.first() == Some(&"R")))
 }
 
 /// Virtual ns of the work in `compute` on `hw`.
@@ -135,17 +137,22 @@ pub async fn serve(
         step_start_ns: 0.0,
         said_bye: false,
     };
-    let link = tokio::select! {
-        link = &mut rank.link => link.ok(),
-        _ = exited(&mut rank.exit) => None,
+    // A rank importing torch is as busy as one computing: watched from the start.
+    let mut cpu = BusyWatch::new(rank.pid);
+    let mut tick = tokio::time::interval(BUSY_TICK);
+    let link = loop {
+        tokio::select! {
+            link = &mut rank.link => break link.ok(),
+            _ = exited(&mut rank.exit) => break None,
+            _ = tick.tick() => cpu.update(chip),
+        }
     };
+    cpu.end(chip);
     let Some(mut link) = link else {
         // Exited without connecting: a program that never initialised the backend.
         let exit = wait_exit(&mut rank).await;
         return finish(chip, rank, served, exit);
     };
-    let mut cpu = BusyWatch::new(rank.pid);
-    let mut tick = tokio::time::interval(BUSY_TICK);
     loop {
         let next = tokio::select! {
             r = link.requests.recv() => r,

@@ -12,6 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch without DTensor
+    _DTensor = None
+
 # Ops that create no kernel on an accelerator (metadata, aliasing).
 _FREE = {
     aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute, aten.expand,
@@ -42,10 +47,23 @@ def _matmul_shapes(packet, args):
 
 def _tensor_bytes(x):
     if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
+        return x.nbytes
     if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(y) for y in x)
+        return sum(y.nbytes for y in x if isinstance(y, torch.Tensor))
     return 0
+
+
+# What each op is, decided once per op overload: 0 costs nothing, 1 is a matrix product,
+# 2 a pass over its tensors.
+_FREE_KIND, _MATMUL_KIND, _PASS_KIND = 0, 1, 2
+_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+
+
+def _kind_of(func):
+    packet = func.overloadpacket
+    if packet in _FREE or getattr(func, "is_view", False):
+        return _FREE_KIND
+    return _MATMUL_KIND if packet in _MATMULS else _PASS_KIND
 
 
 class Compute(TorchDispatchMode):
@@ -56,35 +74,41 @@ class Compute(TorchDispatchMode):
         self._matmuls = {}
         self._pass_bytes = 0
         self._kernels = 0
+        self._kinds = {}
         # Set while podsim itself moves tensors (a collective's copies are not compute).
         self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if any(t is not torch.Tensor and t is not torch.nn.Parameter for t in types):
-            # A tensor subclass: its own dispatch runs the local ops, which come back here.
-            return NotImplemented
-        out = func(*args, **kwargs)
+        for t in types:
+            if t is not torch.Tensor and t is not torch.nn.Parameter:
+                if _DTensor is not None and issubclass(t, _DTensor):
+                    # DTensor's dispatch runs the local ops, which come back here and are
+                    # counted on the shapes that really run on this chip.
+                    return NotImplemented
+                # Other subclasses (fake tensors of sharding propagation, functional
+                # wrappers) run nothing on the chip: not counted.
+                return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _kind_of(func)
+        if kind == _FREE_KIND:
+            return out
         try:
-            self._count(func, args, out)
+            if kind == _MATMUL_KIND:
+                m, k, n, batch = _matmul_shapes(func.overloadpacket, args)
+                key = (int(m), int(k), int(n), args[-1].element_size())
+                self._matmuls[key] = self._matmuls.get(key, 0) + int(batch)
+            else:
+                self._pass_bytes += _tensor_bytes(out)
+                for a in args:
+                    self._pass_bytes += _tensor_bytes(a)
+                self._kernels += 1
         except Exception:  # counting must never break the user's program
             pass
         return out
-
-    def _count(self, func, args, out):
-        packet = func.overloadpacket
-        if packet in _FREE or getattr(func, "is_view", False):
-            return
-        shapes = _matmul_shapes(packet, args)
-        if shapes is not None:
-            m, k, n, batch = shapes
-            key = (int(m), int(k), int(n), args[-1].element_size())
-            self._matmuls[key] = self._matmuls.get(key, 0) + int(batch)
-            return
-        self._pass_bytes += _tensor_bytes(list(args)) + _tensor_bytes(out)
-        self._kernels += 1
 
     def take(self):
         """The compute since the previous call, as the chip reads it (and reset)."""

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""The PyTorch backend's end-to-end tests: user scripts under `podsim run` against the same
+scripts under `torchrun` with gloo, and fault tests with Python ranks.
+
+Run with the Python of the environment `scripts/python_env.sh` prints (torch and podsim's
+package installed):  python scripts/torch_tests.py --podsim target/debug/podsim
+Each case prints one line; the exit code is the number of failed cases.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples", "torch")
+# Every command is bounded: a hang here fails the case instead of the suite.
+DEADLINE_S = 600
+
+
+def run(cmd, env=None):
+    start = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S, env=env, cwd=REPO)
+    return p, time.perf_counter() - start
+
+
+def podsim_run(args, topology, script, *script_args, extra_env=None):
+    out = tempfile.mkdtemp(prefix="podsim-torch-")
+    env = dict(os.environ, **(extra_env or {}))
+    cmd = [args.podsim, "run", "--topology", topology, "--out", out, "--",
+           sys.executable, os.path.join(EXAMPLES, script), *script_args]
+    p, wall = run(cmd, env)
+    report = None
+    path = os.path.join(out, "report.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            report = json.load(f)
+    return p, wall, report
+
+
+def torchrun(nproc, script, *script_args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           os.path.join(EXAMPLES, script), *script_args]
+    return run(cmd)
+
+
+def compare(a_path, b_path, rel):
+    """Largest relative difference (per tensor, by norm) between two saved dicts."""
+    import torch
+
+    a, b = torch.load(a_path), torch.load(b_path)
+    if set(a) != set(b):
+        return float("inf"), f"different keys: {sorted(set(a) ^ set(b))[:5]}"
+    worst, name = 0.0, ""
+    for k in a:
+        diff = (a[k].double() - b[k].double()).norm().item()
+        scale = max(b[k].double().norm().item(), 1e-30)
+        if diff / scale > worst:
+            worst, name = diff / scale, k
+    return worst, name
+
+
+def steps_per_s(text):
+    m = re.findall(r"([0-9.]+) steps/s", text)
+    return float(m[-1]) if m else None
+
+
+def case_same_as_gloo(args, script, topology, tol=1e-6):
+    tmp = tempfile.mkdtemp(prefix="podsim-torch-")
+    mine, theirs = os.path.join(tmp, "podsim.pt"), os.path.join(tmp, "gloo.pt")
+    p, wall, report = podsim_run(args, topology, script, "--out", mine)
+    if p.returncode != 0:
+        return False, f"podsim run exited {p.returncode}: {p.stdout[-600:]}{p.stderr[-600:]}"
+    g, gwall = torchrun(8, script, "--out", theirs)
+    if g.returncode != 0:
+        return False, f"torchrun exited {g.returncode}: {g.stderr[-600:]}"
+    worst, name = compare(mine, theirs, tol)
+    ok = worst <= tol
+    extra = ""
+    if os.path.exists(mine + ".rank0"):
+        for r in range(8):
+            w, n = compare(f"{mine}.rank{r}", f"{theirs}.rank{r}", tol)
+            ok = ok and w <= tol
+            worst = max(worst, w)
+        extra = ", every rank's local shards too"
+    ours, gloos = steps_per_s(p.stdout), steps_per_s(g.stdout)
+    speed = f"; {ours} steps/s vs gloo {gloos}" if ours and gloos else ""
+    steps = len(((report or {}).get("torch") or {}).get("steps", []))
+    return ok, (f"max relative difference {worst:.2e} ({name}){extra}; {steps} steps in the "
+                f"report; wall {wall:.1f} s vs torchrun {gwall:.1f} s{speed}")
+
+
+def leftover(pattern):
+    p = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return [int(x) for x in p.stdout.split()]
+
+
+def case_fault(args, fault, want_kind, want_exit, budget_ms):
+    p, wall, report = podsim_run(args, "2x2x2", "faults.py", "--fault", fault, "--rank", "3",
+                                 "--at", "5")
+    hang = (report or {}).get("hang") or {}
+    culprit = hang.get("culprit") or {}
+    problems = []
+    if p.returncode != want_exit:
+        problems.append(f"exit {p.returncode}, want {want_exit}")
+    if hang.get("kind") != want_kind:
+        problems.append(f"kind {hang.get('kind')}, want {want_kind}")
+    if culprit.get("chip") != 3 and fault != "skip":
+        problems.append(f"culprit chip {culprit.get('chip')}, want 3")
+    detected = hang.get("detected_after_ms")
+    if detected is None or detected > budget_ms:
+        problems.append(f"detected after {detected} ms, budget {budget_ms}")
+    if fault == "sleep":
+        with open(os.path.join(EXAMPLES, "faults.py")) as f:
+            line = next(i for i, l in enumerate(f, 1) if "time.sleep(3600)" in l)
+        stack = culprit.get("python_stack") or []
+        if not stack or f"faults.py:{line} " not in stack[-1]:
+            problems.append(f"python stack ends {stack[-1:]} not at faults.py:{line}")
+    if fault == "skip" and "3" not in hang.get("explanation", ""):
+        problems.append("the desync does not name rank 3")
+    time.sleep(0.5)
+    left = leftover("examples/torch/faults.py")
+    if left:
+        problems.append(f"processes left behind: {left}")
+        for pid in left:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+    detail = f"{hang.get('kind')} on chip {culprit.get('chip')} after {detected} ms: {hang.get('explanation', '')[:300]}"
+    return not problems, "; ".join(problems) or detail
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--podsim", default=os.path.join(REPO, "target", "debug", "podsim"))
+    ap.add_argument("--only", default=None, help="run the cases whose name contains this")
+    args = ap.parse_args()
+    args.podsim = os.path.abspath(args.podsim)
+    cases = [
+        ("ddp matches gloo", lambda: case_same_as_gloo(args, "ddp.py", "2x2x2")),
+        ("fsdp2 matches gloo", lambda: case_same_as_gloo(args, "fsdp.py", "2x2x2")),
+        ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),
+        ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", "stalled_chip", 3, 3000)),
+        ("a skipped all-reduce is a desync", lambda: case_fault(args, "skip", "desync", 4, 1000)),
+        ("a rank that exits is a dead worker", lambda: case_fault(args, "exit", "dead_worker", 3, 3000)),
+    ]
+    failed = 0
+    for name, case in cases:
+        if args.only and args.only not in name:
+            continue
+        try:
+            ok, detail = case()
+        except Exception as e:  # a case that breaks is a failure, not the end of the run
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        failed += not ok
+        print(f"torch test {'ok' if ok else 'FAILED'}: {name}: {detail}", flush=True)
+    print(f"torch tests: {len(cases) - failed if not args.only else '-'} passed, {failed} failed")
+    sys.exit(failed)
+
+
+if __name__ == "__main__":
+    main()
