@@ -16,5 +16,10 @@ PODSIM_TRANSPORT=tcp cargo test -p podsim-coordinator --test faults --test launc
 # (kind and culprit checked; detection times are printed, not enforced on a shared machine).
 python3 scripts/fault_matrix.py --podsim target/debug/podsim --shape 8x8x8 --workers 2 \
     --deadline 120 --check 2>&1 | tee -a "$log"
+# The PyTorch backend against torchrun + gloo, and fault tests with Python ranks, in a virtual
+# environment outside the working tree (created once: torch from PyPI, ~3 GB; reused after).
+py=$(bash scripts/python_env.sh)
+PODSIM_PYTHON="$py" "$py" scripts/torch_tests.py --podsim target/debug/podsim 2>&1 | tee -a "$log"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
+     /^torch tests:/ { p += $3; f += $5 }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

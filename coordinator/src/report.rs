@@ -9,6 +9,8 @@ use podsim_collectives::trace::{ChipTrace, Span};
 use podsim_worker::job::{ChipStepReport, Program};
 use serde::Serialize;
 
+use crate::watchdog::HangKind;
+
 use crate::JobStatus;
 use crate::bench::iteration_times;
 use crate::config::JobConfig;
@@ -276,6 +278,9 @@ pub struct Hang {
     /// From the moment the fault took effect (the injected fault firing, else the culprit's
     /// last sign of life) to the diagnosis.
     pub detected_after_ms: f64,
+    /// When the diagnosis was made, ms since the Unix epoch (to line it up with the logs of a
+    /// program, e.g. a PyTorch rank that printed when it went wrong).
+    pub detected_at_unix_ms: f64,
     /// How many chips were left waiting, and their ids as inclusive ranges `[first, last]`
     /// (the full lists are in the flight recorders).
     pub waiting_count: u64,
@@ -335,13 +340,21 @@ pub struct Culprit {
 
 /// The explanation, and where a PyTorch culprit's Python program sits (its innermost frame).
 fn with_python_line(
-    explanation: &str,
+    f: &crate::watchdog::Finding,
     recorders: &BTreeMap<u32, serde_json::Value>,
-    chip: Option<u32>,
 ) -> String {
-    match host_stack_of(recorders, chip).last() {
-        Some(line) => format!("{explanation} Its Python program is at {line}."),
-        None => explanation.to_string(),
+    let stack = host_stack_of(recorders, f.chip);
+    let (Some(line), Some(chip)) = (stack.last(), f.chip) else {
+        return f.explanation.clone();
+    };
+    match f.kind {
+        HangKind::StalledChip => format!(
+            "{} Rank {chip}'s Python program is at {line}.",
+            f.explanation
+        ),
+        HangKind::DeadWorker => format!("{} Rank {chip} was last seen at {line}.", f.explanation),
+        // A desync names both calls' lines itself.
+        _ => f.explanation.clone(),
     }
 }
 
@@ -401,9 +414,10 @@ pub fn add_hang(report: &mut Report, cfg: &JobConfig, h: &crate::launch::HangRep
         seq: f.seq,
         op: f.op.clone(),
         detected_after_ms: h.detected_wall_ns.saturating_sub(effect) as f64 / 1e6,
+        detected_at_unix_ms: h.detected_wall_ns as f64 / 1e6,
         waiting_count: f.waiting.count(),
         waiting_chips: f.waiting.0.clone(),
-        explanation: with_python_line(&f.explanation, &h.recorders, f.chip),
+        explanation: with_python_line(f, &h.recorders),
         flight_recorders: files,
     });
 }

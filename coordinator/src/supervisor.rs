@@ -324,8 +324,14 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
         op,
         waiting: watchdog.waiting_chips(),
         explanation: format!(
-            "Chip {} is in {mine} but chip {} is in {}: the chips' programs diverged (a skipped or different collective); check the control flow that leads to this collective on both chips.",
-            d.chip, d.peer, d.theirs
+            "Chip {} is in {mine} but chip {} is in {}: the chips' programs diverged (a skipped or different collective); check the control flow that leads to this collective on both chips.{}",
+            d.chip,
+            d.peer,
+            d.theirs,
+            d.sites
+                .iter()
+                .map(|(chip, site)| format!(" Rank {chip} made its call at {site}."))
+                .collect::<String>()
         ),
         effect_wall_ns: podsim_collectives::wall_ns(),
     }
@@ -506,6 +512,7 @@ mod tests {
             link: None,
             faults: Vec::new(),
             rank_exit: None,
+            sites: Vec::new(),
         };
         let failure = Body::Failure(pb::WorkerFailure {
             error: "desync".into(),

@@ -26,6 +26,9 @@ model = common.TinyTransformer()
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 for step in range(args.steps):
     faulty = rank == args.rank and step == args.at
+    if faulty:
+        # When the fault happens, for the tests' measure of how fast it is diagnosed.
+        print(f"fault {args.fault} at {time.time():.6f}", flush=True)
     if faulty and args.fault == "exit":
         os._exit(1)
     if faulty and args.fault == "sleep":

@@ -29,6 +29,16 @@ pub enum WorkerError {
     /// Debug mode: replicas that must hold the same values do not.
     #[error("replicas diverged after step {step}: {detail}")]
     Diverged { step: u64, detail: String },
+    /// A collective of PyTorch ranks that failed (a desync), with the line of each rank's
+    /// program that made its call.
+    #[error("{error} (chip {chip} called at {mine}; chip {peer} at {theirs})")]
+    AtCallSites {
+        error: Box<CollectiveError>,
+        chip: u32,
+        mine: String,
+        peer: u32,
+        theirs: String,
+    },
     /// A PyTorch rank's process ended before its job did (or badly).
     #[error("rank {chip} (pid {pid}) {how}")]
     RankExited {

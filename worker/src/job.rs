@@ -112,6 +112,9 @@ pub struct FailureReport {
     /// `rank_exit`: the rank's process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank_exit: Option<RankExitReport>,
+    /// PyTorch ranks: where each chip's program made the call (chip, `file:line function`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sites: Vec<(u32, String)>,
 }
 
 /// A PyTorch rank whose process ended before its job did.
@@ -132,6 +135,18 @@ impl FailureReport {
     /// The desync inside `e`, if it is one.
     pub fn from_error(e: &crate::WorkerError) -> Option<FailureReport> {
         match e {
+            crate::WorkerError::AtCallSites {
+                error,
+                chip,
+                mine,
+                peer,
+                theirs,
+            } => FailureReport::from_error(&crate::WorkerError::Collective((**error).clone())).map(
+                |r| FailureReport {
+                    sites: vec![(*chip, mine.clone()), (*peer, theirs.clone())],
+                    ..r
+                },
+            ),
             crate::WorkerError::Collective(CollectiveError::Desync {
                 chip,
                 expected,
@@ -147,6 +162,7 @@ impl FailureReport {
                 link: Some(*link),
                 faults: Vec::new(),
                 rank_exit: None,
+                sites: Vec::new(),
             }),
             crate::WorkerError::Collective(CollectiveError::Mismatch {
                 chip,
@@ -162,6 +178,7 @@ impl FailureReport {
                 link: None,
                 faults: Vec::new(),
                 rank_exit: None,
+                sites: Vec::new(),
             }),
             crate::WorkerError::Collective(CollectiveError::Corrupt {
                 chip,
@@ -177,6 +194,7 @@ impl FailureReport {
                 link: Some(*link),
                 faults: Vec::new(),
                 rank_exit: None,
+                sites: Vec::new(),
             }),
             crate::WorkerError::RankExited {
                 chip,
@@ -196,6 +214,7 @@ impl FailureReport {
                     how: how.clone(),
                     stderr_tail: stderr_tail.clone(),
                 }),
+                sites: Vec::new(),
             }),
             _ => None,
         }

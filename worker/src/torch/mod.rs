@@ -76,6 +76,46 @@ pub struct RankStep {
     pub exposed_comm_ns: f64,
 }
 
+/// Where each rank made its latest call (`file:line function`), so that a desync names the
+/// line of both programs.
+#[derive(Debug, Clone, Default)]
+pub struct CallSites(Arc<std::sync::Mutex<std::collections::HashMap<u32, String>>>);
+
+impl CallSites {
+    pub fn set(&self, chip: u32, site: Option<String>) {
+        if let (Ok(mut map), Some(site)) = (self.0.lock(), site) {
+            map.insert(chip, site);
+        }
+    }
+
+    pub fn get(&self, chip: u32) -> String {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&chip).cloned())
+            .unwrap_or_else(|| "an unknown line".into())
+    }
+
+    /// `error` with both chips' call sites, when it is a disagreement between two chips.
+    pub fn name(&self, error: podsim_collectives::CollectiveError) -> WorkerError {
+        use podsim_collectives::CollectiveError as E;
+        let pair = match &error {
+            E::Desync { chip, peer, .. } | E::Mismatch { chip, peer, .. } => Some((*chip, *peer)),
+            _ => None,
+        };
+        match pair {
+            Some((chip, peer)) => WorkerError::AtCallSites {
+                mine: self.get(chip),
+                theirs: self.get(peer),
+                error: Box::new(error),
+                chip,
+                peer,
+            },
+            None => error.into(),
+        }
+    }
+}
+
 /// Starts a rank per chip and serves each until it exits; `done` counts marked steps.
 pub async fn run(
     chips: Vec<Chip>,
@@ -90,15 +130,17 @@ pub async fn run(
     let ranks: std::collections::HashMap<u32, ranks::Rank> =
         ranks.into_iter().map(|r| (r.rank, r)).collect();
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
+    let sites = CallSites::default();
     run_chips(chips, |mut chip| {
         let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
+        let sites = sites.clone();
         async move {
             let rank = ranks
                 .lock()
                 .ok()
                 .and_then(|mut r| r.remove(&chip.id()))
                 .ok_or_else(|| WorkerError::Internal(format!("no rank for chip {}", chip.id())))?;
-            let report = serve::serve(&mut chip, rank, &spec).await?;
+            let report = serve::serve(&mut chip, rank, &spec, &sites).await?;
             done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
             Ok::<_, WorkerError>(report)
         }

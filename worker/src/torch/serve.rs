@@ -11,7 +11,7 @@ use podsim_topology::{Group, Hardware};
 
 use super::ranks::{Rank, RankExit, RankLink, exited};
 use super::wire::{Compute, Frame, Reply, Request};
-use super::{OpTotals, RankReport, RankStep, TorchSpec};
+use super::{CallSites, OpTotals, RankReport, RankStep, TorchSpec};
 use crate::error::WorkerError;
 use crate::train::kernels::Kernel;
 
@@ -20,10 +20,11 @@ const EXIT_GRACE: Duration = Duration::from_secs(30);
 
 /// How often a chip looks at its rank's CPU time while it waits for the rank's next request.
 const BUSY_TICK: Duration = Duration::from_millis(100);
-/// The window over which a rank must have used [`BUSY_TICKS`] clock ticks of CPU to count as
-/// busy (a rank in `time.sleep` or a deadlock uses none; its stack sampler about 0.3 %).
+/// The window (in ticks of [`BUSY_TICK`]) over which a rank must have used [`BUSY_TICKS`]
+/// clock ticks (10 ms each) of CPU to count as busy: a rank in `time.sleep` or a deadlock uses
+/// none, its stack sampler about 0.3 % of a core.
 const BUSY_WINDOW: usize = 5;
-const BUSY_TICKS: u64 = 5;
+const BUSY_TICKS: u64 = 2;
 
 /// Whether the rank is working between requests (importing torch, computing, loading data)
 /// or sitting still: the chip shows a working rank as computing, so that the watchdog does
@@ -85,7 +86,22 @@ fn cpu_ticks(pid: u32) -> Option<(u64, bool)> {
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime, fields.first() == Some(&"R")))
+    Some((utime + stime, any_thread_running(pid)))
+}
+
+/// Whether a thread of process `pid` is running or waiting for a core (the work of a rank
+/// may be on a thread other than its first: autograd, a data loader thread).
+fn any_thread_running(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().any(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            stat.rfind(')')
+                .and_then(|at| stat[at + 1..].split_whitespace().next())
+                == Some("R")
+        })
+    })
 }
 
 /// Virtual ns of the work in `compute` on `hw`.
@@ -124,6 +140,7 @@ pub async fn serve(
     chip: &mut Chip,
     mut rank: Rank,
     spec: &TorchSpec,
+    sites: &CallSites,
 ) -> Result<RankReport, WorkerError> {
     let mut served = Served {
         groups: HashMap::new(),
@@ -168,7 +185,7 @@ pub async fn serve(
             Some(Err(e)) => return Err(WorkerError::Invalid(e)),
             None => break,
         };
-        handle(chip, &mut served, &mut link, spec, frame, values).await?;
+        handle(chip, &mut served, &mut link, spec, sites, frame, values).await?;
     }
     let exit = wait_exit(&mut rank).await;
     finish(chip, rank, served, exit)
@@ -219,6 +236,7 @@ async fn handle(
     served: &mut Served,
     link: &mut RankLink,
     spec: &TorchSpec,
+    sites: &CallSites,
     frame: Frame,
     values: Vec<f32>,
 ) -> Result<(), WorkerError> {
@@ -269,6 +287,7 @@ async fn handle(
             )));
         }
         request => {
+            sites.set(chip.id(), frame.site);
             let before = chip.clock();
             let bytes = 4 * values.len() as u64;
             let (op, result) = match collective(chip, served, request, values).await {
@@ -278,7 +297,10 @@ async fn handle(
                     return Ok(());
                 }
             };
-            let result = result?;
+            let result = result.map_err(|e| match e {
+                WorkerError::Collective(c) => sites.name(c),
+                other => other,
+            })?;
             let spent = chip.clock() - before;
             served.step_comm_ns += spent;
             served.report.comm_ns += spent;

@@ -1,0 +1,96 @@
+//! `podsim run` with ranks that speak the rank protocol without torch (`fake_rank.py`, the
+//! standard library only): rank processes, their output, the collectives they call, the
+//! report, and what happens to garbage, a wrong token and a rank that dies. The real torch
+//! backend is tested by `scripts/torch_tests.py` (run by the test command).
+#![allow(clippy::unwrap_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+const FAKE_RANK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fake_rank.py");
+
+fn run_fake(dir_name: &str, what: &str) -> (std::process::Output, serde_json::Value) {
+    let dir = temp_dir(dir_name);
+    let mut cmd = podsim();
+    cmd.args(["run", "--topology", "2x2", "--out"])
+        .arg(&dir)
+        .args(["--", "python3", FAKE_RANK])
+        .env("FAKE_RANK_DO", what);
+    let out = run_bounded(cmd, Duration::from_secs(120));
+    (out, report(&dir))
+}
+
+#[test]
+fn ranks_run_their_collectives_on_the_chips_and_the_report_has_each_rank() {
+    let (out, report) = run_fake("torch-run-sum", "sum");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for rank in 0..4 {
+        assert!(
+            stdout.contains(&format!("[rank {rank}] rank {rank} sum [6.0, 4.0] ok")),
+            "{stdout}"
+        );
+        // {0, 3} is not a sub-torus of 2x2: refused at the call, with the reason.
+        assert!(
+            stdout.contains(&format!("[rank {rank}] rank {rank} refused group")),
+            "{stdout}"
+        );
+    }
+    let torch = &report["torch"];
+    assert_eq!(torch["ranks"].as_array().unwrap().len(), 4);
+    let r0 = &torch["ranks"][0];
+    assert_eq!(r0["collectives"][0]["op"], "all-reduce");
+    assert_eq!(r0["collectives"][0]["calls"], 1);
+    // The compute the rank reported was charged before its collective.
+    assert!(r0["compute_ns"].as_f64().unwrap() > 0.0);
+    assert!(r0["comm_ns"].as_f64().unwrap() > 0.0);
+    assert_eq!(torch["steps"].as_array().unwrap().len(), 1);
+    assert_eq!(report["status"], "ok");
+}
+
+#[test]
+fn a_rank_that_dies_is_a_dead_worker_naming_it_and_its_exit_code() {
+    let (out, report) = run_fake("torch-run-exit", "exit");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let hang = &report["hang"];
+    assert_eq!(hang["kind"], "dead_worker");
+    assert_eq!(hang["culprit"]["chip"], 2);
+    assert!(
+        hang["explanation"]
+            .as_str()
+            .unwrap()
+            .contains("exited with code 7"),
+        "{hang}"
+    );
+}
+
+#[test]
+fn a_garbage_frame_fails_the_job_naming_the_rank() {
+    let (out, report) = run_fake("torch-run-garbage", "garbage");
+    assert!(!out.status.success());
+    let error = report["error"].as_str().unwrap_or_default().to_string();
+    assert!(
+        error.contains("rank 1") && error.contains("magic"),
+        "{error}\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn a_rank_with_the_wrong_token_is_refused() {
+    let (out, _) = run_fake("torch-run-token", "wrong-token");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("refused: wrong job token"), "{stdout}");
+}
