@@ -142,6 +142,13 @@ def case_fault(args, fault, want_kind, want_exit, budget_ms):
     return not problems, "; ".join(problems) or detail
 
 
+def case_api(args):
+    """Every supported call against values each rank computes itself."""
+    p, wall, report = podsim_run(args, "2x2x2", "api.py")
+    oks = p.stdout.count(": api ok")
+    return p.returncode == 0 and oks == 8, f"{oks} of 8 ranks ok, exit {p.returncode}{'' if oks == 8 else ': ' + p.stdout[-800:]}"
+
+
 def case_config_fault(args):
     """podsim's own [[faults]] on a kind = "torch" job: chip 2 stalls at step 5."""
     out = tempfile.mkdtemp(prefix="podsim-torch-")
@@ -162,6 +169,7 @@ def main():
     args = ap.parse_args()
     args.podsim = os.path.abspath(args.podsim)
     cases = [
+        ("every supported call is right", lambda: case_api(args)),
         ("ddp matches gloo", lambda: case_same_as_gloo(args, "ddp.py", "2x2x2")),
         ("fsdp2 matches gloo", lambda: case_same_as_gloo(args, "fsdp.py", "2x2x2")),
         ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),

@@ -96,12 +96,6 @@ impl Chip {
         input: &Payload,
         reduce: Option<ReduceOp>,
     ) -> Result<Fingerprint, CollectiveError> {
-        if !input.is_meta() && comm.dtype != DType::F32 {
-            return Err(CollectiveError::Invalid(format!(
-                "data mode moves f32 values; {} is only supported in meta mode",
-                comm.dtype.name()
-            )));
-        }
         let fp = self
             .begin(comm.group, op, comm.dtype, input.len(), reduce)
             .await;

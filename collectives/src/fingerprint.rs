@@ -91,7 +91,9 @@ impl FromStr for OpKind {
     }
 }
 
-/// Element type. Data mode moves f32 values; meta mode can also model bf16 sizes.
+/// Element type, as the modelled links carry it. Data mode moves f32 values: a bf16
+/// collective in data mode reduces them in f32 and charges 2 bytes per element (a PyTorch rank
+/// widens its 16-bit tensors and rounds the result back; podsim's own programs stay f32).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
