@@ -28,10 +28,10 @@ def run(cmd, env=None):
     return p, time.perf_counter() - start
 
 
-def podsim_run(args, topology, script, *script_args, extra_env=None):
+def podsim_run(args, topology, script, *script_args, extra_env=None, flags=()):
     out = tempfile.mkdtemp(prefix="podsim-torch-")
     env = dict(os.environ, **(extra_env or {}))
-    cmd = [args.podsim, "run", "--topology", topology, "--out", out, "--",
+    cmd = [args.podsim, "run", "--topology", topology, *flags, "--out", out, "--",
            sys.executable, os.path.join(EXAMPLES, script), *script_args]
     p, wall = run(cmd, env)
     report = None
@@ -142,9 +142,9 @@ def case_fault(args, fault, want_kind, want_exit, budget_ms):
     return not problems, "; ".join(problems) or detail
 
 
-def case_api(args):
+def case_api(args, topology="2x2x2", flags=()):
     """Every supported call against values each rank computes itself."""
-    p, wall, report = podsim_run(args, "2x2x2", "api.py")
+    p, wall, report = podsim_run(args, topology, "api.py", flags=flags)
     oks = p.stdout.count(": api ok")
     return p.returncode == 0 and oks == 8, f"{oks} of 8 ranks ok, exit {p.returncode}{'' if oks == 8 else ': ' + p.stdout[-800:]}"
 
@@ -170,6 +170,7 @@ def main():
     args.podsim = os.path.abspath(args.podsim)
     cases = [
         ("every supported call is right", lambda: case_api(args)),
+        ("every supported call is right on 2 slices", lambda: case_api(args, "2x2", ["--slices", "2"])),
         ("ddp matches gloo", lambda: case_same_as_gloo(args, "ddp.py", "2x2x2")),
         ("fsdp2 matches gloo", lambda: case_same_as_gloo(args, "fsdp.py", "2x2x2")),
         ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),

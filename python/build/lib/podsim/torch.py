@@ -149,14 +149,26 @@ def step():
 
 
 def torus_mesh(names=None):
-    """A device mesh shaped like the emulated torus, one mesh dimension per torus axis
-    (outermost first: `z, y, x`), so that each dimension's groups are torus rings."""
+    """A device mesh shaped like the emulated pod, one mesh dimension per torus axis
+    (outermost first: `dcn` when there are several slices, then `z, y, x`), so that each
+    dimension's groups are torus rings (or the DCN links between slices)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = [int(d) for d in os.environ["PODSIM_TOPOLOGY"].split("x")]
-    shape = tuple(reversed(dims))
-    names = names or tuple(reversed(["x", "y", "z"][: len(dims)]))
-    return init_device_mesh("cpu", shape, mesh_dim_names=tuple(names))
+    shape = list(reversed(dims))
+    default = list(reversed(["x", "y", "z"][: len(dims)]))
+    slices = dist.get_world_size() // max(1, _product(dims))
+    if slices > 1:  # slices joined by DCN: the outermost dimension
+        shape.insert(0, slices)
+        default.insert(0, "dcn")
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names or default))
+
+
+def _product(values):
+    out = 1
+    for v in values:
+        out *= v
+    return out
 
 
 # ---- values on the wire -------------------------------------------------------------------
