@@ -475,8 +475,57 @@ pub struct ChipMemory {
 /// A failed job still lists the workers that had joined (`roster`), with the chips placed on
 /// each.
 pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>) -> Report {
+    let mut report = empty(cfg);
+    let out = match outcome {
+        Ok(out) => out,
+        Err((e, roster)) => {
+            report.status = JobStatus::Error;
+            report.error = Some(e);
+            report.workers = joined_workers(cfg, roster);
+            return report;
+        }
+    };
+    report.wall_s = out.wall.as_secs_f64();
+    let traces: Vec<&ChipTrace> = out.reports.iter().flat_map(|r| &r.traces).collect();
+    report.timelines = timelines(&traces);
+    report.stragglers = out.stragglers.clone();
+    report.faults_injected = out.faults.clone();
+    report.workers = finished_workers(out);
+    let steps: Vec<&ChipStepReport> = out.reports.iter().flat_map(|r| &r.steps).collect();
+    report.correctness.elements_checked = steps.iter().map(|s| s.checked).sum();
+    report.correctness.wrong_elements = steps.iter().map(|s| s.wrong).sum();
+    report.link_errors = out
+        .reports
+        .iter()
+        .flat_map(|r| r.link_errors.clone())
+        .collect();
+    report.virtual_s = steps
+        .iter()
+        .flat_map(|s| s.calls.iter().map(|c| c.virtual_end_ns))
+        .fold(0.0, f64::max)
+        / 1e9;
+    match &cfg.program {
+        Program::Collectives {
+            script, iterations, ..
+        } => collectives(&mut report, &cfg.pod, script, *iterations, &steps),
+        Program::Train(spec) => training(&mut report, &cfg.pod, cfg.hardware.peak_flops, spec, out),
+        Program::Torch(spec) => torch(&mut report, spec, out),
+        Program::Bench { .. } => {}
+    }
+    if report.correctness.wrong_elements > 0 {
+        report.status = JobStatus::WrongResults;
+        report.error = Some(format!(
+            "{} wrong elements",
+            report.correctness.wrong_elements
+        ));
+    }
+    report
+}
+
+/// The report of `cfg` before anything ran.
+fn empty(cfg: &JobConfig) -> Report {
     let pod = &cfg.pod;
-    let mut report = Report {
+    Report {
         podsim_version: env!("CARGO_PKG_VERSION"),
         job: JobInfo {
             name: cfg.name.clone(),
@@ -514,127 +563,119 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
         wall_s: 0.0,
         link_errors: Vec::new(),
         timelines: Vec::new(),
-    };
-    let out = match outcome {
-        Ok(out) => out,
-        Err((e, roster)) => {
-            report.status = JobStatus::Error;
-            report.error = Some(e);
-            let placement = podsim_topology::Placement::new(pod, cfg.workers).ok();
-            report.workers = roster
-                .iter()
-                .map(|w| WorkerEntry {
-                    id: w.id,
-                    pid: w.pid,
-                    address: w.link_addr.clone(),
-                    chips: placement
-                        .as_ref()
-                        .map(|p| p.chips_of(w.id))
-                        .unwrap_or_default(),
-                    peak_rss_bytes: 0,
-                    messages_sent: 0,
-                    bytes_sent: 0,
-                    links: Vec::new(),
-                })
-                .collect();
-            return report;
-        }
-    };
-    report.wall_s = out.wall.as_secs_f64();
-    let traces: Vec<&ChipTrace> = out.reports.iter().flat_map(|r| &r.traces).collect();
-    report.timelines = timelines(&traces);
-    report.stragglers = out.stragglers.clone();
-    report.faults_injected = out.faults.clone();
-    for info in &out.workers {
-        let r = out.reports.iter().find(|r| r.worker == info.id);
-        report.workers.push(WorkerEntry {
-            id: info.id,
-            pid: info.pid,
-            address: info.link_addr.clone(),
-            chips: r.map(|r| r.chips.clone()).unwrap_or_default(),
-            peak_rss_bytes: r.map_or(0, |r| r.peak_rss_bytes),
-            messages_sent: r.map_or(0, |r| r.messages_sent),
-            bytes_sent: r.map_or(0, |r| r.bytes_sent),
-            links: r.map(|r| r.links.clone()).unwrap_or_default(),
-        });
     }
-    let steps: Vec<&ChipStepReport> = out.reports.iter().flat_map(|r| &r.steps).collect();
-    report.correctness.elements_checked = steps.iter().map(|s| s.checked).sum();
-    report.correctness.wrong_elements = steps.iter().map(|s| s.wrong).sum();
-    report.link_errors = out
-        .reports
+}
+
+/// A failed job's workers: those that had joined, with the chips placed on each.
+fn joined_workers(cfg: &JobConfig, roster: &[WorkerInfo]) -> Vec<WorkerEntry> {
+    let placement = podsim_topology::Placement::new(&cfg.pod, cfg.workers).ok();
+    roster
         .iter()
-        .flat_map(|r| r.link_errors.clone())
-        .collect();
-    report.virtual_s = steps
+        .map(|w| WorkerEntry {
+            id: w.id,
+            pid: w.pid,
+            address: w.link_addr.clone(),
+            chips: placement
+                .as_ref()
+                .map(|p| p.chips_of(w.id))
+                .unwrap_or_default(),
+            peak_rss_bytes: 0,
+            messages_sent: 0,
+            bytes_sent: 0,
+            links: Vec::new(),
+        })
+        .collect()
+}
+
+/// A finished job's workers, with what each reported.
+fn finished_workers(out: &Outcome) -> Vec<WorkerEntry> {
+    out.workers
         .iter()
-        .flat_map(|s| s.calls.iter().map(|c| c.virtual_end_ns))
-        .fold(0.0, f64::max)
-        / 1e9;
-    if let Program::Torch(spec) = &cfg.program {
-        let mut ranks: Vec<podsim_worker::torch::RankReport> =
-            out.reports.iter().flat_map(|r| r.torch.clone()).collect();
-        ranks.sort_by_key(|r| r.rank);
-        report.virtual_s = ranks.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
-        report.torch = Some(TorchRun {
-            command: spec.command.clone(),
-            steps: torch_steps(&ranks),
-            ranks,
-        });
-    }
-    let mut hists: BTreeMap<String, Histogram<u64>> = BTreeMap::new();
-    if let Program::Collectives {
-        script, iterations, ..
-    } = &cfg.program
-    {
-        for (k, step) in script.iter().enumerate() {
-            let mut entry = CollectiveEntry {
-                step: k,
-                op: step.op.to_string(),
-                bytes: step.bytes,
-                algo: step.algo.to_string(),
-                group: step.group.to_string(),
-                group_size: step.group.size(&cfg.pod),
-                calls: Vec::new(),
-                virtual_algbw_gbps: 0.0,
-                virtual_busbw_gbps: 0.0,
-            };
-            for it in 0..*iterations {
-                let mine: Vec<ChipStepReport> = steps
-                    .iter()
-                    .filter(|s| s.step == k && s.iteration == it)
-                    .map(|s| (*s).clone())
-                    .collect();
-                for (wall_s, virtual_s) in iteration_times(&mine) {
-                    entry.calls.push(CallTimes {
-                        iteration: it,
-                        wall_s,
-                        virtual_s,
-                    });
-                    let h = match hists.entry(step.op.to_string()) {
-                        Entry::Occupied(o) => o.into_mut(),
-                        Entry::Vacant(v) => match Histogram::new(3) {
-                            Ok(h) => v.insert(h),
-                            Err(_) => continue,
-                        },
-                    };
-                    h.saturating_record((wall_s * 1e6).round().max(1.0) as u64);
-                }
+        .map(|info| {
+            let r = out.reports.iter().find(|r| r.worker == info.id);
+            WorkerEntry {
+                id: info.id,
+                pid: info.pid,
+                address: info.link_addr.clone(),
+                chips: r.map(|r| r.chips.clone()).unwrap_or_default(),
+                peak_rss_bytes: r.map_or(0, |r| r.peak_rss_bytes),
+                messages_sent: r.map_or(0, |r| r.messages_sent),
+                bytes_sent: r.map_or(0, |r| r.bytes_sent),
+                links: r.map(|r| r.links.clone()).unwrap_or_default(),
             }
-            // The buffer as moved (a whole number of elements), as `podsim bench` reports it.
-            let bytes = podsim_worker::bench::buffer_bytes(
-                step.op,
-                step.count(&cfg.pod),
-                step.dtype,
-                entry.group_size,
-            );
-            let n = entry.calls.len().max(1) as f64;
-            let mean_virtual_s = entry.calls.iter().map(|c| c.virtual_s).sum::<f64>() / n;
-            entry.virtual_algbw_gbps = crate::bench::algbw_gbps(bytes, mean_virtual_s);
-            entry.virtual_busbw_gbps =
-                entry.virtual_algbw_gbps * step.op.busbw_factor(entry.group_size);
-            report.collectives.push(entry);
+        })
+        .collect()
+}
+
+/// A PyTorch program's ranks and steps; the job's virtual time is its latest rank clock.
+fn torch(report: &mut Report, spec: &podsim_worker::torch::TorchSpec, out: &Outcome) {
+    let mut ranks: Vec<podsim_worker::torch::RankReport> =
+        out.reports.iter().flat_map(|r| r.torch.clone()).collect();
+    ranks.sort_by_key(|r| r.rank);
+    report.virtual_s = ranks.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
+    report.torch = Some(TorchRun {
+        command: spec.command.clone(),
+        steps: torch_steps(&ranks),
+        ranks,
+    });
+}
+
+/// A collectives job: each scripted collective's calls, bandwidths and wall latencies.
+fn collectives(
+    report: &mut Report,
+    pod: &podsim_topology::Pod,
+    script: &[podsim_worker::job::CollectiveStep],
+    iterations: u32,
+    steps: &[&ChipStepReport],
+) {
+    let mut hists: BTreeMap<String, Histogram<u64>> = BTreeMap::new();
+    for (k, step) in script.iter().enumerate() {
+        let mut entry = CollectiveEntry {
+            step: k,
+            op: step.op.to_string(),
+            bytes: step.bytes,
+            algo: step.algo.to_string(),
+            group: step.group.to_string(),
+            group_size: step.group.size(pod),
+            calls: Vec::new(),
+            virtual_algbw_gbps: 0.0,
+            virtual_busbw_gbps: 0.0,
+        };
+        for it in 0..iterations {
+            let mine: Vec<ChipStepReport> = steps
+                .iter()
+                .filter(|s| s.step == k && s.iteration == it)
+                .map(|s| (*s).clone())
+                .collect();
+            for (wall_s, virtual_s) in iteration_times(&mine) {
+                entry.calls.push(CallTimes {
+                    iteration: it,
+                    wall_s,
+                    virtual_s,
+                });
+                let h = match hists.entry(step.op.to_string()) {
+                    Entry::Occupied(o) => o.into_mut(),
+                    Entry::Vacant(v) => match Histogram::new(3) {
+                        Ok(h) => v.insert(h),
+                        Err(_) => continue,
+                    },
+                };
+                h.saturating_record((wall_s * 1e6).round().max(1.0) as u64);
+            }
         }
+        // The buffer as moved (a whole number of elements), as `podsim bench` reports it.
+        let bytes = podsim_worker::bench::buffer_bytes(
+            step.op,
+            step.count(pod),
+            step.dtype,
+            entry.group_size,
+        );
+        let n = entry.calls.len().max(1) as f64;
+        let mean_virtual_s = entry.calls.iter().map(|c| c.virtual_s).sum::<f64>() / n;
+        entry.virtual_algbw_gbps = crate::bench::algbw_gbps(bytes, mean_virtual_s);
+        entry.virtual_busbw_gbps =
+            entry.virtual_algbw_gbps * step.op.busbw_factor(entry.group_size);
+        report.collectives.push(entry);
     }
     for (op, h) in hists {
         report.latency_us.insert(
@@ -647,17 +688,6 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
             },
         );
     }
-    if let Program::Train(spec) = &cfg.program {
-        training(&mut report, &cfg.pod, cfg.hardware.peak_flops, spec, out);
-    }
-    if report.correctness.wrong_elements > 0 {
-        report.status = JobStatus::WrongResults;
-        report.error = Some(format!(
-            "{} wrong elements",
-            report.correctness.wrong_elements
-        ));
-    }
-    report
 }
 
 /// Samples of one training step over the pod: per data-parallel rank, times ranks, times
@@ -686,53 +716,12 @@ fn training(
     let mut chips: Vec<&podsim_worker::train::ChipTrainReport> =
         out.reports.iter().flat_map(|r| &r.train).collect();
     chips.sort_by_key(|c| c.chip);
-    // Steps by number (a resumed run reports the steps after its checkpoint).
-    let numbers: std::collections::BTreeSet<u32> = chips
-        .iter()
-        .flat_map(|c| c.steps.iter().map(|r| r.step))
-        .collect();
-    let steps: Vec<TrainStep> = numbers
-        .into_iter()
-        .map(|n| {
-            let records: Vec<&podsim_worker::train::StepRecord> = chips
-                .iter()
-                .filter_map(|c| c.steps.iter().find(|r| r.step == n))
-                .collect();
-            let losses: Vec<f64> = records.iter().filter_map(|r| r.loss).collect();
-            let max = |f: &dyn Fn(&podsim_worker::train::StepRecord) -> f64| {
-                records.iter().map(|r| f(r)).fold(0.0, f64::max)
-            };
-            TrainStep {
-                step: n,
-                loss: (!losses.is_empty())
-                    .then(|| losses.iter().sum::<f64>() / losses.len() as f64),
-                virtual_ms: max(&|r| r.virtual_ns) / 1e6,
-                compute_ms: max(&|r| r.compute_ns) / 1e6,
-                comm_ms: max(&|r| r.comm_ns) / 1e6,
-                exposed_comm_ms: max(&|r| r.exposed_ns) / 1e6,
-                wall_ms: max(&|r| r.wall_ns as f64) / 1e6,
-                host_activations_bytes: records
-                    .iter()
-                    .map(|r| r.host_activations_bytes)
-                    .max()
-                    .unwrap_or(0),
-            }
-        })
-        .collect();
+    let steps = train_steps(&chips);
     let mut walls: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
     walls.sort_by(f64::total_cmp);
     let median = walls.get(walls.len() / 2).copied().unwrap_or(0.0);
     report.virtual_s = steps.iter().map(|s| s.virtual_ms).sum::<f64>() / 1e3;
-    let replicas: Vec<bool> = chips.iter().filter_map(|c| c.replicas_identical).collect();
-    report.correctness.replicas_identical =
-        (!replicas.is_empty()).then(|| replicas.iter().all(|r| *r));
-    report.correctness.max_abs_diff = chips.iter().find_map(|c| c.max_abs_diff);
-    report.correctness.max_rel_diff = chips.iter().find_map(|c| c.max_rel_diff);
-    report.correctness.final_params_hash = chips.iter().find_map(|c| c.params_hash.clone());
-    if report.correctness.replicas_identical == Some(false) {
-        report.status = JobStatus::WrongResults;
-        report.error = Some("replicas ended with different parameters".into());
-    }
+    training_correctness(report, &chips);
     let global_batch = global_batch(pod, spec);
     let flops_per_step = spec.model.step_flops(global_batch as f64);
     let mut by_time: Vec<&TrainStep> = steps.iter().collect();
@@ -768,6 +757,58 @@ fn training(
             })
             .collect(),
     });
+}
+
+/// Each training step over every chip: the mean loss, the slowest chip's times. Steps by
+/// number: a resumed run reports the steps after its checkpoint.
+fn train_steps(chips: &[&podsim_worker::train::ChipTrainReport]) -> Vec<TrainStep> {
+    let numbers: std::collections::BTreeSet<u32> = chips
+        .iter()
+        .flat_map(|c| c.steps.iter().map(|r| r.step))
+        .collect();
+    numbers
+        .into_iter()
+        .map(|n| {
+            let records: Vec<&podsim_worker::train::StepRecord> = chips
+                .iter()
+                .filter_map(|c| c.steps.iter().find(|r| r.step == n))
+                .collect();
+            let losses: Vec<f64> = records.iter().filter_map(|r| r.loss).collect();
+            let max = |f: &dyn Fn(&podsim_worker::train::StepRecord) -> f64| {
+                records.iter().map(|r| f(r)).fold(0.0, f64::max)
+            };
+            TrainStep {
+                step: n,
+                loss: (!losses.is_empty())
+                    .then(|| losses.iter().sum::<f64>() / losses.len() as f64),
+                virtual_ms: max(&|r| r.virtual_ns) / 1e6,
+                compute_ms: max(&|r| r.compute_ns) / 1e6,
+                comm_ms: max(&|r| r.comm_ns) / 1e6,
+                exposed_comm_ms: max(&|r| r.exposed_ns) / 1e6,
+                wall_ms: max(&|r| r.wall_ns as f64) / 1e6,
+                host_activations_bytes: records
+                    .iter()
+                    .map(|r| r.host_activations_bytes)
+                    .max()
+                    .unwrap_or(0),
+            }
+        })
+        .collect()
+}
+
+/// Training's checks of the final parameters: against single-chip training, and replicas
+/// bit-identical (a job whose replicas differ has wrong results).
+fn training_correctness(report: &mut Report, chips: &[&podsim_worker::train::ChipTrainReport]) {
+    let replicas: Vec<bool> = chips.iter().filter_map(|c| c.replicas_identical).collect();
+    report.correctness.replicas_identical =
+        (!replicas.is_empty()).then(|| replicas.iter().all(|r| *r));
+    report.correctness.max_abs_diff = chips.iter().find_map(|c| c.max_abs_diff);
+    report.correctness.max_rel_diff = chips.iter().find_map(|c| c.max_rel_diff);
+    report.correctness.final_params_hash = chips.iter().find_map(|c| c.params_hash.clone());
+    if report.correctness.replicas_identical == Some(false) {
+        report.status = JobStatus::WrongResults;
+        report.error = Some("replicas ended with different parameters".into());
+    }
 }
 
 /// Writes `report.json` into `dir`.
@@ -834,96 +875,12 @@ pub fn summary(report: &Report) -> String {
         report.workers.len(),
         report.status
     );
-    for c in &report.collectives {
-        let n = c.calls.len().max(1) as f64;
-        let wall = c.calls.iter().map(|x| x.wall_s).sum::<f64>() / n;
-        let virt = c.calls.iter().map(|x| x.virtual_s).sum::<f64>() / n;
-        s.push_str(&format!(
-            "  #{:<2} {:<15} {:>10} {:<10} group {:<10} wall {:>9.1} us   virtual {:>9.2} us\n",
-            c.step,
-            c.op,
-            crate::units::format_size(c.bytes),
-            c.algo,
-            c.group,
-            wall * 1e6,
-            virt * 1e6
-        ));
-    }
+    summarise_collectives(&mut s, &report.collectives);
     if let Some(t) = &report.training {
-        s.push_str(&format!(
-            "  {} ({} mode), {} ({} parameters), global batch {}\n",
-            t.strategy, t.eager, t.model, t.parameters, t.global_batch
-        ));
-        s.push_str("  step      loss   virtual us  (compute     comm  exposed)   wall ms\n");
-        for st in &t.steps {
-            let loss = st.loss.map_or("-".to_string(), |l| format!("{l:.4}"));
-            s.push_str(&format!(
-                "  {:>4}  {:>8}  {:>10.2}  ({:>7.2} {:>8.2} {:>8.2})  {:>8.1}\n",
-                st.step,
-                loss,
-                st.virtual_ms * 1e3,
-                st.compute_ms * 1e3,
-                st.comm_ms * 1e3,
-                st.exposed_comm_ms * 1e3,
-                st.wall_ms
-            ));
-        }
-        s.push_str(&format!(
-            "  step {:.3} ms (compute {:.3}, exposed communication {:.3}); MFU {:.1}%\n",
-            t.step_ms,
-            t.compute_ms,
-            t.exposed_comm_ms,
-            t.mfu * 100.0
-        ));
-        if let Some(oom) = &t.oom {
-            s.push_str(&format!("  does not fit: {oom}\n"));
-        }
-        let peak = t.peak_hbm_bytes;
-        let state = t
-            .hbm
-            .iter()
-            .map(|c| c.hbm.peak_state_bytes)
-            .max()
-            .unwrap_or(0);
-        s.push_str(&format!(
-            "  peak HBM per chip {} (parameters + gradients + optimizer {}); {:.1} steps/s wall\n",
-            crate::units::format_size(peak),
-            crate::units::format_size(state),
-            t.steps_per_s
-        ));
-        let c = &report.correctness;
-        if let (Some(abs), Some(rel)) = (c.max_abs_diff, c.max_rel_diff) {
-            s.push_str(&format!(
-                "  vs single-chip training on the global batch: max |diff| {abs:.3e} (relative {rel:.3e})\n"
-            ));
-        }
-        if let Some(same) = c.replicas_identical {
-            s.push_str(&format!("  replicas identical: {same}\n"));
-        }
+        summarise_training(&mut s, t, &report.correctness);
     }
     if let Some(t) = &report.torch {
-        s.push_str(&format!("  {}\n", t.command.join(" ")));
-        if !t.steps.is_empty() {
-            let ms: Vec<f64> = t.steps.iter().map(|s| s.virtual_ms).collect();
-            let last = &t.steps[t.steps.len() - 1];
-            s.push_str(&format!(
-                "  {} steps marked; last step {:.3} ms virtual (compute {:.3}, communication {:.3}, exposed {:.3}); median {:.3} ms\n",
-                t.steps.len(),
-                last.virtual_ms,
-                last.compute_ms,
-                last.comm_ms,
-                last.exposed_comm_ms,
-                median(&ms)
-            ));
-        }
-        for r in t.ranks.iter().take(1) {
-            let ops: Vec<String> = r
-                .collectives
-                .iter()
-                .map(|c| format!("{} x{} {:.3} ms", c.op, c.calls, c.virtual_ns / 1e6))
-                .collect();
-            s.push_str(&format!("  rank {}: {}\n", r.rank, ops.join(", ")));
-        }
+        summarise_torch(&mut s, t);
     }
     if report.job.kind == "train" || report.job.kind == "torch" {
         s.push_str(&format!(
@@ -962,6 +919,101 @@ pub fn summary(report: &Report) -> String {
         s.push_str(&format!("  error: {e}\n"));
     }
     s
+}
+
+fn summarise_collectives(s: &mut String, collectives: &[CollectiveEntry]) {
+    for c in collectives {
+        let n = c.calls.len().max(1) as f64;
+        let wall = c.calls.iter().map(|x| x.wall_s).sum::<f64>() / n;
+        let virt = c.calls.iter().map(|x| x.virtual_s).sum::<f64>() / n;
+        s.push_str(&format!(
+            "  #{:<2} {:<15} {:>10} {:<10} group {:<10} wall {:>9.1} us   virtual {:>9.2} us\n",
+            c.step,
+            c.op,
+            crate::units::format_size(c.bytes),
+            c.algo,
+            c.group,
+            wall * 1e6,
+            virt * 1e6
+        ));
+    }
+}
+
+fn summarise_training(s: &mut String, t: &Training, c: &Correctness) {
+    s.push_str(&format!(
+        "  {} ({} mode), {} ({} parameters), global batch {}\n",
+        t.strategy, t.eager, t.model, t.parameters, t.global_batch
+    ));
+    s.push_str("  step      loss   virtual us  (compute     comm  exposed)   wall ms\n");
+    for st in &t.steps {
+        let loss = st.loss.map_or("-".to_string(), |l| format!("{l:.4}"));
+        s.push_str(&format!(
+            "  {:>4}  {:>8}  {:>10.2}  ({:>7.2} {:>8.2} {:>8.2})  {:>8.1}\n",
+            st.step,
+            loss,
+            st.virtual_ms * 1e3,
+            st.compute_ms * 1e3,
+            st.comm_ms * 1e3,
+            st.exposed_comm_ms * 1e3,
+            st.wall_ms
+        ));
+    }
+    s.push_str(&format!(
+        "  step {:.3} ms (compute {:.3}, exposed communication {:.3}); MFU {:.1}%\n",
+        t.step_ms,
+        t.compute_ms,
+        t.exposed_comm_ms,
+        t.mfu * 100.0
+    ));
+    if let Some(oom) = &t.oom {
+        s.push_str(&format!("  does not fit: {oom}\n"));
+    }
+    let peak = t.peak_hbm_bytes;
+    let state = t
+        .hbm
+        .iter()
+        .map(|c| c.hbm.peak_state_bytes)
+        .max()
+        .unwrap_or(0);
+    s.push_str(&format!(
+        "  peak HBM per chip {} (parameters + gradients + optimizer {}); {:.1} steps/s wall\n",
+        crate::units::format_size(peak),
+        crate::units::format_size(state),
+        t.steps_per_s
+    ));
+    if let (Some(abs), Some(rel)) = (c.max_abs_diff, c.max_rel_diff) {
+        s.push_str(&format!(
+            "  vs single-chip training on the global batch: max |diff| {abs:.3e} (relative {rel:.3e})\n"
+        ));
+    }
+    if let Some(same) = c.replicas_identical {
+        s.push_str(&format!("  replicas identical: {same}\n"));
+    }
+}
+
+fn summarise_torch(s: &mut String, t: &TorchRun) {
+    s.push_str(&format!("  {}\n", t.command.join(" ")));
+    if !t.steps.is_empty() {
+        let ms: Vec<f64> = t.steps.iter().map(|s| s.virtual_ms).collect();
+        let last = &t.steps[t.steps.len() - 1];
+        s.push_str(&format!(
+            "  {} steps marked; last step {:.3} ms virtual (compute {:.3}, communication {:.3}, exposed {:.3}); median {:.3} ms\n",
+            t.steps.len(),
+            last.virtual_ms,
+            last.compute_ms,
+            last.comm_ms,
+            last.exposed_comm_ms,
+            median(&ms)
+        ));
+    }
+    for r in t.ranks.iter().take(1) {
+        let ops: Vec<String> = r
+            .collectives
+            .iter()
+            .map(|c| format!("{} x{} {:.3} ms", c.op, c.calls, c.virtual_ns / 1e6))
+            .collect();
+        s.push_str(&format!("  rank {}: {}\n", r.rank, ops.join(", ")));
+    }
 }
 
 /// What `--trace` draws of a finished or hung job: the traced chips among `traced`, pod-wide
