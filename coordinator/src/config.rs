@@ -694,112 +694,10 @@ fn parse(
         text,
         list: Vec::new(),
     };
-
-    // 1. Unknown keys, everywhere.
-    let known = |t: &str| {
-        SCHEMA
-            .iter()
-            .find(|(n, _)| *n == t)
-            .map(|(_, k)| *k)
-            .unwrap_or(&[])
-    };
-    for (k, v) in &table {
-        if !known("").contains(&k.as_str()) {
-            p.add("", Some(k), "unknown key");
-            continue;
-        }
-        if let Some(sub) = v.as_table() {
-            for sk in sub.keys().filter(|sk| !known(k).contains(&sk.as_str())) {
-                p.add(k, Some(sk), "unknown key");
-            }
-        }
-    }
-    for nested in ["model", "optimizer"] {
-        let path = format!("job.{nested}");
-        if let Some(t) = table
-            .get("job")
-            .and_then(|j| j.get(nested))
-            .and_then(|t| t.as_table())
-        {
-            for sk in t.keys().filter(|sk| !known(&path).contains(&sk.as_str())) {
-                p.add(&path, Some(sk), "unknown key");
-            }
-        }
-    }
-    if let Some(list) = table.get("faults").and_then(|c| c.as_array()) {
-        for (i, entry) in list.iter().enumerate() {
-            for sk in entry.as_table().into_iter().flat_map(|t| t.keys()) {
-                if !known("faults").contains(&sk.as_str()) {
-                    p.add(&format!("faults#{i}"), Some(sk), "unknown key");
-                }
-            }
-        }
-    }
-    if let Some(list) = table
-        .get("job")
-        .and_then(|j| j.get("collectives"))
-        .and_then(|c| c.as_array())
-    {
-        for (i, entry) in list.iter().enumerate() {
-            for sk in entry.as_table().into_iter().flat_map(|t| t.keys()) {
-                if !known("job.collectives").contains(&sk.as_str()) {
-                    p.add(&format!("job.collectives#{i}"), Some(sk), "unknown key");
-                }
-            }
-        }
-    }
-
-    // 2. Types, section by section (unknown keys are reported already: drop them here so the
-    //    rest of each section is still checked).
+    // 1. Unknown keys, everywhere, reported and dropped (so that the rest of each section is
+    //    still checked). 2. Types, section by section. 3. Meaning.
     let mut table = table;
-    for (name, keys) in SCHEMA
-        .iter()
-        .filter(|(n, _)| !n.is_empty() && !n.contains('.'))
-    {
-        if let Some(toml::Value::Table(t)) = table.get_mut(*name) {
-            t.retain(|k, _| keys.contains(&k));
-        }
-    }
-    for nested in ["model", "optimizer"] {
-        let path = format!("job.{nested}");
-        if let Some(toml::Value::Table(t)) = table
-            .get_mut("job")
-            .and_then(|j| j.as_table_mut())
-            .and_then(|j| j.get_mut(nested))
-        {
-            t.retain(|k, _| known(&path).contains(&k));
-        }
-    }
-    if let Some(toml::Value::Array(list)) = table.get_mut("faults") {
-        for entry in list.iter_mut() {
-            if let toml::Value::Table(t) = entry {
-                t.retain(|k, _| known("faults").contains(&k));
-            }
-        }
-    }
-    if let Some(toml::Value::Array(list)) = table
-        .get_mut("job")
-        .and_then(|j| j.as_table_mut())
-        .and_then(|j| j.get_mut("collectives"))
-    {
-        for entry in list.iter_mut() {
-            if let toml::Value::Table(t) = entry {
-                t.retain(|k, _| known("job.collectives").contains(&k));
-            }
-        }
-    }
-    /// An optional section: its defaults when absent.
-    fn section<T: for<'de> Deserialize<'de> + Default>(
-        p: &mut Problems<'_>,
-        table: &toml::Table,
-        name: &str,
-    ) -> Option<T> {
-        if table.contains_key(name) {
-            required(p, table, name)
-        } else {
-            Some(T::default())
-        }
-    }
+    drop_unknown_keys(&mut p, &mut table);
     let name = match table.get("name") {
         Some(toml::Value::String(s)) if !s.trim().is_empty() => Some(s.clone()),
         Some(_) => {
@@ -811,24 +709,9 @@ fn parse(
             None
         }
     };
-    /// A section that must be present.
-    fn required<T: for<'de> Deserialize<'de>>(
-        p: &mut Problems<'_>,
-        table: &toml::Table,
-        name: &str,
-    ) -> Option<T> {
-        let Some(v) = table.get(name) else {
-            p.add(name, None, format!("missing [{name}] table"));
-            return None;
-        };
-        v.clone()
-            .try_into()
-            .map_err(|e: toml::de::Error| p.add(name, None, e.message().to_string()))
-            .ok()
-    }
     let topology: Option<RawTopology> = required(&mut p, &table, "topology");
     let job: Option<RawJob> = required(&mut p, &table, "job");
-    let launch: Option<RawLaunch> = section(&mut p, &table, "launch");
+    let launch: RawLaunch = section(&mut p, &table, "launch").unwrap_or_default();
     let watchdog: Option<RawWatchdog> = section(&mut p, &table, "watchdog");
     let recovery: Option<RawRecovery> = section(&mut p, &table, "recovery");
     let output: Option<RawOutput> = section(&mut p, &table, "output");
@@ -841,41 +724,183 @@ fn parse(
             .map_err(|e: toml::de::Error| p.add("faults", None, e.message().to_string()))
             .unwrap_or_default(),
     };
+    let (pod, hardware) = match &topology {
+        Some(t) => pod_and_hardware(&mut p, t, overrides.as_ref()),
+        None => (None, None),
+    };
+    let (workers, transport, bind) = launch_settings(&mut p, &launch, pod.as_ref());
+    let wd = watchdog_settings(&mut p, watchdog.unwrap_or_default(), pod.as_ref(), workers);
+    let mut program = job
+        .as_ref()
+        .and_then(|j| program(&mut p, j, pod.as_ref(), workers));
+    let mut faults = Vec::new();
+    for (i, f) in raw_faults.iter().enumerate() {
+        if let Some(spec) = fault(&mut p, &format!("faults#{i}"), f, pod.as_ref(), workers) {
+            faults.push(spec);
+        }
+    }
+    let output_dir = output
+        .and_then(|o| o.dir)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from("runs").join(name.clone().unwrap_or_else(|| "job".into()))
+        });
+    let max_restarts = match recovery.filter(|_| table.contains_key("recovery")) {
+        Some(r) => recovery_settings(&mut p, r, program.as_mut(), &output_dir),
+        None => 0,
+    };
+    let symmetric = job.as_ref().and_then(|j| j.symmetric).unwrap_or(false);
+    if symmetric {
+        symmetric_problems(&mut p, pod.as_ref(), program.as_mut(), workers, &faults);
+    }
+    match (name, pod, hardware, program) {
+        (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {
+            Ok(JobConfig {
+                name,
+                source: path.to_path_buf(),
+                pod,
+                hardware,
+                workers,
+                bind,
+                external: launch.external.unwrap_or(false),
+                transport,
+                program,
+                watchdog: wd,
+                output_dir,
+                faults,
+                max_restarts,
+                symmetric,
+            })
+        }
+        _ => Err(ConfigErrors(p.list)),
+    }
+}
 
-    // 3. Meaning.
-    let mut pod = None;
-    let mut hardware = None;
-    if let Some(t) = &topology {
-        match t.shape.text().parse::<Torus>() {
-            Err(e) => p.add("topology", Some("shape"), e.to_string()),
-            Ok(torus) => {
-                let wrap = match &t.wraparound {
-                    None => Ok(vec![true; torus.ndims()]),
-                    Some(Wrap::All(w)) => Ok(vec![*w; torus.ndims()]),
-                    Some(Wrap::PerAxis(v)) => Ok(v.clone()),
-                };
-                match wrap.and_then(|w| Torus::with_wrap(torus.dims(), &w)) {
-                    Err(e) => p.add("topology", Some("wraparound"), e.to_string()),
-                    Ok(torus) => match Pod::new(torus, t.slices.unwrap_or(1)) {
-                        Ok(x) => pod = Some(x),
-                        Err(e) => p.add("topology", Some("slices"), e.to_string()),
-                    },
+/// An optional section: its defaults when absent.
+fn section<T: for<'de> Deserialize<'de> + Default>(
+    p: &mut Problems<'_>,
+    table: &toml::Table,
+    name: &str,
+) -> Option<T> {
+    if table.contains_key(name) {
+        required(p, table, name)
+    } else {
+        Some(T::default())
+    }
+}
+
+/// A section that must be present.
+fn required<T: for<'de> Deserialize<'de>>(
+    p: &mut Problems<'_>,
+    table: &toml::Table,
+    name: &str,
+) -> Option<T> {
+    let Some(v) = table.get(name) else {
+        p.add(name, None, format!("missing [{name}] table"));
+        return None;
+    };
+    v.clone()
+        .try_into()
+        .map_err(|e: toml::de::Error| p.add(name, None, e.message().to_string()))
+        .ok()
+}
+
+/// The keys `SCHEMA` declares for the table at `path` (`""` for the top level).
+fn known_keys(path: &str) -> &'static [&'static str] {
+    SCHEMA
+        .iter()
+        .find(|(n, _)| *n == path)
+        .map(|(_, k)| *k)
+        .unwrap_or(&[])
+}
+
+/// Reports every key `SCHEMA` does not declare, wherever it is (top level, each table, the
+/// nested job tables, each entry of an array of tables), and removes it.
+fn drop_unknown_keys(p: &mut Problems<'_>, table: &mut toml::Table) {
+    fn check(p: &mut Problems<'_>, path: &str, at: &str, t: &mut toml::Table) {
+        let known = known_keys(path);
+        let unknown: Vec<String> = t
+            .keys()
+            .filter(|k| !known.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        for k in unknown {
+            p.add(at, Some(&k), "unknown key");
+            t.remove(&k);
+        }
+    }
+    fn each_entry(p: &mut Problems<'_>, path: &str, list: Option<&mut toml::Value>) {
+        if let Some(toml::Value::Array(list)) = list {
+            for (i, entry) in list.iter_mut().enumerate() {
+                if let toml::Value::Table(t) = entry {
+                    check(p, path, &format!("{path}#{i}"), t);
                 }
             }
         }
-        let preset = t.hardware.as_deref().unwrap_or("v5p");
-        match Hardware::preset(preset) {
-            Err(e) => p.add("topology", Some("hardware"), e.to_string()),
-            Ok(hw) => match &overrides {
-                Some(o) => match hw.with_overrides(o) {
-                    Ok(hw) => hardware = Some(hw),
-                    Err(e) => p.add("hardware", None, e.to_string()),
-                },
-                None => hardware = Some(hw),
-            },
+    }
+    check(p, "", "", table);
+    for (name, value) in table.iter_mut() {
+        if let toml::Value::Table(t) = value {
+            check(p, name, name, t);
         }
     }
-    let launch = launch.unwrap_or_default();
+    if let Some(toml::Value::Table(job)) = table.get_mut("job") {
+        for nested in ["model", "optimizer"] {
+            if let Some(toml::Value::Table(t)) = job.get_mut(nested) {
+                let path = format!("job.{nested}");
+                check(p, &path, &path, t);
+            }
+        }
+        each_entry(p, "job.collectives", job.get_mut("collectives"));
+    }
+    each_entry(p, "faults", table.get_mut("faults"));
+}
+
+/// The pod and hardware of `[topology]` (with `[hardware]` overrides).
+fn pod_and_hardware(
+    p: &mut Problems<'_>,
+    t: &RawTopology,
+    overrides: Option<&HardwareOverrides>,
+) -> (Option<Pod>, Option<Hardware>) {
+    let mut pod = None;
+    let mut hardware = None;
+    match t.shape.text().parse::<Torus>() {
+        Err(e) => p.add("topology", Some("shape"), e.to_string()),
+        Ok(torus) => {
+            let wrap = match &t.wraparound {
+                None => Ok(vec![true; torus.ndims()]),
+                Some(Wrap::All(w)) => Ok(vec![*w; torus.ndims()]),
+                Some(Wrap::PerAxis(v)) => Ok(v.clone()),
+            };
+            match wrap.and_then(|w| Torus::with_wrap(torus.dims(), &w)) {
+                Err(e) => p.add("topology", Some("wraparound"), e.to_string()),
+                Ok(torus) => match Pod::new(torus, t.slices.unwrap_or(1)) {
+                    Ok(x) => pod = Some(x),
+                    Err(e) => p.add("topology", Some("slices"), e.to_string()),
+                },
+            }
+        }
+    }
+    let preset = t.hardware.as_deref().unwrap_or("v5p");
+    match Hardware::preset(preset) {
+        Err(e) => p.add("topology", Some("hardware"), e.to_string()),
+        Ok(hw) => match overrides {
+            Some(o) => match hw.with_overrides(o) {
+                Ok(hw) => hardware = Some(hw),
+                Err(e) => p.add("hardware", None, e.to_string()),
+            },
+            None => hardware = Some(hw),
+        },
+    }
+    (pod, hardware)
+}
+
+/// `[launch]`: workers (placement checked), transport and bind address.
+fn launch_settings(
+    p: &mut Problems<'_>,
+    launch: &RawLaunch,
+    pod: Option<&Pod>,
+) -> (u32, Transport, String) {
     let workers = launch.workers.unwrap_or(1);
     if let Some(pod) = &pod
         && let Err(e) = Placement::new(pod, workers)
@@ -898,7 +923,16 @@ fn parse(
             format!("{bind:?} is not a host address"),
         );
     }
-    let watchdog = watchdog.unwrap_or_default();
+    (workers, transport, bind)
+}
+
+/// `[watchdog]`, with the defaults for the chips per worker.
+fn watchdog_settings(
+    p: &mut Problems<'_>,
+    watchdog: RawWatchdog,
+    pod: Option<&Pod>,
+    workers: u32,
+) -> Watchdog {
     let per_worker = pod
         .as_ref()
         .map_or(1, |pod| pod.chips().div_ceil(workers.max(1)));
@@ -929,161 +963,133 @@ fn parse(
             ),
         );
     }
-    let mut program = None;
-    if let Some(j) = &job {
-        let meta = match j.mode.as_deref().unwrap_or("data") {
-            "data" => false,
-            "meta" => true,
-            other => {
-                p.add(
-                    "job",
-                    Some("mode"),
-                    format!("{other:?} is not data or meta"),
-                );
-                false
-            }
-        };
-        let train_keys = [
-            ("strategy", j.strategy.is_some()),
-            ("eager", j.eager.is_some()),
-            ("steps", j.steps.is_some()),
-            ("batch", j.batch.is_some()),
-            ("grad_accum", j.grad_accum.is_some()),
-            ("seed", j.seed.is_some()),
-            ("bucket_cap_mb", j.bucket_cap_mb.is_some()),
-            ("reshard_after_forward", j.reshard_after_forward.is_some()),
-            ("tp", j.tp.is_some()),
-            ("replicas", j.replicas.is_some()),
-            ("algo", j.algo.is_some()),
-            ("check", j.check.is_some()),
-            ("model", j.model.is_some()),
-            ("optimizer", j.optimizer.is_some()),
-        ];
-        let collective_keys = [
-            ("iterations", j.iterations.is_some()),
-            ("collectives", j.collectives.is_some()),
-            ("verify", j.verify.is_some()),
-        ];
-        let torch_keys = [("program", j.program.is_some()), ("args", j.args.is_some())];
-        let owned: [(&str, &[(&str, bool)]); 3] = [
-            ("collectives", &collective_keys),
-            ("train", &train_keys),
-            ("torch", &torch_keys),
-        ];
-        for (owner, keys) in owned.iter().filter(|(owner, _)| *owner != j.kind) {
-            // `algo` is a train and torch key.
-            let shared = |key: &str| key == "algo" && j.kind == "torch";
-            for (key, _) in keys.iter().filter(|(k, set)| *set && !shared(k)) {
-                p.add(
-                    "job",
-                    Some(key),
-                    format!("applies to kind = \"{owner}\" jobs only"),
-                );
-            }
-        }
-        match j.kind.as_str() {
-            "collectives" => {
-                let iterations = j.iterations.unwrap_or(1);
-                if iterations == 0 {
-                    p.add("job", Some("iterations"), "must be at least 1");
-                }
-                let list = j.collectives.as_deref().unwrap_or(&[]);
-                if list.is_empty() {
-                    p.add(
-                        "job",
-                        Some("collectives"),
-                        "a collectives job needs at least one [[job.collectives]] entry",
-                    );
-                }
-                let mut script = Vec::new();
-                for (i, c) in list.iter().enumerate() {
-                    let table = format!("job.collectives#{i}");
-                    if let Some(step) = collective(&mut p, &table, c, pod.as_ref(), meta) {
-                        script.push(step);
-                    }
-                }
-                let verify = j.verify.unwrap_or(false);
-                if verify && meta {
-                    p.add(
-                        "job",
-                        Some("verify"),
-                        "checksums need payloads: verify applies to mode = \"data\" only",
-                    );
-                }
-                program = Some(Program::Collectives {
-                    iterations,
-                    meta,
-                    script,
-                    verify,
-                });
-            }
-            "train" => program = train(&mut p, j, pod.as_ref(), meta).map(Program::Train),
-            "torch" => program = torch(&mut p, j, pod.as_ref(), meta, workers).map(Program::Torch),
-            other => p.add(
-                "job",
-                Some("kind"),
-                format!("unknown job kind {other:?} (supported: collectives, train, torch)"),
-            ),
-        }
-    }
-    let mut faults = Vec::new();
-    for (i, f) in raw_faults.iter().enumerate() {
-        if let Some(spec) = fault(&mut p, &format!("faults#{i}"), f, pod.as_ref(), workers) {
-            faults.push(spec);
-        }
-    }
-    let output_dir = output
-        .and_then(|o| o.dir)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from("runs").join(name.clone().unwrap_or_else(|| "job".into()))
-        });
+    wd
+}
 
-    let recovery = recovery.unwrap_or_default();
-    let checkpoint_every = recovery.checkpoint_every.unwrap_or(0);
-    let max_restarts = recovery.max_restarts.unwrap_or(0);
-    if table.contains_key("recovery") {
-        match &mut program {
-            Some(Program::Train(spec)) => {
-                if checkpoint_every == 0 {
-                    p.add(
-                        "recovery",
-                        Some("checkpoint_every"),
-                        "must be at least 1 (steps between checkpoints)",
-                    );
-                }
-                spec.checkpoint_every = checkpoint_every;
-                spec.checkpoint_dir = Some(output_dir.join("checkpoints").display().to_string());
+/// The program of `[job]`, by its kind; keys of another kind are errors.
+fn program(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, workers: u32) -> Option<Program> {
+    let mut program = None;
+    let meta = match j.mode.as_deref().unwrap_or("data") {
+        "data" => false,
+        "meta" => true,
+        other => {
+            p.add(
+                "job",
+                Some("mode"),
+                format!("{other:?} is not data or meta"),
+            );
+            false
+        }
+    };
+    let train_keys = [
+        ("strategy", j.strategy.is_some()),
+        ("eager", j.eager.is_some()),
+        ("steps", j.steps.is_some()),
+        ("batch", j.batch.is_some()),
+        ("grad_accum", j.grad_accum.is_some()),
+        ("seed", j.seed.is_some()),
+        ("bucket_cap_mb", j.bucket_cap_mb.is_some()),
+        ("reshard_after_forward", j.reshard_after_forward.is_some()),
+        ("tp", j.tp.is_some()),
+        ("replicas", j.replicas.is_some()),
+        ("algo", j.algo.is_some()),
+        ("check", j.check.is_some()),
+        ("model", j.model.is_some()),
+        ("optimizer", j.optimizer.is_some()),
+    ];
+    let collective_keys = [
+        ("iterations", j.iterations.is_some()),
+        ("collectives", j.collectives.is_some()),
+        ("verify", j.verify.is_some()),
+    ];
+    let torch_keys = [("program", j.program.is_some()), ("args", j.args.is_some())];
+    let owned: [(&str, &[(&str, bool)]); 3] = [
+        ("collectives", &collective_keys),
+        ("train", &train_keys),
+        ("torch", &torch_keys),
+    ];
+    for (owner, keys) in owned.iter().filter(|(owner, _)| *owner != j.kind) {
+        // `algo` is a train and torch key.
+        let shared = |key: &str| key == "algo" && j.kind == "torch";
+        for (key, _) in keys.iter().filter(|(k, set)| *set && !shared(k)) {
+            p.add(
+                "job",
+                Some(key),
+                format!("applies to kind = \"{owner}\" jobs only"),
+            );
+        }
+    }
+    match j.kind.as_str() {
+        "collectives" => {
+            let iterations = j.iterations.unwrap_or(1);
+            if iterations == 0 {
+                p.add("job", Some("iterations"), "must be at least 1");
             }
-            Some(_) => p.add("recovery", None, "applies to kind = \"train\" jobs only"),
-            None => {}
+            let list = j.collectives.as_deref().unwrap_or(&[]);
+            if list.is_empty() {
+                p.add(
+                    "job",
+                    Some("collectives"),
+                    "a collectives job needs at least one [[job.collectives]] entry",
+                );
+            }
+            let mut script = Vec::new();
+            for (i, c) in list.iter().enumerate() {
+                let table = format!("job.collectives#{i}");
+                if let Some(step) = collective(p, &table, c, pod, meta) {
+                    script.push(step);
+                }
+            }
+            let verify = j.verify.unwrap_or(false);
+            if verify && meta {
+                p.add(
+                    "job",
+                    Some("verify"),
+                    "checksums need payloads: verify applies to mode = \"data\" only",
+                );
+            }
+            program = Some(Program::Collectives {
+                iterations,
+                meta,
+                script,
+                verify,
+            });
         }
+        "train" => program = train(p, j, pod, meta).map(Program::Train),
+        "torch" => program = torch(p, j, pod, meta, workers).map(Program::Torch),
+        other => p.add(
+            "job",
+            Some("kind"),
+            format!("unknown job kind {other:?} (supported: collectives, train, torch)"),
+        ),
     }
-    let symmetric = job.as_ref().and_then(|j| j.symmetric).unwrap_or(false);
-    if symmetric {
-        symmetric_problems(&mut p, pod.as_ref(), program.as_mut(), workers, &faults);
-    }
-    match (name, pod, hardware, program) {
-        (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {
-            Ok(JobConfig {
-                name,
-                source: path.to_path_buf(),
-                pod,
-                hardware,
-                workers,
-                bind,
-                external: launch.external.unwrap_or(false),
-                transport,
-                program,
-                watchdog: wd,
-                output_dir,
-                faults,
-                max_restarts,
-                symmetric,
-            })
+    program
+}
+
+/// `[recovery]` (training jobs only): sets the program's checkpoints; the restarts allowed.
+fn recovery_settings(
+    p: &mut Problems<'_>,
+    recovery: RawRecovery,
+    program: Option<&mut Program>,
+    output_dir: &Path,
+) -> u32 {
+    let checkpoint_every = recovery.checkpoint_every.unwrap_or(0);
+    match program {
+        Some(Program::Train(spec)) => {
+            if checkpoint_every == 0 {
+                p.add(
+                    "recovery",
+                    Some("checkpoint_every"),
+                    "must be at least 1 (steps between checkpoints)",
+                );
+            }
+            spec.checkpoint_every = checkpoint_every;
+            spec.checkpoint_dir = Some(output_dir.join("checkpoints").display().to_string());
         }
-        _ => Err(ConfigErrors(p.list)),
+        Some(_) => p.add("recovery", None, "applies to kind = \"train\" jobs only"),
+        None => {}
     }
+    recovery.max_restarts.unwrap_or(0)
 }
 
 fn collective(
