@@ -968,7 +968,6 @@ fn watchdog_settings(
 
 /// The program of `[job]`, by its kind; keys of another kind are errors.
 fn program(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, workers: u32) -> Option<Program> {
-    let mut program = None;
     let meta = match j.mode.as_deref().unwrap_or("data") {
         "data" => false,
         "meta" => true,
@@ -981,6 +980,24 @@ fn program(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, workers: u32) ->
             false
         }
     };
+    keys_of_other_kinds(p, j);
+    match j.kind.as_str() {
+        "collectives" => Some(collectives_program(p, j, pod, meta)),
+        "train" => train(p, j, pod, meta).map(Program::Train),
+        "torch" => torch(p, j, pod, meta, workers).map(Program::Torch),
+        other => {
+            p.add(
+                "job",
+                Some("kind"),
+                format!("unknown job kind {other:?} (supported: collectives, train, torch)"),
+            );
+            None
+        }
+    }
+}
+
+/// Keys set in `[job]` that belong to another kind of job.
+fn keys_of_other_kinds(p: &mut Problems<'_>, j: &RawJob) {
     let train_keys = [
         ("strategy", j.strategy.is_some()),
         ("eager", j.eager.is_some()),
@@ -1019,51 +1036,43 @@ fn program(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, workers: u32) ->
             );
         }
     }
-    match j.kind.as_str() {
-        "collectives" => {
-            let iterations = j.iterations.unwrap_or(1);
-            if iterations == 0 {
-                p.add("job", Some("iterations"), "must be at least 1");
-            }
-            let list = j.collectives.as_deref().unwrap_or(&[]);
-            if list.is_empty() {
-                p.add(
-                    "job",
-                    Some("collectives"),
-                    "a collectives job needs at least one [[job.collectives]] entry",
-                );
-            }
-            let mut script = Vec::new();
-            for (i, c) in list.iter().enumerate() {
-                let table = format!("job.collectives#{i}");
-                if let Some(step) = collective(p, &table, c, pod, meta) {
-                    script.push(step);
-                }
-            }
-            let verify = j.verify.unwrap_or(false);
-            if verify && meta {
-                p.add(
-                    "job",
-                    Some("verify"),
-                    "checksums need payloads: verify applies to mode = \"data\" only",
-                );
-            }
-            program = Some(Program::Collectives {
-                iterations,
-                meta,
-                script,
-                verify,
-            });
-        }
-        "train" => program = train(p, j, pod, meta).map(Program::Train),
-        "torch" => program = torch(p, j, pod, meta, workers).map(Program::Torch),
-        other => p.add(
-            "job",
-            Some("kind"),
-            format!("unknown job kind {other:?} (supported: collectives, train, torch)"),
-        ),
+}
+
+/// A `kind = "collectives"` job: its script of collectives.
+fn collectives_program(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Program {
+    let iterations = j.iterations.unwrap_or(1);
+    if iterations == 0 {
+        p.add("job", Some("iterations"), "must be at least 1");
     }
-    program
+    let list = j.collectives.as_deref().unwrap_or(&[]);
+    if list.is_empty() {
+        p.add(
+            "job",
+            Some("collectives"),
+            "a collectives job needs at least one [[job.collectives]] entry",
+        );
+    }
+    let mut script = Vec::new();
+    for (i, c) in list.iter().enumerate() {
+        let table = format!("job.collectives#{i}");
+        if let Some(step) = collective(p, &table, c, pod, meta) {
+            script.push(step);
+        }
+    }
+    let verify = j.verify.unwrap_or(false);
+    if verify && meta {
+        p.add(
+            "job",
+            Some("verify"),
+            "checksums need payloads: verify applies to mode = \"data\" only",
+        );
+    }
+    Program::Collectives {
+        iterations,
+        meta,
+        script,
+        verify,
+    }
 }
 
 /// `[recovery]` (training jobs only): sets the program's checkpoints; the restarts allowed.
