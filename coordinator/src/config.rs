@@ -1304,59 +1304,8 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         }
         Some(m) => model_spec(p, m, meta),
     };
-    let o = j.optimizer.as_ref();
-    let get = |f: fn(&RawOptimizer) -> Option<f32>, default: f32| o.and_then(f).unwrap_or(default);
-    let weight_decay = get(|o| o.weight_decay, 0.0);
-    let optimizer = match o.and_then(|o| o.kind.as_deref()).unwrap_or("sgd") {
-        "sgd" => Some(OptimizerSpec::Sgd {
-            lr: get(|o| o.lr, 0.05),
-            momentum: get(|o| o.momentum, 0.0),
-            weight_decay,
-        }),
-        "adamw" => Some(OptimizerSpec::Adamw {
-            lr: get(|o| o.lr, 1e-3),
-            beta1: get(|o| o.beta1, 0.9),
-            beta2: get(|o| o.beta2, 0.999),
-            eps: get(|o| o.eps, 1e-8),
-            weight_decay: get(|o| o.weight_decay, 0.01),
-        }),
-        other => {
-            p.add(
-                "job.optimizer",
-                Some("kind"),
-                format!("{other:?} is not sgd or adamw"),
-            );
-            None
-        }
-    };
-    // Mesh sizes: `tp` for fsdp+tp (default: the torus's first axis), the whole pod for tp;
-    // `replicas` for hsdp (default: the pod's outermost axis).
-    let chips = pod.map_or(1, Pod::chips);
-    let first_axis = pod.map_or(1, |pod| pod.torus().dims()[0]);
-    let outermost = pod.map_or(1, |pod| {
-        Group::world(pod)
-            .axes(pod)
-            .last()
-            .map_or(1, |a| a.size(pod))
-    });
-    let tp = match strategy {
-        Some(Strategy::Tp) => {
-            if let Some(t) = j.tp.filter(|t| *t != chips) {
-                p.add(
-                    "job",
-                    Some("tp"),
-                    format!("strategy tp spans the whole pod ({chips} chips), not {t}; use fsdp+tp to combine"),
-                );
-            }
-            chips
-        }
-        _ => j.tp.unwrap_or(first_axis),
-    };
-    let replicas = match strategy {
-        // fsdp+tp: data parallelism across replicas only when asked for.
-        Some(Strategy::FsdpTp) => j.replicas.unwrap_or(1),
-        _ => j.replicas.unwrap_or(outermost),
-    };
+    let optimizer = optimizer_spec(p, j.optimizer.as_ref());
+    let (tp, replicas) = mesh_sizes(p, j, strategy, pod);
     let remat = j
         .remat
         .as_deref()
@@ -1378,18 +1327,8 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     };
     if let (Some(pod), Some(strategy), Some(model), Some(algo), true) =
         (pod, strategy, &model, algo, p.list.len() == before)
-        && let Err(e) = Plan::new(pod, strategy, &model.tp_styles(), tp, replicas, algo, false)
     {
-        let key = match strategy {
-            Strategy::Hsdp => "replicas",
-            Strategy::FsdpTp => "tp",
-            _ => "strategy",
-        };
-        let reason = match e {
-            podsim_worker::WorkerError::Invalid(m) => m,
-            other => other.to_string(),
-        };
-        p.add("job", Some(key), reason);
+        check_plan(p, pod, strategy, model, algo, (tp, replicas));
     }
     if p.list.len() > before {
         return None;
@@ -1417,6 +1356,94 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         remat: remat?,
         tp_activations: tp_activations?,
     })
+}
+
+/// `[job.optimizer]`: SGD (the default) or AdamW, with their defaults.
+fn optimizer_spec(p: &mut Problems<'_>, o: Option<&RawOptimizer>) -> Option<OptimizerSpec> {
+    let get = |f: fn(&RawOptimizer) -> Option<f32>, default: f32| o.and_then(f).unwrap_or(default);
+    let weight_decay = get(|o| o.weight_decay, 0.0);
+    match o.and_then(|o| o.kind.as_deref()).unwrap_or("sgd") {
+        "sgd" => Some(OptimizerSpec::Sgd {
+            lr: get(|o| o.lr, 0.05),
+            momentum: get(|o| o.momentum, 0.0),
+            weight_decay,
+        }),
+        "adamw" => Some(OptimizerSpec::Adamw {
+            lr: get(|o| o.lr, 1e-3),
+            beta1: get(|o| o.beta1, 0.9),
+            beta2: get(|o| o.beta2, 0.999),
+            eps: get(|o| o.eps, 1e-8),
+            weight_decay: get(|o| o.weight_decay, 0.01),
+        }),
+        other => {
+            p.add(
+                "job.optimizer",
+                Some("kind"),
+                format!("{other:?} is not sgd or adamw"),
+            );
+            None
+        }
+    }
+}
+
+/// Mesh sizes: `tp` for fsdp+tp (default: the torus's first axis), the whole pod for tp;
+/// `replicas` for hsdp (default: the pod's outermost axis).
+fn mesh_sizes(
+    p: &mut Problems<'_>,
+    j: &RawJob,
+    strategy: Option<Strategy>,
+    pod: Option<&Pod>,
+) -> (u32, u32) {
+    let chips = pod.map_or(1, Pod::chips);
+    let first_axis = pod.map_or(1, |pod| pod.torus().dims()[0]);
+    let outermost = pod.map_or(1, |pod| {
+        Group::world(pod)
+            .axes(pod)
+            .last()
+            .map_or(1, |a| a.size(pod))
+    });
+    let tp = match strategy {
+        Some(Strategy::Tp) => {
+            if let Some(t) = j.tp.filter(|t| *t != chips) {
+                p.add(
+                    "job",
+                    Some("tp"),
+                    format!("strategy tp spans the whole pod ({chips} chips), not {t}; use fsdp+tp to combine"),
+                );
+            }
+            chips
+        }
+        _ => j.tp.unwrap_or(first_axis),
+    };
+    let replicas = match strategy {
+        // fsdp+tp: data parallelism across replicas only when asked for.
+        Some(Strategy::FsdpTp) => j.replicas.unwrap_or(1),
+        _ => j.replicas.unwrap_or(outermost),
+    };
+    (tp, replicas)
+}
+
+/// Whether the strategy's device mesh can be laid on the pod (names the key at fault).
+fn check_plan(
+    p: &mut Problems<'_>,
+    pod: &Pod,
+    strategy: Strategy,
+    model: &ModelSpec,
+    algo: Algo,
+    (tp, replicas): (u32, u32),
+) {
+    if let Err(e) = Plan::new(pod, strategy, &model.tp_styles(), tp, replicas, algo, false) {
+        let key = match strategy {
+            Strategy::Hsdp => "replicas",
+            Strategy::FsdpTp => "tp",
+            _ => "strategy",
+        };
+        let reason = match e {
+            podsim_worker::WorkerError::Invalid(m) => m,
+            other => other.to_string(),
+        };
+        p.add("job", Some(key), reason);
+    }
 }
 
 /// One `[[faults]]` entry.
