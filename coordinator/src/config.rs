@@ -1484,69 +1484,8 @@ fn fault(
         );
     }
     // `link = "5:+x"`: chip 5's link +x.
-    let mut chip = f.chip;
-    let link = f.link.as_deref().and_then(|text| {
-        let (c, l) = match text.split_once(':') {
-            Some((c, l)) => (c.trim().parse::<u32>().ok(), l),
-            None => (f.chip, text),
-        };
-        let parsed = Link::parse(l)
-            .map_err(|e| p.add(table, Some("link"), e))
-            .ok()?;
-        let Some(c) = c else {
-            p.add(
-                table,
-                Some("link"),
-                format!("{text:?}: name the sending chip, e.g. \"3:+x\""),
-            );
-            return None;
-        };
-        chip = Some(c);
-        if let Some(pod) = pod
-            && (c >= pod.chips() || pod.peer(c, parsed).is_none())
-        {
-            p.add(
-                table,
-                Some("link"),
-                format!("chip {c} has no link {parsed} in this topology"),
-            );
-        }
-        Some(parsed)
-    });
-    let needs = |p: &mut Problems<'_>, ok: bool, what: &str| {
-        if !ok {
-            p.add(table, None, format!("a {} fault needs {what}", f.kind));
-        }
-    };
-    match kind {
-        Some(FaultKind::Stall | FaultKind::Slow | FaultKind::Desync) => {
-            needs(p, f.chip.is_some(), "chip = N")
-        }
-        Some(FaultKind::Crash | FaultKind::Freeze) => needs(
-            p,
-            f.chip.is_some() || f.worker.is_some(),
-            "worker = N or chip = N",
-        ),
-        Some(FaultKind::Drop | FaultKind::Delay | FaultKind::Corrupt) => {
-            needs(p, f.link.is_some(), "link = \"chip:link\" (e.g. \"3:+x\")")
-        }
-        Some(FaultKind::Partition) => {
-            let groups = f.groups.clone().unwrap_or_default();
-            needs(
-                p,
-                groups.len() == 2 && groups.iter().all(|g| !g.is_empty()),
-                "groups = [[workers...], [workers...]]",
-            );
-            if let Some(w) = groups.iter().flatten().find(|w| **w >= workers) {
-                p.add(
-                    table,
-                    Some("groups"),
-                    format!("worker {w} is outside the job's {workers} workers"),
-                );
-            }
-        }
-        None => {}
-    }
+    let (chip, link) = fault_link(p, table, f, pod);
+    required_keys(p, table, f, kind, workers);
     let factor = f.factor.unwrap_or(10.0);
     if kind == Some(FaultKind::Slow) && !(factor >= 1.0 && factor.is_finite()) {
         p.add(table, Some("factor"), "must be at least 1");
@@ -1594,4 +1533,89 @@ fn fault(
         factor,
         desync,
     })
+}
+
+/// A fault's `link = "chip:link"` (or `link` with `chip`): the sending chip and its link,
+/// checked against the topology.
+fn fault_link(
+    p: &mut Problems<'_>,
+    table: &str,
+    f: &RawFault,
+    pod: Option<&Pod>,
+) -> (Option<u32>, Option<Link>) {
+    let mut chip = f.chip;
+    let link = f.link.as_deref().and_then(|text| {
+        let (c, l) = match text.split_once(':') {
+            Some((c, l)) => (c.trim().parse::<u32>().ok(), l),
+            None => (f.chip, text),
+        };
+        let parsed = Link::parse(l)
+            .map_err(|e| p.add(table, Some("link"), e))
+            .ok()?;
+        let Some(c) = c else {
+            p.add(
+                table,
+                Some("link"),
+                format!("{text:?}: name the sending chip, e.g. \"3:+x\""),
+            );
+            return None;
+        };
+        chip = Some(c);
+        if let Some(pod) = pod
+            && (c >= pod.chips() || pod.peer(c, parsed).is_none())
+        {
+            p.add(
+                table,
+                Some("link"),
+                format!("chip {c} has no link {parsed} in this topology"),
+            );
+        }
+        Some(parsed)
+    });
+    (chip, link)
+}
+
+/// The keys each kind of fault needs (`chip` for a stall, `link` for a drop, two groups of
+/// workers for a partition, ...).
+fn required_keys(
+    p: &mut Problems<'_>,
+    table: &str,
+    f: &RawFault,
+    kind: Option<FaultKind>,
+    workers: u32,
+) {
+    let needs = |p: &mut Problems<'_>, ok: bool, what: &str| {
+        if !ok {
+            p.add(table, None, format!("a {} fault needs {what}", f.kind));
+        }
+    };
+    match kind {
+        Some(FaultKind::Stall | FaultKind::Slow | FaultKind::Desync) => {
+            needs(p, f.chip.is_some(), "chip = N")
+        }
+        Some(FaultKind::Crash | FaultKind::Freeze) => needs(
+            p,
+            f.chip.is_some() || f.worker.is_some(),
+            "worker = N or chip = N",
+        ),
+        Some(FaultKind::Drop | FaultKind::Delay | FaultKind::Corrupt) => {
+            needs(p, f.link.is_some(), "link = \"chip:link\" (e.g. \"3:+x\")")
+        }
+        Some(FaultKind::Partition) => {
+            let groups = f.groups.clone().unwrap_or_default();
+            needs(
+                p,
+                groups.len() == 2 && groups.iter().all(|g| !g.is_empty()),
+                "groups = [[workers...], [workers...]]",
+            );
+            if let Some(w) = groups.iter().flatten().find(|w| **w >= workers) {
+                p.add(
+                    table,
+                    Some("groups"),
+                    format!("worker {w} is outside the job's {workers} workers"),
+                );
+            }
+        }
+        None => {}
+    }
 }
