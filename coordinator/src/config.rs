@@ -503,6 +503,24 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
         }
         return (p.list.len() == before).then_some(ModelSpec::Mlp(MlpSpec { widths }));
     }
+    let spec = transformer_spec(p, m);
+    if p.list.len() == before {
+        for problem in spec.problems() {
+            p.add("job.model", None, problem);
+        }
+    }
+    if !meta {
+        p.add(
+            "job",
+            Some("mode"),
+            "a transformer model runs in meta mode only (mode = \"meta\")",
+        );
+    }
+    (p.list.len() == before).then_some(ModelSpec::Transformer(spec))
+}
+
+/// A transformer's shape from `[job.model]`: every missing or inconsistent key reported.
+fn transformer_spec(p: &mut Problems<'_>, m: &RawModel) -> TransformerSpec {
     fn need(p: &mut Problems<'_>, key: &str, v: Option<usize>) -> usize {
         if v.is_none() {
             p.add("job.model", Some(key), "missing (a transformer needs it)");
@@ -527,6 +545,36 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
             0
         }
     };
+    let (mlp, block) = transformer_layers(p, m);
+    TransformerSpec {
+        layers: need(p, "layers", m.layers),
+        d_model,
+        heads,
+        kv_heads: m.kv_heads.unwrap_or(heads),
+        head_dim,
+        ffn: need(p, "ffn", m.ffn),
+        mlp,
+        block,
+        vocab: need(p, "vocab", m.vocab),
+        tied_embeddings: m.tied_embeddings.unwrap_or(false),
+        seq: need(p, "seq", m.seq),
+        dtype: match m.dtype.as_deref().unwrap_or("bf16") {
+            "bf16" => DType::Bf16,
+            "f32" => DType::F32,
+            other => {
+                p.add(
+                    "job.model",
+                    Some("dtype"),
+                    format!("{other:?} is not bf16 or f32"),
+                );
+                DType::F32
+            }
+        },
+    }
+}
+
+/// A transformer block's MLP kind (`mlp`, or the older `gated`) and its layout (`block`).
+fn transformer_layers(p: &mut Problems<'_>, m: &RawModel) -> (MlpKind, BlockKind) {
     let mlp = match (m.mlp.as_deref(), m.gated) {
         (Some(_), Some(_)) => {
             p.add(
@@ -562,44 +610,7 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
             BlockKind::Sequential
         }
     };
-    let spec = TransformerSpec {
-        layers: need(p, "layers", m.layers),
-        d_model,
-        heads,
-        kv_heads: m.kv_heads.unwrap_or(heads),
-        head_dim,
-        ffn: need(p, "ffn", m.ffn),
-        mlp,
-        block,
-        vocab: need(p, "vocab", m.vocab),
-        tied_embeddings: m.tied_embeddings.unwrap_or(false),
-        seq: need(p, "seq", m.seq),
-        dtype: match m.dtype.as_deref().unwrap_or("bf16") {
-            "bf16" => DType::Bf16,
-            "f32" => DType::F32,
-            other => {
-                p.add(
-                    "job.model",
-                    Some("dtype"),
-                    format!("{other:?} is not bf16 or f32"),
-                );
-                DType::F32
-            }
-        },
-    };
-    if p.list.len() == before {
-        for problem in spec.problems() {
-            p.add("job.model", None, problem);
-        }
-    }
-    if !meta {
-        p.add(
-            "job",
-            Some("mode"),
-            "a transformer model runs in meta mode only (mode = \"meta\")",
-        );
-    }
-    (p.list.len() == before).then_some(ModelSpec::Transformer(spec))
+    (mlp, block)
 }
 
 /// Default heartbeat interval and hang timeout, ms, for a worker hosting `chips_per_worker`
