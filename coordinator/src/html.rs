@@ -411,6 +411,24 @@ fn status_badge(status: &str) -> String {
 /// The page of one job, from its `report.json`.
 pub fn render_report(r: &Value) -> String {
     let mut b = String::new();
+    header_section(&mut b, r);
+    diagnosis_section(&mut b, r);
+    training_section(&mut b, r);
+    torch_section(&mut b, r);
+    timelines_section(&mut b, r);
+    collectives_section(&mut b, r);
+    stragglers_section(&mut b, r);
+    correctness_section(&mut b, r);
+    let _ = writeln!(
+        b,
+        "<p class=\"muted\">podsim {} &middot; drawn from report.json</p>",
+        esc(&text(&r["podsim_version"]))
+    );
+    page(&format!("podsim: {}", text(&r["job"]["name"])), &b)
+}
+
+/// The title line: job, topology, workers, totals, and an error that is not a hang.
+fn header_section(b: &mut String, r: &Value) {
     let job = &r["job"];
     let topo = &r["topology"];
     let hw = &topo["hardware"];
@@ -449,6 +467,10 @@ pub fn render_report(r: &Value) -> String {
     {
         let _ = writeln!(b, "<p class=\"diag\">{}</p>", esc(e));
     }
+}
+
+/// A hang's diagnosis and the torus picture of the culprit and the waiting chips.
+fn diagnosis_section(b: &mut String, r: &Value) {
     let hang = &r["hang"];
     if !hang.is_null() {
         let kind = text(&hang["kind"]).to_uppercase();
@@ -468,6 +490,14 @@ pub fn render_report(r: &Value) -> String {
                 .map(|a| a.iter().map(text).collect::<Vec<_>>().join(", "))
                 .unwrap_or_default())
         );
+        if let Some(stack) = hang["culprit"]["python_stack"].as_array() {
+            let frames: Vec<String> = stack.iter().map(|f| esc(&text(f))).collect();
+            let _ = writeln!(
+                b,
+                "<p>The culprit rank's Python stack, innermost last:</p>\n<pre>{}</pre>",
+                frames.join("\n")
+            );
+        }
         b.push_str(&legend(&[
             (EXPOSED, "culprit"),
             (HIDDEN, "waiting"),
@@ -476,6 +506,10 @@ pub fn render_report(r: &Value) -> String {
         ]));
         b.push_str(&torus_picture(r, hang));
     }
+}
+
+/// Training: the summary line, step times by step, HBM by kind.
+fn training_section(b: &mut String, r: &Value) {
     let t = &r["training"];
     if !t.is_null() {
         let _ = writeln!(
@@ -520,8 +554,12 @@ pub fn render_report(r: &Value) -> String {
             ],
             "ms",
         ));
-        hbm_section(&mut b, t);
+        hbm_section(b, t);
     }
+}
+
+/// One step of the traced chips, slice by slice.
+fn timelines_section(b: &mut String, r: &Value) {
     if let Some(timelines) = r["timelines"].as_array()
         && !timelines.is_empty()
     {
@@ -547,6 +585,12 @@ pub fn render_report(r: &Value) -> String {
             b.push_str(&gantt(tl));
         }
     }
+}
+
+/// A collectives job: bus bandwidth against the injection bound, and the table.
+fn collectives_section(b: &mut String, r: &Value) {
+    let topo = &r["topology"];
+    let hw = &topo["hardware"];
     if let Some(cs) = r["collectives"].as_array()
         && !cs.is_empty()
     {
@@ -575,6 +619,65 @@ pub fn render_report(r: &Value) -> String {
         }
         b.push_str("</table>\n");
     }
+}
+
+/// A PyTorch program: its steps as the slowest rank saw them, and each rank's collectives.
+fn torch_section(b: &mut String, r: &Value) {
+    let t = &r["torch"];
+    if t.is_null() {
+        return;
+    }
+    let _ = writeln!(
+        b,
+        "<h2>PyTorch program</h2>\n<p><code>{}</code></p>",
+        esc(&t["command"]
+            .as_array()
+            .map(|a| a.iter().map(text).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default())
+    );
+    let steps = t["steps"].as_array().cloned().unwrap_or_default();
+    if !steps.is_empty() {
+        let cats: Vec<String> = steps.iter().map(|s| text(&s["step"])).collect();
+        let compute: Vec<f64> = steps.iter().map(|s| num(&s["compute_ms"])).collect();
+        let exposed: Vec<f64> = steps.iter().map(|s| num(&s["exposed_comm_ms"])).collect();
+        b.push_str("<h2>Step time by step</h2>\n<p class=\"muted\">Each step marked with <code>podsim.torch.step()</code>, as its slowest rank spent it in virtual time: compute counted at torch's dispatcher, then the collectives it waited for.</p>\n");
+        b.push_str(&legend(&[
+            (COMPUTE, "compute"),
+            (EXPOSED, "exposed communication"),
+        ]));
+        b.push_str(&stacked_bars(
+            &cats,
+            &[
+                ("compute", COMPUTE, compute),
+                ("exposed communication", EXPOSED, exposed),
+            ],
+            "ms",
+        ));
+    }
+    b.push_str("<table><tr><th>rank</th><th>exit</th><th class=\"num\">virtual ms</th><th class=\"num\">compute ms</th><th class=\"num\">communication ms</th><th>collectives (calls)</th></tr>\n");
+    for rank in t["ranks"].as_array().into_iter().flatten() {
+        let ops: Vec<String> = rank["collectives"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| format!("{} ({})", text(&c["op"]), text(&c["calls"])))
+            .collect();
+        let _ = writeln!(
+            b,
+            "<tr><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td>{}</td></tr>",
+            text(&rank["rank"]),
+            esc(&text(&rank["exit"])),
+            short(num(&rank["virtual_ns"]) / 1e6),
+            short(num(&rank["compute_ns"]) / 1e6),
+            short(num(&rank["comm_ns"]) / 1e6),
+            esc(&ops.join(", "))
+        );
+    }
+    b.push_str("</table>\n");
+}
+
+/// Chips that held their peers up.
+fn stragglers_section(b: &mut String, r: &Value) {
     if let Some(st) = r["stragglers"].as_array()
         && !st.is_empty()
     {
@@ -590,6 +693,10 @@ pub fn render_report(r: &Value) -> String {
         }
         b.push_str("</table>\n");
     }
+}
+
+/// What was checked and how it compared.
+fn correctness_section(b: &mut String, r: &Value) {
     let c = &r["correctness"];
     let _ = writeln!(
         b,
@@ -607,12 +714,6 @@ pub fn render_report(r: &Value) -> String {
             .map(|s| format!("; replicas identical: {s}"))
             .unwrap_or_default()
     );
-    let _ = writeln!(
-        b,
-        "<p class=\"muted\">podsim {} &middot; drawn from report.json</p>",
-        esc(&text(&r["podsim_version"]))
-    );
-    page(&format!("podsim: {}", text(&job["name"])), &b)
 }
 
 /// A model as `kind key value, ...` (the config's own keys).

@@ -306,7 +306,11 @@ fn run_job(
         Ok(_) => Ok(report.status),
         Err(LaunchError::Hang(h)) => Err(CliError::Hang {
             status: h.finding.kind.status(),
-            message: h.finding.explanation.clone(),
+            // The report's sentence (it names a PyTorch culprit's Python line).
+            message: report
+                .hang
+                .as_ref()
+                .map_or_else(|| h.finding.explanation.clone(), |x| x.explanation.clone()),
         }),
         Err(e) => Err(CliError::Job(e.to_string())),
     }
