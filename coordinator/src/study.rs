@@ -155,69 +155,42 @@ impl Study {
 
     /// Checks a study given as text; `path` names it in errors and anchors `base`.
     pub fn parse(path: &Path, text: &str) -> Result<Study, ConfigErrors> {
-        let file = path.display().to_string();
-        let mut problems = Vec::new();
-        let mut add = |line: Option<usize>, field: &str, reason: String| {
-            problems.push(ConfigError {
-                file: file.clone(),
-                line,
-                field: field.to_string(),
-                reason,
-            })
+        let mut found = Found {
+            file: path.display().to_string(),
+            list: Vec::new(),
         };
         let raw: RawStudy = match toml::from_str(text) {
             Ok(raw) => raw,
             Err(e) => {
-                let (line, mut field) = match e.span() {
-                    Some(span) => {
-                        let (line, field) = locate(text, span.start);
-                        (Some(line), field)
-                    }
-                    None => (None, String::new()),
-                };
-                let message = e.message().trim().to_string();
-                let mut line = line;
-                if let Some(missing) = message
-                    .strip_prefix("missing field `")
-                    .and_then(|m| m.split('`').next())
-                {
-                    // The span is the table that lacks the field: its header, or the whole
-                    // document for a top-level field (no line worth naming then).
-                    let header = line
-                        .and_then(|l| text.lines().nth(l - 1))
-                        .is_some_and(|t| t.trim_start().starts_with('['));
-                    if header && !field.is_empty() {
-                        field = format!("{field}.{missing}");
-                    } else {
-                        field = missing.to_string();
-                        line = None;
-                    }
-                }
-                if field.is_empty() {
-                    field = "syntax".into();
-                }
-                add(line, &field, message);
-                return Err(ConfigErrors(problems));
+                let (line, field, message) = syntax_problem(text, &e);
+                found.add(line, &field, message);
+                return Err(ConfigErrors(found.list));
             }
         };
         // Key order as written: toml's tables are sorted, so take it from the spans.
-        let order = key_positions(text);
-        let line_of = |key: &str| order.get(key).map(|&pos| line_at(text, pos));
-
+        let order = &key_positions(text);
         let name = raw.name.clone().unwrap_or_else(|| {
             path.file_stem()
                 .map_or("study".into(), |s| s.to_string_lossy().into_owned())
         });
         if name.trim().is_empty() {
-            add(line_of("name"), "name", "must not be empty".into());
+            found.add(
+                line_of(text, order, "name"),
+                "name",
+                "must not be empty".into(),
+            );
         }
         let dir = path.parent().unwrap_or(Path::new(""));
         let base = dir.join(&raw.base);
         if raw.base.trim().is_empty() {
-            add(line_of("base"), "base", "must name a job config".into());
+            found.add(
+                line_of(text, order, "base"),
+                "base",
+                "must name a job config".into(),
+            );
         } else if !base.is_file() {
-            add(
-                line_of("base"),
+            found.add(
+                line_of(text, order, "base"),
                 "base",
                 format!("{} is not a readable file", base.display()),
             );
@@ -229,8 +202,8 @@ impl Study {
             .unwrap_or_else(|| PathBuf::from("runs").join(&name));
         let parallel = raw.parallel.unwrap_or(1);
         if parallel < 1 {
-            add(
-                line_of("parallel"),
+            found.add(
+                line_of(text, order, "parallel"),
                 "parallel",
                 format!("{parallel}: must be at least 1"),
             );
@@ -239,8 +212,8 @@ impl Study {
             None => None,
             Some(t) if t.is_finite() && t > 0.0 && t < 1e9 => Some(Duration::from_secs_f64(t)),
             Some(t) => {
-                add(
-                    line_of("timeout_s"),
+                found.add(
+                    line_of(text, order, "timeout_s"),
                     "timeout_s",
                     format!("{t}: must be a positive number of seconds"),
                 );
@@ -248,47 +221,9 @@ impl Study {
             }
         };
 
-        let mut sweep = Vec::new();
-        for (key, value) in ordered(flatten(&raw.sweep), &order, "sweep") {
-            let field = format!("sweep.{}", quote_key(&key));
-            let line = line_of(&format!("sweep\u{0}{key}"));
-            if let Some(reason) = bad_override_key(&key) {
-                add(line, &field, reason);
-                continue;
-            }
-            match value {
-                toml::Value::Array(values) if !values.is_empty() => sweep.push((key, values)),
-                toml::Value::Array(_) => add(line, &field, "the list of values is empty".into()),
-                other => add(
-                    line,
-                    &field,
-                    format!(
-                        "expected a list of values, found a {} (write [{}])",
-                        other.type_str(),
-                        literal(&other)
-                    ),
-                ),
-            }
-        }
+        let sweep = sweep_of(&mut found, &raw.sweep, text, order);
         let swept: BTreeSet<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
-        let mut points = Vec::new();
-        for (i, table) in raw.points.iter().enumerate() {
-            let scope = format!("points#{i}");
-            let mut point = Vec::new();
-            for (key, value) in ordered(flatten(table), &order, &scope) {
-                let field = format!("points[{i}].{}", quote_key(&key));
-                let line = line_of(&format!("{scope}\u{0}{key}"));
-                if let Some(reason) = bad_override_key(&key) {
-                    add(line, &field, reason);
-                } else if swept.contains(&key) {
-                    add(line, &field, "is also swept in [sweep]".into());
-                } else {
-                    point.push((key, value));
-                }
-            }
-            points.push(point);
-        }
-
+        let points = points_of(&mut found, &raw.points, text, order, &swept);
         let mut keys: Vec<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
         for (k, _) in points.iter().flatten() {
             if !keys.contains(k) {
@@ -296,89 +231,10 @@ impl Study {
             }
         }
         let mut columns = column_order(keys, []);
-        let mut metrics = Vec::new();
-        let metric_items: Vec<(String, toml::Value)> = raw.metrics.clone().into_iter().collect();
-        for (name, value) in ordered(metric_items, &order, "metrics") {
-            let field = format!("metrics.{}", quote_key(&name));
-            let line = line_of(&format!("metrics\u{0}{name}"));
-            let Some(path) = value.as_str() else {
-                add(
-                    line,
-                    &field,
-                    format!(
-                        "expected a dotted path into report.json (a string), found a {}",
-                        value.type_str()
-                    ),
-                );
-                continue;
-            };
-            if path.split('.').any(|s| s.trim().is_empty()) {
-                add(
-                    line,
-                    &field,
-                    format!(
-                        "{path:?} is not a dotted path such as \"collectives.0.virtual_busbw_gbps\""
-                    ),
-                );
-            } else if columns.contains(&name) {
-                add(line, &field, "a column of that name already exists".into());
-            } else {
-                // Metric columns go before `error`, which stays last.
-                columns.insert(columns.len() - 1, name.clone());
-                metrics.push((name, path.to_string()));
-            }
-        }
-
-        let mut plots = Vec::new();
-        let mut files = BTreeSet::new();
-        let plot_lines = header_lines(text, "[[plot]]");
-        for (i, p) in raw.plot.into_iter().enumerate() {
-            let mut bad = |key: &str, reason: String| {
-                let line = line_of(&format!("plot#{i}\u{0}{key}")).or(plot_lines.get(i).copied());
-                add(line, &format!("plot[{i}].{key}"), reason);
-            };
-            let plain = !p.file.is_empty()
-                && !p.file.contains(['/', '\\'])
-                && p.file != "."
-                && p.file != "..";
-            if !plain || !p.file.ends_with(".svg") {
-                bad(
-                    "file",
-                    format!("{:?}: expected a file name ending in .svg", p.file),
-                );
-            } else if !files.insert(p.file.clone()) {
-                bad("file", format!("{:?} is written by another plot", p.file));
-            } else if p.file == "results.csv" || p.file == "study.json" {
-                bad("file", format!("{:?} is reserved", p.file));
-            }
-            for (key, col) in [
-                ("x", Some(&p.x)),
-                ("y", Some(&p.y)),
-                ("series", p.series.as_ref()),
-            ] {
-                if let Some(col) = col
-                    && !columns.contains(col)
-                {
-                    bad(
-                        key,
-                        format!("{col:?} is not a column (columns: {})", columns.join(", ")),
-                    );
-                }
-            }
-            plots.push(Plot {
-                title: p.title.unwrap_or_else(|| format!("{} vs {}", p.y, p.x)),
-                x_label: p.x_label.unwrap_or_else(|| p.x.clone()),
-                y_label: p.y_label.unwrap_or_else(|| p.y.clone()),
-                file: p.file,
-                x: p.x,
-                y: p.y,
-                series: p.series,
-                log_x: p.log_x,
-                log_y: p.log_y,
-            });
-        }
-        if !problems.is_empty() {
-            return Err(ConfigErrors(problems));
+        let metrics = metrics_of(&mut found, &raw.metrics, text, order, &mut columns);
+        let plots = plots_of(&mut found, raw.plot, text, order, &columns);
+        if !found.list.is_empty() {
+            return Err(ConfigErrors(found.list));
         }
         Ok(Study {
             name,
@@ -1375,6 +1231,225 @@ pub fn write_html(dir: &Path) -> Result<PathBuf, String> {
         &dir.join("study.html"),
         &crate::html::render_study(&name, &plots, &csv),
     )
+}
+
+/// Problems found in a study file, each with its line.
+struct Found {
+    file: String,
+    list: Vec<ConfigError>,
+}
+
+impl Found {
+    fn add(&mut self, line: Option<usize>, field: &str, reason: String) {
+        self.list.push(ConfigError {
+            file: self.file.clone(),
+            line,
+            field: field.to_string(),
+            reason,
+        });
+    }
+}
+
+/// The line of `key` (as `key_positions` names it) in `text`.
+fn line_of(text: &str, order: &BTreeMap<String, usize>, key: &str) -> Option<usize> {
+    order.get(key).map(|&pos| line_at(text, pos))
+}
+
+/// Where a study file fails to parse: line, field and message (a missing field is named
+/// inside its table).
+fn syntax_problem(text: &str, e: &toml::de::Error) -> (Option<usize>, String, String) {
+    let (line, mut field) = match e.span() {
+        Some(span) => {
+            let (line, field) = locate(text, span.start);
+            (Some(line), field)
+        }
+        None => (None, String::new()),
+    };
+    let message = e.message().trim().to_string();
+    let mut line = line;
+    if let Some(missing) = message
+        .strip_prefix("missing field `")
+        .and_then(|m| m.split('`').next())
+    {
+        // The span is the table that lacks the field: its header, or the whole
+        // document for a top-level field (no line worth naming then).
+        let header = line
+            .and_then(|l| text.lines().nth(l - 1))
+            .is_some_and(|t| t.trim_start().starts_with('['));
+        if header && !field.is_empty() {
+            field = format!("{field}.{missing}");
+        } else {
+            field = missing.to_string();
+            line = None;
+        }
+    }
+    if field.is_empty() {
+        field = "syntax".into();
+    }
+    (line, field, message)
+}
+
+/// `[sweep]`: each key with its list of values, in the order written.
+fn sweep_of(
+    found: &mut Found,
+    raw: &toml::Table,
+    text: &str,
+    order: &BTreeMap<String, usize>,
+) -> Vec<(String, Vec<toml::Value>)> {
+    let mut sweep = Vec::new();
+    for (key, value) in ordered(flatten(raw), order, "sweep") {
+        let field = format!("sweep.{}", quote_key(&key));
+        let line = line_of(text, order, &format!("sweep\u{0}{key}"));
+        if let Some(reason) = bad_override_key(&key) {
+            found.add(line, &field, reason);
+            continue;
+        }
+        match value {
+            toml::Value::Array(values) if !values.is_empty() => sweep.push((key, values)),
+            toml::Value::Array(_) => found.add(line, &field, "the list of values is empty".into()),
+            other => found.add(
+                line,
+                &field,
+                format!(
+                    "expected a list of values, found a {} (write [{}])",
+                    other.type_str(),
+                    literal(&other)
+                ),
+            ),
+        }
+    }
+    sweep
+}
+
+/// `[[points]]`: each point's keys (none of them swept).
+fn points_of(
+    found: &mut Found,
+    raw: &[toml::Table],
+    text: &str,
+    order: &BTreeMap<String, usize>,
+    swept: &BTreeSet<String>,
+) -> Vec<Vec<(String, toml::Value)>> {
+    let mut points = Vec::new();
+    for (i, table) in raw.iter().enumerate() {
+        let scope = format!("points#{i}");
+        let mut point = Vec::new();
+        for (key, value) in ordered(flatten(table), order, &scope) {
+            let field = format!("points[{i}].{}", quote_key(&key));
+            let line = line_of(text, order, &format!("{scope}\u{0}{key}"));
+            if let Some(reason) = bad_override_key(&key) {
+                found.add(line, &field, reason);
+            } else if swept.contains(&key) {
+                found.add(line, &field, "is also swept in [sweep]".into());
+            } else {
+                point.push((key, value));
+            }
+        }
+        points.push(point);
+    }
+
+    points
+}
+
+/// `[metrics]`: each column's dotted path into report.json, its column added to `columns`.
+fn metrics_of(
+    found: &mut Found,
+    raw: &toml::Table,
+    text: &str,
+    order: &BTreeMap<String, usize>,
+    columns: &mut Vec<String>,
+) -> Vec<(String, String)> {
+    let mut metrics = Vec::new();
+    let metric_items: Vec<(String, toml::Value)> = raw.clone().into_iter().collect();
+    for (name, value) in ordered(metric_items, order, "metrics") {
+        let field = format!("metrics.{}", quote_key(&name));
+        let line = line_of(text, order, &format!("metrics\u{0}{name}"));
+        let Some(path) = value.as_str() else {
+            found.add(
+                line,
+                &field,
+                format!(
+                    "expected a dotted path into report.json (a string), found a {}",
+                    value.type_str()
+                ),
+            );
+            continue;
+        };
+        if path.split('.').any(|s| s.trim().is_empty()) {
+            found.add(
+                line,
+                &field,
+                format!(
+                    "{path:?} is not a dotted path such as \"collectives.0.virtual_busbw_gbps\""
+                ),
+            );
+        } else if columns.contains(&name) {
+            found.add(line, &field, "a column of that name already exists".into());
+        } else {
+            // Metric columns go before `error`, which stays last.
+            columns.insert(columns.len() - 1, name.clone());
+            metrics.push((name, path.to_string()));
+        }
+    }
+
+    metrics
+}
+
+/// `[[plot]]`s: files and columns checked.
+fn plots_of(
+    found: &mut Found,
+    raw: Vec<RawPlot>,
+    text: &str,
+    order: &BTreeMap<String, usize>,
+    columns: &[String],
+) -> Vec<Plot> {
+    let mut plots = Vec::new();
+    let mut files = BTreeSet::new();
+    let plot_lines = header_lines(text, "[[plot]]");
+    for (i, p) in raw.into_iter().enumerate() {
+        let mut bad = |key: &str, reason: String| {
+            let line =
+                line_of(text, order, &format!("plot#{i}\u{0}{key}")).or(plot_lines.get(i).copied());
+            found.add(line, &format!("plot[{i}].{key}"), reason);
+        };
+        let plain =
+            !p.file.is_empty() && !p.file.contains(['/', '\\']) && p.file != "." && p.file != "..";
+        if !plain || !p.file.ends_with(".svg") {
+            bad(
+                "file",
+                format!("{:?}: expected a file name ending in .svg", p.file),
+            );
+        } else if !files.insert(p.file.clone()) {
+            bad("file", format!("{:?} is written by another plot", p.file));
+        } else if p.file == "results.csv" || p.file == "study.json" {
+            bad("file", format!("{:?} is reserved", p.file));
+        }
+        for (key, col) in [
+            ("x", Some(&p.x)),
+            ("y", Some(&p.y)),
+            ("series", p.series.as_ref()),
+        ] {
+            if let Some(col) = col
+                && !columns.contains(col)
+            {
+                bad(
+                    key,
+                    format!("{col:?} is not a column (columns: {})", columns.join(", ")),
+                );
+            }
+        }
+        plots.push(Plot {
+            title: p.title.unwrap_or_else(|| format!("{} vs {}", p.y, p.x)),
+            x_label: p.x_label.unwrap_or_else(|| p.x.clone()),
+            y_label: p.y_label.unwrap_or_else(|| p.y.clone()),
+            file: p.file,
+            x: p.x,
+            y: p.y,
+            series: p.series,
+            log_x: p.log_x,
+            log_y: p.log_y,
+        });
+    }
+    plots
 }
 
 #[cfg(test)]
