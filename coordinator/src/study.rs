@@ -889,6 +889,69 @@ struct Results<'a> {
 }
 
 impl Results<'_> {
+    /// A point finished: its row from its report, a progress line, and every file rewritten.
+    fn record(
+        &mut self,
+        index: usize,
+        outcome: PointOutcome,
+        expected: Expected,
+        progress: &Progress,
+        running: &BTreeSet<usize>,
+    ) -> Result<(), String> {
+        let (study, total) = (self.study, self.points.len());
+        let p = &self.points[index];
+        let dir = point_dir(study, index, total);
+        let report = std::fs::read_to_string(dir.join("report.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<Json>(&t).ok());
+        let cells = row(study, p, &outcome, expected, report.as_ref());
+        let error = cells.last().cloned().unwrap_or_default();
+        progress.finished(
+            &format!(
+                "[{}/{total}] {} {} in {:.1} s  {}{}",
+                self.rows.len() + 1,
+                point_name(index, total),
+                outcome.status.name(),
+                outcome.elapsed.as_secs_f64(),
+                describe(p),
+                if error.is_empty() {
+                    String::new()
+                } else {
+                    format!("  ({error})")
+                }
+            ),
+            running,
+            total,
+        );
+        self.rows.insert(index, cells);
+        self.outcomes.insert(index, outcome);
+        self.write_csv()
+            .and_then(|_| self.write_json())
+            .and_then(|_| self.write_plots())
+            .map(|_| ())
+    }
+
+    /// The closing lines: how the points ended, and the files written.
+    fn print_summary(&self, elapsed: Duration, plots: &[PathBuf], page: &Path) {
+        let (study, total) = (self.study, self.points.len());
+        let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+        for o in self.outcomes.values() {
+            *counts.entry(o.status.name()).or_insert(0) += 1;
+        }
+        let counts: Vec<String> = counts.iter().map(|(s, n)| format!("{n} {s}")).collect();
+        println!(
+            "study {}: {total} points ran in {:.1} s: {}",
+            study.name,
+            elapsed.as_secs_f64(),
+            counts.join(", ")
+        );
+        println!("results: {}", study.out.join("results.csv").display());
+        for p in plots {
+            println!("plot: {}", p.display());
+        }
+        println!("page: {}", page.display());
+    }
+
     fn write_csv(&self) -> Result<PathBuf, String> {
         let mut text = csv_line(&self.columns);
         for r in self.rows.values() {
@@ -1118,39 +1181,8 @@ fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<JobStat
                 Ok(None) => continue,
                 Err(e) => break Some(e),
             };
-            let p = &points[index];
-            let dir = point_dir(study, index, total);
-            let report = std::fs::read_to_string(dir.join("report.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str::<Json>(&t).ok());
-            let cells = row(
-                study,
-                p,
-                &outcome,
-                expected.get(index).copied().unwrap_or_default(),
-                report.as_ref(),
-            );
-            let error = cells.last().cloned().unwrap_or_default();
-            progress.finished(
-                &format!(
-                    "[{}/{total}] {} {} in {:.1} s  {}{}",
-                    results.rows.len() + 1,
-                    point_name(index, total),
-                    outcome.status.name(),
-                    outcome.elapsed.as_secs_f64(),
-                    describe(p),
-                    if error.is_empty() { String::new() } else { format!("  ({error})") }
-                ),
-                &running,
-                total,
-            );
-            results.rows.insert(index, cells);
-            results.outcomes.insert(index, outcome);
-            let written = results
-                .write_csv()
-                .and_then(|_| results.write_json())
-                .and_then(|_| results.write_plots());
-            if let Err(e) = written {
+            let expected = expected.get(index).copied().unwrap_or_default();
+            if let Err(e) = results.record(index, outcome, expected, &progress, &running) {
                 break Some(e);
             }
         };
@@ -1172,22 +1204,7 @@ fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<JobStat
     }
     let plots = results.write_plots().map_err(job)?;
     let page = write_html(&study.out).map_err(job)?;
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for o in results.outcomes.values() {
-        *counts.entry(o.status.name()).or_insert(0) += 1;
-    }
-    let counts: Vec<String> = counts.iter().map(|(s, n)| format!("{n} {s}")).collect();
-    println!(
-        "study {}: {total} points ran in {:.1} s: {}",
-        study.name,
-        started.elapsed().as_secs_f64(),
-        counts.join(", ")
-    );
-    println!("results: {}", study.out.join("results.csv").display());
-    for p in plots {
-        println!("plot: {}", p.display());
-    }
-    println!("page: {}", page.display());
+    results.print_summary(started.elapsed(), &plots, &page);
     Ok(JobStatus::Ok)
 }
 
