@@ -1222,14 +1222,7 @@ fn torch(
             ),
         );
     }
-    let algo = match j.algo.as_deref().map(str::parse::<Algo>) {
-        None => Algo::Torus,
-        Some(Ok(a)) => a,
-        Some(Err(e)) => {
-            p.add("job", Some("algo"), e);
-            return None;
-        }
-    };
+    let algo: Algo = job_value(p, "algo", j.algo.as_deref(), "torus")?;
     let Some(program) = j.program.as_deref().filter(|s| !s.trim().is_empty()) else {
         p.add(
             "job",
@@ -1271,20 +1264,8 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
             );
             None
         });
-    let eager = j
-        .eager
-        .as_deref()
-        .unwrap_or("fused")
-        .parse::<Eager>()
-        .map_err(|e| p.add("job", Some("eager"), e))
-        .ok();
-    let algo = j
-        .algo
-        .as_deref()
-        .unwrap_or("torus")
-        .parse::<Algo>()
-        .map_err(|e| p.add("job", Some("algo"), e))
-        .ok();
+    let eager: Option<Eager> = job_value(p, "eager", j.eager.as_deref(), "fused");
+    let algo: Option<Algo> = job_value(p, "algo", j.algo.as_deref(), "torus");
     let mut at_least_one = |key: &str, v: u64| {
         if v == 0 {
             p.add("job", Some(key), "must be at least 1");
@@ -1317,13 +1298,7 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     };
     let optimizer = optimizer_spec(p, j.optimizer.as_ref());
     let (tp, replicas) = mesh_sizes(p, j, strategy, pod);
-    let remat = j
-        .remat
-        .as_deref()
-        .unwrap_or("none")
-        .parse::<Remat>()
-        .map_err(|e| p.add("job", Some("remat"), e))
-        .ok();
+    let remat: Option<Remat> = job_value(p, "remat", j.remat.as_deref(), "none");
     let tp_activations = match j.tp_activations.as_deref().unwrap_or("replicated") {
         "replicated" => Some(TpActivations::Replicated),
         "sharded" => Some(TpActivations::Sharded),
@@ -1395,6 +1370,20 @@ fn optimizer_spec(p: &mut Problems<'_>, o: Option<&RawOptimizer>) -> Option<Opti
             None
         }
     }
+}
+
+/// `[job] key` parsed from its text (`default` when absent); a bad value is reported.
+fn job_value<T: std::str::FromStr<Err = String>>(
+    p: &mut Problems<'_>,
+    key: &str,
+    value: Option<&str>,
+    default: &str,
+) -> Option<T> {
+    value
+        .unwrap_or(default)
+        .parse::<T>()
+        .map_err(|e| p.add("job", Some(key), e))
+        .ok()
 }
 
 /// Mesh sizes: `tp` for fsdp+tp (default: the torus's first axis), the whole pod for tp;
