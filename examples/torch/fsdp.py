@@ -17,16 +17,7 @@ model = common.TinyTransformer()
 for block in model.blocks:
     fully_shard(block, mesh=mesh)
 fully_shard(model, mesh=mesh)
-opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-for step in range(args.steps):
-    inputs, targets = common.batch(step, rank)
-    loss = common.loss_of(model, inputs, targets)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    common.mark_step()
-    if rank == 0 and step % 5 == 0:
-        print(f"step {step} loss {loss.item():.4f}")
+common.train(model, args.steps, rank)
 full = {name: p.full_tensor() for name, p in model.named_parameters()}
 common.save(full, args.out)
 dist.destroy_process_group()

@@ -10,7 +10,7 @@ use podsim_collectives::{Chip, Comm, OpKind, Payload};
 use podsim_topology::{Group, Hardware};
 
 use super::ranks::{Rank, RankExit, RankLink, exited};
-use super::wire::{Compute, Frame, Reply, Request};
+use super::wire::{Compute, DTypeName, Frame, Reply, Request};
 use super::{CallSites, OpTotals, RankReport, RankStep, TorchSpec};
 use crate::error::WorkerError;
 use crate::train::kernels::Kernel;
@@ -332,26 +332,38 @@ async fn collective(
             .copied()
             .ok_or_else(|| Refused(format!("group {group} was never declared")))
     };
-    let n = |comm: &Comm| comm.group.size(chip.pod()) as usize;
+    let pod = chip.pod().clone();
+    let with_dtype = |group: u32, dtype: DTypeName| {
+        comm_of(group).map(|c| Comm {
+            dtype: dtype.into(),
+            ..c
+        })
+    };
     let input = Payload::from_vec(values);
+    // The ops that cut their input into one block per rank need it to divide.
+    let divided = |what: &str, comm: Comm| {
+        let n = comm.group.size(&pod) as usize;
+        if input.len().is_multiple_of(n) {
+            Ok(comm)
+        } else {
+            Err(Refused(format!(
+                "{what}: {} elements do not divide among {n} ranks",
+                input.len()
+            )))
+        }
+    };
     let done: Done = match request {
         Request::AllReduce {
             group,
             reduce,
             dtype,
         } => {
-            let comm = Comm {
-                dtype: dtype.into(),
-                ..comm_of(group)?
-            };
+            let comm = with_dtype(group, dtype)?;
             let r = chip.all_reduce(&comm, &input, reduce.into()).await;
             (OpKind::AllReduce, r.map(Some).map_err(Into::into))
         }
         Request::AllGather { group, dtype } => {
-            let comm = Comm {
-                dtype: dtype.into(),
-                ..comm_of(group)?
-            };
+            let comm = with_dtype(group, dtype)?;
             let r = chip.all_gather(&comm, &input).await;
             (OpKind::AllGather, r.map(Some).map_err(Into::into))
         }
@@ -360,46 +372,23 @@ async fn collective(
             reduce,
             dtype,
         } => {
-            let comm = Comm {
-                dtype: dtype.into(),
-                ..comm_of(group)?
-            };
-            if !input.len().is_multiple_of(n(&comm)) {
-                return Err(Refused(format!(
-                    "reduce_scatter: {} elements do not divide among {} ranks",
-                    input.len(),
-                    n(&comm)
-                )));
-            }
+            let comm = divided("reduce_scatter", with_dtype(group, dtype)?)?;
             let r = chip.reduce_scatter(&comm, &input, reduce.into()).await;
             (OpKind::ReduceScatter, r.map(Some).map_err(Into::into))
         }
         Request::Broadcast { group, root, dtype } => {
-            let comm = Comm {
-                dtype: dtype.into(),
-                ..comm_of(group)?
-            };
-            if root as usize >= n(&comm) {
+            let comm = with_dtype(group, dtype)?;
+            let n = comm.group.size(&pod);
+            if root >= n {
                 return Err(Refused(format!(
-                    "broadcast: root {root} is outside a group of {} ranks",
-                    n(&comm)
+                    "broadcast: root {root} is outside a group of {n} ranks"
                 )));
             }
             let r = chip.broadcast(&comm, &input, root).await;
             (OpKind::Broadcast, r.map(Some).map_err(Into::into))
         }
         Request::AllToAll { group, dtype } => {
-            let comm = Comm {
-                dtype: dtype.into(),
-                ..comm_of(group)?
-            };
-            if !input.len().is_multiple_of(n(&comm)) {
-                return Err(Refused(format!(
-                    "all_to_all: {} elements do not divide among {} ranks",
-                    input.len(),
-                    n(&comm)
-                )));
-            }
+            let comm = divided("all_to_all", with_dtype(group, dtype)?)?;
             let r = chip.all_to_all(&comm, &input).await;
             (OpKind::AllToAll, r.map(Some).map_err(Into::into))
         }
