@@ -151,20 +151,7 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         })
         .collect::<Result<_, _>>()?;
     let per_slice: u64 = dims.iter().product();
-    let wrap = match row.get("wraparound") {
-        "true" => "true".to_string(),
-        "false" => "false".to_string(),
-        axes => {
-            let list: Vec<&str> = axes.split('+').collect();
-            if list.len() != dims.len() || list.iter().any(|a| *a != "true" && *a != "false") {
-                return Err(row.bad(
-                    "wraparound",
-                    "expected true, false or one of them per axis joined by +",
-                ));
-            }
-            format!("[{}]", list.join(", "))
-        }
-    };
+    let wrap = wraparound(row, dims.len())?;
     let slices = row.positive("slices")?;
     let (fsdp, tp, dp) = (
         row.positive("ici_fsdp")?,
@@ -191,20 +178,7 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         ),
     };
     let batch_per_chip = row.positive("batch_per_chip")?;
-    let mut model = String::new();
-    for column in [
-        "layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
-    ] {
-        model.push_str(&format!("{column} = {}\n", row.positive(column)?));
-    }
-    for column in ["mlp", "block"] {
-        model.push_str(&format!("{column} = {:?}\n", row.get(column)));
-    }
-    let tied = match row.get("tied_embeddings") {
-        "true" => "true",
-        "false" => "false",
-        _ => return Err(row.bad("tied_embeddings", "expected true or false")),
-    };
+    let (model, tied) = model_keys(row)?;
     Ok(format!(
         r#"name = "compare-{id}"
 [topology]
@@ -233,6 +207,43 @@ kind = "adamw"
         batch = batch_per_chip * tp,
         remat = row.get("remat"),
     ))
+}
+
+/// A row's `wraparound`: true, false, or one of them per axis joined by `+`.
+fn wraparound(row: &Row<'_>, axes: usize) -> Result<String, String> {
+    Ok(match row.get("wraparound") {
+        "true" => "true".to_string(),
+        "false" => "false".to_string(),
+        per_axis => {
+            let list: Vec<&str> = per_axis.split('+').collect();
+            if list.len() != axes || list.iter().any(|a| *a != "true" && *a != "false") {
+                return Err(row.bad(
+                    "wraparound",
+                    "expected true, false or one of them per axis joined by +",
+                ));
+            }
+            format!("[{}]", list.join(", "))
+        }
+    })
+}
+
+/// A row's model shape as `[job.model]` lines, and `tied_embeddings`.
+fn model_keys(row: &Row<'_>) -> Result<(String, &'static str), String> {
+    let mut model = String::new();
+    for column in [
+        "layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
+    ] {
+        model.push_str(&format!("{column} = {}\n", row.positive(column)?));
+    }
+    for column in ["mlp", "block"] {
+        model.push_str(&format!("{column} = {:?}\n", row.get(column)));
+    }
+    let tied = match row.get("tied_embeddings") {
+        "true" => "true",
+        "false" => "false",
+        _ => return Err(row.bad("tied_embeddings", "expected true or false")),
+    };
+    Ok((model, tied))
 }
 
 /// Predicts one row.

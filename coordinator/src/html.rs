@@ -377,30 +377,34 @@ fn torus_picture(report: &Value, hang: &Value) -> String {
         // The link at fault, drawn from the culprit towards its neighbour in the panel.
         if let Some(c) = culprit.filter(|_| z == cz) {
             let local = c % per_slice;
-            let (x, y) = (local % x_n, (local / x_n) % y_n);
-            let (dx, dy) = match link.as_str() {
-                "ici+x" => (1.0, 0.0),
-                "ici-x" => (-1.0, 0.0),
-                "ici+y" => (0.0, 1.0),
-                "ici-y" => (0.0, -1.0),
-                _ => (0.0, 0.0),
-            };
-            if dx != 0.0 || dy != 0.0 {
-                let (cx, cy) = (
-                    ox + (f64::from(x) + 0.5) * cell,
-                    oy + 18.0 + (f64::from(y) + 0.5) * cell,
-                );
-                let _ = writeln!(
-                    s,
-                    "<line x1=\"{cx:.1}\" y1=\"{cy:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"#000\" stroke-width=\"2\"/>",
-                    cx + dx * cell,
-                    cy + dy * cell
-                );
-            }
+            let at = (local % x_n, (local / x_n) % y_n);
+            link_line(&mut s, (ox, oy + 18.0), cell, at, &link);
         }
     }
     s.push_str("</svg>\n");
     s
+}
+
+/// The culprit's link at fault in a torus panel whose first cell is at `origin`: a line from
+/// the culprit's cell `at` towards its neighbour along the link (x and y links only).
+fn link_line(s: &mut String, origin: (f64, f64), cell: f64, at: (u32, u32), link: &str) {
+    let (dx, dy) = match link {
+        "ici+x" => (1.0, 0.0),
+        "ici-x" => (-1.0, 0.0),
+        "ici+y" => (0.0, 1.0),
+        "ici-y" => (0.0, -1.0),
+        _ => return,
+    };
+    let (cx, cy) = (
+        origin.0 + (f64::from(at.0) + 0.5) * cell,
+        origin.1 + (f64::from(at.1) + 0.5) * cell,
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{cx:.1}\" y1=\"{cy:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"#000\" stroke-width=\"2\"/>",
+        cx + dx * cell,
+        cy + dy * cell
+    );
 }
 
 fn status_badge(status: &str) -> String {
