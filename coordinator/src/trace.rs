@@ -443,7 +443,20 @@ pub fn build(input: &TraceInput<'_>) -> Value {
         }
         chip_counters(trace, &label, &mut events);
     }
-    // Messages between traced chips.
+    message_flows(input, &tracks, &mut events);
+    pod_aggregates(&input.pod_spans, &mut events);
+    if let Some(h) = &input.hang {
+        diagnosis_marker(input, h, &tracks, &mut events);
+    }
+    // Records a chip left out past its bound (a very long job), said where a reader looks.
+    let left_out: u64 = input.chips.iter().map(|t| t.left_out).sum();
+    json!({"traceEvents": events, "displayTimeUnit": "ns",
+        "metadata": {"chips": input.chips.len(), "records_left_out": left_out}})
+}
+
+/// Flow arrows for the messages between traced chips, from the sender's track to the
+/// receiver's.
+fn message_flows(input: &TraceInput<'_>, tracks: &BTreeMap<u32, Tracks>, events: &mut Vec<Value>) {
     let by_chip: BTreeMap<u32, &ChipTrace> = input.chips.iter().map(|t| (t.chip, t)).collect();
     let mut flow = 0u64;
     for trace in &input.chips {
@@ -463,30 +476,32 @@ pub fn build(input: &TraceInput<'_>) -> Value {
             );
         }
     }
-    pod_aggregates(&input.pod_spans, &mut events);
-    if let Some(h) = &input.hang {
-        let end = input
-            .chips
-            .iter()
-            .flat_map(|t| {
-                t.spans
-                    .iter()
-                    .map(|s| s.virtual_end_ns.unwrap_or(s.virtual_start_ns))
-            })
-            .fold(0.0, f64::max);
-        let tid = h
-            .culprit
-            .and_then(|c| tracks.get(&c))
-            .map_or(0, |t| t.id("collectives"));
-        events.push(
-            json!({"ph": "i", "s": "g", "name": h.title, "pid": VIRTUAL_PID, "tid": tid,
-            "ts": us(end), "args": {"diagnosis": h.explanation}}),
-        );
-    }
-    // Records a chip left out past its bound (a very long job), said where a reader looks.
-    let left_out: u64 = input.chips.iter().map(|t| t.left_out).sum();
-    json!({"traceEvents": events, "displayTimeUnit": "ns",
-        "metadata": {"chips": input.chips.len(), "records_left_out": left_out}})
+}
+
+/// The diagnosis of a hang, as an instant on the culprit's collectives track at the end.
+fn diagnosis_marker(
+    input: &TraceInput<'_>,
+    h: &HangMark,
+    tracks: &BTreeMap<u32, Tracks>,
+    events: &mut Vec<Value>,
+) {
+    let end = input
+        .chips
+        .iter()
+        .flat_map(|t| {
+            t.spans
+                .iter()
+                .map(|s| s.virtual_end_ns.unwrap_or(s.virtual_start_ns))
+        })
+        .fold(0.0, f64::max);
+    let tid = h
+        .culprit
+        .and_then(|c| tracks.get(&c))
+        .map_or(0, |t| t.id("collectives"));
+    events.push(
+        json!({"ph": "i", "s": "g", "name": h.title, "pid": VIRTUAL_PID, "tid": tid,
+        "ts": us(end), "args": {"diagnosis": h.explanation}}),
+    );
 }
 
 /// Pod-wide slices and the counter of chips that have finished each.
