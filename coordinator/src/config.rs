@@ -727,14 +727,6 @@ fn parse(
     let recovery: Option<RawRecovery> = section(&mut p, &table, "recovery");
     let output: Option<RawOutput> = section(&mut p, &table, "output");
     let overrides: Option<HardwareOverrides> = section(&mut p, &table, "hardware");
-    let raw_faults: Vec<RawFault> = match table.get("faults") {
-        None => Vec::new(),
-        Some(v) => v
-            .clone()
-            .try_into()
-            .map_err(|e: toml::de::Error| p.add("faults", None, e.message().to_string()))
-            .unwrap_or_default(),
-    };
     let (pod, hardware) = match &topology {
         Some(t) => pod_and_hardware(&mut p, t, overrides.as_ref()),
         None => (None, None),
@@ -744,12 +736,7 @@ fn parse(
     let mut program = job
         .as_ref()
         .and_then(|j| program(&mut p, j, pod.as_ref(), workers));
-    let mut faults = Vec::new();
-    for (i, f) in raw_faults.iter().enumerate() {
-        if let Some(spec) = fault(&mut p, &format!("faults#{i}"), f, pod.as_ref(), workers) {
-            faults.push(spec);
-        }
-    }
+    let faults = faults_of(&mut p, &table, pod.as_ref(), workers);
     let output_dir = output
         .and_then(|o| o.dir)
         .map(PathBuf::from)
@@ -1444,6 +1431,27 @@ fn check_plan(
         };
         p.add("job", Some(key), reason);
     }
+}
+
+/// Every `[[faults]]` entry that is right (the others reported).
+fn faults_of(
+    p: &mut Problems<'_>,
+    table: &toml::Table,
+    pod: Option<&Pod>,
+    workers: u32,
+) -> Vec<FaultSpec> {
+    let raw: Vec<RawFault> = match table.get("faults") {
+        None => Vec::new(),
+        Some(v) => v
+            .clone()
+            .try_into()
+            .map_err(|e: toml::de::Error| p.add("faults", None, e.message().to_string()))
+            .unwrap_or_default(),
+    };
+    raw.iter()
+        .enumerate()
+        .filter_map(|(i, f)| fault(p, &format!("faults#{i}"), f, pod, workers))
+        .collect()
 }
 
 /// One `[[faults]]` entry.

@@ -180,21 +180,7 @@ impl Study {
                 "must not be empty".into(),
             );
         }
-        let dir = path.parent().unwrap_or(Path::new(""));
-        let base = dir.join(&raw.base);
-        if raw.base.trim().is_empty() {
-            found.add(
-                line_of(text, order, "base"),
-                "base",
-                "must name a job config".into(),
-            );
-        } else if !base.is_file() {
-            found.add(
-                line_of(text, order, "base"),
-                "base",
-                format!("{} is not a readable file", base.display()),
-            );
-        }
+        let base = base_of(&mut found, path, &raw.base, line_of(text, order, "base"));
         let out = raw
             .out
             .as_deref()
@@ -208,19 +194,7 @@ impl Study {
                 format!("{parallel}: must be at least 1"),
             );
         }
-        let timeout = match raw.timeout_s {
-            None => None,
-            Some(t) if t.is_finite() && t > 0.0 && t < 1e9 => Some(Duration::from_secs_f64(t)),
-            Some(t) => {
-                found.add(
-                    line_of(text, order, "timeout_s"),
-                    "timeout_s",
-                    format!("{t}: must be a positive number of seconds"),
-                );
-                None
-            }
-        };
-
+        let timeout = timeout_of(&mut found, raw.timeout_s, line_of(text, order, "timeout_s"));
         let sweep = sweep_of(&mut found, &raw.sweep, text, order);
         let swept: BTreeSet<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
         let points = points_of(&mut found, &raw.points, text, order, &swept);
@@ -1304,6 +1278,37 @@ fn syntax_problem(text: &str, e: &toml::de::Error) -> (Option<usize>, String, St
         field = "syntax".into();
     }
     (line, field, message)
+}
+
+/// The study's base job config, relative to the study file: it must exist.
+fn base_of(found: &mut Found, path: &Path, base: &str, line: Option<usize>) -> PathBuf {
+    let full = path.parent().unwrap_or(Path::new("")).join(base);
+    if base.trim().is_empty() {
+        found.add(line, "base", "must name a job config".into());
+    } else if !full.is_file() {
+        found.add(
+            line,
+            "base",
+            format!("{} is not a readable file", full.display()),
+        );
+    }
+    full
+}
+
+/// `timeout_s`: a positive number of seconds, when given.
+fn timeout_of(found: &mut Found, seconds: Option<f64>, line: Option<usize>) -> Option<Duration> {
+    match seconds {
+        None => None,
+        Some(t) if t.is_finite() && t > 0.0 && t < 1e9 => Some(Duration::from_secs_f64(t)),
+        Some(t) => {
+            found.add(
+                line,
+                "timeout_s",
+                format!("{t}: must be a positive number of seconds"),
+            );
+            None
+        }
+    }
 }
 
 /// `[sweep]`: each key with its list of values, in the order written.
