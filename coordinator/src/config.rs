@@ -1273,31 +1273,13 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         );
     }
     let model = match &j.model {
-        None => {
-            p.add(
-                "job",
-                Some("model"),
-                "missing: [job.model] widths = [inputs, hidden..., classes], or kind = \"transformer\" with its shape",
-            );
-            None
-        }
         Some(m) => model_spec(p, m, meta),
+        None => missing_model(p),
     };
     let optimizer = optimizer_spec(p, j.optimizer.as_ref());
     let (tp, replicas) = mesh_sizes(p, j, strategy, pod);
     let remat: Option<Remat> = job_value(p, "remat", j.remat.as_deref(), "none");
-    let tp_activations = match j.tp_activations.as_deref().unwrap_or("replicated") {
-        "replicated" => Some(TpActivations::Replicated),
-        "sharded" => Some(TpActivations::Sharded),
-        other => {
-            p.add(
-                "job",
-                Some("tp_activations"),
-                format!("{other:?} is not replicated or sharded"),
-            );
-            None
-        }
-    };
+    let tp_activations = tp_activations(p, j.tp_activations.as_deref());
     if let (Some(pod), Some(strategy), Some(model), Some(algo), true) =
         (pod, strategy, &model, algo, p.list.len() == before)
     {
@@ -1353,6 +1335,32 @@ fn optimizer_spec(p: &mut Problems<'_>, o: Option<&RawOptimizer>) -> Option<Opti
                 "job.optimizer",
                 Some("kind"),
                 format!("{other:?} is not sgd or adamw"),
+            );
+            None
+        }
+    }
+}
+
+/// `[job] model` is required for training.
+fn missing_model(p: &mut Problems<'_>) -> Option<ModelSpec> {
+    p.add(
+        "job",
+        Some("model"),
+        "missing: [job.model] widths = [inputs, hidden..., classes], or kind = \"transformer\" with its shape",
+    );
+    None
+}
+
+/// `[job] tp_activations`: replicated (Megatron) or sharded (MaxText) between TP regions.
+fn tp_activations(p: &mut Problems<'_>, value: Option<&str>) -> Option<TpActivations> {
+    match value.unwrap_or("replicated") {
+        "replicated" => Some(TpActivations::Replicated),
+        "sharded" => Some(TpActivations::Sharded),
+        other => {
+            p.add(
+                "job",
+                Some("tp_activations"),
+                format!("{other:?} is not replicated or sharded"),
             );
             None
         }
