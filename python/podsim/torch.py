@@ -465,3 +465,6 @@ def _create(opts, backend_options):
 
 
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+if "PODSIM_SOCKET" in os.environ:
+    # A rank of a podsim job: die with its worker from the start, not only once it connects.
+    _die_with_parent()
