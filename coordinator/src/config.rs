@@ -1514,24 +1514,7 @@ fn fault(
             "must be a non-negative number of ms",
         );
     }
-    let (once, desync) = match (kind, f.mode.as_deref()) {
-        (Some(FaultKind::Drop), None | Some("always")) => (false, DesyncMode::Skip),
-        (Some(FaultKind::Drop), Some("once")) => (true, DesyncMode::Skip),
-        (Some(FaultKind::Desync), None | Some("skip")) => (false, DesyncMode::Skip),
-        (Some(FaultKind::Desync), Some("op")) => (false, DesyncMode::Op),
-        (Some(FaultKind::Desync), Some("size")) => (false, DesyncMode::Size),
-        (_, None) => (false, DesyncMode::Skip),
-        (_, Some(m)) => {
-            p.add(
-                table,
-                Some("mode"),
-                format!(
-                    "{m:?} is not a mode of this fault (drop: once, always; desync: skip, op, size)"
-                ),
-            );
-            (false, DesyncMode::Skip)
-        }
-    };
+    let (once, desync) = fault_mode(p, table, kind, f.mode.as_deref());
     if p.list.len() > before {
         return None;
     }
@@ -1549,6 +1532,33 @@ fn fault(
         factor,
         desync,
     })
+}
+
+/// A fault's `mode`: whether a drop happens once, and how a desync diverges.
+fn fault_mode(
+    p: &mut Problems<'_>,
+    table: &str,
+    kind: Option<FaultKind>,
+    mode: Option<&str>,
+) -> (bool, DesyncMode) {
+    match (kind, mode) {
+        (Some(FaultKind::Drop), None | Some("always")) => (false, DesyncMode::Skip),
+        (Some(FaultKind::Drop), Some("once")) => (true, DesyncMode::Skip),
+        (Some(FaultKind::Desync), None | Some("skip")) => (false, DesyncMode::Skip),
+        (Some(FaultKind::Desync), Some("op")) => (false, DesyncMode::Op),
+        (Some(FaultKind::Desync), Some("size")) => (false, DesyncMode::Size),
+        (_, None) => (false, DesyncMode::Skip),
+        (_, Some(m)) => {
+            p.add(
+                table,
+                Some("mode"),
+                format!(
+                    "{m:?} is not a mode of this fault (drop: once, always; desync: skip, op, size)"
+                ),
+            );
+            (false, DesyncMode::Skip)
+        }
+    }
 }
 
 /// A fault's `link = "chip:link"` (or `link` with `chip`): the sending chip and its link,

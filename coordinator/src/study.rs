@@ -862,7 +862,27 @@ struct Results<'a> {
     outcomes: BTreeMap<usize, PointOutcome>,
 }
 
-impl Results<'_> {
+impl<'a> Results<'a> {
+    /// The results of a study about to run: its folder made, files of an earlier run that
+    /// could pass for results of this one removed, empty results.csv and study.json written.
+    fn start(study: &'a Study, points: &'a [Point]) -> Result<Results<'a>, String> {
+        std::fs::create_dir_all(&study.out)
+            .map_err(|e| format!("cannot create {}: {e}", study.out.display()))?;
+        for p in &study.plots {
+            let _ = std::fs::remove_file(study.out.join(&p.file));
+        }
+        let results = Results {
+            study,
+            points,
+            columns: study.columns(),
+            rows: BTreeMap::new(),
+            outcomes: BTreeMap::new(),
+        };
+        results.write_csv()?;
+        results.write_json()?;
+        Ok(results)
+    }
+
     /// A point finished: its row from its report, a progress line, and every file rewritten.
     fn record(
         &mut self,
@@ -1094,24 +1114,10 @@ pub fn main(args: &StudyArgs) -> Result<JobStatus, CliError> {
 
 fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<JobStatus, CliError> {
     let job = |e: String| CliError::Job(e);
-    std::fs::create_dir_all(&study.out)
-        .map_err(|e| job(format!("cannot create {}: {e}", study.out.display())))?;
     let exe =
         std::env::current_exe().map_err(|e| job(format!("cannot find the podsim binary: {e}")))?;
     let total = points.len();
-    let mut results = Results {
-        study,
-        points,
-        columns: study.columns(),
-        rows: BTreeMap::new(),
-        outcomes: BTreeMap::new(),
-    };
-    // Nothing of an earlier run of this study may pass for a result of this one.
-    for p in &study.plots {
-        let _ = std::fs::remove_file(study.out.join(&p.file));
-    }
-    results.write_csv().map_err(job)?;
-    results.write_json().map_err(job)?;
+    let mut results = Results::start(study, points).map_err(job)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
