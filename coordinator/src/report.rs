@@ -717,9 +717,8 @@ fn training(
         out.reports.iter().flat_map(|r| &r.train).collect();
     chips.sort_by_key(|c| c.chip);
     let steps = train_steps(&chips);
-    let mut walls: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
-    walls.sort_by(f64::total_cmp);
-    let median = walls.get(walls.len() / 2).copied().unwrap_or(0.0);
+    let walls: Vec<f64> = steps.iter().map(|s| s.wall_ms).collect();
+    let median_wall_ms = median(&walls);
     report.virtual_s = steps.iter().map(|s| s.virtual_ms).sum::<f64>() / 1e3;
     training_correctness(report, &chips);
     let global_batch = global_batch(pod, spec);
@@ -748,7 +747,11 @@ fn training(
         hbm_capacity_bytes: chips.first().map_or(0, |c| c.hbm.capacity_bytes),
         oom: chips.iter().find_map(|c| c.hbm.oom.clone()),
         steps,
-        steps_per_s: if median > 0.0 { 1e3 / median } else { 0.0 },
+        steps_per_s: if median_wall_ms > 0.0 {
+            1e3 / median_wall_ms
+        } else {
+            0.0
+        },
         hbm: chips
             .iter()
             .map(|c| ChipMemory {

@@ -13,7 +13,7 @@ use super::ranks::{Rank, RankExit, RankLink, exited};
 use super::wire::{Compute, DTypeName, Frame, Reply, Request};
 use super::{CallSites, OpTotals, RankReport, RankStep, TorchSpec};
 use crate::error::WorkerError;
-use crate::train::kernels::Kernel;
+use crate::train::kernels::{Kernel, hbm_stream_s};
 
 /// How long a rank that said goodbye (or closed its connection) may take to exit.
 const EXIT_GRACE: Duration = Duration::from_secs(30);
@@ -118,7 +118,8 @@ pub fn compute_ns(compute: &Compute, hw: &Hardware) -> f64 {
             calls as f64 * kernel.time_ns(hw, elem_bytes as f64)
         })
         .sum();
-    let passes = compute.pass_bytes as f64 / (hw.hbm_bandwidth * hw.hbm_efficiency) * 1e9
+    // The other kernels, as element-wise passes over the bytes they read and wrote.
+    let passes = hbm_stream_s(hw, compute.pass_bytes as f64) * 1e9
         + compute.kernels as f64 * hw.kernel_overhead_ns;
     matmuls + passes
 }

@@ -123,7 +123,7 @@ impl Kernel {
                 mxu.max(traffic / hbm)
             }
             Kernel::Elementwise { elems, reads, .. } => {
-                elem_bytes * (reads + 1.0) * elems as f64 / hbm
+                hbm_stream_s(hw, elem_bytes * (reads + 1.0) * elems as f64)
             }
             Kernel::Attention { head_dim, .. } => {
                 let (blocks, edge) = self.attention_blocks(hw.attention_block);
@@ -138,6 +138,12 @@ impl Kernel {
         };
         busy * 1e9 + hw.kernel_overhead_ns
     }
+}
+
+/// Seconds to stream `bytes` through HBM at the sustained fraction of its bandwidth: what an
+/// element-wise or normalisation kernel's time is, before its fixed cost.
+pub fn hbm_stream_s(hw: &Hardware, bytes: f64) -> f64 {
+    bytes / (hw.hbm_bandwidth * hw.hbm_efficiency)
 }
 
 /// The kernels of one step of work (a layer's forward, an op's backward), in order.
