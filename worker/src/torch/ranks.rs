@@ -15,7 +15,7 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::TorchSpec;
-use super::wire::{Frame, Reply, Request, read_frame, write_frame};
+use super::wire::{Frame, MAX_PAYLOAD_BYTES, Reply, Request, read_frame, write_frame};
 use crate::error::WorkerError;
 
 /// How long a new connection may take to say hello.
@@ -242,7 +242,7 @@ async fn accept(listener: tokio::net::UnixListener, token: String, pending: Pend
 
 async fn admit(stream: UnixStream, token: &str, pending: &Pending) -> Result<(), String> {
     let (mut read, mut write) = stream.into_split();
-    let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(&mut read))
+    let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(&mut read, 0))
         .await
         .map_err(|_| "no hello in time".to_string())??;
     let refuse = |why: String| Reply {
@@ -292,7 +292,7 @@ async fn admit(stream: UnixStream, token: &str, pending: &Pending) -> Result<(),
         }
     });
     loop {
-        match read_frame(&mut read).await {
+        match read_frame(&mut read, MAX_PAYLOAD_BYTES).await {
             Ok(Some((
                 Frame {
                     request: Request::Stack { frames },

@@ -157,9 +157,12 @@ pub struct Reply {
     pub clock_ns: f64,
 }
 
-/// Reads one frame: `None` at a clean end of the stream (between frames).
+/// Reads one frame whose payload is at most `max_payload` bytes: `None` at a clean end of
+/// the stream (between frames). A connection's first frame, read before its token is
+/// checked, is read with a limit of 0, so that no stranger can make the chip allocate.
 pub async fn read_frame(
     r: &mut (impl AsyncRead + Unpin),
+    max_payload: u64,
 ) -> Result<Option<(Frame, Vec<f32>)>, String> {
     let mut header = [0u8; HEADER_BYTES];
     match r.read_exact(&mut header[..1]).await {
@@ -170,7 +173,7 @@ pub async fn read_frame(
     r.read_exact(&mut header[1..])
         .await
         .map_err(|e| format!("a frame's header was cut short: {e}"))?;
-    let (json_len, payload_len) = parse_header(&header)?;
+    let (json_len, payload_len) = parse_header(&header, max_payload)?;
     let mut json = vec![0u8; json_len];
     r.read_exact(&mut json)
         .await
@@ -188,8 +191,12 @@ pub async fn read_frame(
     Ok(Some((frame, values)))
 }
 
-/// The JSON and payload lengths a header announces, checked against the limits.
-pub fn parse_header(header: &[u8; HEADER_BYTES]) -> Result<(usize, usize), String> {
+/// The JSON and payload lengths a header announces, checked against the limits (a payload
+/// of at most `max_payload` bytes).
+pub fn parse_header(
+    header: &[u8; HEADER_BYTES],
+    max_payload: u64,
+) -> Result<(usize, usize), String> {
     let word = |at: usize| {
         u32::from_le_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
     };
@@ -206,9 +213,9 @@ pub fn parse_header(header: &[u8; HEADER_BYTES]) -> Result<(usize, usize), Strin
         ));
     }
     let payload_len = u64::from(word(8)) | (u64::from(word(12)) << 32);
-    if payload_len > MAX_PAYLOAD_BYTES || !payload_len.is_multiple_of(4) {
+    if payload_len > max_payload || !payload_len.is_multiple_of(4) {
         return Err(format!(
-            "a payload of {payload_len} bytes is not a whole number of f32 values up to {MAX_PAYLOAD_BYTES}"
+            "a payload of {payload_len} bytes is not a whole number of f32 values up to {max_payload}"
         ));
     }
     Ok((json_len as usize, payload_len as usize))
@@ -232,7 +239,16 @@ pub async fn write_frame(
         for run in rope.runs() {
             match run {
                 Run::Values(v) => w.write_all(bytemuck::cast_slice(v)).await?,
-                Run::Zeros(n) => w.write_all(&vec![0u8; 4 * n]).await?,
+                Run::Zeros(n) => {
+                    // Padding owns no memory: write it from a small block, not a fresh one.
+                    const ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+                    let mut left = 4 * n;
+                    while left > 0 {
+                        let k = left.min(ZEROS.len());
+                        w.write_all(&ZEROS[..k]).await?;
+                        left -= k;
+                    }
+                }
             }
         }
     }
@@ -258,7 +274,7 @@ mod tests {
             .build()
             .expect("runtime");
         let mut r = bytes;
-        rt.block_on(read_frame(&mut r))
+        rt.block_on(read_frame(&mut r, MAX_PAYLOAD_BYTES))
     }
 
     #[test]
@@ -299,5 +315,13 @@ mod tests {
                 .contains("bad request")
         );
         assert!(read(&good[..10]).expect_err("short").contains("cut short"));
+        // Before the token is checked, no payload at all: nothing is allocated for a stranger.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let hello = frame(r#"{"op":"hello","rank":0,"pid":1,"token":"t"}"#, &[1.0]);
+        let mut r = hello.as_slice();
+        let e = rt.block_on(read_frame(&mut r, 0)).expect_err("payload");
+        assert!(e.contains("up to 0"), "{e}");
     }
 }
