@@ -241,7 +241,7 @@ pub async fn write_frame(
                 Run::Values(v) => w.write_all(bytemuck::cast_slice(v)).await?,
                 Run::Zeros(n) => {
                     // Padding owns no memory: write it from a small block, not a fresh one.
-                    const ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+                    static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
                     let mut left = 4 * n;
                     while left > 0 {
                         let k = left.min(ZEROS.len());
