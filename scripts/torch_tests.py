@@ -48,7 +48,7 @@ def torchrun(nproc, script, *script_args):
     return run(cmd)
 
 
-def compare(a_path, b_path, rel):
+def compare(a_path, b_path):
     """Largest relative difference (per tensor, by norm) between two saved dicts."""
     import torch
 
@@ -78,12 +78,12 @@ def case_same_as_gloo(args, script, topology, tol=1e-6):
     g, gwall = torchrun(8, script, "--out", theirs)
     if g.returncode != 0:
         return False, f"torchrun exited {g.returncode}: {g.stderr[-600:]}"
-    worst, name = compare(mine, theirs, tol)
+    worst, name = compare(mine, theirs)
     ok = worst <= tol
     extra = ""
     if os.path.exists(mine + ".rank0"):
         for r in range(8):
-            w, n = compare(f"{mine}.rank{r}", f"{theirs}.rank{r}", tol)
+            w, n = compare(f"{mine}.rank{r}", f"{theirs}.rank{r}")
             ok = ok and w <= tol
             worst = max(worst, w)
         extra = ", every rank's local shards too"
@@ -99,9 +99,9 @@ def leftover(pattern):
     return [int(x) for x in p.stdout.split()]
 
 
-def case_fault(args, fault, want_kind, want_exit, budget_ms):
-    p, wall, report = podsim_run(args, "2x2x2", "faults.py", "--fault", fault, "--rank", "3",
-                                 "--at", "5")
+def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
+    p, wall, report = podsim_run(args, "2x2x2", "faults.py", "--fault", fault, "--rank", str(rank),
+                                 "--at", str(at))
     ended = time.time()
     hang = (report or {}).get("hang") or {}
     culprit = hang.get("culprit") or {}
@@ -110,8 +110,8 @@ def case_fault(args, fault, want_kind, want_exit, budget_ms):
         problems.append(f"exit {p.returncode}, want {want_exit}")
     if hang.get("kind") != want_kind:
         problems.append(f"kind {hang.get('kind')}, want {want_kind}")
-    if culprit.get("chip") != 3 and fault != "skip":
-        problems.append(f"culprit chip {culprit.get('chip')}, want 3")
+    if culprit.get("chip") != rank and fault != "skip":
+        problems.append(f"culprit chip {culprit.get('chip')}, want {rank}")
     # From the fault (the rank prints when) to the diagnosis (the report says when).
     at = re.search(r"fault \w+ at ([0-9.]+)", p.stdout)
     detected = None
@@ -126,8 +126,8 @@ def case_fault(args, fault, want_kind, want_exit, budget_ms):
         stack = culprit.get("python_stack") or []
         if not stack or f"faults.py:{line} " not in stack[-1]:
             problems.append(f"python stack ends {stack[-1:]} not at faults.py:{line}")
-    if fault == "skip" and "Rank 3 made its call at" not in hang.get("explanation", ""):
-        problems.append("the desync does not name rank 3's call")
+    if fault == "skip" and f"Rank {rank} made its call at" not in hang.get("explanation", ""):
+        problems.append(f"the desync does not name rank {rank}'s call")
     time.sleep(0.5)
     left = leftover("examples/torch/faults.py")
     if left:
@@ -174,9 +174,11 @@ def main():
         ("ddp matches gloo", lambda: case_same_as_gloo(args, "ddp.py", "2x2x2")),
         ("fsdp2 matches gloo", lambda: case_same_as_gloo(args, "fsdp.py", "2x2x2")),
         ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),
-        ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", "stalled_chip", 3, 3000)),
-        ("a skipped all-reduce is a desync", lambda: case_fault(args, "skip", "desync", 4, 1000)),
-        ("a rank that exits is a dead worker", lambda: case_fault(args, "exit", "dead_worker", 3, 3000)),
+        # Faults at different ranks and steps: an interior rank, the last rank, and rank 0
+        # (which also hosts torch's store).
+        ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),
+        ("a skipped all-reduce is a desync", lambda: case_fault(args, "skip", 6, 3, "desync", 4, 1000)),
+        ("a rank that exits is a dead worker", lambda: case_fault(args, "exit", 0, 8, "dead_worker", 3, 3000)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
     ]
     failed = 0

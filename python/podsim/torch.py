@@ -15,6 +15,7 @@ reduce them on the rank, in rank order, and are charged as the all-gather they a
 """
 
 import atexit
+import math
 import os
 import sys
 import threading
@@ -157,18 +158,12 @@ def torus_mesh(names=None):
     dims = [int(d) for d in os.environ["PODSIM_TOPOLOGY"].split("x")]
     shape = list(reversed(dims))
     default = list(reversed(["x", "y", "z"][: len(dims)]))
-    slices = dist.get_world_size() // max(1, _product(dims))
+    slices = dist.get_world_size() // max(1, math.prod(dims))
     if slices > 1:  # slices joined by DCN: the outermost dimension
         shape.insert(0, slices)
         default.insert(0, "dcn")
     return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names or default))
 
-
-def _product(values):
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 # ---- values on the wire -------------------------------------------------------------------
@@ -412,13 +407,10 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             blocks_in = list(input.reshape(n, -1)) if input.numel() else [input] * n
             blocks_out = list(output.view(n, -1)) if output.numel() else [output] * n
         else:
-            rows_in = input.shape[0] and input.numel() // input.shape[0]
-            rows_out = output.shape[0] and output.numel() // output.shape[0]
             ins = list(input_split_sizes) or [input.shape[0] // n] * n
             outs = list(output_split_sizes) or [output.shape[0] // n] * n
             blocks_in = list(torch.split(input.reshape(input.shape[0], -1), ins))
             blocks_out = list(torch.split(output.reshape(output.shape[0], -1), outs))
-            del rows_in, rows_out
         equal = not input_split_sizes and not output_split_sizes
         self._all_to_all_blocks(blocks_out, blocks_in, equal)
         return _Done([output])
