@@ -149,17 +149,26 @@ def case_api(args, topology="2x2x2", flags=()):
     return p.returncode == 0 and oks == 8, f"{oks} of 8 ranks ok, exit {p.returncode}{'' if oks == 8 else ': ' + p.stdout[-800:]}"
 
 
-def case_config_fault(args):
-    """podsim's own [[faults]] on a kind = "torch" job: chip 2 stalls at step 5."""
+def case_config_fault(args, program="ddp.py", chip=2):
+    """podsim's own [[faults]] on a kind = "torch" job (configs/faults/torch_stall.toml, run
+    with `program` and the stall moved to `chip`): the chip stalls at step 5."""
     out = tempfile.mkdtemp(prefix="podsim-torch-")
+    with open(os.path.join(REPO, "configs", "faults", "torch_stall.toml")) as f:
+        config = f.read()
+    config = config.replace("examples/torch/ddp.py", f"examples/torch/{program}")
+    config = re.sub(r"(?m)^chip = \d+$", f"chip = {chip}", config)
+    path = os.path.join(out, "job.toml")
+    with open(path, "w") as f:
+        f.write(config)
     env = dict(os.environ, PODSIM_PYTHON=sys.executable)
-    p, wall = run([args.podsim, "launch", "configs/faults/torch_stall.toml", "--out", out], env)
+    p, wall = run([args.podsim, "launch", path, "--out", out], env)
     with open(os.path.join(out, "report.json")) as f:
         hang = json.load(f).get("hang") or {}
+    culprit = hang.get("culprit", {})
     ok = (p.returncode == 3 and hang.get("kind") == "stalled_chip"
-          and hang.get("culprit", {}).get("chip") == 2 and hang.get("detected_after_ms", 1e9) < 3000)
-    return ok, (f"exit {p.returncode}, {hang.get('kind')} on chip {hang.get('culprit', {}).get('chip')} "
-                f"after {hang.get('detected_after_ms')} ms")
+          and culprit.get("chip") == chip and hang.get("detected_after_ms", 1e9) < 3000)
+    return ok, (f"exit {p.returncode}, {hang.get('kind')} on chip {culprit.get('chip')} "
+                f"after {hang.get('detected_after_ms')} ms, Python at {culprit.get('python_stack')}")
 
 
 def main():
@@ -174,12 +183,14 @@ def main():
         ("ddp matches gloo", lambda: case_same_as_gloo(args, "ddp.py", "2x2x2")),
         ("fsdp2 matches gloo", lambda: case_same_as_gloo(args, "fsdp.py", "2x2x2")),
         ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),
+        ("pipeline (send/recv) matches gloo", lambda: case_same_as_gloo(args, "pipeline.py", "2x2x2")),
         # Faults at different ranks and steps: an interior rank, the last rank, and rank 0
         # (which also hosts torch's store).
         ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),
         ("a skipped all-reduce is a desync", lambda: case_fault(args, "skip", 6, 3, "desync", 4, 1000)),
         ("a rank that exits is a dead worker", lambda: case_fault(args, "exit", 0, 8, "dead_worker", 3, 3000)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
+        ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),
     ]
     failed = 0
     for name, case in cases:

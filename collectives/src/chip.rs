@@ -247,15 +247,15 @@ impl Chip {
 
     fn next_fingerprint(
         &mut self,
-        group: Group,
+        group: u64,
         op: OpKind,
         dtype: DType,
         count: usize,
         reduce: Option<ReduceOp>,
     ) -> Fingerprint {
-        let seq = self.seqs.entry(group.id()).or_insert(0);
+        let seq = self.seqs.entry(group).or_insert(0);
         let fp = Fingerprint {
-            group: group.id(),
+            group,
             seq: *seq,
             op,
             dtype,
@@ -276,7 +276,22 @@ impl Chip {
         count: usize,
         reduce: Option<ReduceOp>,
     ) -> Fingerprint {
-        let mut fp = self.next_fingerprint(group, op, dtype, count, reduce);
+        self.begin_on(group.id(), || group.to_string(), op, dtype, count, reduce)
+            .await
+    }
+
+    /// [`Chip::begin`] on the sequence of calls `key` (a group's id, or a pair of chips'
+    /// point-to-point channel), named `label()` in a trace.
+    pub(crate) async fn begin_on(
+        &mut self,
+        key: u64,
+        label: impl FnOnce() -> String,
+        op: OpKind,
+        dtype: DType,
+        count: usize,
+        reduce: Option<ReduceOp>,
+    ) -> Fingerprint {
+        let mut fp = self.next_fingerprint(key, op, dtype, count, reduce);
         if let Some(hook) = self.core.faults.clone() {
             let index = self.core.recorder.started_count();
             match hook.before_collective(self.core.id, index, &mut fp) {
@@ -284,7 +299,7 @@ impl Chip {
                 crate::faults::BeforeCollective::Stall => std::future::pending::<()>().await,
                 crate::faults::BeforeCollective::Skip => {
                     // As if the previous call had been skipped: one sequence number ahead.
-                    *self.seqs.entry(group.id()).or_insert(0) += 1;
+                    *self.seqs.entry(key).or_insert(0) += 1;
                     fp.seq += 1;
                 }
             }
@@ -295,7 +310,7 @@ impl Chip {
             let mut args = vec![
                 ("op".to_string(), Arg::from(fp.op.name())),
                 ("seq".to_string(), Arg::from(fp.seq)),
-                ("group".to_string(), Arg::from(group.to_string())),
+                ("group".to_string(), Arg::from(label())),
                 ("elements".to_string(), Arg::from(elems)),
                 ("dtype".to_string(), Arg::from(fp.dtype.name())),
                 (
@@ -523,16 +538,18 @@ impl<'a> Call<'a> {
     ) -> Result<(), CollectiveError> {
         match self.start_send(t, route, tag, payload)? {
             None => Ok(()),
-            Some(rest) => {
-                // Waiting for room on a full link to another worker (or a fault's delay):
-                // busy in the transport, not stopped, as far as the watchdog is concerned.
-                let recorder = &self.chip.recorder;
-                recorder.compute_started();
-                let sent = rest.await;
-                recorder.compute_finished();
-                sent
-            }
+            Some(rest) => self.wait_for_room(rest).await,
         }
+    }
+
+    /// Waiting for room on a full link to another worker (or a fault's delay): busy in the
+    /// transport, not stopped, as far as the watchdog is concerned.
+    async fn wait_for_room(&self, rest: WaitForRoom<'a>) -> Result<(), CollectiveError> {
+        let recorder = &self.chip.recorder;
+        recorder.compute_started();
+        let sent = rest.await;
+        recorder.compute_finished();
+        sent
     }
 
     /// Everything a send does without waiting, which is all of it on the common path; what is
@@ -547,6 +564,36 @@ impl<'a> Call<'a> {
         payload: Payload,
     ) -> Result<Option<WaitForRoom<'a>>, CollectiveError> {
         let dst = self.peer(route)?;
+        self.start_send_to(t, dst, route, 0.0, tag, payload)
+    }
+
+    /// [`Call::send`] to `dst`, which `route` leads towards (its link is the one the message
+    /// leaves on and is filed under), arriving `extra_latency_ns` later than the route alone
+    /// would bring it (the further hops of a point-to-point path).
+    pub async fn send_to(
+        &self,
+        t: Nanos,
+        dst: ChipId,
+        route: Route,
+        extra_latency_ns: f64,
+        tag: Tag,
+        payload: Payload,
+    ) -> Result<(), CollectiveError> {
+        match self.start_send_to(t, dst, route, extra_latency_ns, tag, payload)? {
+            None => Ok(()),
+            Some(rest) => self.wait_for_room(rest).await,
+        }
+    }
+
+    fn start_send_to(
+        &self,
+        t: Nanos,
+        dst: ChipId,
+        route: Route,
+        extra_latency_ns: f64,
+        tag: Tag,
+        payload: Payload,
+    ) -> Result<Option<WaitForRoom<'a>>, CollectiveError> {
         let mut msg = Message {
             src: self.chip.id,
             dst,
@@ -566,9 +613,9 @@ impl<'a> Call<'a> {
             None => OnSend::Deliver,
         };
         match fault {
-            OnSend::Deliver => self.hand_over(t, msg, 0.0),
+            OnSend::Deliver => self.hand_over(t, msg, extra_latency_ns),
             OnSend::Drop => {
-                self.account(t, &msg, 0.0);
+                self.account(t, &msg, extra_latency_ns);
                 Ok(None)
             }
             OnSend::Delay { wall, virtual_ns } => {
@@ -576,13 +623,18 @@ impl<'a> Call<'a> {
                 // `send` marks the chip busy for the whole wait (the delay, then room).
                 Ok(Some(Box::pin(async move {
                     tokio::time::sleep(wall).await;
-                    match call.hand_over(t, msg, virtual_ns)? {
+                    match call.hand_over(t, msg, extra_latency_ns + virtual_ns)? {
                         None => Ok(()),
                         Some(rest) => rest.await,
                     }
                 })))
             }
         }
+    }
+
+    /// When this chip's `link` has finished sending what was booked on it.
+    pub fn link_free_at(&self, link: Link) -> Nanos {
+        self.chip.links.get(link_slot(link))
     }
 
     /// Books the message on its link (virtual departure and arrival, counters) and returns its
@@ -647,7 +699,18 @@ impl<'a> Call<'a> {
         tag: Tag,
     ) -> Result<Payload, CollectiveError> {
         let src = self.peer(route)?;
-        let link = route.link;
+        self.recv_from(t, src, route.link, tag).await
+    }
+
+    /// [`Call::recv`] of the message `src` sent on the link this chip names `link` (for a
+    /// point-to-point message: the link it left `src` on, named from this side).
+    pub async fn recv_from(
+        &self,
+        t: &mut Nanos,
+        src: ChipId,
+        link: Link,
+        tag: Tag,
+    ) -> Result<Payload, CollectiveError> {
         let core = self.chip;
         let sender_link = link.reverse(core.slice);
         let want = Expect {

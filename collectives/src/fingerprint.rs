@@ -19,16 +19,19 @@ pub enum OpKind {
     Broadcast,
     AllToAll,
     Barrier,
+    /// A point-to-point message (a PyTorch `send` and its matching `recv`).
+    SendRecv,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 6] = [
+    pub const ALL: [OpKind; 7] = [
         OpKind::AllReduce,
         OpKind::AllGather,
         OpKind::ReduceScatter,
         OpKind::Broadcast,
         OpKind::AllToAll,
         OpKind::Barrier,
+        OpKind::SendRecv,
     ];
 
     pub fn name(self) -> &'static str {
@@ -39,6 +42,7 @@ impl OpKind {
             OpKind::Broadcast => "broadcast",
             OpKind::AllToAll => "all-to-all",
             OpKind::Barrier => "barrier",
+            OpKind::SendRecv => "send-recv",
         }
     }
 
@@ -50,6 +54,7 @@ impl OpKind {
             OpKind::Broadcast => 4,
             OpKind::AllToAll => 5,
             OpKind::Barrier => 6,
+            OpKind::SendRecv => 7,
         }
     }
 
@@ -63,7 +68,7 @@ impl OpKind {
         match self {
             OpKind::AllReduce => 2.0 * (n - 1.0) / n,
             OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => (n - 1.0) / n,
-            OpKind::Broadcast => 1.0,
+            OpKind::Broadcast | OpKind::SendRecv => 1.0,
             OpKind::Barrier => 0.0,
         }
     }
@@ -130,6 +135,26 @@ impl DType {
     }
 }
 
+/// Marks the key of a point-to-point channel, outside the range of group ids (below
+/// `2^Group::ID_BITS`) and of debug fingerprint exchanges (the bit just above).
+const CHANNEL_BIT: u64 = 1 << 63;
+/// A channel key holds its sending chip in the low 24 bits (`MAX_CHIPS` is `2^24`), the
+/// receiving chip in the next 24 and the tag in the 15 bits above.
+const CHIP_BITS: u32 = 24;
+const CHIP_MASK: u64 = (1 << CHIP_BITS) - 1;
+
+/// Largest tag a point-to-point message may carry.
+pub const MAX_TAG: u32 = (1 << (63 - 2 * CHIP_BITS)) - 1;
+
+/// The key of the point-to-point channel from `src` to `dst` under `tag` (at most
+/// [`MAX_TAG`]): the calls on it are numbered in their own sequence, as a group's are.
+pub(crate) fn channel(src: u32, dst: u32, tag: u32) -> u64 {
+    CHANNEL_BIT
+        | u64::from(tag) << (2 * CHIP_BITS)
+        | (u64::from(dst) & CHIP_MASK) << CHIP_BITS
+        | (u64::from(src) & CHIP_MASK)
+}
+
 /// (group, seq, op, dtype, element count, reduce op): what every member of a collective agrees on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Fingerprint {
@@ -141,8 +166,37 @@ pub struct Fingerprint {
     pub reduce: Option<ReduceOp>,
 }
 
+impl Fingerprint {
+    /// The sending chip, receiving chip and tag of a point-to-point call.
+    pub fn channel(&self) -> Option<(u32, u32, u32)> {
+        (self.op == OpKind::SendRecv && self.group & CHANNEL_BIT != 0).then(|| {
+            let g = self.group & !CHANNEL_BIT;
+            (
+                (g & CHIP_MASK) as u32,
+                (g >> CHIP_BITS & CHIP_MASK) as u32,
+                (g >> (2 * CHIP_BITS)) as u32,
+            )
+        })
+    }
+}
+
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some((src, dst, tag)) = self.channel() {
+            let tag = if tag == 0 {
+                String::new()
+            } else {
+                format!(" tag {tag}")
+            };
+            return write!(
+                f,
+                "{}#{} from chip {src} to chip {dst}{tag} ({} x {})",
+                self.op,
+                self.seq,
+                self.count,
+                self.dtype.name()
+            );
+        }
         write!(
             f,
             "{}#{} on group {} ({} x {}",

@@ -6,7 +6,8 @@
 //!
 //! Modules:
 //! - `chip`: a chip (id, virtual clock, link clocks, inbox) and the virtual-time rules of a
-//!   send and a receive; `collective`: the collectives as methods on [`Chip`];
+//!   send and a receive; `collective`: the collectives as methods on [`Chip`]; `p2p`:
+//!   point-to-point messages between any two chips (`send_to` / `recv_from`);
 //! - `algo`: lanes, phases and schedules (ring, bidirectional ring, torus);
 //! - `fabric`: messages, tags, [`Router`] and [`Inbox`]; `local`: all chips in one process and
 //!   [`run_chips`]; `mirror`: one chip standing for a symmetric pod;
@@ -47,6 +48,7 @@ pub mod faults;
 mod fingerprint;
 mod local;
 mod mirror;
+mod p2p;
 mod payload;
 mod recorder;
 mod reduce;
@@ -62,6 +64,7 @@ pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
 pub use mirror::{MirrorRouter, mirror_chip, symmetry_obstacles};
+pub use p2p::MAX_TAG as MAX_P2P_TAG;
 pub use payload::{Payload, Rope, Run};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{

@@ -65,6 +65,7 @@ pub async fn run_op(
                 chip.barrier(&comm).await?;
                 Payload::Meta(0)
             }
+            OpKind::SendRecv => chip.shift(comm.group, &data).await?,
         };
         Ok::<_, CollectiveError>((out.to_vec(), out.len(), chip.clock()))
     })
@@ -92,6 +93,7 @@ pub fn expected(
         OpKind::Broadcast => inputs[1 % inputs.len()].clone(),
         OpKind::AllToAll => r::all_to_all(&inputs, rank),
         OpKind::Barrier => Vec::new(),
+        OpKind::SendRecv => inputs[(rank + inputs.len() - 1) % inputs.len()].clone(),
     }
 }
 

@@ -21,6 +21,7 @@ fn cases() -> Vec<(OpKind, ReduceOp)> {
         OpKind::Broadcast,
         OpKind::AllToAll,
         OpKind::Barrier,
+        OpKind::SendRecv,
     ] {
         v.push((op, ReduceOp::Sum));
     }

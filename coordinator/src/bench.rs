@@ -36,7 +36,8 @@ pub struct BenchArgs {
     /// Hardware preset: v4, v5e, v5p, v6e.
     #[arg(long, default_value = "v5p")]
     pub hardware: String,
-    /// all-reduce, all-gather, reduce-scatter, broadcast, all-to-all or barrier.
+    /// all-reduce, all-gather, reduce-scatter, broadcast, all-to-all, barrier, or send-recv
+    /// (each chip sends its buffer to the next member of its group: a ring shift).
     #[arg(long, default_value = "all-reduce")]
     pub collective: String,
     /// ring, bidir-ring or torus.

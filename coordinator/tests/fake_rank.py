@@ -56,5 +56,14 @@ print(f"rank {rank} sum {got} {'ok' if got == want else 'WRONG'}")
 reply, bad = call({"op": "group", "id": 1, "ranks": [0, 3]}) if world == 4 else ({}, [])
 if reply.get("error"):
     print(f"rank {rank} refused group: {reply['error']}")
+# A ring shift by point-to-point messages (rank 3 to rank 0 crosses both axes of 2x2), and
+# a send to itself, refused at the call.
+nxt, prv = (rank + 1) % world, (rank - 1) % world
+call({"op": "send", "peer": nxt, "tag": 5}, [10.0 * rank, -1.0])
+reply, got = call({"op": "recv", "peer": prv, "tag": 5, "count": 2})
+print(f"rank {rank} shift {got} {'ok' if got == [10.0 * prv, -1.0] else 'WRONG'}")
+reply, _ = call({"op": "send", "peer": rank}, [1.0])
+if reply.get("error"):
+    print(f"rank {rank} refused send: {reply['error']}")
 call({"op": "step"})
 call({"op": "bye"})

@@ -42,12 +42,28 @@ fn ranks_run_their_collectives_on_the_chips_and_the_report_has_each_rank() {
             stdout.contains(&format!("[rank {rank}] rank {rank} refused group")),
             "{stdout}"
         );
+        let previous = (rank + 3) % 4;
+        let shifted = format!("[{:.1}, -1.0]", 10.0 * f64::from(previous));
+        assert!(
+            stdout.contains(&format!("[rank {rank}] rank {rank} shift {shifted} ok")),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains(&format!(
+                "rank {rank} refused send: rank {rank} cannot send to or receive from itself"
+            )),
+            "{stdout}"
+        );
     }
     let torch = &report["torch"];
     assert_eq!(torch["ranks"].as_array().unwrap().len(), 4);
     let r0 = &torch["ranks"][0];
     assert_eq!(r0["collectives"][0]["op"], "all-reduce");
     assert_eq!(r0["collectives"][0]["calls"], 1);
+    // One send and one receive, 2 values each.
+    assert_eq!(r0["collectives"][1]["op"], "send-recv");
+    assert_eq!(r0["collectives"][1]["calls"], 2);
+    assert_eq!(r0["collectives"][1]["bytes"], 16);
     // The compute the rank reported was charged before its collective.
     assert!(r0["compute_ns"].as_f64().unwrap() > 0.0);
     assert!(r0["comm_ns"].as_f64().unwrap() > 0.0);

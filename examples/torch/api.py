@@ -85,10 +85,50 @@ if common.UNDER_PODSIM:
     torus_x = [r for r in range(n) if r // x_size == rank // x_size]
     check("torus mesh x", t, torch.tensor([float(sum(torus_x))]))
     try:
-        dist.send(torch.ones(1), dst=(rank + 1) % n)
-        raise AssertionError("send should be refused")
+        dist.recv(torch.empty(1))
+        raise AssertionError("a receive from any source should be refused")
     except RuntimeError as e:
-        assert "not supported" in str(e), e
+        assert "any source" in str(e), e
+
+# Point to point. A ring shift in int64 with each receive posted before its send (podsim
+# completes a receive at its wait, so this cannot deadlock).
+nxt, prv = (rank + 1) % n, (rank - 1) % n
+got = torch.empty(3, dtype=torch.int64)
+ops = [
+    dist.P2POp(dist.irecv, got, prv),
+    dist.P2POp(dist.isend, torch.tensor([2**40 + rank, rank, -rank]), nxt),
+]
+for w in dist.batch_isend_irecv(ops):
+    w.wait()
+check("ring shift int64", got, torch.tensor([2**40 + prv, prv, -prv]))
+# Blocking send and recv in bf16 between the pairs of a subgroup (dst and src are global).
+peer = rank ^ 1
+theirs = torch.empty(2, dtype=torch.bfloat16)
+mine_bf16 = torch.tensor([rank + 0.5, -rank], dtype=torch.bfloat16)
+if rank % 2 == 0:
+    dist.send(mine_bf16, peer, group=mine)
+    dist.recv(theirs, peer, group=mine)
+else:
+    dist.recv(theirs, peer, group=mine)
+    dist.send(mine_bf16, peer, group=mine)
+check("send/recv bf16 in a subgroup", theirs, torch.tensor([peer + 0.5, -peer]))
+# The first rank to the last (the farthest chip, or another slice): tags are matched apart.
+far = n - 1
+if rank == 0:
+    for w in [dist.isend(torch.tensor([7.0]), far, tag=7), dist.isend(torch.tensor([3.0]), far, tag=3)]:
+        w.wait()
+elif rank == far:
+    three, seven = torch.empty(1), torch.empty(1)
+    dist.recv(three, 0, tag=3)
+    dist.recv(seven, 0, tag=7)
+    check("tags", torch.cat([three, seven]), torch.tensor([3.0, 7.0]))
+# Python objects (a size, then pickled bytes).
+objects = [{"from": rank, "pair": (1, "two")}] if rank == 0 else [None]
+if rank == 0:
+    dist.send_object_list(objects, dst=1)
+elif rank == 1:
+    dist.recv_object_list(objects, src=0)
+    assert objects[0] == {"from": 0, "pair": (1, "two")}, objects
 common.mark_step()
 print(f"rank {rank}: api ok")
 dist.destroy_process_group()

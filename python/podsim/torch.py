@@ -9,7 +9,8 @@ hardware. ``step()`` marks the end of a training step for the per-step report.
 
 Values travel as float32: 16-bit floats are widened for reductions (and rounded back), so a
 bf16 sum is rounded once, not at every hop. Collectives that only move data (all-gather,
-all-to-all, broadcast of non-float32 tensors) move raw bytes and are exact for every dtype.
+all-to-all, broadcast of non-float32 tensors, send and recv) move raw bytes and are exact for
+every dtype.
 Reductions podsim's chips do not do (product, bitwise ops, integer sums) gather the inputs and
 reduce them on the rank, in rank order, and are charged as the all-gather they are.
 """
@@ -251,6 +252,44 @@ class _Done(dist._Work):
         return self._result
 
 
+class _Recv(dist._Work):
+    """A receive, done when it is waited on: `dist.recv` waits at once; an `irecv` (alone or
+    in `batch_isend_irecv`) lets the rank post its sends first, so that ranks that receive
+    before they send in program order do not wait on each other. The message waits in the
+    chip's inbox meanwhile; virtual time counts its arrival, not the wait."""
+
+    def __init__(self, node, tensors, peer, tag):
+        super().__init__()
+        self._node, self._tensors, self._peer, self._tag = node, tensors, peer, tag
+        self._future = torch.futures.Future()
+        self._done = False
+
+    def wait(self, timeout=None):
+        if not self._done:
+            self._done = True
+            for t in self._tensors:
+                count = (t.numel() * t.element_size() + 3) // 4
+                words = self._node.call(
+                    {"op": "recv", "peer": self._peer, "tag": self._tag, "count": count}
+                )
+                t.copy_(_from_words(words, t))
+            self._future.set_result(self._tensors)
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._done
+
+    def is_success(self):
+        return self._done
+
+    def result(self):
+        self.wait()
+        return self._tensors
+
+
 class ProcessGroupPodsim(dist.ProcessGroup):
     """A group of ranks whose collectives run on their emulated chips."""
 
@@ -268,6 +307,10 @@ class ProcessGroupPodsim(dist.ProcessGroup):
 
     def getBackendName(self):
         return BACKEND
+
+    def _get_backend(self, device):
+        # This group is its own backend for every device (`batch_isend_irecv` asks for it).
+        return self
 
     def getGroupName(self):
         return self._name
@@ -435,14 +478,23 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             nbytes = o.numel() * o.element_size()
             o.copy_(_from_words(got[i], o, nbytes).view(o.shape))
 
+    # -- point to point: any rank to any rank, along the pod's path between their chips --
+
     def send(self, tensors, dst, tag):
-        raise PodsimError("podsim: send/recv (point-to-point) is not supported yet")
+        # Sends never wait for their receiver (the chip's message is on its way when the
+        # call returns), so a send's work is done at once.
+        peer = self._ranks[dst]
+        for t in tensors:
+            self._node.call({"op": "send", "peer": peer, "tag": tag}, _as_words(t))
+        return _Done(tensors)
 
     def recv(self, tensors, src, tag):
-        raise PodsimError("podsim: send/recv (point-to-point) is not supported yet")
+        return _Recv(self._node, tensors, self._ranks[src], tag)
 
     def recvAnysource(self, tensors, tag):
-        raise PodsimError("podsim: recv from any source is not supported")
+        raise PodsimError(
+            "podsim: recv from any source (src=None) is not supported: name the sending rank"
+        )
 
     def start_coalescing(self, device):
         return None

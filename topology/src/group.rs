@@ -355,22 +355,28 @@ impl Group {
     pub fn members(self, pod: &Pod, chip: ChipId) -> Vec<ChipId> {
         let parts = self.parts(pod);
         (0..self.size(pod))
-            .map(|gr| {
-                let mut slice = pod.slice_of(chip);
-                let mut coord = pod.coord(chip);
-                let mut r = gr;
-                for p in &parts {
-                    let at =
-                        |c: u32| c - p.position(pod, chip) * p.stride + (r % p.extent) * p.stride;
-                    match p.axis {
-                        PodAxis::Torus(t) => coord[usize::from(t)] = at(coord[usize::from(t)]),
-                        PodAxis::Slices => slice = at(slice),
-                    }
-                    r /= p.extent;
-                }
-                pod.chip_at(slice, &coord)
-            })
+            .map(|gr| Group::member_on(&parts, pod, chip, gr))
             .collect()
+    }
+
+    /// The member of group rank `rank` (below the group's size) in `chip`'s group.
+    pub fn member(self, pod: &Pod, chip: ChipId, rank: u32) -> ChipId {
+        Group::member_on(&self.parts(pod), pod, chip, rank)
+    }
+
+    fn member_on(parts: &[AxisPart], pod: &Pod, chip: ChipId, rank: u32) -> ChipId {
+        let mut slice = pod.slice_of(chip);
+        let mut coord = pod.coord(chip);
+        let mut r = rank;
+        for p in parts {
+            let at = |c: u32| c - p.position(pod, chip) * p.stride + (r % p.extent) * p.stride;
+            match p.axis {
+                PodAxis::Torus(t) => coord[usize::from(t)] = at(coord[usize::from(t)]),
+                PodAxis::Slices => slice = at(slice),
+            }
+            r /= p.extent;
+        }
+        pod.chip_at(slice, &coord)
     }
 }
 

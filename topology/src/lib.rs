@@ -20,5 +20,5 @@ pub use group::{AxisPart, Group, PodAxis};
 pub use hardware::{HARDWARE_KEYS, Hardware, HardwareOverrides, PRESETS};
 pub use mesh::{DeviceMesh, MeshAxis};
 pub use placement::Placement;
-pub use pod::{ChipId, Link, Pod, Route};
+pub use pod::{ChipId, Link, Path, Pod, Route};
 pub use torus::{Coord, Dir, MAX_AXES, MAX_CHIPS, Torus};

@@ -37,6 +37,17 @@ impl Route {
     }
 }
 
+/// The way a point-to-point message takes between two chips ([`Pod::path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Path {
+    /// The first link, as the sender names it: DCN when the path crosses slices.
+    pub link: Link,
+    /// ICI hops along the way, over every torus axis.
+    pub ici_hops: u32,
+    /// Whether the path crosses DCN (one hop, between slices).
+    pub dcn: bool,
+}
+
 impl fmt::Display for Route {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.hops {
@@ -228,6 +239,49 @@ impl Pod {
         }
     }
 
+    /// How a point-to-point message goes from `src` to `dst` (`None` when they are the same
+    /// chip): across DCN first when the slices differ (to the chip at `src`'s place in
+    /// `dst`'s slice), then along each torus axis in turn, the short way round on an axis that
+    /// wraps (dimension-order routing, as the torus routes a message between chips that are
+    /// not neighbours).
+    pub fn path(&self, src: ChipId, dst: ChipId) -> Option<Path> {
+        if src == dst || src >= self.chips() || dst >= self.chips() {
+            return None;
+        }
+        let (from, to) = (self.coord(src), self.coord(dst));
+        let mut first = None;
+        let mut ici_hops = 0;
+        for axis in 0..self.torus.ndims() {
+            let d = self.torus.dim(axis);
+            let ahead = (to[axis] + d - from[axis]) % d;
+            if ahead == 0 {
+                continue;
+            }
+            let (dir, hops) = match (to[axis] > from[axis], self.torus.wraps(axis)) {
+                (_, true) if ahead <= d - ahead => (Dir::Plus, ahead),
+                (_, true) => (Dir::Minus, d - ahead),
+                (true, false) => (Dir::Plus, to[axis] - from[axis]),
+                (false, false) => (Dir::Minus, from[axis] - to[axis]),
+            };
+            first.get_or_insert(Link::ici(axis, dir));
+            ici_hops += hops;
+        }
+        let dst_slice = self.slice_of(dst);
+        let dcn = self.slice_of(src) != dst_slice;
+        let link = if dcn {
+            Link::Dcn {
+                peer_slice: dst_slice,
+            }
+        } else {
+            first?
+        };
+        Some(Path {
+            link,
+            ici_hops,
+            dcn,
+        })
+    }
+
     /// Every outgoing link of `chip` that exists, ICI first then DCN.
     pub fn links(&self, chip: ChipId) -> Vec<Link> {
         let mut links = Vec::new();
@@ -256,5 +310,58 @@ impl fmt::Display for Pod {
         } else {
             write!(f, "{}", self.torus)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(dims: &[u32], slices: u32) -> Pod {
+        Pod::new(Torus::new(dims).expect("a torus"), slices).expect("a pod")
+    }
+
+    #[test]
+    fn paths_go_the_short_way_round_one_axis_after_another() {
+        let p = pod(&[8, 4], 1);
+        let at = |x: u32, y: u32| p.chip_at(0, &[x, y, 0]);
+        // Neighbours: one hop.
+        let to_next = p.path(at(0, 0), at(1, 0)).expect("a path");
+        assert_eq!(
+            (to_next.link, to_next.ici_hops),
+            (Link::ici(0, Dir::Plus), 1)
+        );
+        // 0 -> 6 on a ring of 8 is 2 hops backwards over the wraparound.
+        let back = p.path(at(0, 0), at(6, 0)).expect("a path");
+        assert_eq!((back.link, back.ici_hops), (Link::ici(0, Dir::Minus), 2));
+        // x first, then y: 3 + 2 hops.
+        let both = p.path(at(1, 1), at(4, 3)).expect("a path");
+        assert_eq!(
+            (both.link, both.ici_hops, both.dcn),
+            (Link::ici(0, Dir::Plus), 5, false)
+        );
+        assert_eq!(p.path(at(2, 2), at(2, 2)), None);
+    }
+
+    #[test]
+    fn paths_without_wraparound_never_cross_the_edge() {
+        let p = Pod::single(Torus::with_wrap(&[8], &[false]).expect("a line"));
+        let path = p.path(0, 7).expect("a path");
+        assert_eq!((path.link, path.ici_hops), (Link::ici(0, Dir::Plus), 7));
+        let path = p.path(7, 1).expect("a path");
+        assert_eq!((path.link, path.ici_hops), (Link::ici(0, Dir::Minus), 6));
+    }
+
+    #[test]
+    fn paths_across_slices_take_dcn_first() {
+        let p = pod(&[4], 3);
+        // Chip 1 of slice 0 to chip 3 of slice 2: DCN, then 2 hops on the ring of 4.
+        let path = p.path(1, 2 * 4 + 3).expect("a path");
+        assert_eq!(path.link, Link::Dcn { peer_slice: 2 });
+        assert_eq!((path.ici_hops, path.dcn), (2, true));
+        // The same place in another slice: DCN alone.
+        let path = p.path(1, 4 + 1).expect("a path");
+        assert_eq!((path.ici_hops, path.dcn), (0, true));
+        assert_eq!(p.path(0, 12), None, "chip 12 is outside the pod");
     }
 }

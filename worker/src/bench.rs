@@ -129,7 +129,7 @@ impl<'a> Expected<'a> {
     fn len(&self) -> usize {
         let c = self.case.count;
         match self.case.op {
-            OpKind::AllReduce | OpKind::Broadcast => c,
+            OpKind::AllReduce | OpKind::Broadcast | OpKind::SendRecv => c,
             OpKind::ReduceScatter => self.keep,
             OpKind::AllGather => self.n * c,
             OpKind::AllToAll => self.n * self.keep,
@@ -157,6 +157,8 @@ impl<'a> Expected<'a> {
             OpKind::Broadcast => value(self.case.root as usize, i),
             OpKind::AllToAll => value(i / self.keep, self.rank * self.l + i % self.keep),
             OpKind::Barrier => 0.0,
+            // The ring shift: the previous member's input.
+            OpKind::SendRecv => value((self.rank + self.n - 1) % self.n, i),
         }
     }
 }
@@ -177,6 +179,7 @@ async fn run_once(
             chip.barrier(comm).await?;
             input.slice(0, 0)
         }
+        OpKind::SendRecv => chip.shift(comm.group, input).await?,
     })
 }
 

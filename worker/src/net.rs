@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use podsim_collectives::{Chip, CollectiveError, Delivery, Inbox, Message, Router};
+use podsim_collectives::{Chip, CollectiveError, Delivery, Inbox, Message, OpKind, Router};
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::link_service_client::LinkServiceClient;
 use podsim_proto::v1::link_service_server::{LinkService, LinkServiceServer};
-use podsim_topology::{ChipId, Dir, Link, Placement, PodAxis, Route};
+use podsim_topology::{ChipId, Dir, Group, Link, Placement, PodAxis, Route};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
@@ -127,6 +127,24 @@ fn strided_routes(spec: &JobSpec) -> Vec<Route> {
         .collect()
 }
 
+/// The groups whose members send point-to-point messages around their ring (a `send-recv`
+/// in a script or a benchmark): each chip's next and previous members are its peers too.
+fn shift_groups(spec: &JobSpec) -> Vec<Group> {
+    match &spec.program {
+        Program::Collectives { script, .. } => script
+            .iter()
+            .filter(|step| step.op == OpKind::SendRecv)
+            .map(|step| step.group)
+            .collect(),
+        Program::Bench { cases } => cases
+            .iter()
+            .filter(|case| case.op == OpKind::SendRecv)
+            .map(|case| case.comm.group)
+            .collect(),
+        Program::Train(_) | Program::Torch(_) => Vec::new(),
+    }
+}
+
 impl NodeFabric {
     /// Per neighbouring worker: messages handed to the transport for it, and received from it.
     pub fn transport_counts(&self) -> Vec<(u32, u64, u64)> {
@@ -158,15 +176,22 @@ impl NodeFabric {
         let mut inboxes = vec![None; pod.chips() as usize];
         let mut neighbours = HashSet::new();
         let routed = strided_routes(&spec);
+        let shifted = shift_groups(&spec);
         for chip in placement.chips_of(me) {
             inboxes[chip as usize] = Some(Arc::new(Inbox::new()));
             let routes = pod.links(chip).into_iter().map(Route::neighbour);
-            for route in routes.chain(routed.iter().copied()) {
-                if let Some(peer) = pod.route_peer(chip, route) {
-                    let w = placement.worker_of(peer);
-                    if w != me {
-                        neighbours.insert(w);
-                    }
+            let along_routes = routes
+                .chain(routed.iter().copied())
+                .filter_map(|route| pod.route_peer(chip, route));
+            let around_rings = shifted.iter().flat_map(|&group| {
+                let n = group.size(pod);
+                let rank = group.rank_of(pod, chip);
+                [1, n - 1].map(|step| group.member(pod, chip, (rank + step) % n))
+            });
+            for peer in along_routes.chain(around_rings) {
+                let w = placement.worker_of(peer);
+                if w != me {
+                    neighbours.insert(w);
                 }
             }
         }

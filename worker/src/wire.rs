@@ -118,16 +118,6 @@ pub fn message(
         },
         _ => return Err(format!("unknown link kind {} / axis {}", l.kind, l.axis)),
     };
-    let route = Route {
-        link,
-        hops: env.hops.max(1),
-    };
-    if pod.route_peer(env.src_chip, route) != Some(env.dst_chip) {
-        return Err(format!(
-            "route {route} does not join chip {} to chip {}",
-            env.src_chip, env.dst_chip
-        ));
-    }
     let f = env.fingerprint.ok_or("envelope without a fingerprint")?;
     let fingerprint = Fingerprint {
         group: f.group,
@@ -141,6 +131,24 @@ pub fn message(
             c => Some(ReduceOp::from_code(c).ok_or_else(|| format!("unknown reduce op code {c}"))?),
         },
     };
+    let route = Route {
+        link,
+        hops: env.hops.max(1),
+    };
+    // A point-to-point message leaves on the first link of its path; a collective's message
+    // goes along one axis to the chip its route names.
+    let joins = if fingerprint.op == OpKind::SendRecv {
+        pod.path(env.src_chip, env.dst_chip)
+            .is_some_and(|path| path.link == link)
+    } else {
+        pod.route_peer(env.src_chip, route) == Some(env.dst_chip)
+    };
+    if !joins {
+        return Err(format!(
+            "route {route} does not join chip {} to chip {}",
+            env.src_chip, env.dst_chip
+        ));
+    }
     let t = env.tag.ok_or("envelope without a tag")?;
     let tag = Tag {
         lane: u16::try_from(t.lane).map_err(|_| format!("lane {} out of range", t.lane))?,

@@ -301,6 +301,11 @@ async fn admit(stream: UnixStream, token: &str, pending: &Pending) -> Result<(),
                 _,
             ))) => recorder.set_host_stack(frames),
             Ok(Some(frame)) => {
+                // The rank is in a podsim call now: the line that made it is where its
+                // program is (a stall inside the call must not show an old sample).
+                if let Some(site) = &frame.0.site {
+                    recorder.set_host_stack(vec![site.clone()]);
+                }
                 if req_tx.send(Ok(frame)).await.is_err() {
                     break;
                 }

@@ -65,6 +65,20 @@ pub enum Request {
     Barrier {
         group: u32,
     },
+    /// The payload goes to global rank `peer` under `tag` (`dist.send`, `isend`).
+    Send {
+        peer: u32,
+        #[serde(default)]
+        tag: u32,
+    },
+    /// The next message from global rank `peer` under `tag`, of `count` f32 words
+    /// (`dist.recv`, or the wait of an `irecv`).
+    Recv {
+        peer: u32,
+        #[serde(default)]
+        tag: u32,
+        count: u64,
+    },
     /// The program marks the end of a training step (`podsim.torch.step()`).
     Step,
     /// The rank's Python stack while it is outside podsim calls (no reply).
