@@ -278,6 +278,7 @@ table! {
         worker: Option<u32>,
         link: Option<String>,
         groups: Option<Vec<Vec<u32>>>,
+        chip_groups: Option<Vec<Vec<u32>>>,
         at_step: Option<u64>,
         at_seq: Option<u64>,
         after_ms: Option<u64>,
@@ -1501,7 +1502,7 @@ fn fault(
     }
     // `link = "5:+x"`: chip 5's link +x.
     let (chip, link) = fault_link(p, table, f, pod);
-    required_keys(p, table, f, kind, workers);
+    required_keys(p, table, f, kind, workers, chips);
     let factor = f.factor.unwrap_or(10.0);
     if kind == Some(FaultKind::Slow) && !(factor >= 1.0 && factor.is_finite()) {
         p.add(table, Some("factor"), "must be at least 1");
@@ -1524,6 +1525,7 @@ fn fault(
         worker: f.worker,
         link,
         groups: f.groups.clone().unwrap_or_default(),
+        chip_groups: f.chip_groups.clone().unwrap_or_default(),
         at_step: f.at_step,
         at_seq: f.at_seq,
         after_ms: f.after_ms,
@@ -1602,13 +1604,14 @@ fn fault_link(
 }
 
 /// The keys each kind of fault needs (`chip` for a stall, `link` for a drop, two groups of
-/// workers for a partition, ...).
+/// workers or of chips for a partition, ...).
 fn required_keys(
     p: &mut Problems<'_>,
     table: &str,
     f: &RawFault,
     kind: Option<FaultKind>,
     workers: u32,
+    chips: u32,
 ) {
     let needs = |p: &mut Problems<'_>, ok: bool, what: &str| {
         if !ok {
@@ -1628,17 +1631,24 @@ fn required_keys(
             needs(p, f.link.is_some(), "link = \"chip:link\" (e.g. \"3:+x\")")
         }
         Some(FaultKind::Partition) => {
-            let groups = f.groups.clone().unwrap_or_default();
+            // Workers cut apart (a network split between processes), or chips (inside one
+            // worker too: a torch job's ranks).
+            let (key, groups, unit, limit) = match (&f.groups, &f.chip_groups) {
+                (Some(g), None) => ("groups", g.clone(), "worker", workers),
+                (None, Some(g)) => ("chip_groups", g.clone(), "chip", chips),
+                _ => ("groups", Vec::new(), "worker", workers),
+            };
             needs(
                 p,
                 groups.len() == 2 && groups.iter().all(|g| !g.is_empty()),
-                "groups = [[workers...], [workers...]]",
+                "either groups = [[workers...], [workers...]] or chip_groups = [[chips...], [chips...]]",
             );
-            if let Some(w) = groups.iter().flatten().find(|w| **w >= workers) {
+            if let Some(w) = groups.iter().flatten().find(|w| **w >= limit) {
+                let whole = if unit == "chip" { "pod" } else { "job" };
                 p.add(
                     table,
-                    Some("groups"),
-                    format!("worker {w} is outside the job's {workers} workers"),
+                    Some(key),
+                    format!("{unit} {w} is outside the {whole}'s {limit} {unit}s"),
                 );
             }
         }

@@ -288,7 +288,7 @@ fn transformer_and_symmetric_problems_are_all_reported() {
 #[test]
 fn fault_entries_are_checked() {
     let text = format!(
-        "{}\n[[faults]]\nkind = \"melt\"\nchip = 3\n\n[[faults]]\nkind = \"drop\"\nlink = \"0:+w\"\n\n[[faults]]\nkind = \"stall\"\nchip = 99\nwhen = 3\n\n[[faults]]\nkind = \"partition\"\ngroups = [[0], [7]]\n",
+        "{}\n[[faults]]\nkind = \"melt\"\nchip = 3\n\n[[faults]]\nkind = \"drop\"\nlink = \"0:+w\"\n\n[[faults]]\nkind = \"stall\"\nchip = 99\nwhen = 3\n\n[[faults]]\nkind = \"partition\"\ngroups = [[0], [7]]\n\n[[faults]]\nkind = \"partition\"\nchip_groups = [[0], [8]]\n\n[[faults]]\nkind = \"partition\"\ngroups = [[0], [1]]\nchip_groups = [[0], [1]]\n",
         base()
     );
     expect_error(
@@ -300,6 +300,8 @@ fn fault_entries_are_checked() {
             "faults[2].when: unknown key",
             "faults[2].chip: chip 99 is outside the pod's 8 chips",
             "faults[3].groups: worker 7 is outside the job's 2 workers",
+            "faults[4].chip_groups: chip 8 is outside the pod's 8 chips",
+            "faults[5]: a partition fault needs either groups",
         ],
     );
 }

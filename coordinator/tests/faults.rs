@@ -178,6 +178,18 @@ fn partitions_desyncs_and_corruption_are_diagnosed() {
         "[[faults]]\nkind = \"partition\"\ngroups = [[0, 1], [2, 3]]\nat_step = 2",
         hang("partition", None, None, None),
     );
+    // Chips cut apart inside their workers (as a torch job's ranks, which share one worker):
+    // columns 0-1 from columns 2-3, so every lost message is on an x link of one worker.
+    let (code, r) = launch(
+        "partition-chips",
+        30,
+        "[[faults]]\nkind = \"partition\"\nchip_groups = [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]\nat_step = 2",
+    );
+    assert_eq!(code, 3, "{r}");
+    let h = &r["hang"];
+    assert_eq!(h["kind"], "lost_message", "{h}");
+    let link = h["culprit"]["link"].as_str().unwrap();
+    assert!(link.starts_with("ici") && link.ends_with('x'), "{h}");
     for (tag, chip, mode, at) in [
         ("desync-skip", 0, "skip", "at_seq = 0"),
         ("desync-op", 5, "op", "at_step = 3"),

@@ -12,7 +12,7 @@
 //! | `slow` | chip | the chip runs `factor` times slower (each send waits for the extra time) |
 //! | `desync` | chip | the chip skips a collective, calls another op, or another size |
 //! | `corrupt` | link | a bit of each message's payload flips (data mode) |
-//! | `partition` | worker groups | every message between two groups vanishes |
+//! | `partition` | worker or chip groups | every message between two groups vanishes |
 //!
 //! A fault fires when its target reaches `at_step` (training step or script iteration),
 //! `at_seq` (the chip's collective number, from 0), or `after_ms` of job time; without a
@@ -88,8 +88,11 @@ pub struct FaultSpec {
     /// Target worker (crash, freeze).
     pub worker: Option<u32>,
     pub link: Option<Link>,
-    /// Partition: the two groups of workers cut apart.
+    /// Partition: the two groups of workers cut apart...
     pub groups: Vec<Vec<u32>>,
+    /// ...or the two groups of chips.
+    #[serde(default)]
+    pub chip_groups: Vec<Vec<ChipId>>,
     pub at_step: Option<u64>,
     pub at_seq: Option<u64>,
     pub after_ms: Option<u64>,
@@ -293,15 +296,17 @@ impl FaultHook for FaultPlan {
                     }
                 }
                 FaultKind::Partition if self.triggered(f, msg.src) => {
-                    let (a, b) = (
-                        self.placement.worker_of(msg.src),
-                        self.placement.worker_of(msg.dst),
-                    );
-                    let side = |w: u32| f.groups.iter().position(|g| g.contains(&w));
+                    let (groups, what, a, b) = if f.chip_groups.is_empty() {
+                        let worker = |c| self.placement.worker_of(c);
+                        (&f.groups, "workers", worker(msg.src), worker(msg.dst))
+                    } else {
+                        (&f.chip_groups, "chips", msg.src, msg.dst)
+                    };
+                    let side = |x: u32| groups.iter().position(|g| g.contains(&x));
                     if let (Some(x), Some(y)) = (side(a), side(b))
                         && x != y
                     {
-                        self.fire(i, format!("workers {:?} cut apart", f.groups));
+                        self.fire(i, format!("{what} {groups:?} cut apart"));
                         return OnSend::Drop;
                     }
                 }
