@@ -315,7 +315,15 @@ impl Watchdog {
                 .filter(|t| !waiters.contains(t))
                 .collect();
             for t in targets {
-                *self.waited_on.entry(t).or_default() += dt;
+                // A chip on a host too busy to run it promptly (its executor's scheduling lag
+                // is half a heartbeat or more) is held up by the host, not slow itself.
+                let starved = self
+                    .worker_of(t)
+                    .and_then(|w| self.workers.get(&w))
+                    .is_some_and(|v| Duration::from_millis(v.summary.lag_ms) >= self.heartbeat / 2);
+                if !starved {
+                    *self.waited_on.entry(t).or_default() += dt;
+                }
             }
         }
         self.first_tick.get_or_insert(now);
@@ -693,6 +701,18 @@ mod tests {
             at: Instant,
             lag: Duration,
         ) {
+            self.beat_with_waits(w, statuses, at, lag, Vec::new());
+        }
+
+        /// A heartbeat that also lists which chip waits on which (as a small worker's do).
+        fn beat_with_waits(
+            &mut self,
+            w: &mut Watchdog,
+            statuses: &[ChipStatus],
+            at: Instant,
+            lag: Duration,
+            waits: Vec<(ChipId, Vec<ChipId>)>,
+        ) {
             let mut summary = self.summariser.beat(
                 at,
                 wall_ns(),
@@ -716,7 +736,7 @@ mod tests {
                 self.id,
                 HeartbeatStatus {
                     summary,
-                    waits: Vec::new(),
+                    waits,
                     faults: Vec::new(),
                 },
                 at,
@@ -847,6 +867,37 @@ mod tests {
         worker.beat(&mut w, &chips, t0 + T * 6);
         let f = check(&mut w, t0 + T * 6).unwrap();
         assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(1)));
+    }
+
+    #[test]
+    fn a_chip_held_up_by_a_busy_host_is_no_straggler() {
+        for (lag, straggles) in [(Duration::ZERO, true), (T / 2, false)] {
+            let t0 = Instant::now();
+            let mut w = watchdog(&[0], t0);
+            let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+            let chips = [
+                status(0, 5, &[]),
+                status(1, 5, &[]),
+                status(2, 5, &[]),
+                status(3, 5, &[]),
+            ];
+            // Chips 0, 2 and 3 wait on chip 1 at every heartbeat, and it moves on each time.
+            for i in 0..10u32 {
+                let moving: Vec<ChipStatus> = chips
+                    .iter()
+                    .map(|s| ChipStatus {
+                        progress: s.progress + u64::from(i),
+                        ..s.clone()
+                    })
+                    .collect();
+                let waits = vec![(0, vec![1]), (2, vec![1]), (3, vec![1])];
+                worker.beat_with_waits(&mut w, &moving, t0 + T * i, lag, waits);
+                assert_eq!(check(&mut w, t0 + T * i), None, "tick {i}");
+            }
+            let found: Vec<ChipId> = w.stragglers().iter().map(|s| s.chip).collect();
+            let want: Vec<ChipId> = if straggles { vec![1] } else { Vec::new() };
+            assert_eq!(found, want, "lag {lag:?}");
+        }
     }
 
     #[test]
