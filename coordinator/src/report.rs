@@ -7,7 +7,7 @@ use std::path::Path;
 use hdrhistogram::Histogram;
 use podsim_collectives::trace::{ChipTrace, Span};
 use podsim_worker::job::{ChipStepReport, Program};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::watchdog::HangKind;
 
@@ -16,9 +16,9 @@ use crate::bench::iteration_times;
 use crate::config::JobConfig;
 use crate::launch::{Outcome, WorkerInfo};
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Report {
-    pub podsim_version: &'static str,
+    pub podsim_version: String,
     pub job: JobInfo,
     pub topology: TopologyInfo,
     pub workers: Vec<WorkerEntry>,
@@ -54,7 +54,7 @@ pub struct Report {
 }
 
 /// One step of one chip, slice by slice (times in ns from the step's start).
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct StepTimeline {
     pub chip: u32,
     pub step: String,
@@ -64,7 +64,7 @@ pub struct StepTimeline {
     pub slices_left_out: usize,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct TimelineSlice {
     pub track: String,
     pub name: String,
@@ -74,7 +74,7 @@ pub struct TimelineSlice {
 }
 
 /// A PyTorch program's run: each rank's report, and each marked step over all ranks.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct TorchRun {
     pub command: Vec<String>,
     /// Step `i` of the job: the slowest rank's step time, with that rank's split.
@@ -82,7 +82,7 @@ pub struct TorchRun {
     pub ranks: Vec<podsim_worker::torch::RankReport>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct TorchStep {
     pub step: usize,
     /// The rank whose step took longest.
@@ -189,7 +189,7 @@ fn timeline(trace: &ChipTrace, step: &Span) -> StepTimeline {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct JobInfo {
     pub name: String,
     pub kind: String,
@@ -197,7 +197,7 @@ pub struct JobInfo {
     pub config: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct TopologyInfo {
     pub shape: String,
     pub wraparound: Vec<bool>,
@@ -206,7 +206,7 @@ pub struct TopologyInfo {
     pub hardware: podsim_topology::Hardware,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct WorkerEntry {
     pub id: u32,
     pub pid: u32,
@@ -219,7 +219,7 @@ pub struct WorkerEntry {
     pub links: Vec<podsim_worker::job::PeerLink>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct CollectiveEntry {
     pub step: usize,
     pub op: String,
@@ -235,14 +235,14 @@ pub struct CollectiveEntry {
     pub virtual_busbw_gbps: f64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct CallTimes {
     pub iteration: u32,
     pub wall_s: f64,
     pub virtual_s: f64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Latency {
     pub count: u64,
     pub p50: f64,
@@ -250,7 +250,7 @@ pub struct Latency {
     pub max: f64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Correctness {
     pub elements_checked: u64,
     pub wrong_elements: u64,
@@ -268,7 +268,7 @@ pub struct Correctness {
     pub replicas_identical: Option<bool>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Hang {
     pub kind: crate::watchdog::HangKind,
     pub culprit: Culprit,
@@ -290,7 +290,7 @@ pub struct Hang {
     pub flight_recorders: Vec<String>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Recovery {
     pub checkpoint_every: u32,
     pub max_restarts: u32,
@@ -300,7 +300,7 @@ pub struct Recovery {
 }
 
 /// One failure the job recovered from.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Restart {
     pub attempt: u32,
     pub kind: crate::watchdog::HangKind,
@@ -324,7 +324,7 @@ pub fn add_recovery(report: &mut Report, cfg: &JobConfig, restarts: Vec<Restart>
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Culprit {
     pub chip: Option<u32>,
     pub coordinates: Option<Vec<u32>>,
@@ -334,7 +334,7 @@ pub struct Culprit {
     pub link: Option<String>,
     /// A PyTorch rank's Python stack where it was last seen outside podsim's calls
     /// (`file:line function`, innermost last).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub python_stack: Vec<String>,
 }
 
@@ -422,7 +422,7 @@ pub fn add_hang(report: &mut Report, cfg: &JobConfig, h: &crate::launch::HangRep
     });
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Training {
     pub strategy: String,
     pub eager: String,
@@ -451,7 +451,7 @@ pub struct Training {
 }
 
 /// One step over the whole pod: loss averaged over chips, times of the slowest chip.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct TrainStep {
     pub step: u32,
     pub loss: Option<f64>,
@@ -464,7 +464,7 @@ pub struct TrainStep {
     pub host_activations_bytes: u64,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct ChipMemory {
     pub chip: u32,
     #[serde(flatten)]
@@ -526,7 +526,7 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
 fn empty(cfg: &JobConfig) -> Report {
     let pod = &cfg.pod;
     Report {
-        podsim_version: env!("CARGO_PKG_VERSION"),
+        podsim_version: env!("CARGO_PKG_VERSION").to_string(),
         job: JobInfo {
             name: cfg.name.clone(),
             kind: cfg.kind().to_string(),
@@ -823,6 +823,19 @@ pub fn write(dir: &Path, report: &Report) -> Result<std::path::PathBuf, String> 
     Ok(path)
 }
 
+/// Reads `path` (a `report.json`) back: the report as this version of podsim writes it.
+pub fn read(path: &Path) -> Result<Report, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| {
+        format!(
+            "{}: not a report of podsim {}: {e}",
+            path.display(),
+            env!("CARGO_PKG_VERSION")
+        )
+    })
+}
+
 /// Writes `report.html` into `dir`, drawn from the report as `report.json` holds it.
 pub fn write_html(dir: &Path, report: &Report) -> Result<std::path::PathBuf, String> {
     let value = serde_json::to_value(report).map_err(|e| e.to_string())?;
@@ -838,20 +851,7 @@ pub fn redraw(dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
     let mut pages = Vec::new();
     let report = dir.join("report.json");
     if report.exists() {
-        let text = std::fs::read_to_string(&report)
-            .map_err(|e| format!("cannot read {}: {e}", report.display()))?;
-        let value: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| format!("{}: not a report: {e}", report.display()))?;
-        if !value["job"].is_object() || !value["topology"].is_object() {
-            return Err(format!(
-                "{}: not a podsim report (no job or topology)",
-                report.display()
-            ));
-        }
-        let path = dir.join("report.html");
-        std::fs::write(&path, crate::html::render_report(&value))
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-        pages.push(path);
+        pages.push(write_html(dir, &read(&report)?)?);
     }
     if dir.join("results.csv").exists() {
         pages.push(crate::study::write_html(dir)?);

@@ -732,11 +732,7 @@ fn point_status(code: Option<i32>, dir: &Path) -> JobStatus {
     if code != Some(1) {
         return by_code;
     }
-    std::fs::read(dir.join("report.json"))
-        .ok()
-        .and_then(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).ok())
-        .and_then(|r| r.get("status")?.as_str().and_then(JobStatus::from_name))
-        .unwrap_or(by_code)
+    crate::report::read(&dir.join("report.json")).map_or(by_code, |r| r.status)
 }
 
 /// Runs one point as `podsim launch`, output to `dir/launch.log`. Stops (killing the child)

@@ -24,9 +24,9 @@ use podsim_topology::{ChipId, Link, Pod};
 use podsim_worker::faults::FaultEvent;
 use podsim_worker::job::HeartbeatStatus;
 use podsim_worker::watch::{Ranges, Root, Summary, Wait};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HangKind {
     StalledChip,
@@ -103,7 +103,7 @@ pub struct Watchdog {
 }
 
 /// A chip that was slow but kept making progress.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Straggler {
     pub chip: ChipId,
     /// Time its peers spent waiting on it while it waited on no one, ms (sampled at every

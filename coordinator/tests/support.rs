@@ -62,9 +62,20 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `dir`'s report.json as JSON, after checking that it also reads back as a typed report
+/// that writes the same JSON (every test that reads a report checks the round trip).
 pub fn report(dir: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(dir.join("report.json")).expect("report.json");
-    serde_json::from_str(&text).unwrap()
+    let path = dir.join("report.json");
+    let text = std::fs::read_to_string(&path).expect("report.json");
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let typed = podsim_coordinator::report::read(&path).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        serde_json::to_value(&typed).unwrap(),
+        json,
+        "{}: the typed report writes other JSON",
+        path.display()
+    );
+    json
 }
 
 /// Whether a process exists (and is not a zombie).
