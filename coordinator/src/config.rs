@@ -3,6 +3,7 @@
 //! then every semantic problem (a shape that does not parse, more workers than chips, an axis
 //! the torus lacks...). Nothing is started from a config that has a problem.
 
+use crate::toml_lines;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -334,56 +335,14 @@ const SCHEMA: &[(&str, &[&str])] = &[
     ("hardware", HARDWARE_KEYS),
 ];
 
-/// Finds the line (1-based) of `key` in table `table` (`job.collectives#2` for the third
-/// array entry), for error messages. Works for the block style configs are written in.
+/// The line of `key` in `table` (`job.collectives#2` for the third entry of an array of
+/// tables), for error messages.
 fn locate(text: &str, table: &str, key: Option<&str>) -> Option<usize> {
-    let (name, index) = match table.split_once('#') {
+    let (name, entry) = match table.split_once('#') {
         Some((n, i)) => (n, i.parse::<usize>().ok()),
         None => (table, None),
     };
-    let mut current = String::new();
-    let mut seen: usize = 0;
-    let mut header_line = None;
-    for (i, raw) in text.lines().enumerate() {
-        let line = raw.trim();
-        if line.starts_with('[') {
-            let inner = line
-                .trim_start_matches('[')
-                .split(']')
-                .next()
-                .unwrap_or("")
-                .trim();
-            current = inner.to_string();
-            let matches = current == name;
-            if matches && line.starts_with("[[") {
-                seen += 1;
-            }
-            let in_entry = index.is_none_or(|k| seen == k + 1);
-            if matches && in_entry {
-                header_line = Some(i + 1);
-                if key.is_none() {
-                    return header_line;
-                }
-            }
-            continue;
-        }
-        let in_entry = index.is_none_or(|k| seen == k + 1);
-        if current == name
-            && in_entry
-            && let Some(k) = key
-        {
-            let lhs = line
-                .split('=')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .trim_matches('"');
-            if line.contains('=') && lhs == k {
-                return Some(i + 1);
-            }
-        }
-    }
-    if name.is_empty() { None } else { header_line }
+    toml_lines::line_of(text, name, entry, key)
 }
 
 struct Problems<'a> {
@@ -668,9 +627,7 @@ pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
     };
     let text = std::fs::read_to_string(path).map_err(|e| one(None, "file", e.to_string()))?;
     let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
-        let line = e
-            .span()
-            .map(|s| text[..s.start.min(text.len())].lines().count().max(1));
+        let line = e.span().map(|s| toml_lines::line_at(&text, s.start));
         one(line, "syntax", e.message().to_string())
     })?;
     apply_overrides(&mut table, sets).map_err(|e| one(None, "--set", e))?;

@@ -3,6 +3,7 @@
 //!
 //! Modules:
 //! - [`config`]: job configs (TOML), validated with every problem reported at once, file:line;
+//!   [`toml_lines`]: where a key or table sits in a TOML file (configs and studies);
 //! - [`launch`]: the control service, spawning or awaiting workers, running a job, no orphans;
 //!   [`supervisor`]: the launcher's decisions while a job runs (pure, like the watchdog);
 //!   [`recovery`]: relaunching a training job from its last checkpoint after a failure;
@@ -26,6 +27,7 @@ pub mod run;
 pub mod status;
 pub mod study;
 pub mod supervisor;
+pub mod toml_lines;
 pub mod trace;
 pub mod units;
 pub mod watchdog;

@@ -6,6 +6,7 @@
 //! `study.json` and SVG plots in its output folder, rewritten after every finished point so
 //! an interrupted study keeps what it had.
 
+use crate::toml_lines;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::io::IsTerminal;
@@ -371,15 +372,6 @@ fn key_positions(text: &str) -> BTreeMap<String, usize> {
     out
 }
 
-fn line_at(text: &str, offset: usize) -> usize {
-    text.as_bytes()
-        .iter()
-        .take(offset.min(text.len()))
-        .filter(|&&b| b == b'\n')
-        .count()
-        + 1
-}
-
 /// Lines of every occurrence of a table header such as `[[plot]]`.
 fn header_lines(text: &str, header: &str) -> Vec<usize> {
     text.lines()
@@ -387,40 +379,6 @@ fn header_lines(text: &str, header: &str) -> Vec<usize> {
         .filter(|(_, l)| l.trim().replace(' ', "") == header)
         .map(|(i, _)| i + 1)
         .collect()
-}
-
-/// The line of `offset` and the field written there (`table[i].key`), for serde's errors.
-fn locate(text: &str, offset: usize) -> (usize, String) {
-    let line = line_at(text, offset);
-    let mut section = String::new();
-    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
-    for l in text.lines().take(line) {
-        let t = l.trim();
-        if let Some(name) = t.strip_prefix("[[").and_then(|r| r.split("]]").next()) {
-            let name = name.trim().to_string();
-            let n = counts.entry(name.clone()).or_insert(0);
-            section = format!("{name}[{n}]");
-            *n += 1;
-        } else if let Some(name) = t.strip_prefix('[').and_then(|r| r.split(']').next()) {
-            section = name.trim().to_string();
-        }
-    }
-    let here = text.lines().nth(line - 1).unwrap_or("").trim();
-    let key = if here.starts_with('[') {
-        ""
-    } else {
-        here.split('=')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .trim_matches('"')
-    };
-    let field = match (section.is_empty(), key.is_empty()) {
-        (_, true) => section,
-        (true, false) => key.to_string(),
-        (false, false) => format!("{section}.{key}"),
-    };
-    (line, field)
 }
 
 fn quote_key(key: &str) -> String {
@@ -1245,7 +1203,7 @@ impl Found {
 
 /// The line of `key` (as `key_positions` names it) in `text`.
 fn line_of(text: &str, order: &BTreeMap<String, usize>, key: &str) -> Option<usize> {
-    order.get(key).map(|&pos| line_at(text, pos))
+    order.get(key).map(|&pos| toml_lines::line_at(text, pos))
 }
 
 /// Where a study file fails to parse: line, field and message (a missing field is named
@@ -1253,7 +1211,7 @@ fn line_of(text: &str, order: &BTreeMap<String, usize>, key: &str) -> Option<usi
 fn syntax_problem(text: &str, e: &toml::de::Error) -> (Option<usize>, String, String) {
     let (line, mut field) = match e.span() {
         Some(span) => {
-            let (line, field) = locate(text, span.start);
+            let (line, field) = toml_lines::field_at(text, span.start);
             (Some(line), field)
         }
         None => (None, String::new()),
