@@ -1612,3 +1612,70 @@ fn required_keys(
         None => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Config loading in-process (`from_text`); `tests/config_errors.rs` checks the same
+    //! through the command line.
+    use super::*;
+
+    const BASE: &str = "name = \"t\"\n[topology]\nshape = \"2x2x2\"\nhardware = \"v5p\"\n[launch]\nworkers = 2\n[job]\nkind = \"collectives\"\nmode = \"data\"\niterations = 2\n[[job.collectives]]\nop = \"all-reduce\"\nsize = \"1MiB\"\n";
+
+    fn load(text: &str, sets: &[&str]) -> Result<JobConfig, ConfigErrors> {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        from_text("test.toml", text, &sets)
+    }
+
+    #[test]
+    fn a_collectives_job_loads_with_what_it_says() {
+        let cfg = load(BASE, &[]).expect("a good config");
+        assert_eq!((cfg.pod.chips(), cfg.workers), (8, 2));
+        let Program::Collectives {
+            iterations, script, ..
+        } = &cfg.program
+        else {
+            panic!("a collectives program: {:?}", cfg.program);
+        };
+        assert_eq!(*iterations, 2);
+        assert_eq!(script[0].op, OpKind::AllReduce);
+        assert_eq!(script[0].bytes, 1 << 20);
+        // `--set` reaches every key, and a new table.
+        let cfg = load(BASE, &["launch.workers=4", "watchdog.timeout_ms=5000"]).expect("ok");
+        assert_eq!((cfg.workers, cfg.watchdog.timeout_ms), (4, 5000));
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once_with_its_line() {
+        let text = BASE.replace("workers = 2", "workers = 2\ncolour = \"red\"")
+            + "[[faults]]\nkind = \"partition\"\nchip_groups = [[0], [8]]\n";
+        let errors = load(&text, &["job.iterations=0"]).expect_err("bad").0;
+        let found: Vec<(Option<usize>, &str)> =
+            errors.iter().map(|e| (e.line, e.field.as_str())).collect();
+        assert!(found.contains(&(Some(7), "launch.colour")), "{found:?}");
+        assert!(
+            found.contains(&(Some(17), "faults[0].chip_groups")),
+            "{found:?}"
+        );
+        // A `--set` value has no line of its own: the key's line in the file.
+        assert!(found.contains(&(Some(11), "job.iterations")), "{found:?}");
+    }
+
+    #[test]
+    fn a_torch_job_takes_its_program_and_keeps_one_worker() {
+        let text = "name = \"t\"\n[topology]\nshape = \"2x2\"\n[job]\nkind = \"torch\"\nprogram = \"train.py\"\nargs = [\"--steps\", \"3\"]\n";
+        let cfg = load(text, &[]).expect("a torch job");
+        assert_eq!(cfg.workers, 1);
+        assert!(
+            matches!(cfg.program, Program::Torch(_)),
+            "{:?}",
+            cfg.program
+        );
+        let errors = load(text, &["launch.workers=2"])
+            .expect_err("two workers")
+            .0;
+        assert!(
+            errors.iter().any(|e| e.field.starts_with("launch.workers")),
+            "{errors:?}"
+        );
+    }
+}
