@@ -536,35 +536,8 @@ impl<'a> Call<'a> {
         tag: Tag,
         payload: Payload,
     ) -> Result<(), CollectiveError> {
-        match self.start_send(t, route, tag, payload)? {
-            None => Ok(()),
-            Some(rest) => self.wait_for_room(rest).await,
-        }
-    }
-
-    /// Waiting for room on a full link to another worker (or a fault's delay): busy in the
-    /// transport, not stopped, as far as the watchdog is concerned.
-    async fn wait_for_room(&self, rest: WaitForRoom<'a>) -> Result<(), CollectiveError> {
-        let recorder = &self.chip.recorder;
-        recorder.compute_started();
-        let sent = rest.await;
-        recorder.compute_finished();
-        sent
-    }
-
-    /// Everything a send does without waiting, which is all of it on the common path; what is
-    /// left to wait for (a fault's delay, room on a remote link), boxed, when there is any.
-    /// (The common path is a plain call: at 100,000 chips a state machine per send, built and
-    /// dropped for every message, was a measurable part of the cost of a message.)
-    fn start_send(
-        &self,
-        t: Nanos,
-        route: Route,
-        tag: Tag,
-        payload: Payload,
-    ) -> Result<Option<WaitForRoom<'a>>, CollectiveError> {
         let dst = self.peer(route)?;
-        self.start_send_to(t, dst, route, 0.0, tag, payload)
+        self.send_to(t, dst, route, 0.0, tag, payload).await
     }
 
     /// [`Call::send`] to `dst`, which `route` leads towards (its link is the one the message
@@ -579,22 +552,7 @@ impl<'a> Call<'a> {
         tag: Tag,
         payload: Payload,
     ) -> Result<(), CollectiveError> {
-        match self.start_send_to(t, dst, route, extra_latency_ns, tag, payload)? {
-            None => Ok(()),
-            Some(rest) => self.wait_for_room(rest).await,
-        }
-    }
-
-    fn start_send_to(
-        &self,
-        t: Nanos,
-        dst: ChipId,
-        route: Route,
-        extra_latency_ns: f64,
-        tag: Tag,
-        payload: Payload,
-    ) -> Result<Option<WaitForRoom<'a>>, CollectiveError> {
-        let mut msg = Message {
+        let msg = Message {
             src: self.chip.id,
             dst,
             link: route.link,
@@ -605,6 +563,30 @@ impl<'a> Call<'a> {
             arrive_ns: 0.0,
             payload,
         };
+        match self.start_sending(t, msg, extra_latency_ns)? {
+            None => Ok(()),
+            Some(rest) => {
+                // Waiting for room on a full link to another worker (or a fault's delay):
+                // busy in the transport, not stopped, as far as the watchdog is concerned.
+                let recorder = &self.chip.recorder;
+                recorder.compute_started();
+                let sent = rest.await;
+                recorder.compute_finished();
+                sent
+            }
+        }
+    }
+
+    /// Everything a send does without waiting, which is all of it on the common path; what is
+    /// left to wait for (a fault's delay, room on a remote link), boxed, when there is any.
+    /// (The common path is a plain call: at 100,000 chips a state machine per send, built and
+    /// dropped for every message, was a measurable part of the cost of a message.)
+    fn start_sending(
+        &self,
+        t: Nanos,
+        mut msg: Message,
+        extra_latency_ns: f64,
+    ) -> Result<Option<WaitForRoom<'a>>, CollectiveError> {
         if self.verify {
             msg.checksum = msg.payload.checksum();
         }

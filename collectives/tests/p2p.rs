@@ -4,9 +4,21 @@
 
 mod common;
 
+use std::future::Future;
+
 use common::{fabric, input, runtime};
-use podsim_collectives::{Chip, CollectiveError, Payload};
+use podsim_collectives::{Chip, CollectiveError, LocalFabric, Payload, run_chips};
 use podsim_topology::Hardware;
+
+/// Runs `program` on every chip of `fabric` (two threads).
+fn on_chips<T, F, Fut>(fabric: &LocalFabric, program: F) -> Result<Vec<T>, CollectiveError>
+where
+    F: Fn(Chip) -> Fut,
+    Fut: Future<Output = Result<T, CollectiveError>> + Send + 'static,
+    T: Send + 'static,
+{
+    runtime(2).block_on(run_chips(fabric.chips(), program))
+}
 
 #[test]
 fn every_chip_sends_to_a_far_chip_and_gets_what_was_sent() {
@@ -16,25 +28,21 @@ fn every_chip_sends_to_a_far_chip_and_gets_what_was_sent() {
     let n = fabric.pod().chips();
     let to = move |i: u32| (7 * i + 3) % n;
     let from = move |j: u32| (0..n).find(|&i| to(i) == j).unwrap();
-    let got = runtime(2)
-        .block_on(podsim_collectives::run_chips(
-            fabric.chips(),
-            move |mut chip: Chip| async move {
-                let me = chip.id();
-                let data = Payload::from_vec(input(me, 33, 1));
-                if to(me) != me {
-                    chip.send_to(to(me), &data, 0).await?;
-                }
-                let src = from(me);
-                let out = if src == me {
-                    data
-                } else {
-                    chip.recv_from(src, 33, 0).await?
-                };
-                Ok::<_, CollectiveError>(out.to_vec().unwrap())
-            },
-        ))
-        .unwrap();
+    let got = on_chips(&fabric, move |mut chip: Chip| async move {
+        let me = chip.id();
+        let data = Payload::from_vec(input(me, 33, 1));
+        if to(me) != me {
+            chip.send_to(to(me), &data, 0).await?;
+        }
+        let src = from(me);
+        let out = if src == me {
+            data
+        } else {
+            chip.recv_from(src, 33, 0).await?
+        };
+        Ok::<_, CollectiveError>(out.to_vec().unwrap())
+    })
+    .unwrap();
     for (me, values) in got.iter().enumerate() {
         assert_eq!(values, &input(from(me as u32), 33, 1), "chip {me}");
     }
@@ -44,21 +52,17 @@ fn every_chip_sends_to_a_far_chip_and_gets_what_was_sent() {
 /// sender's clock after the send).
 fn one_message(shape: &str, slices: u32, dst: u32, count: usize) -> (f64, f64) {
     let fabric = fabric(shape, true, slices);
-    let times = runtime(1)
-        .block_on(podsim_collectives::run_chips(
-            fabric.chips(),
-            move |mut chip: Chip| async move {
-                match chip.id() {
-                    0 => chip.send_to(dst, &Payload::Meta(count), 0).await?,
-                    id if id == dst => {
-                        chip.recv_from(0, count, 0).await?;
-                    }
-                    _ => {}
-                }
-                Ok::<_, CollectiveError>(chip.clock())
-            },
-        ))
-        .unwrap();
+    let times = on_chips(&fabric, move |mut chip: Chip| async move {
+        match chip.id() {
+            0 => chip.send_to(dst, &Payload::Meta(count), 0).await?,
+            id if id == dst => {
+                chip.recv_from(0, count, 0).await?;
+            }
+            _ => {}
+        }
+        Ok::<_, CollectiveError>(chip.clock())
+    })
+    .unwrap();
     (times[dst as usize], times[0])
 }
 
@@ -85,33 +89,29 @@ fn a_message_costs_one_transfer_and_the_latency_of_every_hop() {
 #[test]
 fn channels_are_matched_per_pair_and_tag_in_order() {
     let fabric = fabric("4", true, 1);
-    let got = runtime(2)
-        .block_on(podsim_collectives::run_chips(
-            fabric.chips(),
-            |mut chip: Chip| async move {
-                let v = |x: f32| Payload::from_vec(vec![x]);
-                let mut out = Vec::new();
-                match chip.id() {
-                    // Two tags, two messages on tag 1; and a message to chip 2 in between.
-                    0 => {
-                        chip.send_to(1, &v(10.0), 1).await?;
-                        chip.send_to(2, &v(99.0), 1).await?;
-                        chip.send_to(1, &v(11.0), 1).await?;
-                        chip.send_to(1, &v(20.0), 2).await?;
-                    }
-                    // Receives tag 2 first: channels do not wait on each other.
-                    1 => {
-                        for tag in [2, 1, 1] {
-                            out.extend(chip.recv_from(0, 1, tag).await?.to_vec().unwrap());
-                        }
-                    }
-                    2 => out.extend(chip.recv_from(0, 1, 1).await?.to_vec().unwrap()),
-                    _ => {}
+    let got = on_chips(&fabric, |mut chip: Chip| async move {
+        let v = |x: f32| Payload::from_vec(vec![x]);
+        let mut out = Vec::new();
+        match chip.id() {
+            // Two tags, two messages on tag 1; and a message to chip 2 in between.
+            0 => {
+                chip.send_to(1, &v(10.0), 1).await?;
+                chip.send_to(2, &v(99.0), 1).await?;
+                chip.send_to(1, &v(11.0), 1).await?;
+                chip.send_to(1, &v(20.0), 2).await?;
+            }
+            // Receives tag 2 first: channels do not wait on each other.
+            1 => {
+                for tag in [2, 1, 1] {
+                    out.extend(chip.recv_from(0, 1, tag).await?.to_vec().unwrap());
                 }
-                Ok::<_, CollectiveError>(out)
-            },
-        ))
-        .unwrap();
+            }
+            2 => out.extend(chip.recv_from(0, 1, 1).await?.to_vec().unwrap()),
+            _ => {}
+        }
+        Ok::<_, CollectiveError>(out)
+    })
+    .unwrap();
     assert_eq!(got[1], vec![20.0, 10.0, 11.0]);
     assert_eq!(got[2], vec![99.0]);
 }
@@ -119,21 +119,17 @@ fn channels_are_matched_per_pair_and_tag_in_order() {
 #[test]
 fn a_receive_of_another_size_is_a_desync_naming_both_chips() {
     let fabric = fabric("2x2", true, 1);
-    let err = runtime(2)
-        .block_on(podsim_collectives::run_chips(
-            fabric.chips(),
-            |mut chip: Chip| async move {
-                match chip.id() {
-                    0 => chip.send_to(3, &Payload::from_vec(vec![1.0; 8]), 0).await?,
-                    3 => {
-                        chip.recv_from(0, 4, 0).await?;
-                    }
-                    _ => {}
-                }
-                Ok::<_, CollectiveError>(())
-            },
-        ))
-        .unwrap_err();
+    let err = on_chips(&fabric, |mut chip: Chip| async move {
+        match chip.id() {
+            0 => chip.send_to(3, &Payload::from_vec(vec![1.0; 8]), 0).await?,
+            3 => {
+                chip.recv_from(0, 4, 0).await?;
+            }
+            _ => {}
+        }
+        Ok::<_, CollectiveError>(())
+    })
+    .unwrap_err();
     let text = err.to_string();
     assert!(text.contains("send-recv#0 from chip 0 to chip 3"), "{text}");
     match err {
