@@ -9,7 +9,8 @@
 //! - a root that stuck chips wait on (on its worker or another): `stalled_chip`;
 //! - a stuck chip whose sender sent more on the link than it received (found by its worker
 //!   for a local sender, here from the boundary counters for a sender on another worker):
-//!   `lost_message`, or `partition` when several links between different workers lost one;
+//!   `lost_message`, or `partition` when several links between different workers lost one (or
+//!   several links inside workers: chips cut apart);
 //! - every worker stuck for the timeout with nothing lost and no root: a deadlock (reported
 //!   as `stalled_chip` on the chip that went quiet first);
 //! - a worker that sends no heartbeats while its process lives: `frozen_worker`.
@@ -527,7 +528,34 @@ impl Watchdog {
         let since = lost.iter().map(|l| l.3).min().unwrap_or_else(wall_ns);
         let waiting = self.waiting_chips();
         // Several links between different workers: the network between them, not one link.
-        let (kind, explanation) = if links.len() >= 2 && pairs.iter().all(|(a, b)| a != b) {
+        // Several links inside workers (chips cut apart, as an injected partition of a torch
+        // job's ranks does): the cut, named by its chips.
+        let within = pairs.iter().all(|(a, b)| a == b);
+        let (kind, explanation) = if links.len() >= 2 && within {
+            let mut cut: Vec<String> = lost
+                .iter()
+                .map(|(s, _, d, ..)| format!("{s}->{d}"))
+                .collect();
+            cut.sort();
+            cut.dedup();
+            let more = cut.len().saturating_sub(8);
+            cut.truncate(8);
+            let more = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            (
+                HangKind::Partition,
+                format!(
+                    "Chips are cut apart: messages sent on {} links between chips of the same worker ({}{more}) never arrived (the first from {} on link {link}, in {fp}), and {}: in-process links lose nothing, so look for an injected partition or drop.",
+                    links.len(),
+                    cut.join(", "),
+                    self.describe_chip(src, None),
+                    Self::describe_waiting(&waiting),
+                ),
+            )
+        } else if links.len() >= 2 && pairs.iter().all(|(a, b)| a != b) {
             let pairs: Vec<String> = pairs.iter().map(|(a, b)| format!("{a}-{b}")).collect();
             (
                 HangKind::Partition,
@@ -967,6 +995,27 @@ mod tests {
             (f.kind, f.chip, f.link),
             (HangKind::LostMessage, Some(1), Some(MINUS))
         );
+    }
+
+    #[test]
+    fn messages_lost_on_several_links_of_one_worker_are_a_cut_of_chips() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1], t0);
+        let mut a = status(0, 5, &[(1, PLUS)]);
+        let mut b = status(1, 5, &[(0, MINUS)]);
+        // Each chip sent 4 messages to the other and received 3: both directions lost one.
+        a.sent[link_slot(PLUS)] = 4;
+        b.received[link_slot(MINUS)] = 3;
+        b.sent[link_slot(MINUS)] = 4;
+        a.received[link_slot(PLUS)] = 3;
+        let chips = [a, b];
+        worker.beat(&mut w, &chips, t0);
+        worker.beat(&mut w, &chips, t0 + T * 2);
+        worker.beat(&mut w, &chips, t0 + T * 3);
+        let f = check(&mut w, t0 + T * 3).unwrap();
+        assert_eq!(f.kind, HangKind::Partition, "{}", f.explanation);
+        assert!(f.explanation.contains("0->1, 1->0"), "{}", f.explanation);
     }
 
     #[test]

@@ -179,7 +179,8 @@ fn partitions_desyncs_and_corruption_are_diagnosed() {
         hang("partition", None, None, None),
     );
     // Chips cut apart inside their workers (as a torch job's ranks, which share one worker):
-    // columns 0-1 from columns 2-3, so every lost message is on an x link of one worker.
+    // columns 0-1 from columns 2-3, so every lost message is on an x link of one worker: a
+    // cut of chips, named as a partition.
     let (code, r) = launch(
         "partition-chips",
         30,
@@ -187,9 +188,11 @@ fn partitions_desyncs_and_corruption_are_diagnosed() {
     );
     assert_eq!(code, 3, "{r}");
     let h = &r["hang"];
-    assert_eq!(h["kind"], "lost_message", "{h}");
+    assert_eq!(h["kind"], "partition", "{h}");
     let link = h["culprit"]["link"].as_str().unwrap();
     assert!(link.starts_with("ici") && link.ends_with('x'), "{h}");
+    let text = h["explanation"].as_str().unwrap();
+    assert!(text.starts_with("Chips are cut apart"), "{text}");
     for (tag, chip, mode, at) in [
         ("desync-skip", 0, "skip", "at_seq = 0"),
         ("desync-op", 5, "op", "at_step = 3"),
