@@ -13,9 +13,10 @@ use clap::Args;
 use podsim_collectives::trace::ChipTrace;
 use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp, mirror_chip};
 use podsim_topology::{Group, Hardware, Pod, Torus};
-use podsim_worker::bench::{BenchCase, buffer_bytes, elements_for_buffer};
-use podsim_worker::job::{ChipStepReport, JobSpec, Program, TraceRequest, Transport};
-use podsim_worker::programs::{enable_traces, run_program};
+use podsim_worker::protocol::BenchCase;
+use podsim_worker::protocol::{ChipStepReport, JobSpec, Program, TraceRequest, Transport};
+use podsim_worker::{buffer_bytes, elements_for_buffer};
+use podsim_worker::{enable_traces, run_program};
 use serde::Serialize;
 
 use crate::launch::{ControlPlane, Launch, Workers, new_token};

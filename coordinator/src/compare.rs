@@ -19,8 +19,8 @@ use clap::Args;
 use podsim_collectives::LocalFabric;
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
-use podsim_worker::job::Program;
-use podsim_worker::programs::run_program;
+use podsim_worker::protocol::Program;
+use podsim_worker::run_program;
 use podsim_worker::train::{ChipTrainReport, TrainSpec, train_chip};
 use serde::Serialize;
 

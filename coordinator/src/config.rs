@@ -11,9 +11,9 @@ use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
 use podsim_topology::{
     Group, HARDWARE_KEYS, Hardware, HardwareOverrides, Link, Placement, Pod, Torus,
 };
-use podsim_worker::faults::{DesyncMode, FaultKind, FaultSpec};
-use podsim_worker::job::{CollectiveStep, JobSpec, Program, Transport};
-use podsim_worker::torch::TorchSpec;
+use podsim_worker::protocol::TorchSpec;
+use podsim_worker::protocol::{CollectiveStep, JobSpec, Program, Transport};
+use podsim_worker::protocol::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::train::strategy::Plan;
 use podsim_worker::train::{
     BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy, TpActivations,

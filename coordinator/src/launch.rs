@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_server::{Control, ControlServer};
-use podsim_worker::job::{JobSpec, WorkerReport};
+use podsim_worker::protocol::{JobSpec, WorkerReport};
 
 use crate::supervisor::{Decision, Event, Supervisor};
 use crate::watchdog::{Finding, Watchdog};
-use podsim_worker::net::check_token;
+use podsim_worker::transport::check_token;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
@@ -55,7 +55,7 @@ pub struct Outcome {
     /// Chips the others spent much of the run waiting on (slow, not hung).
     pub stragglers: Vec<crate::watchdog::Straggler>,
     /// Faults the workers reported firing.
-    pub faults: Vec<podsim_worker::faults::FaultEvent>,
+    pub faults: Vec<podsim_worker::protocol::FaultEvent>,
 }
 
 /// Why a job did not finish.
@@ -85,7 +85,7 @@ pub struct HangReport {
     pub finding: Finding,
     /// Per worker, its chips' flight recorders (JSON).
     pub recorders: BTreeMap<u32, serde_json::Value>,
-    pub faults: Vec<podsim_worker::faults::FaultEvent>,
+    pub faults: Vec<podsim_worker::protocol::FaultEvent>,
     pub detected_wall_ns: u64,
     /// The step the job failed in (the furthest step a live chip had entered).
     pub step_reached: u64,
@@ -224,7 +224,7 @@ impl ControlPlane {
         let checked = token.clone();
         let service = tonic::service::interceptor::InterceptedService::new(
             ControlServer::new(ControlService { joined: tx })
-                .max_decoding_message_size(podsim_worker::session::MAX_CONTROL_MESSAGE_BYTES),
+                .max_decoding_message_size(podsim_worker::protocol::MAX_CONTROL_MESSAGE_BYTES),
             move |req: Request<()>| {
                 check_token(&checked, req.metadata())?;
                 Ok(req)

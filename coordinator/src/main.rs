@@ -14,8 +14,8 @@ use podsim_coordinator::recovery::{Recovery, run_with_recovery};
 use podsim_coordinator::study::{self, StudyArgs};
 use podsim_coordinator::trace::TraceArgs;
 use podsim_coordinator::{CliError, JobStatus, report};
-use podsim_worker::job::JobSpec;
-use podsim_worker::session::{self, WorkerOptions};
+use podsim_worker::protocol::JobSpec;
+use podsim_worker::{WorkerOptions, run_worker};
 
 /// Large message buffers are allocated and freed at a high rate; the system allocator hands
 /// their memory back to the kernel and page-faults it in again each time, which cost more
@@ -370,7 +370,7 @@ fn main() -> ExitCode {
                 watch_stdin: args.watch_stdin,
             };
             let done = runtime_with(args.threads).and_then(|rt| {
-                let r = rt.block_on(session::run(opts));
+                let r = rt.block_on(run_worker(opts));
                 // Do not wait for the stdin watcher's blocking read: leave at once.
                 rt.shutdown_background();
                 r.map(|()| true).map_err(|e| CliError::Job(e.to_string()))

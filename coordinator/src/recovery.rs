@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use podsim_worker::job::{JobSpec, Program};
+use podsim_worker::protocol::{JobSpec, Program};
 use podsim_worker::train::checkpoint;
 
 use crate::launch::{HangReport, LaunchError, Outcome, WorkerInfo};

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use hdrhistogram::Histogram;
 use podsim_collectives::trace::{ChipTrace, Span};
-use podsim_worker::job::{ChipStepReport, Program};
+use podsim_worker::protocol::{ChipStepReport, Program};
 use serde::{Deserialize, Serialize};
 
 use crate::watchdog::HangKind;
@@ -32,7 +32,7 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hang: Option<Hang>,
     /// Faults the workers reported firing.
-    pub faults_injected: Vec<podsim_worker::faults::FaultEvent>,
+    pub faults_injected: Vec<podsim_worker::protocol::FaultEvent>,
     /// Checkpoints and the restarts after failures (train jobs with `[recovery]`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recovery: Option<Recovery>,
@@ -79,7 +79,7 @@ pub struct TorchRun {
     pub command: Vec<String>,
     /// Step `i` of the job: the slowest rank's step time, with that rank's split.
     pub steps: Vec<TorchStep>,
-    pub ranks: Vec<podsim_worker::torch::RankReport>,
+    pub ranks: Vec<podsim_worker::protocol::RankReport>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -94,7 +94,7 @@ pub struct TorchStep {
 }
 
 /// Each step marked by every rank, as its slowest rank saw it.
-fn torch_steps(ranks: &[podsim_worker::torch::RankReport]) -> Vec<TorchStep> {
+fn torch_steps(ranks: &[podsim_worker::protocol::RankReport]) -> Vec<TorchStep> {
     let steps = ranks.iter().map(|r| r.steps.len()).min().unwrap_or(0);
     (0..steps)
         .filter_map(|i| {
@@ -122,7 +122,7 @@ fn step_span<'t>(trace: &'t ChipTrace, name: &str) -> Option<&'t Span> {
     trace
         .spans
         .iter()
-        .find(|s| s.track == podsim_worker::programs::STEPS_TRACK && s.name == name)
+        .find(|s| s.track == podsim_worker::STEPS_TRACK && s.name == name)
 }
 
 /// Chip 0's median step and the same step of the traced chip where it took longest.
@@ -133,7 +133,7 @@ fn timelines(traces: &[&ChipTrace]) -> Vec<StepTimeline> {
     let mut steps: Vec<&Span> = first
         .spans
         .iter()
-        .filter(|s| s.track == podsim_worker::programs::STEPS_TRACK && s.name != "setup")
+        .filter(|s| s.track == podsim_worker::STEPS_TRACK && s.name != "setup")
         .filter(|s| s.virtual_end_ns.is_some())
         .collect();
     steps.sort_by(|a, b| span_ns(a).total_cmp(&span_ns(b)));
@@ -167,7 +167,7 @@ fn timeline(trace: &ChipTrace, step: &Span) -> StepTimeline {
     let inside: Vec<TimelineSlice> = trace
         .spans
         .iter()
-        .filter(|s| s.track != podsim_worker::programs::STEPS_TRACK)
+        .filter(|s| s.track != podsim_worker::STEPS_TRACK)
         .filter_map(|s| {
             let e = s.virtual_end_ns?;
             (s.virtual_start_ns >= start && e <= end).then(|| TimelineSlice {
@@ -216,7 +216,7 @@ pub struct WorkerEntry {
     pub messages_sent: u64,
     pub bytes_sent: u64,
     /// Each link to another worker and its transport (`tcp` or `uds`).
-    pub links: Vec<podsim_worker::job::PeerLink>,
+    pub links: Vec<podsim_worker::protocol::PeerLink>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -608,8 +608,8 @@ fn finished_workers(out: &Outcome) -> Vec<WorkerEntry> {
 }
 
 /// A PyTorch program's ranks and steps; the job's virtual time is its latest rank clock.
-fn torch(report: &mut Report, spec: &podsim_worker::torch::TorchSpec, out: &Outcome) {
-    let mut ranks: Vec<podsim_worker::torch::RankReport> =
+fn torch(report: &mut Report, spec: &podsim_worker::protocol::TorchSpec, out: &Outcome) {
+    let mut ranks: Vec<podsim_worker::protocol::RankReport> =
         out.reports.iter().flat_map(|r| r.torch.clone()).collect();
     ranks.sort_by_key(|r| r.rank);
     report.virtual_s = ranks.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
@@ -624,7 +624,7 @@ fn torch(report: &mut Report, spec: &podsim_worker::torch::TorchSpec, out: &Outc
 fn collectives(
     report: &mut Report,
     pod: &podsim_topology::Pod,
-    script: &[podsim_worker::job::CollectiveStep],
+    script: &[podsim_worker::protocol::CollectiveStep],
     iterations: u32,
     steps: &[&ChipStepReport],
 ) {
@@ -664,12 +664,8 @@ fn collectives(
             }
         }
         // The buffer as moved (a whole number of elements), as `podsim bench` reports it.
-        let bytes = podsim_worker::bench::buffer_bytes(
-            step.op,
-            step.count(pod),
-            step.dtype,
-            entry.group_size,
-        );
+        let bytes =
+            podsim_worker::buffer_bytes(step.op, step.count(pod), step.dtype, entry.group_size);
         let n = entry.calls.len().max(1) as f64;
         let mean_virtual_s = entry.calls.iter().map(|c| c.virtual_s).sum::<f64>() / n;
         entry.virtual_algbw_gbps = crate::bench::algbw_gbps(bytes, mean_virtual_s);

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use podsim_proto::v1 as pb;
-use podsim_worker::job::{FailureReport, HeartbeatStatus, WorkerReport};
+use podsim_worker::protocol::{FailureReport, HeartbeatStatus, WorkerReport};
 
 use crate::watchdog::{Finding, HangKind, Watchdog};
 

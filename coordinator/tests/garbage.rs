@@ -13,9 +13,9 @@ use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_client::ControlClient;
 use podsim_proto::v1::link_service_client::LinkServiceClient;
 use podsim_topology::{Group, Hardware, Pod};
-use podsim_worker::bench::BenchCase;
-use podsim_worker::job::{JobSpec, Program};
-use podsim_worker::net::{self, NodeFabric, TOKEN_HEADER, WORKER_HEADER};
+use podsim_worker::protocol::BenchCase;
+use podsim_worker::protocol::{JobSpec, Program};
+use podsim_worker::transport::{self as net, NodeFabric, TOKEN_HEADER, WORKER_HEADER};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Request;
@@ -94,7 +94,7 @@ async fn control_service_refuses_garbage_and_keeps_serving() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
         let huge = pb::WorkerMsg {
             body: Some(pb::worker_msg::Body::Result(pb::WorkerResult {
-                json: vec![b'x'; podsim_worker::session::MAX_CONTROL_MESSAGE_BYTES + (1 << 20)],
+                json: vec![b'x'; podsim_worker::protocol::MAX_CONTROL_MESSAGE_BYTES + (1 << 20)],
             })),
         };
         assert!(
@@ -253,7 +253,7 @@ fn local_hello(worker: u32, token: &str) -> Vec<u8> {
 #[cfg(target_os = "linux")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_link_listener_refuses_garbage_and_bad_records() {
-    use podsim_worker::uds;
+    use podsim_worker::transport::uds;
     let fabric = NodeFabric::new(spec(), 0).unwrap();
     let (_tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
     let (listener, name) = uds::bind().unwrap();

@@ -61,12 +61,12 @@ fn default_watchdog_ms() -> u64 {
     2000
 }
 
-/// What a heartbeat carries: the worker's summary of its chips (see [`crate::watch`]), the
+/// What a heartbeat carries: the worker's summary of its chips (see [`crate::Summariser`]), the
 /// waits of its chips for straggler accounting (small workers only) and the faults fired so far.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct HeartbeatStatus {
     pub summary: crate::watch::Summary,
-    /// Workers of at most [`STRAGGLER_WAITS_CHIPS`] chips: every waiting chip and the chips it
+    /// Workers of at most `STRAGGLER_WAITS_CHIPS` chips: every waiting chip and the chips it
     /// waits on, right now (how long each chip holds the others up names stragglers).
     #[serde(default)]
     pub waits: Vec<(u32, Vec<u32>)>,

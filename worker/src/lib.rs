@@ -2,30 +2,54 @@
 //! benchmark, training), the fabric of a worker process (in-memory links between its own
 //! chips, Unix sockets or gRPC streams to other workers) and the worker's control session with the coordinator.
 //!
-//! Modules:
-//! - [`job`]: the job a worker receives and what it reports (results, heartbeats, failures,
-//!   flight-recorder dumps); [`programs`]: runs a job's program on a set of chips;
-//! - [`bench`](mod@bench): one timed, checked collective per chip; [`train`]: training (models, kernel
+//! The crate's API is deliberately small: [`protocol`] (the types coordinator and workers
+//! exchange), [`train`] (training as a library: specs, models, strategies, checkpoints),
+//! [`transport`] (the links between workers, for tests that attack them), and at the root the
+//! entry points: [`run_worker`] and [`WorkerOptions`], [`run_program`] and [`enable_traces`]
+//! (a job's program on chips in this process), the trace track names, the benchmark's buffer
+//! arithmetic, the heartbeat [`Summariser`] and [`WorkerError`].
+//!
+//! Modules (crate-private unless named above):
+//! - `job`: the job a worker receives and what it reports (results, heartbeats, failures,
+//!   flight-recorder dumps); `programs`: runs a job's program on a set of chips;
+//! - `bench`: one timed, checked collective per chip; [`train`]: training (models, kernel
 //!   model, strategies, DTensor, remat, HBM ledger, the step loop, the single-chip reference);
-//! - [`torch`](mod@torch): PyTorch programs, one rank process per chip, served by its chip;
-//! - [`net`]: the worker's fabric (local inboxes, one link per neighbouring worker: gRPC over
-//!   TCP, or [`uds`]: a Unix socket with raw records to a worker on the same host);
-//!   [`wire`]: chip messages to and from checked protobuf envelopes;
-//! - [`session`]: a worker from joining the coordinator to exit; [`watch`]: the per-worker
-//!   summary each heartbeat carries; [`faults`]: fault injection;
+//! - `torch`: PyTorch programs, one rank process per chip, served by its chip;
+//! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: gRPC over
+//!   TCP, or `uds`: a Unix socket with raw records to a worker on the same host);
+//!   `wire`: chip messages to and from checked protobuf envelopes;
+//! - `session`: a worker from joining the coordinator to exit; `watch`: the per-worker
+//!   summary each heartbeat carries; `faults`: fault injection;
 //! - `error`: [`WorkerError`].
 
-pub mod bench;
+mod bench;
 mod error;
-pub mod faults;
-pub mod job;
-pub mod net;
-pub mod programs;
-pub mod session;
-pub mod torch;
+mod faults;
+mod job;
+mod net;
+mod programs;
+pub mod protocol;
+mod session;
+mod torch;
 pub mod train;
-pub mod uds;
-pub mod watch;
-pub mod wire;
+mod uds;
+mod watch;
+mod wire;
 
+pub use bench::{buffer_bytes, elements_for_buffer};
 pub use error::WorkerError;
+pub use programs::{COMPUTE_TRACK, STEPS_TRACK, enable_traces, run_program};
+pub use session::{WorkerOptions, run as run_worker};
+pub use watch::Summariser;
+
+/// The links between workers: a worker's fabric, the gRPC link service and the Unix-socket
+/// link, as the tests that send them garbage reach them.
+pub mod transport {
+    pub use crate::net::{
+        NodeFabric, TOKEN_HEADER, WORKER_HEADER, check_token, link_service, server_builder,
+    };
+    /// The Unix-socket link between workers on one host.
+    pub mod uds {
+        pub use crate::uds::{bind, serve};
+    }
+}

@@ -170,7 +170,7 @@ pub struct Summary {
     pub moving: u32,
     /// Chips that wait and are not excused by live work on this worker.
     pub waiting: Ranges,
-    /// Quiet chips waiting on no one, most waited-on first (at most [`MAX_ROOTS`]).
+    /// Quiet chips waiting on no one, most waited-on first (at most `MAX_ROOTS`).
     pub roots: Vec<Root>,
     /// Waits of waiting chips on other workers' chips, one per (peer, link).
     pub remote: Vec<Wait>,

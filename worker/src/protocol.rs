@@ -1,0 +1,15 @@
+//! The types the coordinator and its workers exchange, in one place: the job a worker is
+//! handed, what it reports (results, heartbeats and their summaries, failures, flight-recorder
+//! dumps, fired faults), and the limits of the control plane. They travel as JSON inside the
+//! control protocol's messages (`proto/podsim/v1/control.proto`); training specs and reports
+//! are in [`crate::train`].
+
+pub use crate::bench::BenchCase;
+pub use crate::faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
+pub use crate::job::{
+    ChipStepReport, CollectiveStep, FailureReport, HeartbeatStatus, JobSpec, PeerLink, Program,
+    RecorderDump, TraceRequest, Transport, WorkerReport,
+};
+pub use crate::session::MAX_CONTROL_MESSAGE_BYTES;
+pub use crate::torch::{RankReport, TorchSpec};
+pub use crate::watch::{Ranges, Root, Summary, Wait};
