@@ -133,7 +133,9 @@ impl JobConfig {
 /// list: adding a key is adding a field here (the struct deserialises it; `KEYS` lets every
 /// unknown key be reported at once, where serde stops at the first).
 macro_rules! table {
-    ($(#[$m:meta])* struct $name:ident { $($field:ident: $ty:ty),* $(,)? }) => {
+    ($(#[$m:meta])* struct $name:ident {
+        $($field:ident: $ty:ty $([$($kind:ident),+])?),* $(,)?
+    }) => {
         $(#[$m])*
         #[derive(Debug, Deserialize)]
         #[serde(deny_unknown_fields)]
@@ -143,6 +145,22 @@ macro_rules! table {
 
         impl $name {
             const KEYS: &'static [&'static str] = &[$(stringify!($field)),*];
+
+            /// The keys only some kinds of job take (`key: Type [kind, ...]` in the
+            /// declaration): each with those kinds and whether it is set here.
+            #[allow(dead_code)]
+            fn kind_keys(&self) -> Vec<(&'static str, &'static [&'static str], bool)> {
+                #[allow(unused_mut)]
+                let mut keys = Vec::new();
+                $($(
+                    keys.push((
+                        stringify!($field),
+                        &[$(stringify!($kind)),+][..],
+                        self.$field.is_some(),
+                    ));
+                )?)*
+                keys
+            }
         }
     };
 }
@@ -194,56 +212,48 @@ table! {
     struct RawJob {
         kind: String,
         mode: Option<String>,
-        iterations: Option<u32>,
-        collectives: Option<Vec<RawCollective>>,
-        verify: Option<bool>,
-        strategy: Option<String>,
-        eager: Option<String>,
-        steps: Option<u32>,
-        batch: Option<usize>,
-        grad_accum: Option<u32>,
-        seed: Option<u64>,
-        bucket_cap_mb: Option<f64>,
-        reshard_after_forward: Option<bool>,
-        tp: Option<u32>,
-        replicas: Option<u32>,
-        algo: Option<String>,
-        check: Option<bool>,
+        iterations: Option<u32> [collectives],
+        collectives: Option<Vec<RawCollective>> [collectives],
+        verify: Option<bool> [collectives],
+        strategy: Option<String> [train],
+        eager: Option<String> [train],
+        steps: Option<u32> [train],
+        batch: Option<usize> [train],
+        grad_accum: Option<u32> [train],
+        seed: Option<u64> [train],
+        bucket_cap_mb: Option<f64> [train],
+        reshard_after_forward: Option<bool> [train],
+        tp: Option<u32> [train],
+        replicas: Option<u32> [train],
+        algo: Option<String> [train, torch],
+        check: Option<bool> [train],
         symmetric: Option<bool>,
         remat: Option<String>,
         tp_activations: Option<String>,
-        model: Option<RawModel>,
-        optimizer: Option<RawOptimizer>,
-        program: Option<String>,
-        args: Option<Vec<String>>,
+        model: Option<RawModel> [train],
+        optimizer: Option<RawOptimizer> [train],
+        program: Option<String> [torch],
+        args: Option<Vec<String>> [torch],
     }
 }
 
 table! {
     struct RawModel {
         kind: Option<String>,
-        widths: Option<Vec<usize>>,
-        layers: Option<usize>,
-        d_model: Option<usize>,
-        heads: Option<usize>,
-        kv_heads: Option<usize>,
-        ffn: Option<usize>,
-        vocab: Option<usize>,
-        seq: Option<usize>,
-        gated: Option<bool>,
-        head_dim: Option<usize>,
-        mlp: Option<String>,
-        block: Option<String>,
-        tied_embeddings: Option<bool>,
-        dtype: Option<String>,
-    }
-}
-
-/// Whether a model of `kind` takes `key`.
-fn model_takes(kind: &str, key: &str) -> bool {
-    match kind {
-        "mlp" => key == "kind" || key == "widths",
-        _ => key != "widths",
+        widths: Option<Vec<usize>> [mlp],
+        layers: Option<usize> [transformer],
+        d_model: Option<usize> [transformer],
+        heads: Option<usize> [transformer],
+        kv_heads: Option<usize> [transformer],
+        ffn: Option<usize> [transformer],
+        vocab: Option<usize> [transformer],
+        seq: Option<usize> [transformer],
+        gated: Option<bool> [transformer],
+        head_dim: Option<usize> [transformer],
+        mlp: Option<String> [transformer],
+        block: Option<String> [transformer],
+        tied_embeddings: Option<bool> [transformer],
+        dtype: Option<String> [transformer],
     }
 }
 
@@ -425,32 +435,15 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
             return None;
         }
     };
-    let given = [
-        ("widths", m.widths.is_some()),
-        ("layers", m.layers.is_some()),
-        ("d_model", m.d_model.is_some()),
-        ("heads", m.heads.is_some()),
-        ("kv_heads", m.kv_heads.is_some()),
-        ("ffn", m.ffn.is_some()),
-        ("vocab", m.vocab.is_some()),
-        ("seq", m.seq.is_some()),
-        ("gated", m.gated.is_some()),
-        ("head_dim", m.head_dim.is_some()),
-        ("mlp", m.mlp.is_some()),
-        ("block", m.block.is_some()),
-        ("tied_embeddings", m.tied_embeddings.is_some()),
-        ("dtype", m.dtype.is_some()),
-    ];
     let before = p.list.len();
-    for (key, _) in given
-        .iter()
-        .filter(|(k, set)| *set && !model_takes(kind, k))
-    {
-        p.add(
-            "job.model",
-            Some(key),
-            format!("not a field of a {kind} model"),
-        );
+    for (key, kinds, set) in m.kind_keys() {
+        if set && !kinds.contains(&kind) {
+            p.add(
+                "job.model",
+                Some(key),
+                format!("not a field of a {kind} model"),
+            );
+        }
     }
     if kind == "mlp" {
         let widths = m.widths.clone().unwrap_or_default();
@@ -952,43 +945,16 @@ fn program(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, workers: u32) ->
     }
 }
 
-/// Keys set in `[job]` that belong to another kind of job.
+/// Keys set in `[job]` that belong to other kinds of job (the kinds each key takes are
+/// declared with the key, in [`RawJob`]).
 fn keys_of_other_kinds(p: &mut Problems<'_>, j: &RawJob) {
-    let train_keys = [
-        ("strategy", j.strategy.is_some()),
-        ("eager", j.eager.is_some()),
-        ("steps", j.steps.is_some()),
-        ("batch", j.batch.is_some()),
-        ("grad_accum", j.grad_accum.is_some()),
-        ("seed", j.seed.is_some()),
-        ("bucket_cap_mb", j.bucket_cap_mb.is_some()),
-        ("reshard_after_forward", j.reshard_after_forward.is_some()),
-        ("tp", j.tp.is_some()),
-        ("replicas", j.replicas.is_some()),
-        ("algo", j.algo.is_some()),
-        ("check", j.check.is_some()),
-        ("model", j.model.is_some()),
-        ("optimizer", j.optimizer.is_some()),
-    ];
-    let collective_keys = [
-        ("iterations", j.iterations.is_some()),
-        ("collectives", j.collectives.is_some()),
-        ("verify", j.verify.is_some()),
-    ];
-    let torch_keys = [("program", j.program.is_some()), ("args", j.args.is_some())];
-    let owned: [(&str, &[(&str, bool)]); 3] = [
-        ("collectives", &collective_keys),
-        ("train", &train_keys),
-        ("torch", &torch_keys),
-    ];
-    for (owner, keys) in owned.iter().filter(|(owner, _)| *owner != j.kind) {
-        // `algo` is a train and torch key.
-        let shared = |key: &str| key == "algo" && j.kind == "torch";
-        for (key, _) in keys.iter().filter(|(k, set)| *set && !shared(k)) {
+    for (key, kinds, set) in j.kind_keys() {
+        if set && !kinds.contains(&j.kind.as_str()) {
+            let kinds: Vec<String> = kinds.iter().map(|k| format!("kind = \"{k}\"")).collect();
             p.add(
                 "job",
                 Some(key),
-                format!("applies to kind = \"{owner}\" jobs only"),
+                format!("applies to {} jobs only", kinds.join(" or ")),
             );
         }
     }
