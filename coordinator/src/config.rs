@@ -150,16 +150,13 @@ macro_rules! table {
             /// declaration): each with those kinds and whether it is set here.
             #[allow(dead_code)]
             fn kind_keys(&self) -> Vec<(&'static str, &'static [&'static str], bool)> {
-                #[allow(unused_mut)]
-                let mut keys = Vec::new();
-                $($(
-                    keys.push((
+                vec![$($(
+                    (
                         stringify!($field),
                         &[$(stringify!($kind)),+][..],
                         self.$field.is_some(),
-                    ));
-                )?)*
-                keys
+                    ),
+                )?)*]
             }
         }
     };
