@@ -97,6 +97,25 @@ fn run(spec: &TrainSpec, shape: &str, hw: Hardware, mirror: bool) -> Vec<(ChipTr
     .unwrap()
 }
 
+/// `spec` on one mirrored chip gives every step the time of the slowest chip of the full
+/// simulation on `shape`, and the same peak HBM (`what` names the case in failures).
+fn mirror_matches_every_chip(spec: &TrainSpec, shape: &str, what: &str) {
+    let full = run(spec, shape, v5p(), false);
+    let (one, _) = &run(spec, shape, v5p(), true)[0];
+    for (step, record) in one.steps.iter().enumerate() {
+        let slowest = full
+            .iter()
+            .map(|(r, _)| r.steps[step].virtual_ns)
+            .fold(0.0, f64::max);
+        assert!(
+            (record.virtual_ns - slowest).abs() <= 1e-9 * slowest,
+            "{what} step {step}: mirror {} ns, every chip {slowest} ns",
+            record.virtual_ns
+        );
+    }
+    assert_eq!(one.hbm.peak_bytes, full[0].0.hbm.peak_bytes, "{what}");
+}
+
 fn v5p() -> Hardware {
     Hardware::preset("v5p").unwrap()
 }
@@ -188,21 +207,7 @@ fn one_mirrored_chip_predicts_the_step_of_every_chip() {
         let mut s = spec(strategy, &m, 2);
         s.algo = Algo::Torus;
         s.tp = if strategy == Strategy::Tp { 16 } else { 4 };
-        let full = run(&s, "4x4", v5p(), false);
-        let mirrored = run(&s, "4x4", v5p(), true);
-        let (one, _) = &mirrored[0];
-        for (step, record) in one.steps.iter().enumerate() {
-            let slowest = full
-                .iter()
-                .map(|(r, _)| r.steps[step].virtual_ns)
-                .fold(0.0, f64::max);
-            assert!(
-                (record.virtual_ns - slowest).abs() <= 1e-9 * slowest,
-                "{strategy} step {step}: mirror {} ns, every chip {slowest} ns",
-                record.virtual_ns
-            );
-        }
-        assert_eq!(one.hbm.peak_bytes, full[0].0.hbm.peak_bytes);
+        mirror_matches_every_chip(&s, "4x4", &strategy.to_string());
     }
 }
 
@@ -294,20 +299,7 @@ fn the_mirrored_chip_holds_with_sharded_activations_remat_and_replicas() {
         s.replicas = 2;
         s.tp_activations = TpActivations::Sharded;
         s.remat = remat.parse().unwrap();
-        let full = run(&s, "4x2x2", v5p(), false);
-        let (one, _) = &run(&s, "4x2x2", v5p(), true)[0];
-        for (step, record) in one.steps.iter().enumerate() {
-            let slowest = full
-                .iter()
-                .map(|(r, _)| r.steps[step].virtual_ns)
-                .fold(0.0, f64::max);
-            assert!(
-                (record.virtual_ns - slowest).abs() <= 1e-9 * slowest,
-                "{remat} step {step}: mirror {} ns, every chip {slowest} ns",
-                record.virtual_ns
-            );
-        }
-        assert_eq!(one.hbm.peak_bytes, full[0].0.hbm.peak_bytes, "{remat}");
+        mirror_matches_every_chip(&s, "4x2x2", remat);
     }
 }
 
