@@ -483,8 +483,7 @@ impl Watchdog {
     /// Messages sent and never received: found by a worker between its own chips, or here on
     /// a link between workers from the boundary counters.
     fn lost(&mut self, now: Instant) -> Option<Finding> {
-        // (sender, link as the sender names it, receiver, waited since, fingerprint)
-        let mut lost: Vec<(ChipId, Link, ChipId, u64, Fingerprint)> = Vec::new();
+        let mut lost: Vec<LostMessage> = Vec::new();
         let mut suspects = HashMap::new();
         for (waiter_worker, v) in self.live() {
             for (w, _) in &v.summary.lost {
@@ -518,7 +517,13 @@ impl Watchdog {
             }
         }
         self.suspects = suspects;
-        let &(src, link, dst, _, fp) = lost.first()?;
+        (!lost.is_empty()).then(|| self.lost_finding(&lost))
+    }
+
+    /// The finding for messages `lost` (sender, its link, receiver, waited since,
+    /// fingerprint; not empty): one lost message, or a cut when several links lost one.
+    fn lost_finding(&self, lost: &[LostMessage]) -> Finding {
+        let (src, link, dst, _, fp) = lost[0];
         let worker = |c: ChipId| self.worker_of(c).unwrap_or(u32::MAX);
         let pairs: BTreeSet<(u32, u32)> = lost
             .iter()
@@ -527,31 +532,20 @@ impl Watchdog {
         let links: BTreeSet<(ChipId, Link)> = lost.iter().map(|(s, l, ..)| (*s, *l)).collect();
         let since = lost.iter().map(|l| l.3).min().unwrap_or_else(wall_ns);
         let waiting = self.waiting_chips();
+        let first = format!(
+            "the first from {} on link {link}, in {fp}",
+            self.describe_chip(src, None)
+        );
         // Several links between different workers: the network between them, not one link.
         // Several links inside workers (chips cut apart, as an injected partition of a torch
         // job's ranks does): the cut, named by its chips.
-        let within = pairs.iter().all(|(a, b)| a == b);
-        let (kind, explanation) = if links.len() >= 2 && within {
-            let mut cut: Vec<String> = lost
-                .iter()
-                .map(|(s, _, d, ..)| format!("{s}->{d}"))
-                .collect();
-            cut.sort();
-            cut.dedup();
-            let more = cut.len().saturating_sub(8);
-            cut.truncate(8);
-            let more = if more > 0 {
-                format!(" and {more} more")
-            } else {
-                String::new()
-            };
+        let (kind, explanation) = if links.len() >= 2 && pairs.iter().all(|(a, b)| a == b) {
             (
                 HangKind::Partition,
                 format!(
-                    "Chips are cut apart: messages sent on {} links between chips of the same worker ({}{more}) never arrived (the first from {} on link {link}, in {fp}), and {}: in-process links lose nothing, so look for an injected partition or drop.",
+                    "Chips are cut apart: messages sent on {} links between chips of the same worker ({}) never arrived ({first}), and {}: in-process links lose nothing, so look for an injected partition or drop.",
                     links.len(),
-                    cut.join(", "),
-                    self.describe_chip(src, None),
+                    cut_pairs(lost),
                     Self::describe_waiting(&waiting),
                 ),
             )
@@ -560,10 +554,9 @@ impl Watchdog {
             (
                 HangKind::Partition,
                 format!(
-                    "Workers are cut apart: messages sent on {} links between workers {} never arrived (the first from {} on link {link}, in {fp}), and {}: check the network between those workers.",
+                    "Workers are cut apart: messages sent on {} links between workers {} never arrived ({first}), and {}: check the network between those workers.",
                     links.len(),
                     pairs.join(", "),
-                    self.describe_chip(src, None),
                     Self::describe_waiting(&waiting),
                 ),
             )
@@ -578,7 +571,7 @@ impl Watchdog {
                 ),
             )
         };
-        Some(Finding {
+        Finding {
             kind,
             chip: Some(src),
             worker: Some(worker(src)),
@@ -588,7 +581,7 @@ impl Watchdog {
             explanation,
             waiting,
             effect_wall_ns: since,
-        })
+        }
     }
 
     /// Whether every message worker `from` handed to the transport for worker `to` has
@@ -652,6 +645,27 @@ impl Watchdog {
             effect_wall_ns: since,
         })
     }
+}
+
+/// A message sent and never received: its sender, the link as the sender names it, its
+/// receiver, since when (wall ns) the receiver waits, and the collective.
+type LostMessage = (ChipId, Link, ChipId, u64, Fingerprint);
+
+/// The chip pairs of `lost` (`3->7`), sorted, at most 8 and how many more.
+fn cut_pairs(lost: &[LostMessage]) -> String {
+    let mut cut: Vec<String> = lost
+        .iter()
+        .map(|(s, _, d, ..)| format!("{s}->{d}"))
+        .collect();
+    cut.sort();
+    cut.dedup();
+    let more = cut.len().saturating_sub(8);
+    cut.truncate(8);
+    let mut text = cut.join(", ");
+    if more > 0 {
+        text.push_str(&format!(" and {more} more"));
+    }
+    text
 }
 
 #[cfg(test)]
@@ -974,23 +988,30 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_message_sent_but_never_received_names_the_link() {
+    /// Chips 0 and 1 of one worker wait on each other: each sent 3 messages to the other,
+    /// plus one more from chip 0 when `from_0` and from chip 1 when `from_1`, and each took
+    /// 3. The watchdog's finding after three heartbeats.
+    fn lost_between_two_chips(from_0: bool, from_1: bool) -> Finding {
         let t0 = Instant::now();
         let mut w = watchdog(&[0], t0);
         let mut worker = Worker::new(0, &[0, 1], t0);
         let mut a = status(0, 5, &[(1, PLUS)]);
         let mut b = status(1, 5, &[(0, MINUS)]);
-        // Chip 1 sent 4 messages on its -x link (to chip 0); chip 0 took 3 from its +x link.
-        b.sent[link_slot(MINUS)] = 4;
+        a.sent[link_slot(PLUS)] = 3 + u64::from(from_0);
+        b.sent[link_slot(MINUS)] = 3 + u64::from(from_1);
         a.received[link_slot(PLUS)] = 3;
-        a.sent[link_slot(PLUS)] = 3;
         b.received[link_slot(MINUS)] = 3;
         let chips = [a, b];
         worker.beat(&mut w, &chips, t0);
         worker.beat(&mut w, &chips, t0 + T * 2);
         worker.beat(&mut w, &chips, t0 + T * 3);
-        let f = check(&mut w, t0 + T * 3).unwrap();
+        check(&mut w, t0 + T * 3).unwrap()
+    }
+
+    #[test]
+    fn a_message_sent_but_never_received_names_the_link() {
+        // Chip 1's fourth message on its -x link (to chip 0) never arrived.
+        let f = lost_between_two_chips(false, true);
         assert_eq!(
             (f.kind, f.chip, f.link),
             (HangKind::LostMessage, Some(1), Some(MINUS))
@@ -999,21 +1020,7 @@ mod tests {
 
     #[test]
     fn messages_lost_on_several_links_of_one_worker_are_a_cut_of_chips() {
-        let t0 = Instant::now();
-        let mut w = watchdog(&[0], t0);
-        let mut worker = Worker::new(0, &[0, 1], t0);
-        let mut a = status(0, 5, &[(1, PLUS)]);
-        let mut b = status(1, 5, &[(0, MINUS)]);
-        // Each chip sent 4 messages to the other and received 3: both directions lost one.
-        a.sent[link_slot(PLUS)] = 4;
-        b.received[link_slot(MINUS)] = 3;
-        b.sent[link_slot(MINUS)] = 4;
-        a.received[link_slot(PLUS)] = 3;
-        let chips = [a, b];
-        worker.beat(&mut w, &chips, t0);
-        worker.beat(&mut w, &chips, t0 + T * 2);
-        worker.beat(&mut w, &chips, t0 + T * 3);
-        let f = check(&mut w, t0 + T * 3).unwrap();
+        let f = lost_between_two_chips(true, true);
         assert_eq!(f.kind, HangKind::Partition, "{}", f.explanation);
         assert!(f.explanation.contains("0->1, 1->0"), "{}", f.explanation);
     }
