@@ -101,8 +101,14 @@ pub fn symmetry_obstacles(
     if !meta {
         out.push("needs meta mode (values differ from chip to chip)".into());
     }
-    if ops.into_iter().any(|op| op == OpKind::Broadcast) {
+    let ops: Vec<OpKind> = ops.into_iter().collect();
+    if ops.contains(&OpKind::Broadcast) {
         out.push("a broadcast has a root, which no other chip is like".into());
+    }
+    if ops.contains(&OpKind::SendRecv) {
+        out.push(
+            "a point-to-point message goes to one named chip, and a ring shift's next member is not the same neighbour for every chip".into(),
+        );
     }
     out
 }

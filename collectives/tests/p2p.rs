@@ -165,3 +165,16 @@ fn impossible_messages_are_refused_with_a_reason() {
     let big_tag = rt.block_on(chip.recv_from(0, 1, tag)).unwrap_err();
     assert!(big_tag.to_string().contains("tag"), "{big_tag}");
 }
+
+#[test]
+fn point_to_point_is_not_run_on_the_mirror_fabric() {
+    // One chip standing for all cannot send to a named chip: refused before running.
+    let pod = fabric("8x8x8", true, 1).pod().clone();
+    let why =
+        podsim_collectives::symmetry_obstacles(&pod, true, [podsim_collectives::OpKind::SendRecv]);
+    assert!(why.iter().any(|w| w.contains("point-to-point")), "{why:?}");
+    assert!(
+        podsim_collectives::symmetry_obstacles(&pod, true, [podsim_collectives::OpKind::AllReduce])
+            .is_empty()
+    );
+}
