@@ -61,10 +61,9 @@ pub use collective::{Comm, chunk_len};
 pub use error::CollectiveError;
 pub use executor::scheduling_lag;
 pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
-pub use fingerprint::{DType, Fingerprint, OpKind};
+pub use fingerprint::{DType, Fingerprint, MAX_TAG as MAX_P2P_TAG, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
 pub use mirror::{MirrorRouter, mirror_chip, symmetry_obstacles};
-pub use p2p::MAX_TAG as MAX_P2P_TAG;
 pub use payload::{Payload, Rope, Run};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{

@@ -21,8 +21,7 @@ use crate::fabric::Tag;
 use crate::fingerprint::{DType, OpKind};
 use crate::payload::Payload;
 
-pub use crate::fingerprint::MAX_TAG;
-use crate::fingerprint::channel;
+use crate::fingerprint::{MAX_TAG, channel};
 
 impl Chip {
     /// The path from `src` to `dst`, or why there is none.
@@ -35,7 +34,7 @@ impl Chip {
         let chips = self.pod().chips();
         self.pod().path(src, dst).ok_or_else(|| {
             CollectiveError::Invalid(if src == dst {
-                format!("chip {src} cannot send to itself")
+                format!("chip {src} cannot send to or receive from itself")
             } else {
                 format!("no chip {} in a pod of {chips} chips", src.max(dst))
             })
@@ -126,14 +125,10 @@ impl Chip {
         group: Group,
         input: &Payload,
     ) -> Result<Payload, CollectiveError> {
-        let pod = self.pod();
-        let n = group.size(pod);
-        if n == 1 {
+        if group.size(self.pod()) == 1 {
             return Ok(input.clone());
         }
-        let rank = group.rank_of(pod, self.id());
-        let next = group.member(pod, self.id(), (rank + 1) % n);
-        let previous = group.member(pod, self.id(), (rank + n - 1) % n);
+        let [next, previous] = group.ring_neighbours(self.pod(), self.id());
         // Sends never wait for their receiver, so every member sends first.
         self.send_to(next, input, 0).await?;
         self.recv_from(previous, input.len(), 0).await

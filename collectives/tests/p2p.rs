@@ -156,7 +156,9 @@ fn impossible_messages_are_refused_with_a_reason() {
     let data = Payload::from_vec(vec![1.0]);
     let to_self = rt.block_on(chip.send_to(1, &data, 0)).unwrap_err();
     assert!(
-        to_self.to_string().contains("cannot send to itself"),
+        to_self
+            .to_string()
+            .contains("cannot send to or receive from itself"),
         "{to_self}"
     );
     let outside = rt.block_on(chip.send_to(9, &data, 0)).unwrap_err();

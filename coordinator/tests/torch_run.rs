@@ -50,7 +50,7 @@ fn ranks_run_their_collectives_on_the_chips_and_the_report_has_each_rank() {
         );
         assert!(
             stdout.contains(&format!(
-                "rank {rank} refused send: rank {rank} cannot send to or receive from itself"
+                "rank {rank} refused send: chip {rank} cannot send to or receive from itself"
             )),
             "{stdout}"
         );

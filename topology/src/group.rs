@@ -359,9 +359,13 @@ impl Group {
             .collect()
     }
 
-    /// The member of group rank `rank` (below the group's size) in `chip`'s group.
-    pub fn member(self, pod: &Pod, chip: ChipId, rank: u32) -> ChipId {
-        Group::member_on(&self.parts(pod), pod, chip, rank)
+    /// The next and the previous member of `chip` in group-rank order, wrapping around (a
+    /// group of one chip: the chip itself, twice).
+    pub fn ring_neighbours(self, pod: &Pod, chip: ChipId) -> [ChipId; 2] {
+        let parts = self.parts(pod);
+        let n = self.size(pod);
+        let rank = self.rank_of(pod, chip);
+        [1, n - 1].map(|step| Group::member_on(&parts, pod, chip, (rank + step) % n))
     }
 
     fn member_on(parts: &[AxisPart], pod: &Pod, chip: ChipId, rank: u32) -> ChipId {

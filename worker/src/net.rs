@@ -183,11 +183,9 @@ impl NodeFabric {
             let along_routes = routes
                 .chain(routed.iter().copied())
                 .filter_map(|route| pod.route_peer(chip, route));
-            let around_rings = shifted.iter().flat_map(|&group| {
-                let n = group.size(pod);
-                let rank = group.rank_of(pod, chip);
-                [1, n - 1].map(|step| group.member(pod, chip, (rank + step) % n))
-            });
+            let around_rings = shifted
+                .iter()
+                .flat_map(|&group| group.ring_neighbours(pod, chip));
             for peer in along_routes.chain(around_rings) {
                 let w = placement.worker_of(peer);
                 if w != me {

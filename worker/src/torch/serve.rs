@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use podsim_collectives::{Chip, Comm, MAX_P2P_TAG, OpKind, Payload};
+use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
 use podsim_topology::{Group, Hardware};
 
 use super::ranks::{Rank, RankExit, RankLink, exited};
@@ -402,34 +402,21 @@ async fn collective(
             let r = chip.barrier(&comm).await;
             (OpKind::Barrier, r.map(|()| None).map_err(Into::into))
         }
-        Request::Send { peer, tag } => {
-            check_peer(chip, peer, tag)?;
-            let r = chip.send_to(peer, &input, tag).await;
-            (OpKind::SendRecv, r.map(|()| None).map_err(Into::into))
-        }
+        // A peer or tag the fabric cannot serve is refused before anything is sent or
+        // counted: the rank raises it at its call.
+        Request::Send { peer, tag } => match chip.send_to(peer, &input, tag).await {
+            Err(CollectiveError::Invalid(why)) => return Err(Refused(why)),
+            r => (OpKind::SendRecv, r.map(|()| None).map_err(Into::into)),
+        },
         Request::Recv { peer, tag, count } => {
-            check_peer(chip, peer, tag)?;
-            let r = chip.recv_from(peer, count as usize, tag).await;
-            (OpKind::SendRecv, r.map(Some).map_err(Into::into))
+            match chip.recv_from(peer, count as usize, tag).await {
+                Err(CollectiveError::Invalid(why)) => return Err(Refused(why)),
+                r => (OpKind::SendRecv, r.map(Some).map_err(Into::into)),
+            }
         }
         other => return Err(Refused(format!("{other:?} is not a collective"))),
     };
     Ok(done)
-}
-
-/// A point-to-point peer and tag the chip can serve, or why not (raised at the rank's call).
-fn check_peer(chip: &Chip, peer: u32, tag: u32) -> Result<(), Refused> {
-    let ranks = chip.pod().chips();
-    let why = if peer == chip.id() {
-        format!("rank {peer} cannot send to or receive from itself")
-    } else if peer >= ranks {
-        format!("there is no rank {peer} among {ranks}")
-    } else if tag > MAX_P2P_TAG {
-        format!("tag {tag} is above the largest podsim carries ({MAX_P2P_TAG})")
-    } else {
-        return Ok(());
-    };
-    Err(Refused(why))
 }
 
 impl RankReport {
