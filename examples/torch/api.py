@@ -101,6 +101,20 @@ ops = [
 for w in dist.batch_isend_irecv(ops):
     w.wait()
 check("ring shift int64", got, torch.tensor([2**40 + prv, prv, -prv]))
+# A receive waited on through its future (gloo's receives have no future), and one asked
+# whether it completed: as with gloo, only a wait runs it, so a poll never blocks.
+if common.UNDER_PODSIM:
+    through_future, polled = torch.empty(1), torch.empty(1)
+    work = dist.irecv(through_future, prv)
+    sent = dist.isend(torch.tensor([-float(rank)]), nxt)
+    work.get_future().wait()
+    sent.wait()
+    work = dist.irecv(polled, prv)
+    dist.send(torch.tensor([float(rank)]), nxt)
+    assert not work.is_completed()
+    work.wait()
+    assert work.is_completed()
+    check("future and polled receives", torch.cat([through_future, polled]), torch.tensor([-prv, prv]))
 # Blocking send and recv in bf16 between the pairs of a subgroup (dst and src are global).
 peer = rank ^ 1
 theirs = torch.empty(2, dtype=torch.bfloat16)

@@ -256,7 +256,9 @@ class _Recv(dist._Work):
     """A receive, done when it is waited on: `dist.recv` waits at once; an `irecv` (alone or
     in `batch_isend_irecv`) lets the rank post its sends first, so that ranks that receive
     before they send in program order do not wait on each other. The message waits in the
-    chip's inbox meanwhile; virtual time counts its arrival, not the wait."""
+    chip's inbox meanwhile; virtual time counts its arrival, not the wait. Asking for its
+    future receives too (gloo's receives have no future at all); asking whether it completed
+    does not, as with gloo: a poll must never block."""
 
     def __init__(self, node, tensors, peer, tag):
         super().__init__()
@@ -277,6 +279,7 @@ class _Recv(dist._Work):
         return True
 
     def get_future(self):
+        self.wait()
         return self._future
 
     def is_completed(self):
