@@ -325,3 +325,23 @@ fn fsdp_gathers_the_next_block_whole_under_the_current_one() {
         "exposed communication {shallow} ns with 2 blocks, {deep} ns with 6"
     );
 }
+
+#[test]
+fn full_remat_gathers_each_regions_input_once_more_than_no_remat() {
+    // Tensor parallelism over 4 chips with activations sharded between regions. Without
+    // remat each region's backward gathers its input again (forward kept it sharded); full
+    // remat's recomputation gathers it and the region's backward reads that very tensor, so
+    // the only extra traffic is the recomputed output's reduce-scatter: one pass over the
+    // region's activations per region, not two.
+    let m = model(64, 128, 128);
+    let sent = |remat: &str| {
+        let mut s = spec(Strategy::Tp, &m, 1);
+        s.tp_activations = TpActivations::Sharded;
+        s.remat = remat.parse().unwrap();
+        run(&s, "4", v5p(), false)[0].1
+    };
+    let (tokens, d, bf16, n) = (128u64, 64u64, 2u64, 4u64);
+    let regions = 2 * m.layers as u64;
+    let one_pass = tokens * d * bf16 * (n - 1) / n;
+    assert_eq!(sent("full") - sent("none"), regions * one_pass);
+}

@@ -371,6 +371,11 @@ struct Trainer<'a> {
     host_ready: Vec<Option<Nanos>>,
     /// Offloaded activation bytes of each block (this micro-batch).
     host_bytes: Vec<u64>,
+    /// A layer's input gathered over tensor parallelism during backward, and when it is
+    /// ready: gathered ahead for its recomputation, or by it, and held until the layer's
+    /// backward reads it (the backward's residual is that very tensor: nothing gathers it
+    /// twice).
+    regathered: Vec<Option<(Tensor, Nanos)>>,
 }
 
 /// What one layer keeps between forward and backward under the job's remat policy, for a
@@ -681,6 +686,7 @@ impl<'a> Trainer<'a> {
             held: vec![0; layers],
             host_ready: Vec::new(),
             host_bytes: Vec::new(),
+            regathered: (0..layers).map(|_| None).collect(),
         };
         if spec.strategy == Strategy::Ddp && !spec.symmetric {
             t.broadcast_parameters(chip).await?;
@@ -800,7 +806,7 @@ impl<'a> Trainer<'a> {
                 }
             }
             let x = acts[l].take().ok_or_else(|| missing(l))?;
-            let (z, matmul_width) = self.layer_forward(chip, l, &x, Pass::Forward).await?;
+            let (z, matmul_width, _) = self.layer_forward(chip, l, &x, Pass::Forward).await?;
             let keep = self.keep_of(l, &z, matmul_width);
             self.hbm.alloc(MemKind::Activations, keep.device, || {
                 format!("activations of layer {l}")
@@ -832,37 +838,29 @@ impl<'a> Trainer<'a> {
         self.tl
             .compute(chip, cost, self.hbm.in_use(), || "loss".to_string());
         for l in (0..layers).rev() {
+            self.after_backward(chip, l, &mut dz, &acts)?;
+            let mut dz_ready = None;
             if let Some(b) = self.layers[l].block
                 && self.layers.get(l + 1).and_then(|n| n.block) != Some(b)
             {
+                if self.gathers_output_grad(l) && self.overlapped() {
+                    // The block's output gradient does not depend on its recomputation:
+                    // gathered beside it.
+                    let (whole, ready) = self.gather_output_grad(chip, l, dz, true).await?;
+                    (dz, dz_ready) = (whole, Some(ready));
+                }
                 self.rematerialise(chip, b, l, &mut acts).await?;
+                if self.overlapped() {
+                    self.gather_ahead_for_recompute(chip, b, &acts).await?;
+                }
             }
             self.unshard(chip, l).await?;
             let unit = self.unit(l);
             if self.overlapped() && unit.start > 0 && self.spec.reshard_after_forward {
                 self.prefetch_unit(chip, unit.start - 1).await?;
             }
-            let cost = match self.layers[l].after {
-                After::None => Cost::default(),
-                After::Relu => {
-                    let out = acts[l + 1].as_ref().ok_or_else(|| missing(l + 1))?;
-                    mlp::relu_backward(&mut dz, out)
-                }
-                after => {
-                    // Residual + norm keeps the width (sharded or not); the others widen back
-                    // to the matmul's output on this chip.
-                    let width = match after {
-                        After::ResidualNorm => dz.shape()[1],
-                        _ => self.compute_shape(chip, l, 0)[0],
-                    };
-                    model::after_backward(&self.layers[l], &mut dz, width)
-                }
-            };
-            self.tl.compute(chip, cost, self.hbm.in_use(), || {
-                format!("{} backward (op after)", self.layers[l].name)
-            });
             let x = acts[l].take().ok_or_else(|| missing(l))?;
-            let dx = self.layer_backward(chip, l, &x, dz).await?;
+            let dx = self.layer_backward(chip, l, &x, dz, dz_ready).await?;
             acts[l] = Some(x);
             acts.pop();
             self.hbm.free(MemKind::Activations, self.held[l]);
@@ -879,6 +877,67 @@ impl<'a> Trainer<'a> {
         let freed = acts.pop().flatten().map_or(0, |a| a.bytes(elem));
         self.hbm.free(MemKind::Activations, freed);
         Ok(loss)
+    }
+
+    /// Backward of the parameter-free op after layer `l`, on its output gradient `dz`.
+    fn after_backward(
+        &mut self,
+        chip: &mut Chip,
+        l: usize,
+        dz: &mut Tensor,
+        acts: &[Option<Tensor>],
+    ) -> Result<(), WorkerError> {
+        let cost = match self.layers[l].after {
+            After::None => Cost::default(),
+            After::Relu => {
+                let out = acts[l + 1].as_ref().ok_or_else(|| missing(l + 1))?;
+                mlp::relu_backward(dz, out)
+            }
+            after => {
+                // Residual + norm keeps the width (sharded or not); the others widen back
+                // to the matmul's output on this chip.
+                let width = match after {
+                    After::ResidualNorm => dz.shape()[1],
+                    _ => self.compute_shape(chip, l, 0)[0],
+                };
+                model::after_backward(&self.layers[l], dz, width)
+            }
+        };
+        self.tl.compute(chip, cost, self.hbm.in_use(), || {
+            format!("{} backward (op after)", self.layers[l].name)
+        });
+        Ok(())
+    }
+
+    /// Before block `b`'s backward: gathers the input of block `b - 1`'s first layer when
+    /// its recomputation will need it gathered, on the tensor stream beside block `b`'s
+    /// backward (the input is kept, so nothing it waits for is left), as XLA's scheduler
+    /// starts an asynchronous all-gather as soon as its operand exists.
+    async fn gather_ahead_for_recompute(
+        &mut self,
+        chip: &mut Chip,
+        b: usize,
+        acts: &[Option<Tensor>],
+    ) -> Result<(), WorkerError> {
+        let Some(first) = (0..self.layers.len()).find(|&m| self.layers[m].block == Some(b)) else {
+            return Ok(());
+        };
+        let Some(prev_last) = first.checked_sub(1) else {
+            return Ok(());
+        };
+        let start = self.unit(prev_last).start;
+        if self.layers[prev_last].block.is_none()
+            || !self.keeps[start].recomputes()
+            || !self.gathers_input(start)
+            || self.regathered[start].is_some()
+        {
+            return Ok(());
+        }
+        let Some(x) = acts[start].clone() else {
+            return Ok(());
+        };
+        let (g, ready) = self.gather_input(chip, start, x, true).await?;
+        self.hold_gathered(start, g, ready)
     }
 
     /// What layer `l` keeps for backward, given its output `z` (on this chip) and the width of
@@ -957,8 +1016,12 @@ impl<'a> Trainer<'a> {
                 matmul: keep.recompute_matmul,
                 after: keep.recompute_after,
             };
-            let (z, _) = self.layer_forward(chip, l, &x, pass).await?;
+            let (z, _, gathered) = self.layer_forward(chip, l, &x, pass).await?;
             acts[l] = Some(x);
+            if let Some(g) = gathered {
+                let now = chip.clock();
+                self.hold_gathered(l, g, now)?;
+            }
             if !keep.output {
                 let bytes = z.bytes(self.elem);
                 self.hbm.alloc(MemKind::Activations, bytes, || {
@@ -979,37 +1042,89 @@ impl<'a> Trainer<'a> {
             && (self.plan.styles[l] == Style::Row || self.layers[l].kind == LayerKind::Embedding)
     }
 
-    /// Forward of layer `l` on `x`: returns its output and the width of its matmul's output
-    /// on this chip. `pass` says what to charge (backward's recomputation charges only what
-    /// the policy did not keep).
+    /// Whether layer `l` reads its input whole while the layer before leaves it sharded over
+    /// tensor parallelism (the first layer of a parallel region).
+    fn gathers_input(&self, l: usize) -> bool {
+        l > 0 && self.sharded_output(l - 1) && self.plan.styles[l] != Style::Row
+    }
+
+    /// Whether layer `l`'s backward reads its output gradient whole while it arrives sharded
+    /// like the output (a row-parallel layer before sharded activations).
+    fn gathers_output_grad(&self, l: usize) -> bool {
+        self.sharded_output(l) && self.plan.styles[l] == Style::Row
+    }
+
+    /// Gathers layer `l`'s output gradient `dz` whole on the tensor stream (beside compute
+    /// when `overlap`): the gradient and when it is ready.
+    async fn gather_output_grad(
+        &mut self,
+        chip: &mut Chip,
+        l: usize,
+        dz: Tensor,
+        overlap: bool,
+    ) -> Result<(Tensor, Nanos), WorkerError> {
+        let outputs = self.layers[l].outputs;
+        let gather = (Placement::Shard(1), Placement::Replicate);
+        self.tp_move(chip, dz, outputs, gather, overlap).await
+    }
+
+    /// Gathers layer `l`'s input `x` whole on the tensor stream (beside compute when
+    /// `overlap`): the gathered input and when it is ready.
+    async fn gather_input(
+        &mut self,
+        chip: &mut Chip,
+        l: usize,
+        x: Tensor,
+        overlap: bool,
+    ) -> Result<(Tensor, Nanos), WorkerError> {
+        let width = self.layers[l].inputs;
+        let gather = (Placement::Shard(1), Placement::Replicate);
+        self.tp_move(chip, x, width, gather, overlap).await
+    }
+
+    /// Holds layer `l`'s gathered input `g` (ready at `ready`) in HBM for the layer's
+    /// recomputation and backward.
+    fn hold_gathered(&mut self, l: usize, g: Tensor, ready: Nanos) -> Result<(), WorkerError> {
+        self.hbm.alloc(MemKind::Transient, g.bytes(self.elem), || {
+            format!("gathered input of layer {l}")
+        })?;
+        self.regathered[l] = Some((g, ready));
+        Ok(())
+    }
+
+    /// Layer `l`'s held gathered input, once ready (compute waits for it), if any.
+    fn take_gathered(&mut self, chip: &mut Chip, l: usize) -> Option<Tensor> {
+        let (g, ready) = self.regathered[l].take()?;
+        self.hbm.free(MemKind::Transient, g.bytes(self.elem));
+        Timeline::wait(chip, ready);
+        Some(g)
+    }
+
+    /// Forward of layer `l` on `x`: returns its output, the width of its matmul's output on
+    /// this chip, and the input gathered over tensor parallelism when it had to be. `pass`
+    /// says what to charge (backward's recomputation charges only what the policy did not
+    /// keep).
     async fn layer_forward(
         &mut self,
         chip: &mut Chip,
         l: usize,
         x: &Tensor,
         pass: Pass,
-    ) -> Result<(Tensor, usize), WorkerError> {
+    ) -> Result<(Tensor, usize, Option<Tensor>), WorkerError> {
         let (matmul_share_of, after_charged) = match pass {
             Pass::Forward => (1.0, true),
             Pass::Recompute { matmul, after } => (matmul, after),
         };
         let style = self.plan.styles[l];
-        let gathered;
-        let x = if l > 0 && self.sharded_output(l - 1) && style != Style::Row {
+        let gathered = match self.take_gathered(chip, l) {
+            Some(g) => Some(g),
             // The region's input, sharded on features, gathered whole.
-            let width = self.layers[l].inputs;
-            gathered = self
-                .tp_redistribute(
-                    chip,
-                    x.clone(),
-                    width,
-                    (Placement::Shard(1), Placement::Replicate),
-                )
-                .await?;
-            &gathered
-        } else {
-            x
+            None if self.gathers_input(l) => {
+                Some(self.gather_input(chip, l, x.clone(), false).await?.0)
+            }
+            None => None,
         };
+        let x = gathered.as_ref().unwrap_or(x);
         let [w, b] = working(&self.working, &self.params, l);
         let bias = (style != Style::Row).then_some(b);
         // The watchdog sees a chip inside a kernel as computing, not as stuck.
@@ -1071,7 +1186,7 @@ impl<'a> Trainer<'a> {
                 format!("{} {} (op after)", self.layers[l].name, pass.name())
             });
         }
-        Ok((z, matmul_width))
+        Ok((z, matmul_width, gathered))
     }
 
     /// Backward of layer `l`: accumulates its gradients, returns the input gradient. The
@@ -1083,24 +1198,30 @@ impl<'a> Trainer<'a> {
         l: usize,
         x: &Tensor,
         dz: Tensor,
+        dz_ready: Option<Nanos>,
     ) -> Result<Option<Tensor>, WorkerError> {
         let style = self.plan.styles[l];
         let sharded_in = l > 0 && self.sharded_output(l - 1);
-        let (inputs, outputs) = (self.layers[l].inputs, self.layers[l].outputs);
-        let dz = if self.sharded_output(l) && style == Style::Row {
-            // The output gradient arrives sharded like the output: gathered whole.
-            let gather = (Placement::Shard(1), Placement::Replicate);
-            self.tp_redistribute(chip, dz, outputs, gather).await?
-        } else {
-            dz
+        let inputs = self.layers[l].inputs;
+        let dz = match dz_ready {
+            // Gathered ahead.
+            Some(ready) => {
+                Timeline::wait(chip, ready);
+                dz
+            }
+            None if self.gathers_output_grad(l) => {
+                self.gather_output_grad(chip, l, dz, false).await?.0
+            }
+            None => dz,
         };
         let gathered;
-        let x = if sharded_in && style != Style::Row {
-            // The input as the forward used it (gathered again: it was kept sharded).
-            let gather = (Placement::Shard(1), Placement::Replicate);
-            gathered = self
-                .tp_redistribute(chip, x.clone(), inputs, gather)
-                .await?;
+        let x = if self.gathers_input(l) {
+            gathered = match self.take_gathered(chip, l) {
+                // Gathered by this backward's recomputation.
+                Some(g) => g,
+                // The input as the forward used it (gathered again: it was kept sharded).
+                None => self.gather_input(chip, l, x.clone(), false).await?.0,
+            };
             &gathered
         } else {
             x
