@@ -315,13 +315,18 @@ impl Watchdog {
                 .flat_map(|(_, peers)| peers.iter().copied())
                 .filter(|t| !waiters.contains(t))
                 .collect();
+            // A chip on a host too busy to run it promptly (its executor's scheduling lag is
+            // half a heartbeat or more) is held up by the host, not slow itself. Usually no
+            // host is: then no chip's worker is looked up (targets can be thousands).
+            let busy =
+                |v: &WorkerView| Duration::from_millis(v.summary.lag_ms) >= self.heartbeat / 2;
+            let any_busy = self.workers.values().any(busy);
             for t in targets {
-                // A chip on a host too busy to run it promptly (its executor's scheduling lag
-                // is half a heartbeat or more) is held up by the host, not slow itself.
-                let starved = self
-                    .worker_of(t)
-                    .and_then(|w| self.workers.get(&w))
-                    .is_some_and(|v| Duration::from_millis(v.summary.lag_ms) >= self.heartbeat / 2);
+                let starved = any_busy
+                    && self
+                        .worker_of(t)
+                        .and_then(|w| self.workers.get(&w))
+                        .is_some_and(busy);
                 if !starved {
                     *self.waited_on.entry(t).or_default() += dt;
                 }
