@@ -846,7 +846,9 @@ impl<'a> Trainer<'a> {
                 if self.gathers_output_grad(l) && self.overlapped() {
                     // The block's output gradient does not depend on its recomputation:
                     // gathered beside it.
-                    let (whole, ready) = self.gather_output_grad(chip, l, dz, true).await?;
+                    let (whole, ready) = self
+                        .tp_gather(chip, dz, self.layers[l].outputs, true)
+                        .await?;
                     (dz, dz_ready) = (whole, Some(ready));
                 }
                 self.rematerialise(chip, b, l, &mut acts).await?;
@@ -936,7 +938,9 @@ impl<'a> Trainer<'a> {
         let Some(x) = acts[start].clone() else {
             return Ok(());
         };
-        let (g, ready) = self.gather_input(chip, start, x, true).await?;
+        let (g, ready) = self
+            .tp_gather(chip, x, self.layers[start].inputs, true)
+            .await?;
         self.hold_gathered(start, g, ready)
     }
 
@@ -1054,32 +1058,17 @@ impl<'a> Trainer<'a> {
         self.sharded_output(l) && self.plan.styles[l] == Style::Row
     }
 
-    /// Gathers layer `l`'s output gradient `dz` whole on the tensor stream (beside compute
-    /// when `overlap`): the gradient and when it is ready.
-    async fn gather_output_grad(
+    /// Gathers activations `t` sharded on their `width` features whole on the tensor stream
+    /// (beside compute when `overlap`): the whole tensor and when it is ready.
+    async fn tp_gather(
         &mut self,
         chip: &mut Chip,
-        l: usize,
-        dz: Tensor,
+        t: Tensor,
+        width: usize,
         overlap: bool,
     ) -> Result<(Tensor, Nanos), WorkerError> {
-        let outputs = self.layers[l].outputs;
         let gather = (Placement::Shard(1), Placement::Replicate);
-        self.tp_move(chip, dz, outputs, gather, overlap).await
-    }
-
-    /// Gathers layer `l`'s input `x` whole on the tensor stream (beside compute when
-    /// `overlap`): the gathered input and when it is ready.
-    async fn gather_input(
-        &mut self,
-        chip: &mut Chip,
-        l: usize,
-        x: Tensor,
-        overlap: bool,
-    ) -> Result<(Tensor, Nanos), WorkerError> {
-        let width = self.layers[l].inputs;
-        let gather = (Placement::Shard(1), Placement::Replicate);
-        self.tp_move(chip, x, width, gather, overlap).await
+        self.tp_move(chip, t, width, gather, overlap).await
     }
 
     /// Holds layer `l`'s gathered input `g` (ready at `ready`) in HBM for the layer's
@@ -1119,9 +1108,11 @@ impl<'a> Trainer<'a> {
         let gathered = match self.take_gathered(chip, l) {
             Some(g) => Some(g),
             // The region's input, sharded on features, gathered whole.
-            None if self.gathers_input(l) => {
-                Some(self.gather_input(chip, l, x.clone(), false).await?.0)
-            }
+            None if self.gathers_input(l) => Some(
+                self.tp_gather(chip, x.clone(), self.layers[l].inputs, false)
+                    .await?
+                    .0,
+            ),
             None => None,
         };
         let x = gathered.as_ref().unwrap_or(x);
@@ -1210,7 +1201,9 @@ impl<'a> Trainer<'a> {
                 dz
             }
             None if self.gathers_output_grad(l) => {
-                self.gather_output_grad(chip, l, dz, false).await?.0
+                self.tp_gather(chip, dz, self.layers[l].outputs, false)
+                    .await?
+                    .0
             }
             None => dz,
         };
@@ -1220,7 +1213,11 @@ impl<'a> Trainer<'a> {
                 // Gathered by this backward's recomputation.
                 Some(g) => g,
                 // The input as the forward used it (gathered again: it was kept sharded).
-                None => self.gather_input(chip, l, x.clone(), false).await?.0,
+                None => {
+                    self.tp_gather(chip, x.clone(), self.layers[l].inputs, false)
+                        .await?
+                        .0
+                }
             };
             &gathered
         } else {
