@@ -1,13 +1,19 @@
 //! Device meshes: named logical axes (`dp = 8, tp = 4`) laid onto pod axes. Each mesh axis is
 //! the product of pod axes or parts of them; the chips along a mesh axis form a [`Group`].
 //!
-//! Automatic mapping follows the usual TPU convention: the first mesh axis takes the outermost
-//! pod axes (DCN slices, then z, y) and the last takes the innermost (x), so that the axis
-//! that communicates most (tensor parallel, listed last) rides the ICI links. Laid out in
-//! device order (x fastest), a mesh axis that needs only a factor of the next torus axis
-//! takes its high part (every `stride`-th chip: `dp = 32` on 8x8x8 is z and every second y)
-//! and leaves the low part (a contiguous segment: two neighbours of y) to the next mesh axis,
-//! as a reshape of the device list does. The DCN axis is never split.
+//! Automatic mapping follows the usual TPU convention: the last mesh axis is the one that
+//! communicates most (tensor parallel), the first the one that communicates least (data
+//! parallel across DCN slices). Two layouts, in this order of preference:
+//! - *Whole axes* (`whole_axes`), as JAX's `mesh_utils.create_device_mesh` lays a mesh on a
+//!   TPU torus: from the last mesh axis to the first, each takes the largest set of whole
+//!   torus axes not yet taken whose product is its size (`tp = 8` on 4x4x8 is z, a ring with
+//!   its wraparound link); the first mesh axis takes what is left, DCN slices included.
+//! - *Device order*, when some mesh axis is not a product of whole axes: the mesh is a
+//!   reshape of the device list (x fastest). The first mesh axis takes the outermost pod axes
+//!   (DCN slices, then z, y) and the last the innermost (x); a mesh axis that needs only a
+//!   factor of the next torus axis takes its high part (every `stride`-th chip: `dp = 32` on
+//!   8x8x8 is z and every second y) and leaves the low part (a contiguous segment: two
+//!   neighbours of y) to the next mesh axis. The DCN axis is never split.
 
 use serde::{Deserialize, Serialize};
 
@@ -43,10 +49,6 @@ impl DeviceMesh {
             mesh: describe(),
             reason,
         };
-        let mut outermost_first: Vec<AxisPart> = Group::world(pod).parts(pod);
-        outermost_first.reverse();
-        let mut next = outermost_first.into_iter().peekable();
-        let mut mesh = Vec::with_capacity(axes.len());
         for (i, &(name, size)) in axes.iter().enumerate() {
             if size == 0 {
                 return Err(err(format!("axis {name} has size 0")));
@@ -54,6 +56,15 @@ impl DeviceMesh {
             if axes[..i].iter().any(|(n, _)| *n == name) {
                 return Err(err(format!("axis name {name} is used twice")));
             }
+        }
+        if let Some(axes) = whole_axes(pod, axes) {
+            return Ok(DeviceMesh { axes });
+        }
+        let mut outermost_first: Vec<AxisPart> = Group::world(pod).parts(pod);
+        outermost_first.reverse();
+        let mut next = outermost_first.into_iter().peekable();
+        let mut mesh = Vec::with_capacity(axes.len());
+        for &(name, size) in axes {
             let not_a_product = || {
                 err(format!(
                     "axis {name}={size} is not a product of pod axes or of factors of them \
@@ -153,6 +164,64 @@ impl DeviceMesh {
     }
 }
 
+/// The whole-axes layout (see the module docs), or `None` when some mesh axis other than the
+/// first is not the product of whole torus axes left to it. `axes` are checked (named once,
+/// no size 0) and their product need not be the pod's: the first mesh axis must then match
+/// what is left, or the layout is `None`.
+fn whole_axes(pod: &Pod, axes: &[(&str, u32)]) -> Option<Vec<MeshAxis>> {
+    let (first, rest) = axes.split_first()?;
+    // Pod parts in device order (x, y, z, then DCN); `None` once taken.
+    let mut free: Vec<Option<AxisPart>> =
+        Group::world(pod).parts(pod).into_iter().map(Some).collect();
+    let mut laid: Vec<MeshAxis> = Vec::with_capacity(axes.len());
+    for &(name, size) in rest.iter().rev() {
+        let torus: Vec<usize> = (0..free.len())
+            .filter(|&i| matches!(free[i], Some(p) if p.axis != PodAxis::Slices))
+            .collect();
+        let chosen = subsets_largest_first(torus.len())
+            .chain([vec![]])
+            .find(|subset| {
+                subset
+                    .iter()
+                    .map(|&k| free[torus[k]].map_or(0, |p| u64::from(p.extent)))
+                    .product::<u64>()
+                    == u64::from(size)
+            })?;
+        let mut pod_axes: Vec<AxisPart> = chosen
+            .iter()
+            .filter_map(|&k| free[torus[k]].take())
+            .collect();
+        pod_axes.reverse();
+        laid.push(MeshAxis {
+            name: name.to_string(),
+            size,
+            pod_axes,
+        });
+    }
+    let mut left: Vec<AxisPart> = free.into_iter().flatten().collect();
+    if left.iter().map(|p| u64::from(p.extent)).product::<u64>() != u64::from(first.1) {
+        return None;
+    }
+    left.reverse();
+    laid.push(MeshAxis {
+        name: first.0.to_string(),
+        size: first.1,
+        pod_axes: left,
+    });
+    laid.reverse();
+    Some(laid)
+}
+
+/// The non-empty subsets of `0..n` (as sorted index lists), largest first and, among subsets
+/// of one size, in lexicographic order (as `itertools.combinations` lists them).
+fn subsets_largest_first(n: usize) -> impl Iterator<Item = Vec<usize>> {
+    let mut all: Vec<Vec<usize>> = (1u32..1 << n)
+        .map(|bits| (0..n).filter(|&i| bits & (1 << i) != 0).collect())
+        .collect();
+    all.sort_by(|a: &Vec<usize>, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+    all.into_iter()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,6 +289,49 @@ mod tests {
         assert_eq!(world, Group::world(&pod));
         assert_ne!(tp.id(), Group::of(&[PodAxis::Torus(0)]).id());
         assert!(tp.id() < 1 << Group::ID_BITS && dp.id() < 1 << Group::ID_BITS);
+    }
+
+    #[test]
+    fn lays_each_mesh_axis_on_whole_torus_axes_where_it_can() {
+        // 8-way tensor parallelism on 4x4x8 is the z ring (in device order it would be x and
+        // a segment of two neighbours of y); dp takes x and y.
+        let pod = Pod::single("4x4x8".parse::<Torus>().unwrap());
+        let whole = |a| AxisPart::whole(PodAxis::Torus(a), &pod);
+        let mesh = DeviceMesh::new(&pod, &[("dp", 16), ("tp", 8)]).unwrap();
+        assert_eq!(mesh.axis("tp").unwrap().pod_axes, vec![whole(2)]);
+        assert_eq!(mesh.axis("dp").unwrap().pod_axes, vec![whole(1), whole(0)]);
+        // The largest set of axes first: 16 is x and y, not z and a part.
+        let mesh = DeviceMesh::new(&pod, &[("dp", 8), ("tp", 16)]).unwrap();
+        assert_eq!(mesh.axis("tp").unwrap().pod_axes, vec![whole(1), whole(0)]);
+        assert_eq!(mesh.axis("dp").unwrap().pod_axes, vec![whole(2)]);
+        let tp = mesh.group(&pod, &["tp"]).unwrap();
+        assert_eq!(tp.size(&pod), 16);
+        assert!(tp.parts(&pod).iter().all(|p| p.wraps(&pod)));
+    }
+
+    #[test]
+    fn the_first_mesh_axis_takes_the_slices_and_what_is_left() {
+        let pod = Pod::new("4x4x8".parse::<Torus>().unwrap(), 2).unwrap();
+        let whole = |a| AxisPart::whole(a, &pod);
+        let mesh = DeviceMesh::new(&pod, &[("replicate", 2), ("dp", 16), ("tp", 8)]).unwrap();
+        assert_eq!(
+            mesh.axis("replicate").unwrap().pod_axes,
+            vec![whole(PodAxis::Slices)]
+        );
+        assert_eq!(
+            mesh.axis("tp").unwrap().pod_axes,
+            vec![whole(PodAxis::Torus(2))]
+        );
+        // An axis of one chip spans no pod axis.
+        let mesh = DeviceMesh::new(&pod, &[("dp", 256), ("tp", 1)]).unwrap();
+        assert!(mesh.axis("tp").unwrap().pod_axes.is_empty());
+        assert_eq!(mesh.group(&pod, &["dp"]).unwrap(), Group::world(&pod));
+        // Tensor parallelism never crosses DCN: 2-way tp has no whole torus axis here, so
+        // the mesh falls back to device order (a pair of x neighbours).
+        let mesh = DeviceMesh::new(&pod, &[("dp", 128), ("tp", 2)]).unwrap();
+        let tp = mesh.axis("tp").unwrap().pod_axes.clone();
+        assert_eq!(tp.len(), 1);
+        assert_eq!(tp[0].axis, PodAxis::Torus(0));
     }
 
     #[test]

@@ -209,6 +209,13 @@ fn one_mirrored_chip_predicts_the_step_of_every_chip() {
         s.tp = if strategy == Strategy::Tp { 16 } else { 4 };
         mirror_matches_every_chip(&s, "4x4", &strategy.to_string());
     }
+    // Tensor parallelism on the z ring of a 3D torus (the whole-axes mesh layout), the
+    // activations between its regions sharded.
+    let mut s = spec(Strategy::FsdpTp, &m, 2);
+    s.algo = Algo::Torus;
+    s.tp = 4;
+    s.tp_activations = TpActivations::Sharded;
+    mirror_matches_every_chip(&s, "2x2x4", "fsdp+tp on z");
 }
 
 /// One step of `m` under DDP on one mirrored chip of a 4-chip ring with `remat`.
