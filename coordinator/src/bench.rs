@@ -329,7 +329,7 @@ pub fn run_on_workers(
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the podsim binary: {e}"))?;
     let outcome = rt
         .block_on(async {
-            let mut control = ControlPlane::start("127.0.0.1:0", new_token()).await?;
+            let mut control = ControlPlane::start("127.0.0.1:0", new_token(), None).await?;
             let workers = Workers::Spawn { exe, log_dir: None };
             Launch::new(&spec, workers).run(&mut control).await
         })

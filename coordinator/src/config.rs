@@ -14,6 +14,7 @@ use podsim_topology::{
 use podsim_worker::protocol::TorchSpec;
 use podsim_worker::protocol::{CollectiveStep, JobSpec, Program, Transport};
 use podsim_worker::protocol::{DesyncMode, FaultKind, FaultSpec};
+use podsim_worker::tls::{Tls, TlsFiles};
 use podsim_worker::train::strategy::Plan;
 use podsim_worker::train::{
     BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy, TpActivations,
@@ -81,6 +82,8 @@ pub struct JobConfig {
     pub external: bool,
     /// How workers reach each other (`[launch] transport`).
     pub transport: Transport,
+    /// Mutual TLS on every gRPC connection of the job (`[launch.tls]`).
+    pub tls: Option<Tls>,
     pub program: Program,
     pub watchdog: Watchdog,
     pub output_dir: PathBuf,
@@ -202,6 +205,16 @@ table! {
         bind: Option<String>,
         external: Option<bool>,
         transport: Option<String>,
+        tls: Option<RawTls>,
+    }
+}
+
+table! {
+    struct RawTls {
+        ca: String,
+        cert: String,
+        key: String,
+        server_name: Option<String>,
     }
 }
 
@@ -331,6 +344,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
     ),
     ("topology", RawTopology::KEYS),
     ("launch", RawLaunch::KEYS),
+    ("launch.tls", RawTls::KEYS),
     ("job", RawJob::KEYS),
     ("job.model", RawModel::KEYS),
     ("job.optimizer", RawOptimizer::KEYS),
@@ -680,6 +694,7 @@ fn parse(
         None => (None, None),
     };
     let (workers, transport, bind) = launch_settings(&mut p, &launch, pod.as_ref());
+    let tls = launch.tls.as_ref().and_then(|t| tls_settings(&mut p, t));
     let wd = watchdog_settings(&mut p, watchdog.unwrap_or_default(), pod.as_ref(), workers);
     let mut program = job
         .as_ref()
@@ -710,6 +725,7 @@ fn parse(
                 bind,
                 external: launch.external.unwrap_or(false),
                 transport,
+                tls,
                 program,
                 watchdog: wd,
                 output_dir,
@@ -870,6 +886,38 @@ fn launch_settings(
         );
     }
     (workers, transport, bind)
+}
+
+/// `[launch.tls]`: the three PEM files, loaded and checked now (paths relative to the
+/// current directory, like every path of a config).
+fn tls_settings(p: &mut Problems<'_>, raw: &RawTls) -> Option<Tls> {
+    let server_name = raw
+        .server_name
+        .clone()
+        .unwrap_or_else(|| podsim_worker::tls::DEFAULT_SERVER_NAME.to_string());
+    if server_name.trim().is_empty() || server_name.contains(char::is_whitespace) {
+        p.add(
+            "launch.tls",
+            Some("server_name"),
+            format!("{server_name:?} is not a host name"),
+        );
+        return None;
+    }
+    let files = TlsFiles {
+        ca: PathBuf::from(&raw.ca),
+        cert: PathBuf::from(&raw.cert),
+        key: PathBuf::from(&raw.key),
+        server_name,
+    };
+    match Tls::load(&files) {
+        Ok(tls) => Some(tls),
+        Err(problems) => {
+            for (file, why) in problems {
+                p.add("launch.tls", Some(file.key()), why);
+            }
+            None
+        }
+    }
 }
 
 /// `[watchdog]`, with the defaults for the chips per worker.

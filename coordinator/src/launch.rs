@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_server::{Control, ControlServer};
 use podsim_worker::protocol::{JobSpec, WorkerReport};
+use podsim_worker::tls::{Tls, TlsFiles};
 
 use crate::supervisor::{Decision, Event, Supervisor};
 use crate::watchdog::{Finding, Watchdog};
@@ -185,6 +186,8 @@ pub mod timeouts {
 pub struct ControlPlane {
     pub addr: std::net::SocketAddr,
     pub token: String,
+    /// Mutual TLS on the control service (and, passed on, on the workers it spawns).
+    pub tls: Option<Tls>,
     joined: mpsc::Receiver<Joined>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     /// The workers of the last launch, once they all joined (a failed or interrupted job's
@@ -207,8 +210,13 @@ impl Drop for ControlPlane {
 }
 
 impl ControlPlane {
-    /// Binds `addr` (`host:port`, port 0 for any) and serves the control service.
-    pub async fn start(addr: &str, token: String) -> Result<ControlPlane, LaunchError> {
+    /// Binds `addr` (`host:port`, port 0 for any) and serves the control service, over
+    /// mutual TLS when `tls` is given.
+    pub async fn start(
+        addr: &str,
+        token: String,
+        tls: Option<Tls>,
+    ) -> Result<ControlPlane, LaunchError> {
         let listener =
             tokio::net::TcpListener::bind(addr)
                 .await
@@ -231,8 +239,17 @@ impl ControlPlane {
             },
         );
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tonic::transport::Server::builder();
+        if let Some(tls) = &tls {
+            server = server
+                .tls_config(tls.server())
+                .map_err(|e| LaunchError::Bind {
+                    addr: addr.to_string(),
+                    reason: podsim_worker::tls::chain(&e),
+                })?;
+        }
         tokio::spawn(async move {
-            let served = tonic::transport::Server::builder()
+            let served = server
                 .serve_with_incoming_shutdown(
                     service,
                     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
@@ -248,6 +265,7 @@ impl ControlPlane {
         Ok(ControlPlane {
             addr: local,
             token,
+            tls,
             joined,
             stop: Some(stop),
             roster: Vec::new(),
@@ -458,6 +476,13 @@ fn spawn_workers(
             .arg("--watch-stdin")
             .arg("--threads")
             .arg(threads.to_string())
+            .args(
+                control
+                    .tls
+                    .as_ref()
+                    .map(|t| tls_args(t.files()))
+                    .unwrap_or_default(),
+            )
             .env("PODSIM_TOKEN", &control.token)
             .stdin(Stdio::piped())
             // A worker prints nothing of its own on standard output; a torch job's ranks print
@@ -473,6 +498,21 @@ fn spawn_workers(
         children.0.push((id, child));
     }
     Ok(children)
+}
+
+/// The `podsim worker` arguments that give a worker the job's TLS files.
+pub fn tls_args(files: &TlsFiles) -> Vec<String> {
+    let path = |p: &std::path::Path| p.display().to_string();
+    vec![
+        "--tls-ca".into(),
+        path(&files.ca),
+        "--tls-cert".into(),
+        path(&files.cert),
+        "--tls-key".into(),
+        path(&files.key),
+        "--tls-server-name".into(),
+        files.server_name.clone(),
+    ]
 }
 
 /// Progress of the whole job: (units done, units in all).

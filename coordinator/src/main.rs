@@ -15,6 +15,7 @@ use podsim_coordinator::study::{self, StudyArgs};
 use podsim_coordinator::trace::TraceArgs;
 use podsim_coordinator::{CliError, JobStatus, report};
 use podsim_worker::protocol::JobSpec;
+use podsim_worker::tls::{Tls, TlsFiles};
 use podsim_worker::{WorkerOptions, run_worker};
 
 /// Large message buffers are allocated and freed at a high rate; the system allocator hands
@@ -122,6 +123,42 @@ struct WorkerArgs {
     /// Runtime threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// The job's certificate authority (PEM): mutual TLS with the coordinator and the other
+    /// workers (with --tls-cert and --tls-key; the job's `[launch.tls]`).
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// This worker's certificate, signed by the authority (PEM).
+    #[arg(long, requires = "tls_ca")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, requires = "tls_ca")]
+    tls_key: Option<PathBuf>,
+    /// The name the job's certificates carry.
+    #[arg(long, requires = "tls_ca", default_value = podsim_worker::tls::DEFAULT_SERVER_NAME)]
+    tls_server_name: String,
+}
+
+impl WorkerArgs {
+    /// The TLS files given, loaded (a problem names the flag).
+    fn tls(&self) -> Result<Option<Tls>, CliError> {
+        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
+        else {
+            return Ok(None);
+        };
+        let files = TlsFiles {
+            ca: ca.clone(),
+            cert: cert.clone(),
+            key: key.clone(),
+            server_name: self.tls_server_name.clone(),
+        };
+        Tls::load(&files).map(Some).map_err(|problems| {
+            let lines: Vec<String> = problems
+                .iter()
+                .map(|(file, why)| format!("--tls-{}: {why}", file.key()))
+                .collect();
+            CliError::Usage(lines.join("\n"))
+        })
+    }
 }
 
 fn load(args: &ConfigArgs) -> Result<JobConfig, CliError> {
@@ -200,13 +237,18 @@ fn run_attempt(
             Some((addr, token)) => (addr.to_string(), token.clone()),
             None => (format!("{}:0", cfg.bind), new_token()),
         };
-        let mut control = match ControlPlane::start(&addr, token).await {
+        let mut control = match ControlPlane::start(&addr, token, cfg.tls.clone()).await {
             Ok(control) => control,
             Err(e) => return (Err(e), Vec::new()),
         };
         let workers = if external {
+            let tls = cfg
+                .tls
+                .as_ref()
+                .map(|t| format!(" {}", launch::tls_args(t.files()).join(" ")))
+                .unwrap_or_default();
             println!(
-                "waiting for {} workers: podsim worker --join {} --token {}",
+                "waiting for {} workers: podsim worker --join {} --token {}{tls}",
                 cfg.workers, control.addr, control.token
             );
             Workers::External
@@ -361,6 +403,13 @@ fn main() -> ExitCode {
             )
         }),
         Command::Worker(args) => {
+            let tls = match args.tls() {
+                Ok(tls) => tls,
+                Err(e) => {
+                    eprintln!("podsim worker: {e}");
+                    std::process::exit(i32::from(e.exit_code()));
+                }
+            };
             let opts = WorkerOptions {
                 join: args.join.clone(),
                 token: args.token.clone(),
@@ -368,6 +417,7 @@ fn main() -> ExitCode {
                 bind: args.bind.clone(),
                 advertise: args.advertise.clone(),
                 watch_stdin: args.watch_stdin,
+                tls,
             };
             let done = runtime_with(args.threads).and_then(|rt| {
                 let r = rt.block_on(run_worker(opts));

@@ -75,7 +75,7 @@ fn hello() -> pb::WorkerMsg {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_service_refuses_garbage_and_keeps_serving() {
-    let control = ControlPlane::start("127.0.0.1:0", TOKEN.to_string())
+    let control = ControlPlane::start("127.0.0.1:0", TOKEN.to_string(), None)
         .await
         .unwrap();
     let addr = control.addr;

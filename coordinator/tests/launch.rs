@@ -175,6 +175,139 @@ fn external_mode_with_workers_started_by_hand() {
     assert_eq!(r["workers"].as_array().unwrap().len(), 2);
 }
 
+/// A file of the TLS test material (`tests/fixtures/tls/README.md`).
+fn tls_file(name: &str) -> String {
+    format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
+    let dir = temp_dir("tls");
+    let tls = format!(
+        "[launch.tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+        tls_file("job-ca.pem"),
+        tls_file("job-node.pem"),
+        tls_file("job-node.key")
+    );
+    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, &tls));
+    let addr = format!("127.0.0.1:{}", free_port());
+    let token = "test-token-tls-0123456789";
+    let mut coord = podsim();
+    // Worker-to-worker links over gRPC too (not Unix sockets), so they are TLS as well.
+    coord.args([
+        "coordinator",
+        config.to_str().unwrap(),
+        "--listen",
+        &addr,
+        "--token",
+        token,
+        "--set",
+        "launch.transport=tcp",
+    ]);
+    let coord = coord
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let worker = |tls: &[&str]| {
+        let mut w = podsim();
+        w.args(["worker", "--join", &addr, "--token", token]);
+        w.args(tls);
+        w.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (ca, job_cert, job_key) = (
+        tls_file("job-ca.pem"),
+        tls_file("job-node.pem"),
+        tls_file("job-node.key"),
+    );
+    let (other_cert, other_key) = (tls_file("other-node.pem"), tls_file("other-node.key"));
+    // Refused: a worker without TLS, and one that trusts the job's authority but presents
+    // a certificate another authority signed. Both retry until their patience runs out.
+    let plain = worker(&[]);
+    let foreign = worker(&[
+        "--tls-ca",
+        &ca,
+        "--tls-cert",
+        &other_cert,
+        "--tls-key",
+        &other_key,
+    ]);
+    let admitted: Vec<_> = (0..2)
+        .map(|_| {
+            worker(&[
+                "--tls-ca",
+                &ca,
+                "--tls-cert",
+                &job_cert,
+                "--tls-key",
+                &job_key,
+            ])
+        })
+        .collect();
+    let out = wait_bounded(coord, Duration::from_secs(120));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for w in admitted {
+        let o = wait_bounded(w, Duration::from_secs(30));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    for (refused, hint) in [
+        (plain, "--tls-ca"),
+        (foreign, "signed by the job's authority"),
+    ] {
+        let o = wait_bounded(refused, Duration::from_secs(90));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{err}");
+        assert!(err.contains("coordinator") && err.contains(hint), "{err}");
+    }
+    let r = report(&dir);
+    assert_eq!(r["status"], "ok");
+    let workers = r["workers"].as_array().unwrap();
+    assert_eq!(workers.len(), 2);
+    for w in workers {
+        let links = w["links"].as_array().unwrap();
+        assert!(!links.is_empty());
+        assert!(
+            links
+                .iter()
+                .all(|l| l["transport"] == "tcp" && l["tls"] == true),
+            "{links:?}"
+        );
+    }
+}
+
+#[test]
+fn tls_files_that_are_missing_or_not_pem_are_a_config_error() {
+    let dir = temp_dir("tls-bad");
+    let not_pem = write(&dir, "not.pem", "hello");
+    let tls = format!(
+        "[launch.tls]\nca = {:?}\ncert = {:?}\nkey = {:?}\n",
+        tls_file("job-ca.pem"),
+        not_pem.display(),
+        dir.join("missing.key").display()
+    );
+    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, &tls));
+    let mut c = podsim();
+    c.arg("validate").arg(&config);
+    let out = run_bounded(c, Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("launch.tls.cert") && err.contains("not a PEM file"),
+        "{err}"
+    );
+    assert!(
+        err.contains("launch.tls.key") && err.contains("missing.key"),
+        "{err}"
+    );
+}
+
 #[test]
 fn bench_across_worker_processes() {
     let mut c = podsim();

@@ -342,6 +342,10 @@ pub struct WorkerReport {
 pub struct PeerLink {
     pub peer: u32,
     pub transport: Transport,
+    /// Whether the link is encrypted and both ends authenticated (mutual TLS; gRPC links of
+    /// a job with `[launch.tls]`).
+    #[serde(default)]
+    pub tls: bool,
 }
 
 /// How messages between two workers travel.

@@ -20,6 +20,7 @@
 //!   `wire`: chip messages to and from checked protobuf envelopes;
 //! - `session`: a worker from joining the coordinator to exit; `watch`: the per-worker
 //!   summary each heartbeat carries; `faults`: fault injection;
+//! - [`tls`]: mutual TLS for the gRPC connections of a job across machines;
 //! - `error`: [`WorkerError`].
 
 mod bench;
@@ -30,6 +31,7 @@ mod net;
 mod programs;
 pub mod protocol;
 mod session;
+pub mod tls;
 mod torch;
 pub mod train;
 mod uds;

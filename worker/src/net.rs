@@ -350,7 +350,11 @@ impl NodeFabric {
         let connected = self.connected.lock().unwrap_or_else(|e| e.into_inner());
         let mut links: Vec<PeerLink> = connected
             .iter()
-            .map(|(&peer, &transport)| PeerLink { peer, transport })
+            .map(|(&peer, &transport)| PeerLink {
+                peer,
+                transport,
+                tls: false,
+            })
             .collect();
         links.sort_by_key(|l| l.peer);
         links
@@ -429,6 +433,7 @@ impl NodeFabric {
         at: &PeerAddress,
         mine: &PeerAddress,
         token: &str,
+        tls: Option<&crate::tls::Tls>,
     ) -> Result<(), WorkerError> {
         let same_host = !mine.host_id.is_empty() && mine.host_id == at.host_id;
         let local = match self.spec.transport {
@@ -450,7 +455,7 @@ impl NodeFabric {
                 self.run_local_link(peer, stream, queue);
                 Ok(())
             }
-            None => self.dial_grpc(peer, &at.tcp, token).await,
+            None => self.dial_grpc(peer, &at.tcp, token, tls).await,
         }
     }
 
@@ -460,9 +465,10 @@ impl NodeFabric {
         peer: u32,
         addr: &str,
         token: &str,
+        tls: Option<&crate::tls::Tls>,
     ) -> Result<(), WorkerError> {
-        let endpoint = format!("http://{addr}");
-        let mut client = connect_with_retry(&endpoint, Duration::from_secs(20)).await?;
+        let endpoint = crate::tls::url(addr, tls);
+        let mut client = connect_with_retry(&endpoint, tls, Duration::from_secs(20)).await?;
         let (tx, rx) = mpsc::channel::<pb::Frame>(4);
         let mut request = Request::new(ReceiverStream::new(rx));
         insert_header(&mut request, TOKEN_HEADER, token)?;
@@ -503,10 +509,11 @@ pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, WorkerError> {
 
 async fn connect_with_retry(
     url: &str,
+    tls: Option<&crate::tls::Tls>,
     patience: Duration,
 ) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
     let deadline = tokio::time::Instant::now() + patience;
-    let endpoint = endpoint(url)?;
+    let endpoint = crate::tls::secure(endpoint(url)?, tls)?;
     loop {
         match endpoint.connect().await {
             Ok(channel) => {
@@ -515,7 +522,10 @@ async fn connect_with_retry(
                     .max_encoding_message_size(MAX_FRAME_BYTES));
             }
             Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(WorkerError::Link(format!("cannot reach {url}: {e}")));
+                return Err(WorkerError::Link(format!(
+                    "cannot reach {url}: {}",
+                    crate::tls::chain(&e)
+                )));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }

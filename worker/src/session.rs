@@ -21,7 +21,9 @@ use podsim_collectives::{FlightRecorder, TraceHandle};
 
 use crate::error::WorkerError;
 use crate::faults::FaultPlan;
-use crate::job::{FailureReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
+use crate::job::{
+    FailureReport, HeartbeatStatus, JobSpec, PeerLink, RecorderDump, Transport, WorkerReport,
+};
 use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
 use crate::programs::{run_program, total_units};
 
@@ -43,6 +45,8 @@ pub struct WorkerOptions {
     pub advertise: Option<String>,
     /// Exit when standard input closes (set when a coordinator spawned this worker).
     pub watch_stdin: bool,
+    /// Mutual TLS on the gRPC connections (to the coordinator and to other workers).
+    pub tls: Option<crate::tls::Tls>,
 }
 
 fn session_error(e: impl std::fmt::Display) -> WorkerError {
@@ -94,7 +98,14 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 bytes_sent: out.bytes_sent,
                 peak_rss_bytes: net::peak_rss_bytes(),
                 link_errors: fabric.link_errors(),
-                links: fabric.links(),
+                links: fabric
+                    .links()
+                    .into_iter()
+                    .map(|l| PeerLink {
+                        tls: opts.tls.is_some() && l.transport == Transport::Tcp,
+                        ..l
+                    })
+                    .collect(),
                 torch: out.torch,
             };
             let json = serde_json::to_vec(&report).map_err(session_error)?;
@@ -196,8 +207,14 @@ impl Links {
             None => None,
         };
         let service = net::link_service(opts.token.clone(), fabric_rx);
+        let mut server = net::server_builder();
+        if let Some(tls) = &opts.tls {
+            server = server
+                .tls_config(tls.server())
+                .map_err(|e| WorkerError::Link(crate::tls::chain(&e)))?;
+        }
         tokio::spawn(async move {
-            let served = net::server_builder()
+            let served = server
                 .serve_with_incoming(
                     service,
                     tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
@@ -231,8 +248,9 @@ struct Session {
 impl Session {
     /// Says hello and waits for the job (`Setup`).
     async fn join(opts: &WorkerOptions, links: &Links) -> Result<Session, WorkerError> {
-        let endpoint = format!("http://{}", opts.join);
-        let mut client = connect_control(&endpoint, Duration::from_secs(30)).await?;
+        let endpoint = crate::tls::url(&opts.join, opts.tls.as_ref());
+        let mut client =
+            connect_control(&endpoint, opts.tls.as_ref(), Duration::from_secs(30)).await?;
         let (to_coord, rx) = mpsc::channel::<pb::WorkerMsg>(16);
         let mut request = Request::new(ReceiverStream::new(rx));
         insert_header(&mut request, TOKEN_HEADER, &opts.token)?;
@@ -254,7 +272,13 @@ impl Session {
             client
                 .session(request)
                 .await
-                .map_err(|s| session_error(s.message()))?
+                .map_err(|s| {
+                    let why = crate::tls::chain(&s);
+                    session_error(format!(
+                        "the coordinator refused the session: {why}{}",
+                        tls_hint(opts.tls.as_ref())
+                    ))
+                })?
                 .into_inner(),
         );
         drop(client);
@@ -337,7 +361,9 @@ async fn link_up(
                 .cloned(),
             host_id: setup.host_ids.get(&peer).cloned().unwrap_or_default(),
         };
-        fabric.dial(peer, &at, &links.mine, &opts.token).await?;
+        fabric
+            .dial(peer, &at, &links.mine, &opts.token, opts.tls.as_ref())
+            .await?;
     }
     fabric.wait_connected(Duration::from_secs(30)).await?;
     session
@@ -494,17 +520,42 @@ impl Inbound {
     }
 }
 
+/// What to check when the coordinator cannot be reached or refuses the session, as far as
+/// TLS goes (a TLS server and a plain client, or a certificate of another authority, fail
+/// with transport errors that do not say so).
+fn tls_hint(tls: Option<&crate::tls::Tls>) -> String {
+    match tls {
+        None => " (if the job uses [launch.tls], start the worker with --tls-ca, --tls-cert and \
+                  --tls-key)"
+            .to_string(),
+        Some(tls) => format!(
+            " (with TLS: this worker's certificate must be signed by the job's authority and \
+             both certificates must name {:?})",
+            tls.files().server_name
+        ),
+    }
+}
+
 async fn connect_control(
     endpoint: &str,
+    tls: Option<&crate::tls::Tls>,
     patience: Duration,
 ) -> Result<ControlClient<tonic::transport::Channel>, WorkerError> {
     let deadline = tokio::time::Instant::now() + patience;
+    let target = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .map_err(|e| session_error(format!("bad coordinator address {endpoint}: {e}")))?;
+    let target = crate::tls::secure(target, tls)?;
     loop {
-        match ControlClient::connect(endpoint.to_string()).await {
-            Ok(c) => return Ok(c.max_decoding_message_size(MAX_CONTROL_MESSAGE_BYTES)),
+        match target.connect().await {
+            Ok(channel) => {
+                return Ok(ControlClient::new(channel)
+                    .max_decoding_message_size(MAX_CONTROL_MESSAGE_BYTES));
+            }
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(session_error(format!(
-                    "cannot reach the coordinator at {endpoint}: {e}"
+                    "cannot reach the coordinator at {endpoint}: {}{}",
+                    crate::tls::chain(&e),
+                    tls_hint(tls)
                 )));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
