@@ -358,6 +358,33 @@ fn run_job(
     }
 }
 
+/// `podsim worker`: joins a coordinator and runs its share of the job, then exits the process
+/// at once (without waiting for the stdin watcher's blocking read).
+fn worker(args: &WorkerArgs) -> ! {
+    let done = args.tls().and_then(|tls| {
+        let opts = WorkerOptions {
+            join: args.join.clone(),
+            token: args.token.clone(),
+            worker_id: args.worker_id,
+            bind: args.bind.clone(),
+            advertise: args.advertise.clone(),
+            watch_stdin: args.watch_stdin,
+            tls,
+        };
+        let rt = runtime_with(args.threads)?;
+        let r = rt.block_on(run_worker(opts));
+        rt.shutdown_background();
+        r.map_err(|e| CliError::Job(e.to_string()))
+    });
+    std::process::exit(match done {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("podsim worker: {e}");
+            i32::from(e.exit_code())
+        }
+    });
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -402,38 +429,7 @@ fn main() -> ExitCode {
                 &args.trace,
             )
         }),
-        Command::Worker(args) => {
-            let tls = match args.tls() {
-                Ok(tls) => tls,
-                Err(e) => {
-                    eprintln!("podsim worker: {e}");
-                    std::process::exit(i32::from(e.exit_code()));
-                }
-            };
-            let opts = WorkerOptions {
-                join: args.join.clone(),
-                token: args.token.clone(),
-                worker_id: args.worker_id,
-                bind: args.bind.clone(),
-                advertise: args.advertise.clone(),
-                watch_stdin: args.watch_stdin,
-                tls,
-            };
-            let done = runtime_with(args.threads).and_then(|rt| {
-                let r = rt.block_on(run_worker(opts));
-                // Do not wait for the stdin watcher's blocking read: leave at once.
-                rt.shutdown_background();
-                r.map(|()| true).map_err(|e| CliError::Job(e.to_string()))
-            });
-            // A worker's job is over: exit without waiting for anything else.
-            std::process::exit(match done {
-                Ok(_) => 0,
-                Err(e) => {
-                    eprintln!("podsim worker: {e}");
-                    i32::from(e.exit_code())
-                }
-            });
-        }
+        Command::Worker(args) => worker(args),
     };
     match result {
         Ok(JobStatus::Ok) => ExitCode::SUCCESS,
