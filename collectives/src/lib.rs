@@ -10,7 +10,7 @@
 //!   point-to-point messages between any two chips (`send_to` / `recv_from`);
 //! - `algo`: lanes, phases and schedules (ring, bidirectional ring, torus);
 //! - `fabric`: messages, tags, [`Router`] and [`Inbox`]; `local`: all chips in one process and
-//!   [`run_chips`]; `mirror`: one chip standing for a symmetric pod;
+//!   [`run_chips`]; `mirror`: a few chips standing for a symmetric pod;
 //! - `executor`: runs chips as futures on a few threads, id order (see [`scheduling_lag`]);
 //! - `payload` and `buffer`: data (shared f32 slices) and meta (sizes only) payloads; `reduce`:
 //!   reduce ops; `bits`: f32 and byte conversions;
@@ -63,7 +63,7 @@ pub use executor::scheduling_lag;
 pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, MAX_TAG as MAX_P2P_TAG, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
-pub use mirror::{MirrorRouter, mirror_chip, symmetry_obstacles};
+pub use mirror::{MirrorRouter, Symmetry, mirror_chip, mirror_chips, symmetry_obstacles};
 pub use payload::{Payload, Rope, Run};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{

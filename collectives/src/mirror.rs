@@ -1,4 +1,4 @@
-//! The mirror fabric: one chip stands for every chip of a symmetric job.
+//! The mirror fabric: a few chips stand for every chip of a symmetric job.
 //!
 //! On a torus whose every axis wraps (and across identical slices), translating the pod maps
 //! it onto itself. When every chip runs the same program on equal sizes, as every data- and
@@ -11,74 +11,169 @@
 //! the full simulation, at the cost of one chip instead of 100,000. Shards that `torch.chunk`
 //! leaves uneven break the symmetry slightly: chip 0 holds the largest, so its clock is the
 //! slowest chip's to within the compute on the padding.
+//!
+//! Where a job is symmetric only under some translations (a device mesh that takes a
+//! two-chip segment of an axis is alike every second chip along it; an axis without
+//! wraparound is alike nowhere), [`Symmetry`] gives the smallest translation per axis that
+//! maps the job onto itself, and [`mirror_chips`] simulates one chip per class of chips
+//! alike under those translations: the chips of slice 0 whose coordinates lie below the steps.
+//! A message to chip `d` goes to the representative of `d`'s class, as the message the
+//! translate of its sender sent: chip `d` and its representative differ by a translation, so
+//! what arrives at one is the translate of what arrives at the other. One step of 1 on every
+//! axis is the single mirrored chip above.
 
 use std::sync::Arc;
 
-use podsim_topology::{ChipId, Hardware, Link, Pod, Route};
+use podsim_topology::{ChipId, Coord, Hardware, Link, Pod};
 
 use crate::chip::Chip;
 use crate::error::CollectiveError;
 use crate::fabric::{Delivery, Inbox, Message, Router};
 use crate::fingerprint::OpKind;
 
-/// Routes every message back to its sender as the message its mirror image sent it.
+/// The translations a job is symmetric under: along each torus axis, by multiples of a step
+/// (1: every chip along the axis is alike; the axis's length: none is); across slices, by
+/// any number of slices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Symmetry {
+    steps: Vec<u32>,
+}
+
+impl Symmetry {
+    /// Every translation of `pod` (steps of 1), except along axes without wraparound.
+    pub fn of_torus(pod: &Pod) -> Symmetry {
+        let torus = pod.torus();
+        Symmetry {
+            steps: (0..torus.ndims())
+                .map(|a| if torus.wraps(a) { 1 } else { torus.dim(a) })
+                .collect(),
+        }
+    }
+
+    /// This symmetry, keeping along `axis` only translations by multiples of `step` as well.
+    pub fn with_step(mut self, axis: usize, step: u32) -> Symmetry {
+        if let Some(s) = self.steps.get_mut(axis) {
+            *s = lcm(*s, step.max(1));
+        }
+        self
+    }
+
+    /// Translation step per torus axis.
+    pub fn steps(&self) -> &[u32] {
+        &self.steps
+    }
+
+    /// Chips a mirror fabric simulates: one per class of chips alike.
+    pub fn classes(&self) -> u32 {
+        self.steps.iter().product()
+    }
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+fn lcm(a: u32, b: u32) -> u32 {
+    a / gcd(a, b) * b
+}
+
+/// Routes every message to the representative of its destination's class, as the message
+/// the translate of its sender sent.
 #[derive(Debug)]
 pub struct MirrorRouter {
     pod: Arc<Pod>,
-    inbox: Arc<Inbox>,
+    steps: Vec<u32>,
+    /// One inbox per representative, in mixed-radix order of its coordinates (x fastest).
+    inboxes: Vec<Arc<Inbox>>,
 }
 
 impl MirrorRouter {
-    /// The chip that sends to `me` on the wire `me` sends on as `link`, `hops` chips away,
-    /// and its name for it.
-    fn mirror(&self, me: ChipId, link: Link, hops: u32) -> Option<(ChipId, Link)> {
-        let pod = &self.pod;
-        match link {
-            Link::Ici { axis, dir } => {
-                let back = Link::Ici {
-                    axis,
-                    dir: dir.flip(),
-                };
-                let from = pod.route_peer(me, Route { link: back, hops })?;
-                Some((from, link))
-            }
-            Link::Dcn { peer_slice } => {
-                let (slices, mine) = (pod.slices(), pod.slice_of(me));
-                let back = (2 * mine + slices - peer_slice % slices) % slices;
-                let from = pod.peer(me, Link::Dcn { peer_slice: back })?;
-                Some((from, Link::Dcn { peer_slice: mine }))
-            }
+    /// The representative of `coord`'s class: its index and coordinates.
+    fn representative(&self, coord: &Coord) -> (usize, Coord) {
+        let mut rep = *coord;
+        let mut index = 0usize;
+        for a in (0..self.steps.len()).rev() {
+            rep[a] = coord[a] % self.steps[a];
+            index = index * self.steps[a] as usize + rep[a] as usize;
         }
+        (index, rep)
+    }
+
+    fn chip(&self, index: usize) -> ChipId {
+        let mut coord: Coord = Default::default();
+        let mut rest = index as u32;
+        for (a, &step) in self.steps.iter().enumerate() {
+            coord[a] = rest % step;
+            rest /= step;
+        }
+        self.pod.chip_at(0, &coord)
     }
 }
 
 impl Router for MirrorRouter {
     fn deliver(&self, mut msg: Message) -> Result<Delivery<'_>, CollectiveError> {
-        let (src, link) =
-            self.mirror(msg.src, msg.link, msg.hops)
-                .ok_or(CollectiveError::NoLink {
-                    chip: msg.src,
-                    link: msg.link,
-                })?;
-        msg.dst = msg.src;
-        msg.src = src;
-        msg.link = link;
-        self.inbox.push(msg);
+        let pod = &self.pod;
+        if msg.dst >= pod.chips() || msg.src >= pod.chips() {
+            return Err(CollectiveError::NoLink {
+                chip: msg.src,
+                link: msg.link,
+            });
+        }
+        let to = pod.coord(msg.dst);
+        let (index, rep) = self.representative(&to);
+        // The translation taking the representative to the destination, applied backwards
+        // to the sender.
+        let (from, dims) = (pod.coord(msg.src), pod.torus().dims());
+        let mut src: Coord = from;
+        for (a, &n) in dims.iter().enumerate() {
+            src[a] = (from[a] + n - (to[a] - rep[a]) % n) % n;
+        }
+        let slices = pod.slices();
+        let src_slice = (pod.slice_of(msg.src) + slices - pod.slice_of(msg.dst)) % slices;
+        msg.src = pod.chip_at(src_slice, &src);
+        msg.dst = pod.chip_at(0, &rep);
+        if let Link::Dcn { .. } = msg.link {
+            // Named from the sender's side: the slice it sends to, now the representative's.
+            msg.link = Link::Dcn { peer_slice: 0 };
+        }
+        self.inboxes[index].push(msg);
         Ok(Delivery::Done)
     }
 }
 
-/// Chip `id` of `pod` on a mirror fabric (see the module docs).
-pub fn mirror_chip(pod: Pod, hardware: Hardware, id: ChipId) -> Chip {
+/// Chip 0 of `pod` standing for every chip (see the module docs).
+pub fn mirror_chip(pod: Pod, hardware: Hardware) -> Chip {
+    let symmetry = Symmetry {
+        steps: vec![1; pod.torus().ndims()],
+    };
+    let mut chips = mirror_chips(pod, hardware, &symmetry);
+    chips.swap_remove(0)
+}
+
+/// One chip per class of chips alike under `symmetry`, in slice 0 (see the module docs).
+pub fn mirror_chips(pod: Pod, hardware: Hardware, symmetry: &Symmetry) -> Vec<Chip> {
     let pod = Arc::new(pod);
-    let inbox = Arc::new(Inbox::new());
+    let hardware = Arc::new(hardware);
+    let classes = symmetry.classes() as usize;
     let router = Arc::new(MirrorRouter {
         pod: pod.clone(),
-        inbox: inbox.clone(),
+        steps: symmetry.steps.clone(),
+        inboxes: (0..classes).map(|_| Arc::new(Inbox::new())).collect(),
     });
-    let mut chip = Chip::new(id, pod, Arc::new(hardware), inbox, router);
-    chip.set_mirrored();
-    chip
+    (0..classes)
+        .map(|index| {
+            let id = router.chip(index);
+            let mut chip = Chip::new(
+                id,
+                pod.clone(),
+                hardware.clone(),
+                router.inboxes[index].clone(),
+                router.clone(),
+            );
+            chip.set_mirrored();
+            chip
+        })
+        .collect()
 }
 
 /// Why a job of `ops` on `pod` cannot be simulated by one mirrored chip (nothing when it can):

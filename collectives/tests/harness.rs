@@ -130,7 +130,7 @@ fn a_chip_that_skipped_a_collective_is_a_desync_anywhere_in_the_tree() {
 fn harness_barrier_on_a_mirror_chip() {
     let rt = common::runtime(1);
     let pod = pod("4x4x4", true, 1);
-    let chip = mirror_chip(pod.clone(), Hardware::preset("v5p").unwrap(), 0);
+    let chip = mirror_chip(pod.clone(), Hardware::preset("v5p").unwrap());
     let out = rt
         .block_on(run_chips(vec![chip], |mut chip: Chip| async move {
             chip.harness_barrier(Group::world(chip.pod())).await?;

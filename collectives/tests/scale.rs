@@ -24,7 +24,7 @@ fn mirrored(shape: &str, slices: u32, algo: Algo, op: OpKind, count: usize) -> f
     let fabric = fabric(shape, true, slices);
     let pod = fabric.pod().clone();
     let comm = Comm::new(Group::world(&pod), algo);
-    let mut chip = mirror_chip(pod, Hardware::preset("v5p").unwrap(), 0);
+    let mut chip = mirror_chip(pod, Hardware::preset("v5p").unwrap());
     runtime(1).block_on(async move {
         let data = Payload::Meta(count);
         match op {

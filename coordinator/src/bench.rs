@@ -278,7 +278,7 @@ pub fn run_in_process(
         };
         let mut chips = match &fabric {
             Some(fabric) => fabric.chips(),
-            None => vec![mirror_chip(plan.pod.clone(), plan.hardware.clone(), 0)],
+            None => vec![mirror_chip(plan.pod.clone(), plan.hardware.clone())],
         };
         enable_traces(&mut chips, plan.trace.as_ref());
         let out = rt

@@ -5,9 +5,10 @@
 //! parallelism, remat policy) and its measured seconds per step. The row becomes a meta-mode
 //! training job (`job_toml`: FSDP within a slice, tensor parallelism with activations
 //! sharded between regions, data parallelism across slices; AdamW with f32 state), validated
-//! like any config, and runs in this process: on one mirrored chip standing for all where the
-//! job is symmetric, on every chip of the pod where it is not (a device mesh that takes a
-//! contiguous segment of a torus axis, a torus without wraparound). MFU counts
+//! like any config, and runs in this process on the mirror fabric: one chip standing for all
+//! where the job is symmetric under every translation of the torus, one chip per class of
+//! chips alike where it is not (a device mesh that takes a two-chip segment of a torus axis:
+//! two chips; a torus without wraparound: every position along that axis). MFU counts
 //! model flops: 6 per weight per token (the LM head included, the embedding lookup not) plus
 //! causal attention.
 
@@ -16,12 +17,11 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use clap::Args;
-use podsim_collectives::LocalFabric;
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::protocol::Program;
 use podsim_worker::run_program;
-use podsim_worker::train::{ChipTrainReport, TrainSpec, train_chip};
+use podsim_worker::train::{ChipTrainReport, TrainSpec};
 use serde::Serialize;
 
 use crate::config;
@@ -303,28 +303,24 @@ fn predict(
     })
 }
 
-/// Runs one step's job: on one mirrored chip standing for all when the job is symmetric
-/// (every torus axis wraps and the device mesh lays each dimension on whole axes or on
-/// parts that close into rings), otherwise on every chip of the pod in this process.
+/// Runs one step's job on one chip per class of chips alike under the job's symmetry: one
+/// chip standing for all when every torus axis wraps and the device mesh lays each dimension
+/// on whole axes or on parts that close into rings; a few when a dimension takes a segment of
+/// an axis (two when the segment is two chips long), every position along an axis that does
+/// not wrap (`podsim_collectives::mirror`).
 async fn simulate(
     pod: &Pod,
     hardware: &Hardware,
     spec: &TrainSpec,
 ) -> Result<Vec<ChipTrainReport>, WorkerError> {
-    let mut obstacles = podsim_collectives::symmetry_obstacles(pod, true, []);
-    obstacles.extend(spec.mesh_symmetry_obstacles(pod));
+    let symmetry = spec.symmetry(pod);
+    let spec = TrainSpec {
+        symmetric: true,
+        ..spec.clone()
+    };
+    let chips = podsim_collectives::mirror_chips(pod.clone(), hardware.clone(), &symmetry);
     let done = Arc::new(AtomicU64::new(0));
-    if obstacles.is_empty() {
-        let spec = TrainSpec {
-            symmetric: true,
-            ..spec.clone()
-        };
-        let mut chip = podsim_collectives::mirror_chip(pod.clone(), hardware.clone(), 0);
-        return Ok(vec![train_chip(&mut chip, &spec, done).await?]);
-    }
-    let chips = LocalFabric::new(pod.clone(), hardware.clone()).chips();
-    let program = Program::Train(spec.clone());
-    Ok(run_program(chips, &program, done).await?.train)
+    Ok(run_program(chips, &Program::Train(spec), done).await?.train)
 }
 
 /// Reads `path` and predicts every row (stops at the first bad row).

@@ -132,7 +132,6 @@ fn local_chips(fabric: &Arc<NodeFabric>, me: u32) -> (Vec<podsim_collectives::Ch
         vec![podsim_collectives::mirror_chip(
             spec.pod.clone(),
             spec.hardware.clone(),
-            0,
         )]
     } else {
         fabric.chips()

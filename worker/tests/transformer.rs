@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chip, run_chips};
+use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chips, run_chips};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::train::{
@@ -64,12 +64,14 @@ fn spec(strategy: Strategy, m: &TransformerSpec, steps: u32) -> TrainSpec {
     }
 }
 
-/// Trains on every chip of `shape` (or chip 0 alone on a mirror fabric); each chip's report
-/// and the bytes it sent.
+/// Trains on every chip of `shape` (or, on a mirror fabric, on one chip per class of chips
+/// alike under the job's symmetry: chip 0 alone when it is symmetric under every translation);
+/// each chip's report and the bytes it sent.
 fn run(spec: &TrainSpec, shape: &str, hw: Hardware, mirror: bool) -> Vec<(ChipTrainReport, u64)> {
     let pod = Pod::single(shape.parse().unwrap());
     let chips: Vec<Chip> = if mirror {
-        vec![mirror_chip(pod, hw, 0)]
+        let symmetry = spec.symmetry(&pod);
+        mirror_chips(pod, hw, &symmetry)
     } else {
         LocalFabric::new(pod, hw).chips()
     };
@@ -97,23 +99,29 @@ fn run(spec: &TrainSpec, shape: &str, hw: Hardware, mirror: bool) -> Vec<(ChipTr
     .unwrap()
 }
 
-/// `spec` on one mirrored chip gives every step the time of the slowest chip of the full
-/// simulation on `shape`, and the same peak HBM (`what` names the case in failures).
-fn mirror_matches_every_chip(spec: &TrainSpec, shape: &str, what: &str) {
+/// `spec` on the mirror fabric gives every step the time of the slowest chip of the full
+/// simulation on `shape`, and the same peak HBM (`what` names the case in failures); the
+/// mirror simulated this many chips.
+fn mirror_matches_every_chip(spec: &TrainSpec, shape: &str, what: &str) -> usize {
     let full = run(spec, shape, v5p(), false);
-    let (one, _) = &run(spec, shape, v5p(), true)[0];
-    for (step, record) in one.steps.iter().enumerate() {
-        let slowest = full
+    let mirror = run(spec, shape, v5p(), true);
+    let slowest = |reports: &[(ChipTrainReport, u64)], step: usize| {
+        reports
             .iter()
             .map(|(r, _)| r.steps[step].virtual_ns)
-            .fold(0.0, f64::max);
+            .fold(0.0, f64::max)
+    };
+    for step in 0..spec.steps as usize {
+        let (mirrored, every) = (slowest(&mirror, step), slowest(&full, step));
         assert!(
-            (record.virtual_ns - slowest).abs() <= 1e-9 * slowest,
-            "{what} step {step}: mirror {} ns, every chip {slowest} ns",
-            record.virtual_ns
+            (mirrored - every).abs() <= 1e-9 * every,
+            "{what} step {step}: mirror {mirrored} ns, every chip {every} ns"
         );
     }
-    assert_eq!(one.hbm.peak_bytes, full[0].0.hbm.peak_bytes, "{what}");
+    let peak =
+        |reports: &[(ChipTrainReport, u64)]| reports.iter().map(|(r, _)| r.hbm.peak_bytes).max();
+    assert_eq!(peak(&mirror), peak(&full), "{what}");
+    mirror.len()
 }
 
 fn v5p() -> Hardware {
@@ -215,7 +223,15 @@ fn one_mirrored_chip_predicts_the_step_of_every_chip() {
     s.algo = Algo::Torus;
     s.tp = 4;
     s.tp_activations = TpActivations::Sharded;
-    mirror_matches_every_chip(&s, "2x2x4", "fsdp+tp on z");
+    assert_eq!(mirror_matches_every_chip(&s, "2x2x4", "fsdp+tp on z"), 1);
+    // 8-way tensor parallelism on 4x4 takes x and a pair of neighbours along y: chips at
+    // even and odd y differ, and one of each stands for all.
+    s.tp = 8;
+    s.replicas = 1;
+    assert_eq!(
+        mirror_matches_every_chip(&s, "4x4", "fsdp+tp on a segment"),
+        2
+    );
 }
 
 /// One step of `m` under DDP on one mirrored chip of a 4-chip ring with `remat`.

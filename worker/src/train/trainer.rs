@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use podsim_collectives::bits::{fnv1a_f32, word_to_f32s};
-use podsim_collectives::{Algo, Chip, Comm, Nanos, Payload, ReduceOp};
-use podsim_topology::{AxisPart, Group, Pod};
+use podsim_collectives::{Algo, Chip, Comm, Nanos, Payload, ReduceOp, Symmetry};
+use podsim_topology::{AxisPart, Group, Pod, PodAxis};
 use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
@@ -97,6 +97,20 @@ impl TrainSpec {
             .iter()
             .flat_map(|d| d.group.parts(pod))
             .collect())
+    }
+
+    /// The translations this job's mesh maps onto itself under: those of the torus, and along
+    /// an axis that a mesh dimension takes only a segment of (a part that does not close into
+    /// a ring), multiples of the block the part repeats in (`stride x extent` chips).
+    pub fn symmetry(&self, pod: &Pod) -> Symmetry {
+        self.mesh_parts(pod)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|p| !p.is_whole(pod) && !p.wraps(pod))
+            .fold(Symmetry::of_torus(pod), |s, p| match p.axis {
+                PodAxis::Torus(a) => s.with_step(usize::from(a), p.stride * p.extent),
+                PodAxis::Slices => s,
+            })
     }
 
     /// Why one mirrored chip cannot stand for every chip of this job's mesh: a mesh
