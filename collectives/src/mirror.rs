@@ -176,23 +176,12 @@ pub fn mirror_chips(pod: Pod, hardware: Hardware, symmetry: &Symmetry) -> Vec<Ch
         .collect()
 }
 
-/// Why a job of `ops` on `pod` cannot be simulated by one mirrored chip (nothing when it can):
-/// a torus axis without wraparound, real values (they differ from chip to chip), a rooted
-/// collective. Launch-level obstacles (several workers, faults) are the caller's.
-pub fn symmetry_obstacles(
-    pod: &Pod,
-    meta: bool,
-    ops: impl IntoIterator<Item = OpKind>,
-) -> Vec<String> {
-    let torus = pod.torus();
-    let mut out: Vec<String> = (0..torus.dims().len())
-        .filter(|&a| torus.dims()[a] > 1 && !torus.wraps(a))
-        .map(|a| {
-            format!(
-                "axis {a} of {torus} does not wrap around: chips at its ends are not like the others"
-            )
-        })
-        .collect();
+/// Why a job of `ops` cannot run on a mirror fabric (nothing when it can): real values (they
+/// differ from chip to chip), a rooted collective. An axis without wraparound is no obstacle:
+/// [`Symmetry::of_torus`] keeps every position along it. Launch-level obstacles (several
+/// workers, faults) are the caller's.
+pub fn symmetry_obstacles(meta: bool, ops: impl IntoIterator<Item = OpKind>) -> Vec<String> {
+    let mut out = Vec::new();
     if !meta {
         out.push("needs meta mode (values differ from chip to chip)".into());
     }

@@ -46,7 +46,20 @@ pub async fn run_op(
     meta: bool,
     salt: u32,
 ) -> Result<Vec<(Option<Vec<f32>>, usize, Nanos)>, CollectiveError> {
-    run_chips(fabric.chips(), move |mut chip: Chip| async move {
+    run_op_on(fabric.chips(), comm, op, reduce, count, meta, salt).await
+}
+
+/// [`run_op`] on the given chips (those of a mirror fabric, say).
+pub async fn run_op_on(
+    chips: Vec<Chip>,
+    comm: Comm,
+    op: OpKind,
+    reduce: ReduceOp,
+    count: usize,
+    meta: bool,
+    salt: u32,
+) -> Result<Vec<(Option<Vec<f32>>, usize, Nanos)>, CollectiveError> {
+    run_chips(chips, move |mut chip: Chip| async move {
         let data = if meta {
             Payload::Meta(count)
         } else {

@@ -5,38 +5,41 @@
 mod common;
 
 use common::*;
-use podsim_collectives::{Algo, Comm, OpKind, Payload, ReduceOp, mirror_chip};
+use podsim_collectives::{Algo, Comm, OpKind, ReduceOp, Symmetry, mirror_chips};
 use podsim_topology::{Group, Hardware};
 
 /// Virtual time (max over chips) of one meta-mode collective of `count` f32 per chip, every
-/// chip simulated.
-fn full(shape: &str, slices: u32, algo: Algo, op: OpKind, count: usize) -> f64 {
-    let fabric = fabric(shape, true, slices);
-    let comm = Comm::new(Group::world(fabric.pod()), algo);
+/// chip simulated (`mirror`: on the mirror fabric, one chip per class of chips alike under
+/// the torus's translations; one chip when every axis wraps), and how many chips ran.
+fn virtual_time(
+    shape: &str,
+    wrap: bool,
+    slices: u32,
+    algo: Algo,
+    op: OpKind,
+    count: usize,
+    mirror: bool,
+) -> (f64, usize) {
+    let fabric = fabric(shape, wrap, slices);
+    let pod = fabric.pod().clone();
+    let chips = if mirror {
+        let symmetry = Symmetry::of_torus(&pod);
+        mirror_chips(pod.clone(), Hardware::preset("v5p").unwrap(), &symmetry)
+    } else {
+        fabric.chips()
+    };
+    let comm = Comm::new(Group::world(&pod), algo);
     let out = runtime(2)
-        .block_on(run_op(&fabric, comm, op, ReduceOp::Sum, count, true, 0))
+        .block_on(run_op_on(chips, comm, op, ReduceOp::Sum, count, true, 0))
         .expect("collective");
-    out.iter().map(|(_, _, t)| *t).fold(0.0, f64::max)
+    (
+        out.iter().map(|(_, _, t)| *t).fold(0.0, f64::max),
+        out.len(),
+    )
 }
 
-/// The same on the mirror fabric: chip 0 alone.
-fn mirrored(shape: &str, slices: u32, algo: Algo, op: OpKind, count: usize) -> f64 {
-    let fabric = fabric(shape, true, slices);
-    let pod = fabric.pod().clone();
-    let comm = Comm::new(Group::world(&pod), algo);
-    let mut chip = mirror_chip(pod, Hardware::preset("v5p").unwrap());
-    runtime(1).block_on(async move {
-        let data = Payload::Meta(count);
-        match op {
-            OpKind::AllReduce => chip.all_reduce(&comm, &data, ReduceOp::Sum).await,
-            OpKind::ReduceScatter => chip.reduce_scatter(&comm, &data, ReduceOp::Sum).await,
-            OpKind::AllGather => chip.all_gather(&comm, &data).await,
-            OpKind::AllToAll => chip.all_to_all(&comm, &data).await,
-            other => panic!("not a symmetric collective: {other:?}"),
-        }
-        .expect("collective");
-        chip.clock()
-    })
+fn full(shape: &str, slices: u32, algo: Algo, op: OpKind, count: usize) -> f64 {
+    virtual_time(shape, true, slices, algo, op, count, false).0
 }
 
 fn close(got: f64, want: f64) {
@@ -78,7 +81,15 @@ fn a_4096_chip_torus_matches_the_dimension_ordered_closed_forms() {
 #[test]
 fn the_mirror_fabric_reproduces_every_chip_of_a_symmetric_job() {
     let count = 4 * 4 * 4 * 3 * 8;
-    for (shape, slices) in [("4x4x4", 1), ("4x4", 3), ("8", 2)] {
+    // (shape, wraparound, slices, chips the mirror runs): a torus that wraps needs one chip;
+    // one that does not, every position of slice 0 (the slices are still alike).
+    for (shape, wrap, slices, classes) in [
+        ("4x4x4", true, 1, 1),
+        ("4x4", true, 3, 1),
+        ("8", true, 2, 1),
+        ("4x4", false, 3, 16),
+        ("8", false, 2, 8),
+    ] {
         for algo in Algo::ALL {
             for op in [
                 OpKind::AllReduce,
@@ -86,12 +97,14 @@ fn the_mirror_fabric_reproduces_every_chip_of_a_symmetric_job() {
                 OpKind::AllGather,
                 OpKind::AllToAll,
             ] {
-                let want = full(shape, slices, algo, op, count);
-                let got = mirrored(shape, slices, algo, op, count);
+                let case = |mirror| virtual_time(shape, wrap, slices, algo, op, count, mirror);
+                let ((want, _), (got, ran)) = (case(false), case(true));
+                let what = format!("{op:?} {algo} on {slices} x {shape} (wrap {wrap})");
                 assert!(
                     (got - want).abs() <= 1e-9 * want,
-                    "{op:?} {algo} on {slices} x {shape}: mirror {got} ns, full {want} ns"
+                    "{what}: mirror {got} ns, full {want} ns"
                 );
+                assert_eq!(ran, classes, "{what}");
             }
         }
     }

@@ -11,7 +11,9 @@ use std::time::Instant;
 
 use clap::Args;
 use podsim_collectives::trace::ChipTrace;
-use podsim_collectives::{Algo, Comm, DType, LocalFabric, OpKind, ReduceOp, mirror_chip};
+use podsim_collectives::{
+    Algo, Comm, DType, LocalFabric, OpKind, ReduceOp, Symmetry, mirror_chips,
+};
 use podsim_topology::{Group, Hardware, Pod, Torus};
 use podsim_worker::protocol::BenchCase;
 use podsim_worker::protocol::{ChipStepReport, JobSpec, Program, TraceRequest, Transport};
@@ -79,7 +81,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Simulate chip 0 alone on a mirror fabric, standing for every chip: exact for symmetric
-    /// collectives on wraparound tori in meta mode, at any scale.
+    /// collectives on wraparound tori in meta mode, at any scale (along an axis without
+    /// wraparound, every position is simulated).
     #[arg(long)]
     pub symmetric: bool,
     #[command(flatten)]
@@ -175,9 +178,9 @@ impl BenchPlan {
             verify: false,
         };
         if a.symmetric {
-            let mut why = podsim_collectives::symmetry_obstacles(&pod, meta, [op]);
+            let mut why = podsim_collectives::symmetry_obstacles(meta, [op]);
             if a.workers.is_some() {
-                why.push("one chip stands for all: no --workers".into());
+                why.push("the mirror fabric runs in one process: no --workers".into());
             }
             if !why.is_empty() {
                 return Err(format!("--symmetric: {}", why.join("; ")));
@@ -278,7 +281,10 @@ pub fn run_in_process(
         };
         let mut chips = match &fabric {
             Some(fabric) => fabric.chips(),
-            None => vec![mirror_chip(plan.pod.clone(), plan.hardware.clone())],
+            None => {
+                let symmetry = Symmetry::of_torus(&plan.pod);
+                mirror_chips(plan.pod.clone(), plan.hardware.clone(), &symmetry)
+            }
         };
         enable_traces(&mut chips, plan.trace.as_ref());
         let out = rt

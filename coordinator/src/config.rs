@@ -393,10 +393,10 @@ impl Problems<'_> {
     }
 }
 
-/// What keeps a `symmetric = true` job from being simulated by one chip standing for all.
+/// What keeps a `symmetric = true` job off the mirror fabric (one chip standing for all, or
+/// one per class of chips alike where the torus or the device mesh has fewer symmetries).
 fn symmetric_problems(
     p: &mut Problems<'_>,
-    pod: Option<&Pod>,
     program: Option<&mut Program>,
     workers: u32,
     faults: &[FaultSpec],
@@ -409,19 +409,12 @@ fn symmetric_problems(
         Some(Program::Train(spec)) => (spec.meta, Vec::new()),
         Some(Program::Bench { .. } | Program::Torch(_)) | None => (true, Vec::new()),
     };
-    if let Some(pod) = pod {
-        podsim_collectives::symmetry_obstacles(pod, meta, ops)
-            .into_iter()
-            .for_each(&mut not);
-        if let Some(Program::Train(spec)) = &program {
-            spec.mesh_symmetry_obstacles(pod)
-                .into_iter()
-                .for_each(&mut not);
-        }
-    }
+    podsim_collectives::symmetry_obstacles(meta, ops)
+        .into_iter()
+        .for_each(&mut not);
     if workers != 1 {
         not(format!(
-            "one chip stands for all: launch.workers must be 1, not {workers}"
+            "the mirror fabric runs in one process: launch.workers must be 1, not {workers}"
         ));
     }
     if !faults.is_empty() {
@@ -712,7 +705,7 @@ fn parse(
     };
     let symmetric = job.as_ref().and_then(|j| j.symmetric).unwrap_or(false);
     if symmetric {
-        symmetric_problems(&mut p, pod.as_ref(), program.as_mut(), workers, &faults);
+        symmetric_problems(&mut p, program.as_mut(), workers, &faults);
     }
     match (name, pod, hardware, program) {
         (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {

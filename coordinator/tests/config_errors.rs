@@ -271,18 +271,20 @@ fn transformer_and_symmetric_problems_are_all_reported() {
         &train_config("mode = \"meta\"", &shape.replace("heads = 4", "heads = 5")),
         &["d_model = 64 is not a multiple of heads = 5"],
     );
-    // One chip standing for all needs a symmetric torus, meta mode and one worker.
-    let asymmetric = train_config("mode = \"meta\"\nsymmetric = true", shape)
+    // The mirror fabric needs one worker; a torus without wraparound only costs it more
+    // chips (every position along such an axis).
+    let unwrapped = train_config("mode = \"meta\"\nsymmetric = true", shape)
         .replace("shape = \"2x2x2\"", "shape = \"2x2x2\"\nwraparound = false");
     expect_error(
         "symmetric",
-        &asymmetric,
-        &[
-            "job.symmetric: axis 0 of",
-            "does not wrap around",
-            "job.symmetric: one chip stands for all: launch.workers must be 1, not 2",
-        ],
+        &unwrapped,
+        &["job.symmetric: the mirror fabric runs in one process: launch.workers must be 1, not 2"],
     );
+    let (code, err) = validate(
+        "symmetric-unwrapped",
+        &unwrapped.replace("workers = 2", "workers = 1"),
+    );
+    assert_eq!(code, 0, "{err}");
 }
 
 #[test]

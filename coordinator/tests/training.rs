@@ -108,6 +108,45 @@ fn a_mesh_that_splits_a_torus_axis_trains_across_workers() {
 }
 
 #[test]
+fn a_symmetric_job_on_a_split_mesh_runs_two_chips_and_times_every_chip() {
+    // The mesh of the test above in meta mode on one worker: chips at even and odd y differ,
+    // so the mirror fabric runs one of each, and its step equals that of all 16 chips.
+    let sets = |symmetric: &'static str| {
+        [
+            "topology.shape=4x4",
+            "job.tp=8",
+            "job.mode=meta",
+            "job.steps=2",
+            "launch.workers=1",
+            symmetric,
+        ]
+    };
+    let (mirror, out) = launch("fsdp_tp", "split-mirror", &sets("job.symmetric=true"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (every, out) = launch("fsdp_tp", "split-every", &sets("job.symmetric=false"));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(mirror["training"]["hbm"].as_array().unwrap().len(), 2);
+    assert_eq!(every["training"]["hbm"].as_array().unwrap().len(), 16);
+    let (a, b) = (step_virtual_ms(&mirror), step_virtual_ms(&every));
+    assert!(
+        (a - b).abs() <= 1e-9 * b,
+        "mirror {a} ms, every chip {b} ms"
+    );
+    assert_eq!(
+        mirror["training"]["peak_hbm_bytes"],
+        every["training"]["peak_hbm_bytes"]
+    );
+}
+
+#[test]
 fn fsdp_keeps_an_eighth_of_ddp_persistent_state_per_chip() {
     let (ddp, _) = launch("ddp", "mem-ddp", &[]);
     let (fsdp, _) = launch("fsdp", "mem-fsdp", &[]);

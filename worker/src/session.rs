@@ -124,15 +124,17 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     }
 }
 
-/// This worker's chips (one standing for all on a mirror fabric), with their recorders,
-/// faults and traces set up.
+/// This worker's chips (on a mirror fabric, one per class of chips alike under the job's
+/// symmetry: one standing for all when it has every translation of the torus), with their
+/// recorders, faults and traces set up.
 fn local_chips(fabric: &Arc<NodeFabric>, me: u32) -> (Vec<podsim_collectives::Chip>, Watched) {
     let spec = &fabric.spec;
     let mut chips = if spec.symmetric {
-        vec![podsim_collectives::mirror_chip(
-            spec.pod.clone(),
-            spec.hardware.clone(),
-        )]
+        let symmetry = match &spec.program {
+            crate::protocol::Program::Train(train) => train.symmetry(&spec.pod),
+            _ => podsim_collectives::Symmetry::of_torus(&spec.pod),
+        };
+        podsim_collectives::mirror_chips(spec.pod.clone(), spec.hardware.clone(), &symmetry)
     } else {
         fabric.chips()
     };

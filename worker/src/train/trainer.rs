@@ -112,23 +112,6 @@ impl TrainSpec {
                 PodAxis::Slices => s,
             })
     }
-
-    /// Why one mirrored chip cannot stand for every chip of this job's mesh: a mesh
-    /// dimension on a contiguous part of a torus axis has ends unlike its middle.
-    pub fn mesh_symmetry_obstacles(&self, pod: &Pod) -> Vec<String> {
-        self.mesh_parts(pod)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|p| !p.is_whole(pod) && !p.wraps(pod))
-            .map(|p| {
-                format!(
-                    "the device mesh takes {} chips of axis {} ({p}), a segment whose ends are \
-                     not like its middle",
-                    p.extent, p.axis
-                )
-            })
-            .collect()
-    }
 }
 
 /// Activations between tensor-parallel regions.
