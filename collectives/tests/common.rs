@@ -35,22 +35,10 @@ pub fn runtime(threads: usize) -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
-/// Runs one collective on every chip; returns each chip's output (`None` in meta mode for
-/// values) with its length and the chip's virtual clock afterwards.
+/// Runs one collective on each of `chips` (every chip of a fabric, or those of a mirror
+/// fabric); returns each chip's output (`None` in meta mode for values) with its length and
+/// the chip's virtual clock afterwards.
 pub async fn run_op(
-    fabric: &LocalFabric,
-    comm: Comm,
-    op: OpKind,
-    reduce: ReduceOp,
-    count: usize,
-    meta: bool,
-    salt: u32,
-) -> Result<Vec<(Option<Vec<f32>>, usize, Nanos)>, CollectiveError> {
-    run_op_on(fabric.chips(), comm, op, reduce, count, meta, salt).await
-}
-
-/// [`run_op`] on the given chips (those of a mirror fabric, say).
-pub async fn run_op_on(
     chips: Vec<Chip>,
     comm: Comm,
     op: OpKind,

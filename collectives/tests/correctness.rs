@@ -38,10 +38,10 @@ fn check_group(fabric: &LocalFabric, group: Group, algo: Algo, label: &str) {
             let salt = salt as u32;
             let what = format!("{label} {algo} {op} {reduce} count={count}");
             let data = rt
-                .block_on(run_op(fabric, comm, op, reduce, count, false, salt))
+                .block_on(run_op(fabric.chips(), comm, op, reduce, count, false, salt))
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             let meta = rt
-                .block_on(run_op(fabric, comm, op, reduce, count, true, salt))
+                .block_on(run_op(fabric.chips(), comm, op, reduce, count, true, salt))
                 .unwrap_or_else(|e| panic!("{what} (meta): {e}"));
             for chip in 0..pod.chips() {
                 let want = expected(&pod, group, chip, op, reduce, count, salt);
@@ -166,7 +166,7 @@ fn a_strided_part_shares_the_wires_it_crosses() {
     let rt = runtime(2);
     let out = rt
         .block_on(run_op(
-            &fabric,
+            fabric.chips(),
             Comm::new(group, Algo::Ring),
             OpKind::AllGather,
             ReduceOp::Sum,

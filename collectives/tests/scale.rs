@@ -30,7 +30,7 @@ fn virtual_time(
     };
     let comm = Comm::new(Group::world(&pod), algo);
     let out = runtime(2)
-        .block_on(run_op_on(chips, comm, op, ReduceOp::Sum, count, true, 0))
+        .block_on(run_op(chips, comm, op, ReduceOp::Sum, count, true, 0))
         .expect("collective");
     (
         out.iter().map(|(_, _, t)| *t).fold(0.0, f64::max),

@@ -15,7 +15,15 @@ fn virtual_time(shape: &str, wrap: bool, algo: Algo, op: OpKind, count: usize, m
     let fabric = fabric(shape, wrap, 1);
     let comm = Comm::new(Group::world(fabric.pod()), algo);
     let out = runtime(2)
-        .block_on(run_op(&fabric, comm, op, ReduceOp::Sum, count, meta, 0))
+        .block_on(run_op(
+            fabric.chips(),
+            comm,
+            op,
+            ReduceOp::Sum,
+            count,
+            meta,
+            0,
+        ))
         .expect("collective");
     out.iter().map(|(_, _, t)| *t).fold(0.0, f64::max)
 }
@@ -165,7 +173,15 @@ fn virtual_time_is_deterministic_and_thread_independent() {
                 OpKind::Broadcast,
             ] {
                 let out = rt
-                    .block_on(run_op(&fabric, comm, op, ReduceOp::Sum, 10_007, false, 1))
+                    .block_on(run_op(
+                        fabric.chips(),
+                        comm,
+                        op,
+                        ReduceOp::Sum,
+                        10_007,
+                        false,
+                        1,
+                    ))
                     .expect("collective");
                 clocks.extend(out.iter().map(|(_, _, t)| t.to_bits()));
             }

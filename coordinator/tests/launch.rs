@@ -121,13 +121,14 @@ fn each_transport_moves_the_same_values_in_the_same_virtual_time() {
     assert_eq!(seen[0], seen[1], "virtual time depends on the transport");
 }
 
-#[test]
-fn external_mode_with_workers_started_by_hand() {
-    let dir = temp_dir("external");
-    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let token = "test-token-0123456789";
+/// `podsim coordinator CONFIG` in external mode on a free loopback port, with `extra`
+/// arguments: the process and the address workers join.
+fn external_coordinator(
+    config: &std::path::Path,
+    token: &str,
+    extra: &[&str],
+) -> (std::process::Child, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
     let mut coord = podsim();
     coord.args([
         "coordinator",
@@ -137,29 +138,28 @@ fn external_mode_with_workers_started_by_hand() {
         "--token",
         token,
     ]);
-    let coord = coord
+    coord.args(extra);
+    let child = coord
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // A worker with the wrong token is refused and exits with an error.
-    let mut bad = podsim();
-    bad.args(["worker", "--join", &addr, "--token", "wrong"]);
-    let refused = run_bounded(bad, Duration::from_secs(60));
-    assert!(!refused.status.success());
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(err.contains("token"), "{err}");
-    // Two proper workers join (ids assigned by the coordinator).
-    let workers: Vec<_> = (0..2)
-        .map(|_| {
-            let mut w = podsim();
-            w.args(["worker", "--join", &addr, "--token", token]);
-            w.stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    (child, addr)
+}
+
+/// `podsim worker` joining `addr` with `extra` arguments.
+fn external_worker(addr: &str, token: &str, extra: &[&str]) -> std::process::Child {
+    let mut w = podsim();
+    w.args(["worker", "--join", addr, "--token", token]);
+    w.args(extra);
+    w.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for the coordinator, then the workers; each must succeed.
+fn all_succeed(coord: std::process::Child, workers: Vec<std::process::Child>) {
     let out = wait_bounded(coord, Duration::from_secs(120));
     assert!(
         out.status.success(),
@@ -170,6 +170,24 @@ fn external_mode_with_workers_started_by_hand() {
         let o = wait_bounded(w, Duration::from_secs(30));
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
+}
+
+#[test]
+fn external_mode_with_workers_started_by_hand() {
+    let dir = temp_dir("external");
+    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
+    let token = "test-token-0123456789";
+    let (coord, addr) = external_coordinator(&config, token, &[]);
+    // A worker with the wrong token is refused and exits with an error.
+    let mut bad = podsim();
+    bad.args(["worker", "--join", &addr, "--token", "wrong"]);
+    let refused = run_bounded(bad, Duration::from_secs(60));
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("token"), "{err}");
+    // Two proper workers join (ids assigned by the coordinator).
+    let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
+    all_succeed(coord, workers);
     let r = report(&dir);
     assert_eq!(r["status"], "ok");
     assert_eq!(r["workers"].as_array().unwrap().len(), 2);
@@ -190,34 +208,10 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         tls_file("job-node.key")
     );
     let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, &tls));
-    let addr = format!("127.0.0.1:{}", free_port());
     let token = "test-token-tls-0123456789";
-    let mut coord = podsim();
     // Worker-to-worker links over gRPC too (not Unix sockets), so they are TLS as well.
-    coord.args([
-        "coordinator",
-        config.to_str().unwrap(),
-        "--listen",
-        &addr,
-        "--token",
-        token,
-        "--set",
-        "launch.transport=tcp",
-    ]);
-    let coord = coord
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let worker = |tls: &[&str]| {
-        let mut w = podsim();
-        w.args(["worker", "--join", &addr, "--token", token]);
-        w.args(tls);
-        w.stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
+    let (coord, addr) = external_coordinator(&config, token, &["--set", "launch.transport=tcp"]);
+    let worker = |tls: &[&str]| external_worker(&addr, token, tls);
     let (ca, job_cert, job_key) = (
         tls_file("job-ca.pem"),
         tls_file("job-node.pem"),
@@ -247,16 +241,7 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
             ])
         })
         .collect();
-    let out = wait_bounded(coord, Duration::from_secs(120));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for w in admitted {
-        let o = wait_bounded(w, Duration::from_secs(30));
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    }
+    all_succeed(coord, admitted);
     for (refused, hint) in [
         (plain, "--tls-ca"),
         (foreign, "signed by the job's authority"),
