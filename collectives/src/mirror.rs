@@ -196,3 +196,47 @@ pub fn symmetry_obstacles(meta: bool, ops: impl IntoIterator<Item = OpKind>) -> 
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podsim_topology::Torus;
+
+    #[test]
+    fn steps_combine_as_least_common_multiples_and_count_the_classes() {
+        let torus: Torus = "8x8x4".parse().unwrap_or_else(|e| panic!("{e}"));
+        let pod = Pod::single(torus.set_wrap_all(true));
+        let all = Symmetry::of_torus(&pod);
+        assert_eq!((all.steps(), all.classes()), (&[1, 1, 1][..], 1));
+        // A two-chip segment along y, then a four-chip block along y: every fourth y.
+        let s = all.with_step(1, 2).with_step(1, 4).with_step(2, 3);
+        assert_eq!((s.steps(), s.classes()), (&[1, 4, 3][..], 12));
+        let lines = Pod::single(
+            "8x4"
+                .parse::<Torus>()
+                .unwrap_or_else(|e| panic!("{e}"))
+                .set_wrap_all(false),
+        );
+        assert_eq!(Symmetry::of_torus(&lines).steps(), &[8, 4]);
+    }
+
+    #[test]
+    fn a_chip_belongs_to_the_class_of_its_coordinates_modulo_the_steps() {
+        let torus: Torus = "4x4".parse().unwrap_or_else(|e| panic!("{e}"));
+        let pod = Pod::new(torus.set_wrap_all(true), 2).unwrap_or_else(|e| panic!("{e}"));
+        let symmetry = Symmetry::of_torus(&pod).with_step(1, 2);
+        let router = MirrorRouter {
+            pod: Arc::new(pod.clone()),
+            steps: symmetry.steps().to_vec(),
+            inboxes: (0..2).map(|_| Arc::new(Inbox::new())).collect(),
+        };
+        // (1, 2) of slice 1 is in the class of (0, 0) of slice 0; (3, 1) of slice 0 in that of
+        // (0, 1), the second representative.
+        for (slice, at, index, rep) in [(1, [1, 2, 0], 0, [0, 0, 0]), (0, [3, 1, 0], 1, [0, 1, 0])]
+        {
+            let got = router.representative(&pod.coord(pod.chip_at(slice, &at)));
+            assert_eq!(got, (index, rep));
+            assert_eq!(router.chip(index), pod.chip_at(0, &rep));
+        }
+    }
+}
