@@ -291,6 +291,37 @@ fn tls_files_that_are_missing_or_not_pem_are_a_config_error() {
         err.contains("launch.tls.key") && err.contains("missing.key"),
         "{err}"
     );
+    // PEM files whose contents are wrong: each problem is named as its file's.
+    let garbage = write(
+        &dir,
+        "garbage.pem",
+        "-----BEGIN CERTIFICATE-----\nZ2FyYmFnZQ==\n-----END CERTIFICATE-----\n",
+    );
+    let cases = [
+        (
+            garbage.display().to_string(),
+            tls_file("job-node.key"),
+            "launch.tls.ca",
+        ),
+        (
+            tls_file("job-ca.pem"),
+            tls_file("other-node.key"),
+            "launch.tls.cert",
+        ),
+    ];
+    for (i, (ca, key, field)) in cases.into_iter().enumerate() {
+        let tls = format!(
+            "[launch.tls]\nca = {ca:?}\ncert = {:?}\nkey = {key:?}\n",
+            tls_file("job-node.pem")
+        );
+        let config = write(&dir, &format!("job{i}.toml"), &job_config(&dir, 2, 1, &tls));
+        let mut c = podsim();
+        c.arg("validate").arg(&config);
+        let out = run_bounded(c, Duration::from_secs(30));
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(field), "{err}");
+    }
 }
 
 #[test]

@@ -89,19 +89,29 @@ impl Tls {
             ca: Certificate::from_pem(ca),
             identity: Identity::from_pem(cert, key),
         };
-        // Both builders parse the PEM contents: a bad certificate or key shows here, not at
-        // the first connection.
-        tonic::transport::Server::builder()
-            .tls_config(tls.server())
-            .map_err(|e| {
-                let why = format!(
-                    "{} with {}: {}",
-                    files.cert.display(),
-                    files.key.display(),
-                    chain(&e)
-                );
-                vec![(TlsFile::Cert, why)]
-            })?;
+        // The builders parse the PEM contents, so a bad authority, certificate or key shows
+        // here, not at the first connection: the certificate and key on their own first, then
+        // with the authority, so that each problem is named as its file's.
+        let check = |config: ServerTlsConfig| {
+            tonic::transport::Server::builder()
+                .tls_config(config)
+                .map(drop)
+        };
+        check(ServerTlsConfig::new().identity(tls.identity.clone())).map_err(|e| {
+            let why = format!(
+                "{} with {}: {}",
+                files.cert.display(),
+                files.key.display(),
+                chain(&e)
+            );
+            vec![(TlsFile::Cert, why)]
+        })?;
+        check(tls.server()).map_err(|e| {
+            vec![(
+                TlsFile::Ca,
+                format!("{}: {}", files.ca.display(), chain(&e)),
+            )]
+        })?;
         tonic::transport::Endpoint::from_static("https://podsim.invalid")
             .tls_config(tls.client())
             .map_err(|e| {
