@@ -159,7 +159,7 @@ impl Chip {
         }
     }
 
-    /// Marks the chip as standing for every chip of a symmetric job (see `mirror_chip`).
+    /// Marks the chip as standing for every chip of a symmetric job (see `mirror_chips`).
     pub(crate) fn set_mirrored(&mut self) {
         self.core.mirrored = true;
     }

@@ -63,7 +63,7 @@ pub use executor::scheduling_lag;
 pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, MAX_TAG as MAX_P2P_TAG, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips};
-pub use mirror::{MirrorRouter, Symmetry, mirror_chip, mirror_chips, symmetry_obstacles};
+pub use mirror::{MirrorRouter, Symmetry, mirror_chips, symmetry_obstacles};
 pub use payload::{Payload, Rope, Run};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{

@@ -141,15 +141,6 @@ impl Router for MirrorRouter {
     }
 }
 
-/// Chip 0 of `pod` standing for every chip (see the module docs).
-pub fn mirror_chip(pod: Pod, hardware: Hardware) -> Chip {
-    let symmetry = Symmetry {
-        steps: vec![1; pod.torus().ndims()],
-    };
-    let mut chips = mirror_chips(pod, hardware, &symmetry);
-    chips.swap_remove(0)
-}
-
 /// One chip per class of chips alike under `symmetry`, in slice 0 (see the module docs).
 pub fn mirror_chips(pod: Pod, hardware: Hardware, symmetry: &Symmetry) -> Vec<Chip> {
     let pod = Arc::new(pod);

@@ -13,7 +13,7 @@ use std::time::Duration;
 use podsim_collectives::faults::{BeforeCollective, FaultHook, OnSend};
 use podsim_collectives::{
     Algo, Chip, CollectiveError, Comm, Fingerprint, LocalFabric, Message, Payload, ReduceOp,
-    mirror_chip, run_chips,
+    Symmetry, mirror_chips, run_chips,
 };
 use podsim_topology::{Group, Hardware, Pod, Torus};
 
@@ -130,7 +130,13 @@ fn a_chip_that_skipped_a_collective_is_a_desync_anywhere_in_the_tree() {
 fn harness_barrier_on_a_mirror_chip() {
     let rt = common::runtime(1);
     let pod = pod("4x4x4", true, 1);
-    let chip = mirror_chip(pod.clone(), Hardware::preset("v5p").unwrap());
+    let mut chips = mirror_chips(
+        pod.clone(),
+        Hardware::preset("v5p").unwrap(),
+        &Symmetry::of_torus(&pod),
+    );
+    assert_eq!(chips.len(), 1);
+    let chip = chips.remove(0);
     let out = rt
         .block_on(run_chips(vec![chip], |mut chip: Chip| async move {
             chip.harness_barrier(Group::world(chip.pod())).await?;

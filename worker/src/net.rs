@@ -345,15 +345,16 @@ impl NodeFabric {
         self.connected_changed.notify_waiters();
     }
 
-    /// The transport of each link to another worker, by peer.
-    pub fn links(&self) -> Vec<PeerLink> {
+    /// The transport of each link to another worker, by peer; `tls` when this worker's gRPC
+    /// connections are mutual TLS (its Unix-socket links never are).
+    pub fn links(&self, tls: bool) -> Vec<PeerLink> {
         let connected = self.connected.lock().unwrap_or_else(|e| e.into_inner());
         let mut links: Vec<PeerLink> = connected
             .iter()
             .map(|(&peer, &transport)| PeerLink {
                 peer,
                 transport,
-                tls: false,
+                tls: tls && transport == Transport::Tcp,
             })
             .collect();
         links.sort_by_key(|l| l.peer);

@@ -21,9 +21,7 @@ use podsim_collectives::{FlightRecorder, TraceHandle};
 
 use crate::error::WorkerError;
 use crate::faults::FaultPlan;
-use crate::job::{
-    FailureReport, HeartbeatStatus, JobSpec, PeerLink, RecorderDump, Transport, WorkerReport,
-};
+use crate::job::{FailureReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
 use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
 use crate::programs::{run_program, total_units};
 
@@ -98,14 +96,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
                 bytes_sent: out.bytes_sent,
                 peak_rss_bytes: net::peak_rss_bytes(),
                 link_errors: fabric.link_errors(),
-                links: fabric
-                    .links()
-                    .into_iter()
-                    .map(|l| PeerLink {
-                        tls: opts.tls.is_some() && l.transport == Transport::Tcp,
-                        ..l
-                    })
-                    .collect(),
+                links: fabric.links(opts.tls.is_some()),
                 torch: out.torch,
             };
             let json = serde_json::to_vec(&report).map_err(session_error)?;
