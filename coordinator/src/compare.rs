@@ -4,13 +4,17 @@
 //! Each row describes one run (hardware, slice torus, slices, decoder shape, batch,
 //! parallelism, remat policy) and its measured seconds per step. The row becomes a meta-mode
 //! training job (`job_toml`: FSDP within a slice, tensor parallelism with activations
-//! sharded between regions, data parallelism across slices; AdamW with f32 state), validated
-//! like any config, and runs in this process on the mirror fabric: one chip standing for all
+//! sharded between regions, data parallelism across slices; AdamW with f32 master weights and
+//! state unless the row says `weight_dtype = bf16`), validated like any config, and runs in
+//! this process on the mirror fabric: one chip standing for all
 //! where the job is symmetric under every translation of the torus, one chip per class of
 //! chips alike where it is not (a device mesh that takes a two-chip segment of a torus axis:
 //! two chips; a torus without wraparound: every position along that axis). MFU counts
 //! model flops: 6 per weight per token (the LM head included, the embedding lookup not) plus
 //! causal attention.
+//!
+//! Optional columns, read where the file has them: `weight_dtype` (`f32`, the default, or
+//! `bf16`: weights and optimizer state kept in bf16, MaxText's `weight_dtype`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -111,9 +115,18 @@ struct Row<'a> {
 }
 
 impl Row<'_> {
+    /// The cell of a required column (every row has one: the header was checked).
     fn get(&self, column: &str) -> &str {
-        let i = self.header.iter().position(|h| h == column).unwrap_or(0);
-        self.cells.get(i).map_or("", |c| c.trim())
+        self.optional(column).unwrap_or("")
+    }
+
+    /// The cell of a column the file may lack; `None` also for an empty cell.
+    fn optional(&self, column: &str) -> Option<&str> {
+        let i = self.header.iter().position(|h| h == column)?;
+        self.cells
+            .get(i)
+            .map(|c| c.trim())
+            .filter(|c| !c.is_empty())
     }
 
     fn bad(&self, column: &str, why: &str) -> String {
@@ -179,7 +192,12 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         ),
     };
     let batch_per_chip = row.positive("batch_per_chip")?;
-    let (model, tied) = model_keys(row)?;
+    let (mut model, tied) = model_keys(row)?;
+    match row.optional("weight_dtype") {
+        None => {}
+        Some(w @ ("f32" | "bf16")) => model.push_str(&format!("weight_dtype = {w:?}\n")),
+        Some(_) => return Err(row.bad("weight_dtype", "expected f32 or bf16")),
+    }
     Ok(format!(
         r#"name = "compare-{id}"
 [topology]
@@ -415,13 +433,14 @@ pub fn summarise(rows: &[Comparison]) -> Summary {
 
 fn table(rows: &[Comparison], s: &Summary) -> String {
     const GIB: f64 = (1u64 << 30) as f64;
+    let id = rows.iter().map(|r| r.id.len()).max().unwrap_or(0).max(8);
     let mut out = format!(
-        "{:<8} {:>12} {:>11} {:>8} {:>7} {:>21} {:>5}\n",
+        "{:<id$} {:>12} {:>11} {:>8} {:>7} {:>21} {:>5}\n",
         "id", "predicted s", "measured s", "error", "MFU", "peak HBM / capacity", "fits"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<8} {:>12.2} {:>11.2} {:>+7.1}% {:>6.1}% {:>9.1} / {:>5.1} GiB {:>5}\n",
+            "{:<id$} {:>12.2} {:>11.2} {:>+7.1}% {:>6.1}% {:>9.1} / {:>5.1} GiB {:>5}\n",
             r.id,
             r.predicted_step_s,
             r.measured_step_s,

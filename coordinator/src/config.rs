@@ -264,6 +264,7 @@ table! {
         block: Option<String> [transformer],
         tied_embeddings: Option<bool> [transformer],
         dtype: Option<String> [transformer],
+        weight_dtype: Option<String> [transformer],
     }
 }
 
@@ -503,6 +504,7 @@ fn transformer_spec(p: &mut Problems<'_>, m: &RawModel) -> TransformerSpec {
         }
     };
     let (mlp, block) = transformer_layers(p, m);
+    let (dtype, weight_dtype) = transformer_dtypes(p, m);
     TransformerSpec {
         layers: need(p, "layers", m.layers),
         d_model,
@@ -515,19 +517,41 @@ fn transformer_spec(p: &mut Problems<'_>, m: &RawModel) -> TransformerSpec {
         vocab: need(p, "vocab", m.vocab),
         tied_embeddings: m.tied_embeddings.unwrap_or(false),
         seq: need(p, "seq", m.seq),
-        dtype: match m.dtype.as_deref().unwrap_or("bf16") {
-            "bf16" => DType::Bf16,
-            "f32" => DType::F32,
-            other => {
-                p.add(
-                    "job.model",
-                    Some("dtype"),
-                    format!("{other:?} is not bf16 or f32"),
-                );
-                DType::F32
-            }
-        },
+        dtype,
+        weight_dtype,
     }
+}
+
+/// `[job.model]` `dtype` and `weight_dtype`: weights are kept at least as wide as they are
+/// computed with (f32 master weights under bf16 compute, or bf16 throughout).
+fn transformer_dtypes(p: &mut Problems<'_>, m: &RawModel) -> (DType, DType) {
+    let mut dtype_of = |key: &str, value: Option<&str>, default: DType| match value {
+        None => default,
+        Some("bf16") => DType::Bf16,
+        Some("f32") => DType::F32,
+        Some(other) => {
+            p.add(
+                "job.model",
+                Some(key),
+                format!("{other:?} is not bf16 or f32"),
+            );
+            default
+        }
+    };
+    let dtype = dtype_of("dtype", m.dtype.as_deref(), DType::Bf16);
+    let weight_dtype = dtype_of("weight_dtype", m.weight_dtype.as_deref(), DType::F32);
+    if weight_dtype.size() < dtype.size() {
+        p.add(
+            "job.model",
+            Some("weight_dtype"),
+            format!(
+                "{} weights cannot feed {} compute: weight_dtype must be at least as wide as dtype",
+                weight_dtype.name(),
+                dtype.name()
+            ),
+        );
+    }
+    (dtype, weight_dtype)
 }
 
 /// A transformer block's MLP kind (`mlp`, or the older `gated`) and its layout (`block`).
@@ -1679,6 +1703,30 @@ mod tests {
             .0;
         assert!(
             errors.iter().any(|e| e.field.starts_with("launch.workers")),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn weights_are_kept_at_least_as_wide_as_they_are_computed_with() {
+        let text = "name = \"t\"\n[topology]\nshape = \"2x2\"\n[job]\nkind = \"train\"\nmode = \"meta\"\nstrategy = \"fsdp\"\n[job.model]\nkind = \"transformer\"\nlayers = 2\nd_model = 64\nheads = 4\nffn = 128\nvocab = 256\nseq = 32\n";
+        let weights = |sets: &[&str]| match load(text, sets).expect("a train job").program {
+            Program::Train(t) => (t.model.dtype(), t.model.weight_dtype()),
+            other => panic!("a train program: {other:?}"),
+        };
+        assert_eq!(weights(&[]), (DType::Bf16, DType::F32));
+        assert_eq!(
+            weights(&["job.model.weight_dtype=\"bf16\""]),
+            (DType::Bf16, DType::Bf16)
+        );
+        let errors = load(
+            text,
+            &["job.model.dtype=\"f32\"", "job.model.weight_dtype=\"bf16\""],
+        )
+        .expect_err("bf16 weights under f32 compute")
+        .0;
+        assert!(
+            errors.iter().any(|e| e.field == "job.model.weight_dtype"),
             "{errors:?}"
         );
     }

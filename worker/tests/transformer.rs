@@ -29,6 +29,7 @@ fn model(d_model: usize, ffn: usize, vocab: usize) -> TransformerSpec {
         tied_embeddings: false,
         seq: 64,
         dtype: DType::Bf16,
+        weight_dtype: DType::F32,
     }
 }
 

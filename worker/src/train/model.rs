@@ -104,7 +104,13 @@ pub struct TransformerSpec {
     pub tied_embeddings: bool,
     /// Tokens per sequence.
     pub seq: usize,
+    /// Element type of the computation: activations, the weights a kernel reads, gradients
+    /// as they flow, and the collectives that move them.
     pub dtype: DType,
+    /// Element type the weights, their gradients and the optimizer state are kept in between
+    /// steps (MaxText's `weight_dtype`). Wider than `dtype` is mixed precision: a `dtype`
+    /// working copy beside master weights of this type.
+    pub weight_dtype: DType,
 }
 
 /// What a layer's parameters do to its input.
@@ -182,7 +188,7 @@ impl std::fmt::Display for ModelSpec {
             ModelSpec::Mlp(m) => write!(f, "MLP {:?}", m.widths),
             ModelSpec::Transformer(t) => write!(
                 f,
-                "transformer {} layers ({} blocks), d_model {}, {} heads ({} kv) of {}, ffn {} ({}), vocab {}{}, seq {}, {}",
+                "transformer {} layers ({} blocks), d_model {}, {} heads ({} kv) of {}, ffn {} ({}), vocab {}{}, seq {}, {}{}",
                 t.layers,
                 match t.block {
                     BlockKind::Sequential => "sequential",
@@ -197,7 +203,12 @@ impl std::fmt::Display for ModelSpec {
                 t.vocab,
                 if t.tied_embeddings { " (tied)" } else { "" },
                 t.seq,
-                t.dtype.name()
+                t.dtype.name(),
+                if t.weight_dtype == t.dtype {
+                    String::new()
+                } else {
+                    format!(" ({} weights)", t.weight_dtype.name())
+                }
             ),
         }
     }
@@ -478,6 +489,14 @@ impl ModelSpec {
         }
     }
 
+    /// Element type of the master weights and the optimizer state.
+    pub fn weight_dtype(&self) -> DType {
+        match self {
+            ModelSpec::Mlp(_) => DType::F32,
+            ModelSpec::Transformer(t) => t.weight_dtype,
+        }
+    }
+
     /// The MLP, for what only it supports (real data, the single-chip reference).
     pub fn mlp(&self) -> Option<&MlpSpec> {
         match self {
@@ -667,6 +686,7 @@ mod tests {
             tied_embeddings: false,
             seq: 4096,
             dtype: DType::Bf16,
+            weight_dtype: DType::F32,
         }
     }
 
@@ -699,6 +719,7 @@ mod tests {
             tied_embeddings: true,
             seq: 2048,
             dtype: DType::Bf16,
+            weight_dtype: DType::F32,
         };
         let d = 10240;
         let block = d * 3 * 8192 + 8192 * d + 2 * d * 32768;
@@ -733,6 +754,7 @@ mod tests {
             tied_embeddings: false,
             seq: 16,
             dtype: DType::F32,
+            weight_dtype: DType::F32,
         });
         let layers = m.lower();
         assert_eq!(layers.len(), 4 * 2 + 2);

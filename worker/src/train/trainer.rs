@@ -613,10 +613,12 @@ impl<'a> Trainer<'a> {
         let dp = plan.data_parallel(&coords);
         // Meta mode predicts: a model that does not fit gets a verdict, not an abort.
         let mut hbm = Hbm::new(chip.id(), chip.hardware().hbm_bytes as u64).lenient(spec.meta);
-        // Optimizer state is f32; below f32 the optimizer also keeps an f32 master copy
-        // (mixed precision).
-        let state_bytes =
-            4 * spec.optimizer.state_per_param() as u64 + if elem < 4 { 4 } else { 0 };
+        // The optimizer state is kept in the weights' type; weights wider than the compute
+        // type are mixed precision, with a master copy beside the working one. Gradients are
+        // charged at the compute type: they are reduced in it and cast into the update.
+        let weight = spec.model.weight_dtype().size() as u64;
+        let state_bytes = weight * spec.optimizer.state_per_param() as u64
+            + if weight > elem { weight } else { 0 };
         // DDP: every rank draws its own initial weights and rank 0's are broadcast, as
         // DistributedDataParallel does at construction. Other strategies start from one seed.
         let stream = if spec.strategy == Strategy::Ddp {
