@@ -169,19 +169,15 @@ impl Study {
             }
         };
         // Key order as written: toml's tables are sorted, so take it from the spans.
-        let order = &key_positions(text);
+        let at = &Written::new(text);
         let name = raw.name.clone().unwrap_or_else(|| {
             path.file_stem()
                 .map_or("study".into(), |s| s.to_string_lossy().into_owned())
         });
         if name.trim().is_empty() {
-            found.add(
-                line_of(text, order, "name"),
-                "name",
-                "must not be empty".into(),
-            );
+            found.add(at.line("name"), "name", "must not be empty".into());
         }
-        let base = base_of(&mut found, path, &raw.base, line_of(text, order, "base"));
+        let base = base_of(&mut found, path, &raw.base, at.line("base"));
         let out = raw
             .out
             .as_deref()
@@ -190,15 +186,15 @@ impl Study {
         let parallel = raw.parallel.unwrap_or(1);
         if parallel < 1 {
             found.add(
-                line_of(text, order, "parallel"),
+                at.line("parallel"),
                 "parallel",
                 format!("{parallel}: must be at least 1"),
             );
         }
-        let timeout = timeout_of(&mut found, raw.timeout_s, line_of(text, order, "timeout_s"));
-        let sweep = sweep_of(&mut found, &raw.sweep, text, order);
+        let timeout = timeout_of(&mut found, raw.timeout_s, at.line("timeout_s"));
+        let sweep = sweep_of(&mut found, &raw.sweep, at);
         let swept: BTreeSet<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
-        let points = points_of(&mut found, &raw.points, text, order, &swept);
+        let points = points_of(&mut found, &raw.points, at, &swept);
         let mut keys: Vec<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
         for (k, _) in points.iter().flatten() {
             if !keys.contains(k) {
@@ -206,8 +202,8 @@ impl Study {
             }
         }
         let mut columns = column_order(keys, []);
-        let metrics = metrics_of(&mut found, &raw.metrics, text, order, &mut columns);
-        let plots = plots_of(&mut found, raw.plot, text, order, &columns);
+        let metrics = metrics_of(&mut found, &raw.metrics, at, &mut columns);
+        let plots = plots_of(&mut found, raw.plot, at, &columns);
         if !found.list.is_empty() {
             return Err(ConfigErrors(found.list));
         }
@@ -304,18 +300,57 @@ fn flatten(table: &toml::Table) -> Vec<(String, toml::Value)> {
     out
 }
 
-fn ordered(
-    mut items: Vec<(String, toml::Value)>,
-    order: &BTreeMap<String, usize>,
-    scope: &str,
-) -> Vec<(String, toml::Value)> {
-    items.sort_by_key(|(k, _)| {
-        order
-            .get(&format!("{scope}\u{0}{k}"))
-            .copied()
-            .unwrap_or(usize::MAX)
-    });
-    items
+/// One key of `[sweep]`, `[metrics]` or a `[[points]]` table, with where a problem with it
+/// is reported.
+struct Entry {
+    key: String,
+    value: toml::Value,
+    line: Option<usize>,
+    /// The key as a problem names it, e.g. `points[2]."job.steps"`.
+    field: String,
+}
+
+/// A study file's text and where each of its keys is written.
+struct Written<'a> {
+    text: &'a str,
+    /// Byte offsets, as `key_positions` keys them.
+    order: BTreeMap<String, usize>,
+}
+
+impl<'a> Written<'a> {
+    fn new(text: &'a str) -> Self {
+        Written {
+            text,
+            order: key_positions(text),
+        }
+    }
+
+    /// The line of `key` (as `key_positions` names it).
+    fn line(&self, key: &str) -> Option<usize> {
+        self.order
+            .get(key)
+            .map(|&pos| toml_lines::line_at(self.text, pos))
+    }
+
+    /// A table's keys in the order written (`scope` as `key_positions` keys them), each
+    /// named under `shown`.
+    fn entries(&self, items: Vec<(String, toml::Value)>, scope: &str, shown: &str) -> Vec<Entry> {
+        let mut entries: Vec<(Option<usize>, Entry)> = items
+            .into_iter()
+            .map(|(key, value)| {
+                let position = self.order.get(&format!("{scope}\u{0}{key}")).copied();
+                let entry = Entry {
+                    field: format!("{shown}.{}", quote_key(&key)),
+                    line: position.map(|pos| toml_lines::line_at(self.text, pos)),
+                    key,
+                    value,
+                };
+                (position, entry)
+            })
+            .collect();
+        entries.sort_by_key(|(position, _)| position.unwrap_or(usize::MAX));
+        entries.into_iter().map(|(_, e)| e).collect()
+    }
 }
 
 /// Byte offset of every key as written, keyed `scope NUL dotted.key` for the keys of
@@ -1201,11 +1236,6 @@ impl Found {
     }
 }
 
-/// The line of `key` (as `key_positions` names it) in `text`.
-fn line_of(text: &str, order: &BTreeMap<String, usize>, key: &str) -> Option<usize> {
-    order.get(key).map(|&pos| toml_lines::line_at(text, pos))
-}
-
 /// Where a study file fails to parse: line, field and message (a missing field is named
 /// inside its table).
 fn syntax_problem(text: &str, e: &toml::de::Error) -> (Option<usize>, String, String) {
@@ -1275,13 +1305,16 @@ fn timeout_of(found: &mut Found, seconds: Option<f64>, line: Option<usize>) -> O
 fn sweep_of(
     found: &mut Found,
     raw: &toml::Table,
-    text: &str,
-    order: &BTreeMap<String, usize>,
+    at: &Written<'_>,
 ) -> Vec<(String, Vec<toml::Value>)> {
     let mut sweep = Vec::new();
-    for (key, value) in ordered(flatten(raw), order, "sweep") {
-        let field = format!("sweep.{}", quote_key(&key));
-        let line = line_of(text, order, &format!("sweep\u{0}{key}"));
+    for entry in at.entries(flatten(raw), "sweep", "sweep") {
+        let Entry {
+            key,
+            value,
+            line,
+            field,
+        } = entry;
         if let Some(reason) = bad_override_key(&key) {
             found.add(line, &field, reason);
             continue;
@@ -1307,17 +1340,20 @@ fn sweep_of(
 fn points_of(
     found: &mut Found,
     raw: &[toml::Table],
-    text: &str,
-    order: &BTreeMap<String, usize>,
+    at: &Written<'_>,
     swept: &BTreeSet<String>,
 ) -> Vec<Vec<(String, toml::Value)>> {
     let mut points = Vec::new();
     for (i, table) in raw.iter().enumerate() {
-        let scope = format!("points#{i}");
         let mut point = Vec::new();
-        for (key, value) in ordered(flatten(table), order, &scope) {
-            let field = format!("points[{i}].{}", quote_key(&key));
-            let line = line_of(text, order, &format!("{scope}\u{0}{key}"));
+        let shown = format!("points[{i}]");
+        for Entry {
+            key,
+            value,
+            line,
+            field,
+        } in at.entries(flatten(table), &format!("points#{i}"), &shown)
+        {
             if let Some(reason) = bad_override_key(&key) {
                 found.add(line, &field, reason);
             } else if swept.contains(&key) {
@@ -1336,15 +1372,18 @@ fn points_of(
 fn metrics_of(
     found: &mut Found,
     raw: &toml::Table,
-    text: &str,
-    order: &BTreeMap<String, usize>,
+    at: &Written<'_>,
     columns: &mut Vec<String>,
 ) -> Vec<(String, String)> {
     let mut metrics = Vec::new();
-    let metric_items: Vec<(String, toml::Value)> = raw.clone().into_iter().collect();
-    for (name, value) in ordered(metric_items, order, "metrics") {
-        let field = format!("metrics.{}", quote_key(&name));
-        let line = line_of(text, order, &format!("metrics\u{0}{name}"));
+    let items = raw.clone().into_iter().collect();
+    for Entry {
+        key: name,
+        value,
+        line,
+        field,
+    } in at.entries(items, "metrics", "metrics")
+    {
         let Some(path) = value.as_str() else {
             found.add(
                 line,
@@ -1380,17 +1419,17 @@ fn metrics_of(
 fn plots_of(
     found: &mut Found,
     raw: Vec<RawPlot>,
-    text: &str,
-    order: &BTreeMap<String, usize>,
+    at: &Written<'_>,
     columns: &[String],
 ) -> Vec<Plot> {
     let mut plots = Vec::new();
     let mut files = BTreeSet::new();
-    let plot_lines = header_lines(text, "[[plot]]");
+    let plot_lines = header_lines(at.text, "[[plot]]");
     for (i, p) in raw.into_iter().enumerate() {
         let mut bad = |key: &str, reason: String| {
-            let line =
-                line_of(text, order, &format!("plot#{i}\u{0}{key}")).or(plot_lines.get(i).copied());
+            let line = at
+                .line(&format!("plot#{i}\u{0}{key}"))
+                .or(plot_lines.get(i).copied());
             found.add(line, &format!("plot[{i}].{key}"), reason);
         };
         let plain =
@@ -1513,26 +1552,21 @@ series = "topology.wraparound"
             "topology.wraparound=false job.iterations=3 topology.shape=\"4x4\" launch.workers=2"
         );
         assert!(pts.iter().enumerate().all(|(i, p)| p.index == i));
-        assert_eq!(
-            s.columns(),
-            [
-                "point",
-                "topology.wraparound",
-                "job.iterations",
-                "topology.shape",
-                "launch.workers",
-                "status",
-                "exit_code",
-                "chips",
-                "slices",
-                "virtual_s",
-                "wall_s",
-                "peak_rss_mib",
-                "zeta",
-                "alpha",
-                "error"
-            ]
-        );
+        // The point, the swept keys as written, the built-in columns, the metrics as
+        // written, the error last.
+        let swept = [
+            "point",
+            "topology.wraparound",
+            "job.iterations",
+            "topology.shape",
+            "launch.workers",
+        ];
+        let expected: Vec<&str> = swept
+            .into_iter()
+            .chain(BUILTIN_COLUMNS)
+            .chain(["zeta", "alpha", "error"])
+            .collect();
+        assert_eq!(s.columns(), expected);
     }
 
     #[test]
