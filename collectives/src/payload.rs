@@ -165,7 +165,7 @@ impl Rope {
     }
 
     pub fn to_vec(&self) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.len);
+        let mut out = buffer::take(self.len);
         self.for_each_run(|run| out.extend_from_slice(run));
         out
     }
@@ -625,8 +625,19 @@ impl Payload {
         match self {
             Payload::Meta(n) => Payload::Meta(n),
             Payload::Data(r) => {
-                let mut v = r.into_unique().unwrap_or_else(|r| r.to_vec());
-                v.iter_mut().for_each(|x| *x /= divisor);
+                // In place when the rope is one unshared buffer; otherwise one pass that
+                // writes the quotients into a single fresh buffer (not a copy, then a pass).
+                let v = match r.into_unique() {
+                    Ok(mut v) => {
+                        v.iter_mut().for_each(|x| *x /= divisor);
+                        v
+                    }
+                    Err(r) => {
+                        let mut v = buffer::take(r.len);
+                        r.for_each_run(|run| v.extend(run.iter().map(|x| x / divisor)));
+                        v
+                    }
+                };
                 Payload::data(Rope::from_vec(v))
             }
             pending @ Payload::Pending(_) => pending.resolve().divide(divisor),

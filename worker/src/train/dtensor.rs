@@ -354,7 +354,7 @@ impl DTensor {
                 (Placement::Partial(op), Placement::Shard(d)) if direct(&[d]) => {
                     reduce_scatter(chip, &[&cur], i, op, d).await?.remove(0)
                 }
-                (Placement::Partial(op), _) => all_reduce(chip, &[&cur], i, op).await?.remove(0),
+                (Placement::Partial(op), _) => all_reduce(chip, vec![cur], i, op).await?.remove(0),
                 (Placement::Replicate, _) => cur,
             };
         }
@@ -573,25 +573,40 @@ pub async fn reduce_scatter(
 /// (a DDP bucket; one tensor is DTensor's plain all-reduce).
 pub async fn all_reduce(
     chip: &mut Chip,
-    items: &[&DTensor],
+    items: Vec<DTensor>,
     i: usize,
     op: ReduceOp,
 ) -> Result<Vec<DTensor>, WorkerError> {
-    expect_at(items, i, |p| p == Placement::Partial(op), "all-reduce")?;
+    let refs: Vec<&DTensor> = items.iter().collect();
+    expect_at(&refs, i, |p| p == Placement::Partial(op), "all-reduce")?;
     let Some(first) = items.first() else {
         return Ok(Vec::new());
     };
-    let input = Payload::concat(items.iter().map(|t| t.local.to_payload()));
-    let reduced = chip.all_reduce(&first.mesh.comm(i), &input, op).await?;
-    let mut out = Vec::with_capacity(items.len());
-    let mut offset = 0;
+    let comm = first.mesh.comm(i);
+    // The inputs are the caller's to give up: their buffers become the collective's input
+    // without a copy; each keeps its mesh, placements and shapes to be rebuilt from.
+    let mut parts = Vec::with_capacity(items.len());
+    let mut shells = Vec::with_capacity(items.len());
     for t in items {
-        let len = t.local.numel();
-        let local = Tensor::from_payload(reduced.slice(offset, len), t.local.shape())?;
-        offset += len;
-        let mut placements = t.placements.clone();
+        let local_shape = t.local.shape().to_vec();
+        parts.push(t.local.into_payload());
+        let mut placements = t.placements;
         placements[i] = Placement::Replicate;
-        out.push(t.with_local(local, &placements));
+        shells.push((t.mesh, placements, t.shape, local_shape));
+    }
+    let reduced = chip.all_reduce(&comm, &Payload::concat(parts), op).await?;
+    let mut out = Vec::with_capacity(shells.len());
+    let mut offset = 0;
+    for (mesh, placements, shape, local_shape) in shells {
+        let len: usize = local_shape.iter().product();
+        let local = Tensor::from_payload(reduced.slice(offset, len), &local_shape)?;
+        offset += len;
+        out.push(DTensor {
+            mesh,
+            placements,
+            shape,
+            local,
+        });
     }
     Ok(out)
 }

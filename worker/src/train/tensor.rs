@@ -116,6 +116,24 @@ impl Tensor {
         }
     }
 
+    /// The values as a payload, handing over the array's own buffer when it holds exactly
+    /// them in row-major order (no copy), copying otherwise.
+    pub fn into_payload(self) -> Payload {
+        match self {
+            Tensor::Data(a) if a.is_standard_layout() => {
+                let len = a.len();
+                match a.into_raw_vec_and_offset() {
+                    (values, Some(0) | None) if values.len() == len => Payload::from_vec(values),
+                    (values, offset) => {
+                        let start = offset.unwrap_or(0);
+                        Payload::copy_of(&values[start..start + len])
+                    }
+                }
+            }
+            other => other.to_payload(),
+        }
+    }
+
     fn with_dim(&self, dim: usize, len: usize) -> Vec<usize> {
         let mut s = self.shape().to_vec();
         s[dim] = len;

@@ -1461,13 +1461,18 @@ impl<'a> Trainer<'a> {
 
     /// Gradient sync of layer `l`'s parameters once its backward is done.
     async fn sync_layer(&mut self, chip: &mut Chip, l: usize) -> Result<(), WorkerError> {
+        // The layer's backward is done for the step: its gradients are taken, not copied. A
+        // shape stays in their place, for the unsharded gradient's HBM to be freed by.
         let grads: Vec<DTensor> = (0..2)
             .map(|which| {
-                let p = &self.params[2 * l + which];
-                let g = p
-                    .grad
-                    .clone()
-                    .unwrap_or_else(|| Tensor::zeros(p.stored.local().shape(), self.spec.meta));
+                let p = &mut self.params[2 * l + which];
+                let g = match p.grad.take() {
+                    Some(g) => {
+                        p.grad = Some(Tensor::Meta(g.shape().to_vec()));
+                        g
+                    }
+                    None => Tensor::zeros(p.stored.local().shape(), self.spec.meta),
+                };
                 p.stored.with_local(g, &self.plan.gradient(l, which))
             })
             .collect();
@@ -1491,7 +1496,7 @@ impl<'a> Trainer<'a> {
                 dtensor::reduce_scatter(chip, &[&grads[0], &grads[1]], dim, ReduceOp::Avg, 0)
                     .await?;
             if let Some(rep) = self.plan.replicate_dim() {
-                g = dtensor::all_reduce(chip, &[&g[0], &g[1]], rep, ReduceOp::Avg).await?;
+                g = dtensor::all_reduce(chip, g, rep, ReduceOp::Avg).await?;
             }
             self.tl.end(chip, issued);
             g.into_iter().map(DTensor::into_local).collect()
@@ -1544,9 +1549,8 @@ impl<'a> Trainer<'a> {
                         .with_local(g, &self.plan.gradient(p.layer, p.which))
                 })
                 .collect();
-            let refs: Vec<&DTensor> = grads.iter().collect();
             let issued = self.tl.begin(chip, Stream::Reduce, true);
-            let reduced = dtensor::all_reduce(chip, &refs, dim, ReduceOp::Avg).await?;
+            let reduced = dtensor::all_reduce(chip, grads, dim, ReduceOp::Avg).await?;
             self.tl.end(chip, issued);
             for (&i, g) in bucket.iter().zip(reduced) {
                 self.finish_grad(i, g.into_local());
