@@ -4,9 +4,10 @@
 //! Why not gRPC here: on loopback the cost of a link is copies and hand-offs, not the network.
 //! The gRPC path copies every value into a protobuf buffer, again into HTTP/2 frames, and
 //! back out on the other side, and each message passes several tasks. Here a payload goes from
-//! the chip's shared buffers straight into the socket (large runs are written in place, small
-//! ones gathered), and the receiver reads it straight into a pooled buffer that becomes the
-//! message's payload: one copy into the kernel and one out. The header carries exactly the
+//! the chip's shared buffers straight into the socket (the messages waiting together go out
+//! in one vectored write, headers and payload runs side by side), and the receiver reads it
+//! straight into a pooled buffer that becomes the message's payload: one copy into the kernel
+//! and one out. The header carries exactly the
 //! envelope's fields and goes through the same validation ([`crate::wire::message`]), so a garbage or
 //! oversized record from a peer is refused the same way.
 //!
@@ -17,7 +18,7 @@
 //! [`host_id`]. Both ends write and read the payload in the host's byte order, which is the
 //! same at both ends by construction.
 
-use std::io;
+use std::io::{self, IoSlice};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,10 +43,16 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// First four bytes of every message record ("PSM1"), to catch a stream out of step.
 const RECORD_MAGIC: u32 = 0x314D_5350;
 const HEADER_BYTES: usize = 88;
-/// Payload runs up to this size are gathered with headers into one write.
-const GATHER_BYTES: usize = 64 << 10;
-/// Gathered bytes are written once this many are waiting (or nothing more is queued).
-const FLUSH_BYTES: usize = 256 << 10;
+/// Queued messages are written together until this many bytes are in one batch (or nothing
+/// more is queued).
+const BATCH_BYTES: usize = 256 << 10;
+/// Buffers handed to one vectored write (Linux's IOV_MAX).
+const MAX_IOVECS: usize = 1024;
+/// Where the zero runs of a payload are written from.
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+/// Capacity of a link's read buffer: small messages arrive several per read, and a large
+/// payload is read straight into its own buffer past the few bytes already buffered.
+const READ_BUFFER_BYTES: usize = 64 << 10;
 
 /// This host and network namespace: the boot id and the namespace's inode. Workers with the
 /// same id can reach each other's abstract Unix sockets.
@@ -339,67 +346,89 @@ fn decode_header(h: &[u8; HEADER_BYTES]) -> Result<(pb::Envelope, bool, u64), St
 }
 
 /// Writes queued messages to the socket until the queue closes or the peer goes away.
+///
+/// Messages waiting together go out in one vectored write: their headers from one small
+/// buffer and their payload runs straight from the chips' shared buffers, so no payload byte
+/// is copied in user space however finely an algorithm cuts its messages.
 pub(crate) async fn pump_out(
     mut queue: mpsc::UnboundedReceiver<Outgoing>,
     mut out: OwnedWriteHalf,
 ) {
-    let mut gathered: Vec<u8> = Vec::with_capacity(FLUSH_BYTES + GATHER_BYTES);
+    let mut batch: Vec<Message> = Vec::new();
+    let mut headers: Vec<u8> = Vec::new();
     while let Some(first) = queue.recv().await {
+        batch.clear();
+        headers.clear();
+        let mut bytes = 0;
         let mut next = Some(first);
         while let Some(o) = next {
-            if write_message(o.msg, &mut gathered, &mut out).await.is_err() {
-                return;
-            }
-            // `o`'s queue room is released here: its bytes are with the kernel or gathered.
-            next = queue.try_recv().ok();
-            if next.is_none() || gathered.len() >= FLUSH_BYTES {
-                if out.write_all(&gathered).await.is_err() {
-                    return;
-                }
-                gathered.clear();
-            }
+            let msg = Message {
+                payload: o.msg.payload.resolve(),
+                ..o.msg
+            };
+            encode_header(&msg, &mut headers);
+            bytes += HEADER_BYTES + payload_bytes(&msg.payload);
+            batch.push(msg);
+            // `o`'s queue room is released here: its message is in the batch, which is
+            // bounded by BATCH_BYTES (and one message).
+            next = if bytes < BATCH_BYTES {
+                queue.try_recv().ok()
+            } else {
+                None
+            };
+        }
+        if write_batch(&batch, &headers, &mut out).await.is_err() {
+            return;
         }
     }
 }
 
-async fn write_message(
-    msg: Message,
-    gathered: &mut Vec<u8>,
+/// The bytes of a payload's values on the wire (none for a meta payload).
+fn payload_bytes(payload: &Payload) -> usize {
+    payload.as_rope().map_or(0, |r| 4 * r.len())
+}
+
+/// Writes each message's header and payload runs with vectored writes.
+async fn write_batch(
+    batch: &[Message],
+    headers: &[u8],
     out: &mut OwnedWriteHalf,
 ) -> io::Result<()> {
-    let msg = Message {
-        payload: msg.payload.resolve(),
-        ..msg
-    };
-    encode_header(&msg, gathered);
-    let Some(rope) = msg.payload.as_rope() else {
-        return Ok(());
-    };
-    for run in rope.runs() {
-        match run {
-            Run::Values(values) => {
-                let bytes: &[u8] = bytemuck::cast_slice(values);
-                if bytes.len() <= GATHER_BYTES {
-                    gathered.extend_from_slice(bytes);
-                } else {
-                    out.write_all(gathered).await?;
-                    gathered.clear();
-                    out.write_all(bytes).await?;
+    let mut slices: Vec<IoSlice<'_>> = Vec::new();
+    for (msg, header) in batch.iter().zip(headers.chunks_exact(HEADER_BYTES)) {
+        slices.push(IoSlice::new(header));
+        let Some(rope) = msg.payload.as_rope() else {
+            continue;
+        };
+        for run in rope.runs() {
+            match run {
+                Run::Values(values) => slices.push(IoSlice::new(bytemuck::cast_slice(values))),
+                Run::Zeros(n) => {
+                    let mut left = 4 * n;
+                    while left > 0 {
+                        let k = left.min(ZEROS.len());
+                        slices.push(IoSlice::new(&ZEROS[..k]));
+                        left -= k;
+                    }
                 }
             }
-            Run::Zeros(n) => gathered.resize(gathered.len() + 4 * n, 0),
         }
-        if gathered.len() >= FLUSH_BYTES {
-            out.write_all(gathered).await?;
-            gathered.clear();
+    }
+    let mut rest: &mut [IoSlice<'_>] = &mut slices;
+    while !rest.is_empty() {
+        let upto = rest.len().min(MAX_IOVECS);
+        let n = out.write_vectored(&rest[..upto]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
         }
+        IoSlice::advance_slices(&mut rest, n);
     }
     Ok(())
 }
 
 /// Reads records from the socket, validates each and delivers it, until the peer closes.
 pub(crate) async fn pump_in(fabric: Arc<NodeFabric>, peer: u32, input: OwnedReadHalf) {
-    let mut input = BufReader::with_capacity(FLUSH_BYTES, input);
+    let mut input = BufReader::with_capacity(READ_BUFFER_BYTES, input);
     loop {
         match input.fill_buf().await {
             // The peer closed the link (as the gRPC stream's end: a worker that died is the
