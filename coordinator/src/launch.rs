@@ -359,6 +359,10 @@ impl Children {
     pub async fn reap(&mut self, grace: Duration) {
         let deadline = tokio::time::Instant::now() + grace;
         for (_, child) in &mut self.0 {
+            // Held until the child has exited: `wait` would otherwise close the child's
+            // standard input first, which a worker reads as its coordinator dying (it
+            // warns and exits 1) while it is still shutting down as told.
+            let _stdin = child.stdin.take();
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if tokio::time::timeout(left, child.wait()).await.is_err() {
                 let _ = child.start_kill();
