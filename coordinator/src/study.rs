@@ -1534,23 +1534,26 @@ series = "topology.wraparound"
         );
         let pts = s.expand();
         assert_eq!(pts.len(), 2 * 3 * 2);
-        let show = |p: &Point| describe(p);
-        assert_eq!(
-            show(&pts[0]),
-            "topology.wraparound=true job.iterations=1 topology.shape=\"8\""
-        );
-        assert_eq!(
-            show(&pts[1]),
-            "topology.wraparound=true job.iterations=1 topology.shape=\"4x4\" launch.workers=2"
-        );
-        assert_eq!(
-            show(&pts[2]),
-            "topology.wraparound=true job.iterations=2 topology.shape=\"8\""
-        );
-        assert_eq!(
-            show(&pts[11]),
-            "topology.wraparound=false job.iterations=3 topology.shape=\"4x4\" launch.workers=2"
-        );
+        for (i, expected) in [
+            (
+                0,
+                "topology.wraparound=true job.iterations=1 topology.shape=\"8\"",
+            ),
+            (
+                1,
+                "topology.wraparound=true job.iterations=1 topology.shape=\"4x4\" launch.workers=2",
+            ),
+            (
+                2,
+                "topology.wraparound=true job.iterations=2 topology.shape=\"8\"",
+            ),
+            (
+                11,
+                "topology.wraparound=false job.iterations=3 topology.shape=\"4x4\" launch.workers=2",
+            ),
+        ] {
+            assert_eq!(describe(&pts[i]), expected, "point {i}");
+        }
         assert!(pts.iter().enumerate().all(|(i, p)| p.index == i));
         // The point, the swept keys as written, the built-in columns, the metrics as
         // written, the error last.
@@ -1703,26 +1706,7 @@ series = "topology.wraparound"
             slices: Some(1),
         };
         let r = row(&s, p, &timeout, expected, None);
-        assert_eq!(
-            r,
-            [
-                "1",
-                "true",
-                "1",
-                "4x4",
-                "2",
-                "timeout",
-                "",
-                "16",
-                "1",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "timed out"
-            ]
-        );
+        assert_eq!(r.join(","), "1,true,1,4x4,2,timeout,,16,1,,,,,,timed out");
         let failed = serde_json::json!({
             "status": "error", "error": "chip 3 out of HBM", "topology": {"chips": 16, "slices": 1},
             "virtual_s": 0.0, "wall_s": 0.0, "workers": [{"peak_rss_bytes": 0}],
@@ -1734,21 +1718,7 @@ series = "topology.wraparound"
             elapsed: Duration::ZERO,
         };
         let r = row(&s, p, &err, expected, Some(&failed));
-        assert_eq!(
-            &r[5..],
-            [
-                "error",
-                "1",
-                "16",
-                "1",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "chip 3 out of HBM"
-            ]
-        );
+        assert_eq!(r[5..].join(","), "error,1,16,1,,,,,,chip 3 out of HBM");
     }
 
     #[test]

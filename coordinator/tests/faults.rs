@@ -275,8 +275,10 @@ fn slow_and_delayed_jobs_are_not_hangs() {
     }
 }
 
-/// Starts a long job, waits for its 4 workers, applies `signal` to worker 2's process.
-fn signal_a_worker(tag: &str, signal: &str) -> (i32, serde_json::Value, u32) {
+/// Starts a long job, waits for its 4 workers, applies `signal` to worker 2's process, and
+/// checks that the job ends as a hang of `kind` blamed on that worker and process: the
+/// report's `hang`.
+fn signal_a_worker(tag: &str, signal: &str, kind: &str) -> serde_json::Value {
     let dir = temp_dir(&format!("fault-{tag}"));
     let path = config(&dir, 100_000, "");
     let mut c = podsim();
@@ -322,28 +324,23 @@ fn signal_a_worker(tag: &str, signal: &str) -> (i32, serde_json::Value, u32) {
             "{tag}: worker left behind"
         );
     }
-    (out.status.code().unwrap_or(-1), r, victim)
+    assert_eq!(out.status.code(), Some(3), "{r}");
+    let h = r["hang"].clone();
+    assert_eq!(h["kind"], kind, "{h}");
+    assert_eq!(h["culprit"]["worker"], 2, "{h}");
+    assert_eq!(h["culprit"]["pid"], u64::from(victim), "{h}");
+    h
 }
 
 #[test]
 fn sigstop_from_outside_is_a_frozen_worker() {
-    let (code, r, victim) = signal_a_worker("sigstop", "-STOP");
-    assert_eq!(code, 3, "{r}");
-    let h = &r["hang"];
-    assert_eq!(h["kind"], "frozen_worker");
-    assert_eq!(h["culprit"]["worker"], 2);
-    assert_eq!(h["culprit"]["pid"], u64::from(victim));
+    let h = signal_a_worker("sigstop", "-STOP", "frozen_worker");
     assert!(h["detected_after_ms"].as_f64().unwrap() < 3000.0, "{h}");
 }
 
 #[test]
 fn sigkill_from_outside_is_a_dead_worker() {
-    let (code, r, victim) = signal_a_worker("sigkill", "-KILL");
-    assert_eq!(code, 3, "{r}");
-    let h = &r["hang"];
-    assert_eq!(h["kind"], "dead_worker");
-    assert_eq!(h["culprit"]["worker"], 2);
-    assert_eq!(h["culprit"]["pid"], u64::from(victim));
+    let h = signal_a_worker("sigkill", "-KILL", "dead_worker");
     assert!(
         h["explanation"].as_str().unwrap().contains("signal 9"),
         "{h}"

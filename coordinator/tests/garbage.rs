@@ -194,20 +194,7 @@ async fn link_service_refuses_garbage_and_bad_frames() {
         })
         .await
         .unwrap();
-        assert!(
-            tokio::time::timeout(Duration::from_secs(5), async {
-                loop {
-                    if !fabric.link_errors().is_empty() {
-                        return;
-                    }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-            .await
-            .is_ok(),
-            "the forged envelope was not refused"
-        );
-        let errors = fabric.link_errors();
+        let errors = link_errors(&fabric, "the forged envelope was not refused").await;
         assert!(errors[0].contains("does not host"), "{errors:?}");
         // Nothing arrived in any inbox: the chips' receives fail with that error.
         drop(tx);
@@ -228,6 +215,19 @@ async fn link_service_refuses_garbage_and_bad_frames() {
 /// Dials the same-host listener named `name` and sends `bytes`; what it answers (until it
 /// closes or 2 s pass).
 #[cfg(target_os = "linux")]
+/// The link errors the fabric has recorded, once there are any (at most 5 s; `refused`
+/// says what failed to happen otherwise).
+async fn link_errors(fabric: &NodeFabric, refused: &str) -> Vec<String> {
+    let recorded = tokio::time::timeout(Duration::from_secs(5), async {
+        while fabric.link_errors().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(recorded.is_ok(), "{refused}");
+    fabric.link_errors()
+}
+
 async fn local_exchange(name: &str, bytes: &[u8]) -> Vec<u8> {
     use std::os::linux::net::SocketAddrExt;
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
@@ -279,17 +279,7 @@ async fn local_link_listener_refuses_garbage_and_bad_records() {
         bytes.extend(&junk[..200]);
         let answer = local_exchange(&name, &bytes).await;
         assert!(answer.starts_with(b"OK"), "{answer:?}");
-        assert!(
-            tokio::time::timeout(Duration::from_secs(5), async {
-                while fabric.link_errors().is_empty() {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-            .await
-            .is_ok(),
-            "the garbage record was not refused"
-        );
-        let errors = fabric.link_errors();
+        let errors = link_errors(&fabric, "the garbage record was not refused").await;
         assert!(errors[0].contains("bad record"), "{errors:?}");
         // Still serving: a second link from worker 1 is refused as taken, not ignored.
         let answer = local_exchange(&name, &local_hello(1, TOKEN)).await;

@@ -5,7 +5,7 @@
 
 mod support;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use support::*;
@@ -38,6 +38,19 @@ dir = "{}"
     )
 }
 
+/// A fresh folder holding `base.toml` (see `base_config`), and the study's output folder
+/// in it (not created).
+fn study_dir(tag: &str, mode: &str, size: &str, iterations: u32) -> (PathBuf, PathBuf) {
+    let dir = temp_dir(tag);
+    write(
+        &dir,
+        "base.toml",
+        &base_config(&dir, mode, size, iterations),
+    );
+    let out = dir.join("out");
+    (dir, out)
+}
+
 fn study(args: &[&str], limit: Duration) -> (i32, String, String) {
     let mut c = podsim();
     c.arg("study").args(args);
@@ -47,6 +60,15 @@ fn study(args: &[&str], limit: Duration) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// `podsim study` on a study file of `text` written to `dir/name`, with `args` after it
+/// (30 s at most).
+fn study_text(dir: &Path, name: &str, text: &str, args: &[&str]) -> (i32, String, String) {
+    let file = write(dir, name, text);
+    let mut all = vec![file.to_str().unwrap()];
+    all.extend(args);
+    study(&all, Duration::from_secs(30))
 }
 
 /// Rows of a CSV file (RFC 4180 quoting), header first.
@@ -77,9 +99,7 @@ fn read_csv(path: &Path) -> Vec<Vec<String>> {
 
 #[test]
 fn sweep_writes_results_and_plot() {
-    let dir = temp_dir("study-sweep");
-    write(&dir, "base.toml", &base_config(&dir, "meta", "1MiB", 1));
-    let out = dir.join("out");
+    let (dir, out) = study_dir("study-sweep", "meta", "1MiB", 1);
     let config = write(
         &dir,
         "study.toml",
@@ -201,10 +221,8 @@ fn point_dir_page(dir: &Path) -> String {
 
 #[test]
 fn a_point_past_its_timeout_is_killed_and_recorded() {
-    let dir = temp_dir("study-timeout");
     // Data mode, 64 MiB a chip, many iterations: far longer than the timeout.
-    write(&dir, "base.toml", &base_config(&dir, "data", "64MiB", 1000));
-    let out = dir.join("out");
+    let (dir, out) = study_dir("study-timeout", "data", "64MiB", 1000);
     let config = write(
         &dir,
         "study.toml",
@@ -227,17 +245,12 @@ fn a_point_past_its_timeout_is_killed_and_recorded() {
 
 #[test]
 fn bad_studies_exit_2_naming_the_field() {
-    let dir = temp_dir("study-bad");
-    write(&dir, "base.toml", &base_config(&dir, "meta", "1MiB", 1));
-    let out = dir.join("out");
-    let unknown = write(
+    let (dir, out) = study_dir("study-bad", "meta", "1MiB", 1);
+    let (code, _, stderr) = study_text(
         &dir,
         "unknown.toml",
         "base = \"base.toml\"\n[[plot]]\nfile = \"p.svg\"\nx = \"chips\"\ny = \"busbw\"\n",
-    );
-    let (code, _, stderr) = study(
-        &[unknown.to_str().unwrap(), "--out", out.to_str().unwrap()],
-        Duration::from_secs(30),
+        &["--out", out.to_str().unwrap()],
     );
     assert_eq!(code, 2, "{stderr}");
     assert!(
@@ -246,14 +259,11 @@ fn bad_studies_exit_2_naming_the_field() {
     );
 
     // Every bad point is reported at once, before anything runs.
-    let points = write(
+    let (code, stdout, stderr) = study_text(
         &dir,
         "points.toml",
         "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = [\"4\", \"3x\", \"2x2\", \"5y\"]\n",
-    );
-    let (code, stdout, stderr) = study(
-        &[points.to_str().unwrap(), "--out", out.to_str().unwrap()],
-        Duration::from_secs(30),
+        &["--out", out.to_str().unwrap()],
     );
     assert_eq!(code, 2, "{stdout}\n{stderr}");
     assert!(stderr.contains("2 of 4 points"), "{stderr}");
@@ -269,19 +279,11 @@ fn bad_studies_exit_2_naming_the_field() {
     assert!(!out.exists(), "a bad study must run nothing");
 
     // A dry run lists and validates the points, and runs nothing either.
-    let good = write(
+    let (code, stdout, stderr) = study_text(
         &dir,
         "good.toml",
         "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = [\"4\", \"2x2\"]\n",
-    );
-    let (code, stdout, stderr) = study(
-        &[
-            good.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--dry-run",
-        ],
-        Duration::from_secs(30),
+        &["--out", out.to_str().unwrap(), "--dry-run"],
     );
     assert_eq!(code, 0, "{stderr}");
     assert!(

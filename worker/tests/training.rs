@@ -1,9 +1,12 @@
 #![allow(clippy::unwrap_used)]
 //! Every strategy on 8 chips (2x2x2) against single-chip training on the global batch.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
+use common::run_on_chips;
 use podsim_collectives::{Algo, LocalFabric, run_chips};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
@@ -48,28 +51,11 @@ fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
 fn run(spec: &TrainSpec, shape: &str) -> (Vec<ChipTrainReport>, Vec<Tensor>) {
     let pod = Pod::single(shape.parse().unwrap());
     let fabric = LocalFabric::new(pod, Hardware::preset("v5p").unwrap());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_time()
-        .build()
-        .unwrap();
     let spec = spec.clone();
-    let out = rt
-        .block_on(async move {
-            tokio::time::timeout(
-                std::time::Duration::from_secs(120),
-                run_chips(fabric.chips(), move |mut chip| {
-                    let spec = spec.clone();
-                    async move {
-                        train_chip_with_parameters(&mut chip, &spec, Arc::new(AtomicU64::new(0)))
-                            .await
-                    }
-                }),
-            )
-            .await
-        })
-        .expect("training timed out")
-        .unwrap();
+    let out = run_on_chips(fabric.chips(), move |mut chip| {
+        let spec = spec.clone();
+        async move { train_chip_with_parameters(&mut chip, &spec, Arc::new(AtomicU64::new(0))).await }
+    });
     let params = out[0].1.clone();
     (out.into_iter().map(|(r, _)| r).collect::<Vec<_>>(), params)
 }

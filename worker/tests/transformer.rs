@@ -3,12 +3,14 @@
 //! each strategy moves, persistent memory, the out-of-memory verdict, and the mirror fabric
 //! against every chip simulated.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chips, run_chips};
+use common::run_on_chips;
+use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chips};
 use podsim_topology::{Hardware, Pod};
-use podsim_worker::WorkerError;
 use podsim_worker::train::{
     BlockKind, ChipTrainReport, Eager, MlpKind, ModelSpec, OptimizerSpec, Remat, Strategy,
     TpActivations, TrainSpec, TransformerSpec, train_chip,
@@ -76,28 +78,15 @@ fn run(spec: &TrainSpec, shape: &str, hw: Hardware, mirror: bool) -> Vec<(ChipTr
     } else {
         LocalFabric::new(pod, hw).chips()
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_time()
-        .build()
-        .unwrap();
     let spec = spec.clone();
-    rt.block_on(async move {
-        tokio::time::timeout(
-            std::time::Duration::from_secs(120),
-            run_chips(chips, move |mut chip| {
-                let spec = spec.clone();
-                async move {
-                    let report = train_chip(&mut chip, &spec, Arc::new(AtomicU64::new(0))).await?;
-                    let sent = chip.stats().bytes_sent.load(Ordering::Relaxed);
-                    Ok::<_, WorkerError>((report, sent))
-                }
-            }),
-        )
-        .await
+    run_on_chips(chips, move |mut chip| {
+        let spec = spec.clone();
+        async move {
+            let report = train_chip(&mut chip, &spec, Arc::new(AtomicU64::new(0))).await?;
+            let sent = chip.stats().bytes_sent.load(Ordering::Relaxed);
+            Ok((report, sent))
+        }
     })
-    .expect("training timed out")
-    .unwrap()
 }
 
 /// `spec` on the mirror fabric gives every step the time of the slowest chip of the full

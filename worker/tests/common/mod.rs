@@ -1,0 +1,26 @@
+//! What the worker's integration tests share.
+
+use std::future::Future;
+use std::time::Duration;
+
+use podsim_collectives::{Chip, run_chips};
+use podsim_worker::WorkerError;
+
+/// Runs `program` on every chip on a two-thread runtime; the test fails after 120 s.
+pub fn run_on_chips<T, F, Fut>(chips: Vec<Chip>, program: F) -> Vec<T>
+where
+    F: Fn(Chip) -> Fut,
+    Fut: Future<Output = Result<T, WorkerError>> + Send + 'static,
+    T: Send + 'static,
+{
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        tokio::time::timeout(Duration::from_secs(120), run_chips(chips, program)).await
+    })
+    .expect("training timed out")
+    .unwrap()
+}
