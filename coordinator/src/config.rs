@@ -673,6 +673,21 @@ pub fn from_text(origin: &str, text: &str, sets: &[String]) -> Result<JobConfig,
     parse(origin, text, Path::new(origin), table)
 }
 
+/// The job's `name`: a non-empty string.
+fn job_name(p: &mut Problems<'_>, table: &toml::Table) -> Option<String> {
+    match table.get("name") {
+        Some(toml::Value::String(s)) if !s.trim().is_empty() => Some(s.clone()),
+        Some(_) => {
+            p.add("", Some("name"), "must be a non-empty string");
+            None
+        }
+        None => {
+            p.add("", Some("name"), "missing");
+            None
+        }
+    }
+}
+
 fn parse(
     file: &str,
     text: &str,
@@ -688,17 +703,7 @@ fn parse(
     //    still checked). 2. Types, section by section. 3. Meaning.
     let mut table = table;
     drop_unknown_keys(&mut p, &mut table);
-    let name = match table.get("name") {
-        Some(toml::Value::String(s)) if !s.trim().is_empty() => Some(s.clone()),
-        Some(_) => {
-            p.add("", Some("name"), "must be a non-empty string");
-            None
-        }
-        None => {
-            p.add("", Some("name"), "missing");
-            None
-        }
-    };
+    let name = job_name(&mut p, &table);
     let topology: Option<RawTopology> = required(&mut p, &table, "topology");
     let job: Option<RawJob> = required(&mut p, &table, "job");
     let launch: RawLaunch = section(&mut p, &table, "launch").unwrap_or_default();
@@ -1085,6 +1090,35 @@ fn recovery_settings(
     recovery.max_restarts.unwrap_or(0)
 }
 
+/// A collective's element type: f32, or bf16 where only sizes move (meta mode).
+fn collective_dtype(
+    p: &mut Problems<'_>,
+    table: &str,
+    dtype: Option<&str>,
+    meta: bool,
+) -> Option<DType> {
+    match dtype.unwrap_or("f32") {
+        "f32" => Some(DType::F32),
+        "bf16" if meta => Some(DType::Bf16),
+        "bf16" => {
+            p.add(
+                table,
+                Some("dtype"),
+                "bf16 needs mode = \"meta\" (data mode moves f32)",
+            );
+            None
+        }
+        other => {
+            p.add(
+                table,
+                Some("dtype"),
+                format!("{other:?} is not f32 or bf16"),
+            );
+            None
+        }
+    }
+}
+
 fn collective(
     p: &mut Problems<'_>,
     table: &str,
@@ -1119,26 +1153,7 @@ fn collective(
         c.reduce.as_deref().unwrap_or("sum"),
         |t| t.parse::<ReduceOp>(),
     );
-    let dtype = match c.dtype.as_deref().unwrap_or("f32") {
-        "f32" => Some(DType::F32),
-        "bf16" if meta => Some(DType::Bf16),
-        "bf16" => {
-            p.add(
-                table,
-                Some("dtype"),
-                "bf16 needs mode = \"meta\" (data mode moves f32)",
-            );
-            None
-        }
-        other => {
-            p.add(
-                table,
-                Some("dtype"),
-                format!("{other:?} is not f32 or bf16"),
-            );
-            None
-        }
-    };
+    let dtype = collective_dtype(p, table, c.dtype.as_deref(), meta);
     let group = pod.and_then(|pod| {
         Group::parse(c.group.as_deref().unwrap_or("world"), pod)
             .map_err(|e| p.add(table, Some("group"), e))

@@ -298,6 +298,18 @@ fn in_ranges(ranges: &[(u32, u32)], chip: u32) -> bool {
     ranges.get(i).is_some_and(|r| r.0 <= chip)
 }
 
+/// The chips that wait on the culprit, as the report lists them: inclusive id ranges.
+fn waiting_ranges(hang: &Value) -> Vec<(u32, u32)> {
+    hang["waiting_chips"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|r| Some((r[0].as_u64()? as u32, r[1].as_u64()? as u32)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The torus of the culprit's slice, unrolled along z into x-y panels (only the culprit's
 /// panel and its neighbours on large tori), with the culprit, the waiting chips and the link.
 fn torus_picture(report: &Value, hang: &Value) -> String {
@@ -310,14 +322,7 @@ fn torus_picture(report: &Value, hang: &Value) -> String {
     let per_slice = x_n * y_n * z_n;
     let culprit = hang["culprit"]["chip"].as_u64().map(|c| c as u32);
     let slice = culprit.map_or(0, |c| c / per_slice.max(1));
-    let ranges: Vec<(u32, u32)> = hang["waiting_chips"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|r| Some((r[0].as_u64()? as u32, r[1].as_u64()? as u32)))
-                .collect()
-        })
-        .unwrap_or_default();
+    let ranges = waiting_ranges(hang);
     let cz = culprit.map_or(0, |c| (c % per_slice) / (x_n * y_n));
     let zs: Vec<u32> = if per_slice <= 4096 {
         (0..z_n).collect()

@@ -728,6 +728,38 @@ fn point_status(code: Option<i32>, dir: &Path) -> JobStatus {
     crate::report::read(&dir.join("report.json")).map_or(by_code, |r| r.status)
 }
 
+/// `podsim launch BASE --set ...` for one point, in a cleared folder `dir`, its output and
+/// errors going to `dir/launch.log` (returned beside the command).
+fn point_command(
+    exe: &Path,
+    base: &Path,
+    sets: &[String],
+    dir: &Path,
+) -> Result<(tokio::process::Command, PathBuf), String> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("cannot clear {}: {e}", dir.display())),
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let log_path = dir.join("launch.log");
+    let log = std::fs::File::create(&log_path)
+        .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
+    let log2 = log
+        .try_clone()
+        .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("launch").arg(base);
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2))
+        .kill_on_drop(true);
+    Ok((cmd, log_path))
+}
+
 /// Runs one point as `podsim launch`, output to `dir/launch.log`. Stops (killing the child)
 /// on `timeout` or when `cancel` turns true.
 async fn run_point(
@@ -738,27 +770,7 @@ async fn run_point(
     timeout: Option<Duration>,
     mut cancel: watch::Receiver<bool>,
 ) -> Result<Option<PointOutcome>, String> {
-    match std::fs::remove_dir_all(&dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("cannot clear {}: {e}", dir.display())),
-    }
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let log_path = dir.join("launch.log");
-    let log = std::fs::File::create(&log_path)
-        .map_err(|e| format!("cannot create {}: {e}", log_path.display()))?;
-    let log2 = log
-        .try_clone()
-        .map_err(|e| format!("cannot open {}: {e}", log_path.display()))?;
-    let mut cmd = tokio::process::Command::new(&exe);
-    cmd.arg("launch").arg(&base);
-    for s in &sets {
-        cmd.arg("--set").arg(s);
-    }
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log2))
-        .kill_on_drop(true);
+    let (mut cmd, log_path) = point_command(&exe, &base, &sets, &dir)?;
     let started = Instant::now();
     let mut child = cmd
         .spawn()

@@ -138,6 +138,13 @@ y_label = "GB/s"
     assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(stdout.contains("4 ok"), "{stdout}");
 
+    let rows = check_sweep_results(&out);
+    check_sweep_files(&out, &rows);
+}
+
+/// results.csv of the sweep above: its columns, one row per point with what it ran, and
+/// the ring with wraparound faster than without.
+fn check_sweep_results(out: &Path) -> Vec<Vec<String>> {
     let rows = read_csv(&out.join("results.csv"));
     assert_eq!(
         rows[0],
@@ -184,6 +191,11 @@ y_label = "GB/s"
     let busbw = |i: usize| rows[i][10].parse::<f64>().unwrap();
     assert!(busbw(1) > busbw(3), "{rows:?}");
 
+    rows
+}
+
+/// The sweep's plot, study.json and study.html.
+fn check_sweep_files(out: &Path, rows: &[Vec<String>]) {
     let svg = std::fs::read_to_string(out.join("busbw.svg")).unwrap();
     assert!(svg.contains("<svg"));
     assert!(svg.contains("All-reduce bus bandwidth"));

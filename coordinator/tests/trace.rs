@@ -53,22 +53,9 @@ fn slices_by_track(events: &[Value]) -> BTreeMap<u64, Vec<&Value>> {
 /// Tolerance for times written as decimal microseconds.
 const EPS_US: f64 = 1e-6;
 
-#[test]
-fn an_fsdp_trace_nests_and_agrees_with_the_report() {
-    let dir = temp_dir("trace-fsdp");
-    let out = launch("fsdp.toml", &dir, &["--trace-flows", "--trace-wall"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("trace: "), "{stdout}");
-    let ev = events(&dir);
-    let r = report(&dir);
-
-    // Every slice nests inside the slice that encloses its start on its track.
-    let by_track = slices_by_track(&ev);
+/// Every slice nests inside the slice that encloses its start on its track.
+fn assert_slices_nest(ev: &[Value]) {
+    let by_track = slices_by_track(ev);
     assert!(
         by_track.len() >= 8 * 3,
         "steps, compute and streams for 8 chips"
@@ -99,6 +86,23 @@ fn an_fsdp_trace_nests_and_agrees_with_the_report() {
             open.push(slice);
         }
     }
+}
+
+#[test]
+fn an_fsdp_trace_nests_and_agrees_with_the_report() {
+    let dir = temp_dir("trace-fsdp");
+    let out = launch("fsdp.toml", &dir, &["--trace-flows", "--trace-wall"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("trace: "), "{stdout}");
+    let ev = events(&dir);
+    let r = report(&dir);
+
+    assert_slices_nest(&ev);
 
     // Every collective lies within a step of its chip.
     let chip_of = |e: &Value| e["tid"].as_u64().unwrap() / 64;

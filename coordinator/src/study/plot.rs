@@ -63,6 +63,20 @@ pub fn series(plot: &Plot, columns: &[String], rows: &[&Vec<String>]) -> Series 
     out
 }
 
+/// The legend's line for each series (`column = value`), none without a series column.
+fn legend_labels(plot: &Plot, data: &[(String, Vec<(f64, f64)>)]) -> Vec<String> {
+    match &plot.series {
+        Some(col) => data
+            .iter()
+            .map(|(name, _)| {
+                let value = if name.is_empty() { "(unset)" } else { name };
+                format!("{col} = {value}")
+            })
+            .collect(),
+        None => Vec::new(),
+    }
+}
+
 /// Renders `plot` as an SVG document.
 pub fn render(plot: &Plot, columns: &[String], rows: &[&Vec<String>]) -> Result<String, String> {
     let data = series(plot, columns, rows);
@@ -75,16 +89,7 @@ pub fn render(plot: &Plot, columns: &[String], rows: &[&Vec<String>]) -> Result<
         plot.log_y,
     );
     let fail = |e: String| format!("plot {}: {e}", plot.file);
-    let labels: Vec<String> = match &plot.series {
-        Some(col) => data
-            .iter()
-            .map(|(name, _)| {
-                let value = if name.is_empty() { "(unset)" } else { name };
-                format!("{col} = {value}")
-            })
-            .collect(),
-        None => Vec::new(),
-    };
+    let labels = legend_labels(plot, &data);
     // The legend gets a column of its own right of the chart, so it never hides a point.
     let legend_width = labels
         .iter()
