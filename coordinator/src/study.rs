@@ -1837,17 +1837,15 @@ series = "topology.wraparound"
             "others",
             "base = \"base.toml\"\nparallel = 0\ntimeout_s = -1\n[sweep]\nx = [1]\n[[points]]\nx = 2\n[metrics]\nstatus = \"a.b\"\nm = \"a..b\"\n",
         );
-        assert!(e.contains(":2: parallel: 0: must be at least 1"), "{e}");
-        assert!(e.contains(":3: timeout_s: -1: must be a positive"), "{e}");
-        assert!(e.contains(":7: points[0].x: is also swept"), "{e}");
-        assert!(
-            e.contains(":9: metrics.status: a column of that name already exists"),
-            "{e}"
-        );
-        assert!(
-            e.contains(":10: metrics.m: \"a..b\" is not a dotted path"),
-            "{e}"
-        );
+        for want in [
+            ":2: parallel: 0: must be at least 1",
+            ":3: timeout_s: -1: must be a positive",
+            ":7: points[0].x: is also swept",
+            ":9: metrics.status: a column of that name already exists",
+            ":10: metrics.m: \"a..b\" is not a dotted path",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
         let e = errors("type", "base = \"base.toml\"\nparallel = \"two\"\n");
         assert!(e.contains(":2: parallel: invalid type"), "{e}");
     }

@@ -130,26 +130,38 @@ fn stalled_chips_are_named() {
 
 #[test]
 fn dead_and_frozen_workers_are_named() {
-    check(
-        "crash-first",
-        "[[faults]]\nkind = \"crash\"\nchip = 0\nat_step = 0",
-        hang("dead_worker", None, Some(0), None),
-    );
-    check(
-        "crash-later",
-        "[[faults]]\nkind = \"crash\"\nworker = 2\nat_step = 5",
-        hang("dead_worker", None, Some(2), None),
-    );
-    check(
-        "freeze-first",
-        "[[faults]]\nkind = \"freeze\"\nworker = 3\nat_step = 0",
-        hang("frozen_worker", None, Some(3), None),
-    );
-    check(
-        "freeze-later",
-        "[[faults]]\nkind = \"freeze\"\nchip = 5\nat_step = 4",
-        hang("frozen_worker", None, Some(1), None),
-    );
+    for (tag, fault, kind, worker) in [
+        (
+            "crash-first",
+            "kind = \"crash\"\nchip = 0\nat_step = 0",
+            "dead_worker",
+            0,
+        ),
+        (
+            "crash-later",
+            "kind = \"crash\"\nworker = 2\nat_step = 5",
+            "dead_worker",
+            2,
+        ),
+        (
+            "freeze-first",
+            "kind = \"freeze\"\nworker = 3\nat_step = 0",
+            "frozen_worker",
+            3,
+        ),
+        (
+            "freeze-later",
+            "kind = \"freeze\"\nchip = 5\nat_step = 4",
+            "frozen_worker",
+            1,
+        ),
+    ] {
+        check(
+            tag,
+            &format!("[[faults]]\n{fault}"),
+            hang(kind, None, Some(worker), None),
+        );
+    }
 }
 
 #[test]

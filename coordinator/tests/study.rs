@@ -14,25 +14,15 @@ use support::*;
 fn base_config(dir: &Path, mode: &str, size: &str, iterations: u32) -> String {
     format!(
         r#"name = "study-base"
-
-[topology]
-shape = "2x2"
-hardware = "v5p"
-
-[launch]
-workers = 1
+topology = {{ shape = "2x2", hardware = "v5p" }}
+launch = {{ workers = 1 }}
+output = {{ dir = "{}" }}
 
 [job]
 kind = "collectives"
 mode = "{mode}"
 iterations = {iterations}
-
-[[job.collectives]]
-op = "all-reduce"
-size = "{size}"
-
-[output]
-dir = "{}"
+collectives = [{{ op = "all-reduce", size = "{size}" }}]
 "#,
         dir.join("unused").display()
     )
@@ -147,22 +137,9 @@ y_label = "GB/s"
 fn check_sweep_results(out: &Path) -> Vec<Vec<String>> {
     let rows = read_csv(&out.join("results.csv"));
     assert_eq!(
-        rows[0],
-        [
-            "point",
-            "topology.wraparound",
-            "topology.shape",
-            "status",
-            "exit_code",
-            "chips",
-            "slices",
-            "virtual_s",
-            "wall_s",
-            "peak_rss_mib",
-            "busbw_gbps",
-            "group",
-            "error"
-        ]
+        rows[0].join(","),
+        "point,topology.wraparound,topology.shape,status,exit_code,chips,slices,virtual_s,\
+         wall_s,peak_rss_mib,busbw_gbps,group,error"
     );
     assert_eq!(rows.len(), 5, "{rows:?}");
     let expect = [
