@@ -250,6 +250,45 @@ mod tests {
     }
 
     #[test]
+    fn into_payload_hands_over_a_row_major_buffer_and_copies_anything_else() {
+        let t = arange(&[4, 8]);
+        let given = t.clone();
+        let address = given.values().unwrap().as_ptr();
+        let p = given.into_payload();
+        let runs: Vec<&[f32]> = p
+            .as_rope()
+            .unwrap()
+            .runs()
+            .filter_map(|r| match r {
+                podsim_collectives::Run::Values(v) => Some(v),
+                podsim_collectives::Run::Zeros(_) => None,
+            })
+            .collect();
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].as_ptr(), address, "the buffer itself, not a copy");
+        assert_eq!(p.to_vec(), t.to_payload().to_vec());
+        // A transposed array is not row-major: its values are copied in row-major order.
+        let Tensor::Data(a) = arange(&[4, 8]) else {
+            unreachable!()
+        };
+        let transposed = Tensor::Data(a.reversed_axes());
+        let want: Vec<f32> = (0..8)
+            .flat_map(|c| (0..4).map(move |r| (r * 8 + c) as f32))
+            .collect();
+        assert_eq!(transposed.into_payload().to_vec(), Some(want));
+        // A row-major slice of a larger buffer: only its own values.
+        let Tensor::Data(a) = arange(&[4, 8]) else {
+            unreachable!()
+        };
+        let rows = Tensor::Data(
+            a.slice_axis_move(ndarray::Axis(0), ndarray::Slice::from(2..))
+                .into_dyn(),
+        );
+        let want: Vec<f32> = (16..32).map(|v| v as f32).collect();
+        assert_eq!(rows.into_payload().to_vec(), Some(want));
+    }
+
+    #[test]
     fn chunks_follow_torch_chunk() {
         // torch.arange(10).chunk(4) -> sizes 3, 3, 3, 1; torch.arange(5).chunk(4) -> 2, 2, 1.
         assert_eq!(

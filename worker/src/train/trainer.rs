@@ -321,6 +321,8 @@ struct Param {
     stored: DTensor,
     /// Gradient accumulated over the step's micro-batches, in the compute layout.
     grad: Option<Tensor>,
+    /// HBM charged for that gradient while it is unsharded (FSDP), freed once it is synced.
+    unsharded_grad_bytes: u64,
     /// The synced gradient, in the stored layout.
     synced: Option<Tensor>,
     state: ParamState,
@@ -648,6 +650,7 @@ impl<'a> Trainer<'a> {
                     which,
                     stored,
                     grad: None,
+                    unsharded_grad_bytes: 0,
                     synced: None,
                     state: ParamState::new(),
                 });
@@ -1279,9 +1282,11 @@ impl<'a> Trainer<'a> {
                 (Some(_), _) => {}
                 (slot @ None, g) => {
                     if self.sharded {
-                        self.hbm.alloc(MemKind::Transient, g.bytes(self.elem), || {
+                        let bytes = g.bytes(self.elem);
+                        self.hbm.alloc(MemKind::Transient, bytes, || {
                             format!("unsharded gradient of {name}")
                         })?;
+                        p.unsharded_grad_bytes = bytes;
                     }
                     *slot = Some(g);
                 }
@@ -1461,18 +1466,14 @@ impl<'a> Trainer<'a> {
 
     /// Gradient sync of layer `l`'s parameters once its backward is done.
     async fn sync_layer(&mut self, chip: &mut Chip, l: usize) -> Result<(), WorkerError> {
-        // The layer's backward is done for the step: its gradients are taken, not copied. A
-        // shape stays in their place, for the unsharded gradient's HBM to be freed by.
+        // The layer's backward is done for the step: its gradients are taken, not copied.
         let grads: Vec<DTensor> = (0..2)
             .map(|which| {
                 let p = &mut self.params[2 * l + which];
-                let g = match p.grad.take() {
-                    Some(g) => {
-                        p.grad = Some(Tensor::Meta(g.shape().to_vec()));
-                        g
-                    }
-                    None => Tensor::zeros(p.stored.local().shape(), self.spec.meta),
-                };
+                let g = p
+                    .grad
+                    .take()
+                    .unwrap_or_else(|| Tensor::zeros(p.stored.local().shape(), self.spec.meta));
                 p.stored.with_local(g, &self.plan.gradient(l, which))
             })
             .collect();
@@ -1517,12 +1518,10 @@ impl<'a> Trainer<'a> {
 
     fn finish_grad(&mut self, index: usize, g: Tensor) {
         let p = &mut self.params[index];
-        if let Some(unsharded) = p.grad.take()
-            && self.sharded
-        {
-            self.hbm
-                .free(MemKind::Transient, unsharded.bytes(self.elem));
-        }
+        self.hbm.free(
+            MemKind::Transient,
+            std::mem::take(&mut p.unsharded_grad_bytes),
+        );
         p.synced = Some(g);
     }
 
