@@ -3,7 +3,10 @@
 //! and uneven shapes, gives back the original tensor, and lands each chip on exactly the piece
 //! that distributing the original directly would give it.
 
-use podsim_collectives::{Algo, LocalFabric, ReduceOp, run_chips};
+mod common;
+
+use common::run_on_chips;
+use podsim_collectives::{Algo, LocalFabric, ReduceOp};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::train::{DTensor, Mesh, Placement, Tensor};
@@ -50,42 +53,26 @@ fn check_chain(axes: &[(&'static str, u32)], shape: &[usize], chains: Vec<Vec<Ve
     let mesh = Mesh::new(&pod, axes, Algo::Torus).unwrap();
     let fabric = LocalFabric::new(pod, Hardware::preset("v5p").unwrap());
     let full = tensor(shape);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    rt.block_on(async move {
-        tokio::time::timeout(
-            std::time::Duration::from_secs(60),
-            run_chips(fabric.chips(), move |mut chip| {
-                let (mesh, full, chains) = (mesh.clone(), full.clone(), chains.clone());
-                async move {
-                    for chain in &chains {
-                        let mut dt = DTensor::distribute(&chip, &mesh, &full, &chain[0])?;
-                        for target in &chain[1..] {
-                            dt = dt.redistribute(&mut chip, target).await?;
-                            assert_eq!(dt.placements(), target.as_slice());
-                            if !target.iter().any(|p| matches!(p, Placement::Partial(_))) {
-                                let direct = DTensor::distribute(&chip, &mesh, &full, target)?;
-                                assert_eq!(
-                                    dt.local(),
-                                    direct.local(),
-                                    "chip {} {chain:?}",
-                                    chip.id()
-                                );
-                            }
-                        }
-                        let back = dt.full_tensor(&mut chip).await?;
-                        assert_eq!(back, full, "chip {} chain {chain:?}", chip.id());
+    run_on_chips(fabric.chips(), move |mut chip| {
+        let (mesh, full, chains) = (mesh.clone(), full.clone(), chains.clone());
+        async move {
+            for chain in &chains {
+                let mut dt = DTensor::distribute(&chip, &mesh, &full, &chain[0])?;
+                for target in &chain[1..] {
+                    dt = dt.redistribute(&mut chip, target).await?;
+                    assert_eq!(dt.placements(), target.as_slice());
+                    if !target.iter().any(|p| matches!(p, Placement::Partial(_))) {
+                        let direct = DTensor::distribute(&chip, &mesh, &full, target)?;
+                        assert_eq!(dt.local(), direct.local(), "chip {} {chain:?}", chip.id());
                     }
-                    Ok::<_, WorkerError>(())
                 }
-            }),
-        )
-        .await
-        .expect("redistribution timed out")
-        .unwrap();
-    });
+                let back = dt.full_tensor(&mut chip).await?;
+                assert_eq!(back, full, "chip {} chain {chain:?}", chip.id());
+            }
+            Ok::<_, WorkerError>(())
+        }
+    })
+    .unwrap();
 }
 
 fn every_pair(axes: &[(&'static str, u32)], shape: &[usize]) {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use common::run_on_chips;
-use podsim_collectives::{Algo, LocalFabric, run_chips};
+use podsim_collectives::{Algo, LocalFabric};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::train::{
@@ -52,10 +52,14 @@ fn run(spec: &TrainSpec, shape: &str) -> (Vec<ChipTrainReport>, Vec<Tensor>) {
     let pod = Pod::single(shape.parse().unwrap());
     let fabric = LocalFabric::new(pod, Hardware::preset("v5p").unwrap());
     let spec = spec.clone();
-    let out = run_on_chips(fabric.chips(), move |mut chip| {
-        let spec = spec.clone();
-        async move { train_chip_with_parameters(&mut chip, &spec, Arc::new(AtomicU64::new(0))).await }
-    });
+    let out =
+        run_on_chips(fabric.chips(), move |mut chip| {
+            let spec = spec.clone();
+            async move {
+                train_chip_with_parameters(&mut chip, &spec, Arc::new(AtomicU64::new(0))).await
+            }
+        })
+        .unwrap();
     let params = out[0].1.clone();
     (out.into_iter().map(|(r, _)| r).collect::<Vec<_>>(), params)
 }
@@ -141,17 +145,12 @@ fn a_chip_over_its_hbm_budget_fails_naming_it() {
     let mut hw = Hardware::preset("v5p").unwrap();
     hw.hbm_bytes = 4000.0;
     let fabric = LocalFabric::new(pod, hw);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
     let s = spec(Strategy::Ddp, Eager::Fused);
-    let err = rt
-        .block_on(run_chips(fabric.chips(), move |mut chip| {
-            let s = s.clone();
-            async move { train_chip_with_parameters(&mut chip, &s, Arc::new(AtomicU64::new(0))).await }
-        }))
-        .unwrap_err();
+    let err = run_on_chips(fabric.chips(), move |mut chip| {
+        let s = s.clone();
+        async move { train_chip_with_parameters(&mut chip, &s, Arc::new(AtomicU64::new(0))).await }
+    })
+    .unwrap_err();
     let WorkerError::OutOfMemory { what, capacity, .. } = &err else {
         panic!("{err}")
     };

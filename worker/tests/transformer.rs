@@ -87,6 +87,7 @@ fn run(spec: &TrainSpec, shape: &str, hw: Hardware, mirror: bool) -> Vec<(ChipTr
             Ok((report, sent))
         }
     })
+    .unwrap()
 }
 
 /// `spec` on the mirror fabric gives every step the time of the slowest chip of the full

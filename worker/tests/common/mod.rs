@@ -6,8 +6,9 @@ use std::time::Duration;
 use podsim_collectives::{Chip, run_chips};
 use podsim_worker::WorkerError;
 
-/// Runs `program` on every chip on a two-thread runtime; the test fails after 120 s.
-pub fn run_on_chips<T, F, Fut>(chips: Vec<Chip>, program: F) -> Vec<T>
+/// Runs `program` on every chip on a two-thread runtime: every chip's result, or the first
+/// error. The test fails after 120 s: a test must not hang.
+pub fn run_on_chips<T, F, Fut>(chips: Vec<Chip>, program: F) -> Result<Vec<T>, WorkerError>
 where
     F: Fn(Chip) -> Fut,
     Fut: Future<Output = Result<T, WorkerError>> + Send + 'static,
@@ -21,6 +22,5 @@ where
     rt.block_on(async move {
         tokio::time::timeout(Duration::from_secs(120), run_chips(chips, program)).await
     })
-    .expect("training timed out")
-    .unwrap()
+    .expect("the chips' programs timed out")
 }
