@@ -351,6 +351,26 @@ impl<'a> Written<'a> {
         entries.sort_by_key(|(position, _)| position.unwrap_or(usize::MAX));
         entries.into_iter().map(|(_, e)| e).collect()
     }
+
+    /// The config overrides of a `[sweep]` or `[[points]]` table (dotted keys flattened), in
+    /// the order written; a key that cannot be overridden is reported and left out.
+    fn overrides(
+        &self,
+        found: &mut Found,
+        table: &toml::Table,
+        scope: &str,
+        shown: &str,
+    ) -> Vec<Entry> {
+        let mut kept = self.entries(flatten(table), scope, shown);
+        kept.retain(|e| match bad_override_key(&e.key) {
+            Some(reason) => {
+                found.add(e.line, &e.field, reason);
+                false
+            }
+            None => true,
+        });
+        kept
+    }
 }
 
 /// Byte offset of every key as written, keyed `scope NUL dotted.key` for the keys of
@@ -1320,17 +1340,13 @@ fn sweep_of(
     at: &Written<'_>,
 ) -> Vec<(String, Vec<toml::Value>)> {
     let mut sweep = Vec::new();
-    for entry in at.entries(flatten(raw), "sweep", "sweep") {
-        let Entry {
-            key,
-            value,
-            line,
-            field,
-        } = entry;
-        if let Some(reason) = bad_override_key(&key) {
-            found.add(line, &field, reason);
-            continue;
-        }
+    for Entry {
+        key,
+        value,
+        line,
+        field,
+    } in at.overrides(found, raw, "sweep", "sweep")
+    {
         match value {
             toml::Value::Array(values) if !values.is_empty() => sweep.push((key, values)),
             toml::Value::Array(_) => found.add(line, &field, "the list of values is empty".into()),
@@ -1364,11 +1380,9 @@ fn points_of(
             value,
             line,
             field,
-        } in at.entries(flatten(table), &format!("points#{i}"), &shown)
+        } in at.overrides(found, table, &format!("points#{i}"), &shown)
         {
-            if let Some(reason) = bad_override_key(&key) {
-                found.add(line, &field, reason);
-            } else if swept.contains(&key) {
+            if swept.contains(&key) {
                 found.add(line, &field, "is also swept in [sweep]".into());
             } else {
                 point.push((key, value));
@@ -1791,7 +1805,7 @@ series = "topology.wraparound"
     fn sweep_values_must_be_non_empty_lists() {
         let e = errors(
             "sweep-lists",
-            "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = []\njob.iterations = 3\n\"output.dir\" = [\"x\"]\n",
+            "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = []\njob.iterations = 3\n\"output.dir\" = [\"x\"]\n[[points]]\n\"output.dir\" = \"y\"\n",
         );
         assert!(
             e.contains(":3: sweep.\"topology.shape\": the list of values is empty"),
@@ -1802,7 +1816,11 @@ series = "topology.wraparound"
             e.contains(":5: sweep.\"output.dir\": the study sets"),
             "{e}"
         );
-        assert!(e.starts_with("3 problems"), "{e}");
+        assert!(
+            e.contains(":7: points[0].\"output.dir\": the study sets"),
+            "{e}"
+        );
+        assert!(e.starts_with("4 problems"), "{e}");
     }
 
     #[test]
