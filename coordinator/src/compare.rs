@@ -6,12 +6,11 @@
 //! training job (`job_toml`: FSDP within a slice, tensor parallelism with activations
 //! sharded between regions, data parallelism across slices; AdamW with f32 master weights and
 //! state unless the row says `weight_dtype = bf16`), validated like any config, and runs in
-//! this process on the mirror fabric: one chip standing for all
-//! where the job is symmetric under every translation of the torus, one chip per class of
-//! chips alike where it is not (a device mesh that takes a two-chip segment of a torus axis:
-//! two chips; a torus without wraparound: every position along that axis). MFU counts
-//! model flops: 6 per weight per token (the LM head included, the embedding lookup not) plus
-//! causal attention.
+//! this process on the mirror fabric: one chip standing for all where the job is symmetric
+//! under every translation of the torus, one chip per class of chips alike where it is not
+//! (a device mesh that takes a two-chip segment of a torus axis: two chips; a torus without
+//! wraparound: every position along that axis). MFU counts model flops: 6 per weight per
+//! token (the LM head included, the embedding lookup not) plus causal attention.
 //!
 //! Optional columns, read where the file has them: `weight_dtype` (`f32`, the default, or
 //! `bf16`: weights and optimizer state kept in bf16, MaxText's `weight_dtype`).
