@@ -103,6 +103,9 @@ fn tpu_recipes_rows_run_within_six_percent_median_and_bf16_weights_fit_where_f32
         summary["median_abs_error_pct"].as_f64().unwrap() <= 6.0,
         "{summary}"
     );
+    // Every recipe ran, so none may be predicted out of memory: GPT-3 175B fits only because
+    // its prefetches wait for room instead of overlapping regardless.
+    assert_eq!(summary["out_of_memory"], 0, "{summary}");
     // The 70B recipe on 32 v6e chips keeps its weights and Adam moments in bf16 (8 bytes a
     // parameter, 17.5 GB a chip): it fits in 32 GiB only so; in f32 (16 bytes) it cannot.
     let id = "v6e32_llama3.1-70b_s8192_b2";

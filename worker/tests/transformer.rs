@@ -359,3 +359,34 @@ fn full_remat_gathers_each_regions_input_once_more_than_no_remat() {
     let one_pass = tokens * d * bf16 * (n - 1) / n;
     assert_eq!(sent("full") - sent("none"), regions * one_pass);
 }
+
+#[test]
+fn a_prefetch_that_would_not_fit_waits_instead_of_running_out_of_memory() {
+    let mut m = model(256, 1024, 256);
+    m.layers = 4;
+    let fsdp = spec(Strategy::Fsdp, &m, 1);
+    let strict = TrainSpec {
+        eager: Eager::Strict,
+        ..fsdp.clone()
+    };
+    let first = |out: Vec<(ChipTrainReport, u64)>| out.into_iter().next().unwrap().0;
+    // Gathering one block ahead costs memory: without the overlap the peak is lower.
+    let ahead = first(run(&fsdp, "4", v5p(), true));
+    let on_demand = first(run(&strict, "4", v5p(), true));
+    let (high, low) = (ahead.hbm.peak_bytes, on_demand.hbm.peak_bytes);
+    assert!(high > low, "{high} {low}");
+    // On a chip with less memory than the overlap needs, the gathers wait for room: the job
+    // fits, and every chip takes the same decisions (their collectives stay in step: a chip
+    // gathering while another reduces would never finish).
+    let mut small = v5p();
+    small.hbm_bytes = ((high + low) / 2) as f64;
+    let tight = run(&fsdp, "4", small, false);
+    for (r, _) in &tight {
+        assert!(r.hbm.oom.is_none(), "{:?}", r.hbm.oom);
+        assert!(r.hbm.peak_bytes <= (high + low) / 2);
+    }
+    // Below what the job needs without any overlap, it is a real out-of-memory verdict.
+    let mut smaller = v5p();
+    smaller.hbm_bytes = (low - 1) as f64;
+    assert!(first(run(&fsdp, "4", smaller, true)).hbm.oom.is_some());
+}

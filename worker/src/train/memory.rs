@@ -95,6 +95,10 @@ impl Hbm {
         Hbm { lenient, ..self }
     }
 
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
     pub fn in_use(&self) -> u64 {
         self.in_use.iter().sum()
     }

@@ -21,7 +21,7 @@ use podsim_topology::{AxisPart, Group, Pod, PodAxis};
 use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
-use crate::train::dtensor::{self, DTensor, Placement};
+use crate::train::dtensor::{self, DTensor, Mesh, Placement};
 use crate::train::kernels::{Cost, Kernel};
 use crate::train::memory::{Hbm, HbmReport, MemKind};
 use crate::train::mlp::{self, Dataset};
@@ -335,6 +335,21 @@ struct Working {
     ready: Nanos,
 }
 
+/// Elements of a chip's piece of a tensor of shape `full` under `placements`, padded as SPMD
+/// programs pad an uneven split (XLA's sharding, FSDP2's sharded parameters): every piece as
+/// large as the largest. Every chip of a shard group then holds the same bytes, so decisions
+/// taken from the HBM ledger (a prefetch that waits for room) are the same on each of them and
+/// their collectives stay in step.
+fn padded_numel(full: &[usize], placements: &[Placement], mesh: &Mesh) -> u64 {
+    let mut shape = full.to_vec();
+    for (i, p) in placements.iter().enumerate() {
+        if let Placement::Shard(d) = *p {
+            shape[d] = shape[d].div_ceil(mesh.dims()[i].size);
+        }
+    }
+    shape.iter().product::<usize>() as u64
+}
+
 /// Layer `l`'s weight and bias as the kernels use them: the gathered copy, or the chip's own.
 fn working<'t>(working: &'t [Option<Working>], params: &'t [Param], l: usize) -> [&'t Tensor; 2] {
     match &working[l] {
@@ -635,8 +650,9 @@ impl<'a> Trainer<'a> {
                 None => layer.meta_params(),
             };
             for (which, full) in full.iter().enumerate() {
-                let stored = DTensor::distribute(chip, &plan.mesh, full, &plan.stored(l, which))?;
-                let numel = stored.local().numel() as u64;
+                let placements = plan.stored(l, which);
+                let stored = DTensor::distribute(chip, &plan.mesh, full, &placements)?;
+                let numel = padded_numel(full.shape(), &placements, &plan.mesh);
                 let bytes = numel * elem;
                 let name = format!("{}.{}", layer.name, ["weight", "bias"][which]);
                 hbm.alloc(MemKind::Params, bytes, || format!("parameter {name}"))?;
@@ -804,7 +820,12 @@ impl<'a> Trainer<'a> {
             if self.overlapped() {
                 let unit = self.unit(l);
                 if unit.end < layers {
-                    self.prefetch_unit(chip, unit.end).await?;
+                    // This unit's layers still to run will keep their activations.
+                    let rows = acts[l].as_ref().map_or(0, |x| x.shape()[0]);
+                    let reserve = (l..unit.end)
+                        .map(|m| self.kept_at_most(chip, m, rows))
+                        .sum();
+                    self.prefetch_ahead(chip, unit.end, reserve).await?;
                 }
             }
             let x = acts[l].take().ok_or_else(|| missing(l))?;
@@ -861,7 +882,13 @@ impl<'a> Trainer<'a> {
             self.unshard(chip, l).await?;
             let unit = self.unit(l);
             if self.overlapped() && unit.start > 0 && self.spec.reshard_after_forward {
-                self.prefetch_unit(chip, unit.start - 1).await?;
+                // This unit's layers still to run will hold their unsharded gradients, one
+                // layer at a time (each is reduced before the next).
+                let reserve = (unit.start..=l)
+                    .map(|m| self.gathered_bytes(chip, m))
+                    .max()
+                    .unwrap_or(0);
+                self.prefetch_ahead(chip, unit.start - 1, reserve).await?;
             }
             let x = acts[l].take().ok_or_else(|| missing(l))?;
             let dx = self.layer_backward(chip, l, &x, dz, dz_ready).await?;
@@ -1371,12 +1398,57 @@ impl<'a> Trainer<'a> {
         first..last + 1
     }
 
-    /// Prefetches every layer of layer `l`'s unit.
-    async fn prefetch_unit(&mut self, chip: &mut Chip, l: usize) -> Result<(), WorkerError> {
+    /// Prefetches, ahead of need, the layers of layer `l`'s unit that fit in HBM beside
+    /// `reserve` bytes the work before them will still allocate. A gather that does not fit
+    /// waits: it is tried again before the next layer and issued on demand at the latest.
+    /// XLA's scheduler and FSDP's all-gather limit hold prefetches back under memory pressure
+    /// in the same way, so a job that fits without the overlap runs, with its gathers exposed,
+    /// instead of running out of memory.
+    async fn prefetch_ahead(
+        &mut self,
+        chip: &mut Chip,
+        l: usize,
+        reserve: u64,
+    ) -> Result<(), WorkerError> {
         for m in self.unit(l) {
+            if self.working[m].is_some() {
+                continue;
+            }
+            let need = self.gathered_bytes(chip, m);
+            if self.hbm.in_use() + need + reserve > self.hbm.capacity() {
+                break;
+            }
             self.prefetch(chip, m).await?;
         }
         Ok(())
+    }
+
+    /// HBM of layer `l`'s parameters in their unsharded compute layout: its gathered working
+    /// copy, and its unsharded gradients.
+    fn gathered_bytes(&self, chip: &Chip, l: usize) -> u64 {
+        (0..2)
+            .map(|which| {
+                let shape = self.compute_shape(chip, l, which);
+                self.elem * shape.iter().product::<usize>() as u64
+            })
+            .sum()
+    }
+
+    /// The most layer `l`'s forward on `rows` rows adds to HBM: its output and the input of
+    /// the op after it (what a policy may keep), and its input gathered over tensor
+    /// parallelism.
+    fn kept_at_most(&self, chip: &Chip, l: usize, rows: usize) -> u64 {
+        let layer = &self.layers[l];
+        let out = match layer.kind {
+            LayerKind::Linear => self.compute_shape(chip, l, 0)[0],
+            LayerKind::Embedding => layer.outputs,
+        };
+        let gathered = if self.gathers_input(l) {
+            layer.inputs
+        } else {
+            0
+        };
+        self.elem * (rows * (2 * out + gathered)) as u64
     }
 
     /// Gathers layer `l`'s parameters over the shard dimension (on the gather stream in fused
@@ -1388,12 +1460,7 @@ impl<'a> Trainer<'a> {
         if self.working[l].is_some() {
             return Ok(());
         }
-        let bytes: u64 = (0..2)
-            .map(|which| {
-                let shape = self.compute_shape(chip, l, which);
-                self.elem * shape.iter().product::<usize>() as u64
-            })
-            .sum();
+        let bytes = self.gathered_bytes(chip, l);
         self.hbm.alloc(MemKind::Transient, bytes, || {
             format!("gathered parameters of layer {l}")
         })?;
