@@ -820,11 +820,17 @@ impl<'a> Trainer<'a> {
             if self.overlapped() {
                 let unit = self.unit(l);
                 if unit.end < layers {
-                    // This unit's layers still to run will keep their activations.
+                    // This unit's layers still to run keep their activations, and those not
+                    // gathered yet are gathered on demand, one at a time.
                     let rows = acts[l].as_ref().map_or(0, |x| x.shape()[0]);
-                    let reserve = (l..unit.end)
+                    let kept: u64 = (l..unit.end)
                         .map(|m| self.kept_at_most(chip, m, rows))
                         .sum();
+                    let gathered = (l + 1..unit.end)
+                        .map(|m| self.on_demand_bytes(chip, m))
+                        .max()
+                        .unwrap_or(0);
+                    let reserve = kept + gathered;
                     self.prefetch_ahead(chip, unit.end, reserve).await?;
                 }
             }
@@ -882,10 +888,11 @@ impl<'a> Trainer<'a> {
             self.unshard(chip, l).await?;
             let unit = self.unit(l);
             if self.overlapped() && unit.start > 0 && self.spec.reshard_after_forward {
-                // This unit's layers still to run will hold their unsharded gradients, one
-                // layer at a time (each is reduced before the next).
+                // This unit's layers still to run hold their unsharded gradients, and their
+                // working copies when not gathered yet, one layer at a time (each is released
+                // and reduced before the next).
                 let reserve = (unit.start..=l)
-                    .map(|m| self.gathered_bytes(chip, m))
+                    .map(|m| self.gathered_bytes(chip, m) + self.on_demand_bytes(chip, m))
                     .max()
                     .unwrap_or(0);
                 self.prefetch_ahead(chip, unit.start - 1, reserve).await?;
@@ -1434,21 +1441,22 @@ impl<'a> Trainer<'a> {
             .sum()
     }
 
-    /// The most layer `l`'s forward on `rows` rows adds to HBM: its output and the input of
-    /// the op after it (what a policy may keep), and its input gathered over tensor
-    /// parallelism.
-    fn kept_at_most(&self, chip: &Chip, l: usize, rows: usize) -> u64 {
-        let layer = &self.layers[l];
-        let out = match layer.kind {
-            LayerKind::Linear => self.compute_shape(chip, l, 0)[0],
-            LayerKind::Embedding => layer.outputs,
-        };
-        let gathered = if self.gathers_input(l) {
-            layer.inputs
-        } else {
+    /// HBM layer `l`'s working copy will take when it is gathered on demand (nothing when it
+    /// is gathered already).
+    fn on_demand_bytes(&self, chip: &Chip, l: usize) -> u64 {
+        if self.working[l].is_some() {
             0
-        };
-        self.elem * (rows * (2 * out + gathered)) as u64
+        } else {
+            self.gathered_bytes(chip, l)
+        }
+    }
+
+    /// The most layer `l`'s forward on `rows` rows keeps in HBM: its output and the input of
+    /// the op after it, each at most as wide as the layer's output here (weights are
+    /// `[out, in]`, the embedding's included).
+    fn kept_at_most(&self, chip: &Chip, l: usize, rows: usize) -> u64 {
+        let out = self.compute_shape(chip, l, 0)[0];
+        self.elem * (rows * 2 * out) as u64
     }
 
     /// Gathers layer `l`'s parameters over the shard dimension (on the gather stream in fused
