@@ -43,6 +43,9 @@ pub const WORKER_HEADER: &str = "x-podsim-worker";
 pub(crate) struct Outgoing {
     pub msg: Message,
     bytes: usize,
+    /// Bytes of the message's record a chip already wrote to the socket itself (a Unix-socket
+    /// link's direct write that the socket did not take whole); the writer task sends the rest.
+    pub skip: usize,
     _room: Option<OwnedSemaphorePermit>,
 }
 
@@ -56,6 +59,33 @@ struct Peer {
     /// Taken by whichever side sets up the stream to this peer.
     queue_rx: Mutex<Option<mpsc::UnboundedReceiver<Outgoing>>>,
     room: Arc<Semaphore>,
+    /// The sending end of a Unix-socket link, once there is one: chips write to it directly
+    /// while its writer task is idle.
+    writer: std::sync::OnceLock<Arc<uds::LinkWriter>>,
+}
+
+impl Peer {
+    /// Queues `o` for the writer task. On a Unix-socket link the writer is marked busy in the
+    /// same critical section, so that no chip writes directly while anything queued before
+    /// its message is still unsent.
+    /// False when the queue is closed (the link is gone).
+    fn enqueue(&self, o: Outgoing) -> bool {
+        let _busy = self.writer.get().map(|w| w.mark_busy());
+        self.queue.send(o).is_ok()
+    }
+}
+
+impl Outgoing {
+    /// A message queued without a share of any queue's room (the link tests' own queues).
+    #[cfg(test)]
+    pub(crate) fn unbudgeted(msg: Message, skip: usize) -> Outgoing {
+        Outgoing {
+            bytes: msg.payload.len() * 4,
+            msg,
+            skip,
+            _room: None,
+        }
+    }
 }
 
 impl std::fmt::Debug for Outgoing {
@@ -203,6 +233,7 @@ impl NodeFabric {
                     queue: tx,
                     queue_rx: Mutex::new(Some(rx)),
                     room: Arc::new(Semaphore::new(PEER_BUDGET_BYTES)),
+                    writer: std::sync::OnceLock::new(),
                 };
                 (w, peer)
             })
@@ -387,7 +418,11 @@ impl NodeFabric {
         queue: mpsc::UnboundedReceiver<Outgoing>,
     ) {
         let (input, output) = stream.into_split();
-        tokio::spawn(uds::pump_out(queue, output));
+        let writer = Arc::new(uds::LinkWriter::new(output));
+        if let Some(p) = self.peers.get(&peer) {
+            let _ = p.writer.set(writer.clone());
+        }
+        tokio::spawn(uds::pump_out(queue, writer));
         tokio::spawn(uds::pump_in(self.clone(), peer, input));
         self.connected_by(peer, Transport::Uds);
     }
@@ -567,31 +602,53 @@ impl Router for NodeFabric {
         let cost = u32::try_from(bytes).unwrap_or(u32::MAX);
         let closed =
             move || CollectiveError::Transport(format!("link to worker {worker} is closed"));
-        match peer.room.clone().try_acquire_many_owned(cost) {
-            Ok(room) => {
-                peer.queue
-                    .send(Outgoing {
+        // An idle Unix-socket link takes the message from this thread: no hand-off to the
+        // writer task, whose wake-up is most of a small message's latency.
+        let msg = match peer.writer.get() {
+            Some(writer) => {
+                // What the socket did not take goes first in the queue, queued before the
+                // writer's lock is let go so that nothing else lands on the wire in between.
+                let queue_rest = |msg, skip| {
+                    let room = peer.room.clone().try_acquire_many_owned(cost).ok();
+                    let rest = Outgoing {
                         msg,
                         bytes,
-                        _room: Some(room),
-                    })
-                    .map_err(|_| closed())?;
+                        skip,
+                        _room: room,
+                    };
+                    peer.queue.send(rest).is_ok()
+                };
+                match writer.write_if_idle(msg, queue_rest) {
+                    uds::Direct::Done => return Ok(Delivery::Done),
+                    uds::Direct::Busy(msg) => msg,
+                    uds::Direct::Failed => return Err(closed()),
+                }
+            }
+            None => msg,
+        };
+        match peer.room.clone().try_acquire_many_owned(cost) {
+            Ok(room) => {
+                if !peer.enqueue(Outgoing {
+                    msg,
+                    bytes,
+                    skip: 0,
+                    _room: Some(room),
+                }) {
+                    return Err(closed());
+                }
                 Ok(Delivery::Done)
             }
-            Err(_) => {
-                let room = peer.room.clone();
-                let queue = peer.queue.clone();
-                Ok(Delivery::Wait(Box::pin(async move {
-                    let room = room.acquire_many_owned(cost).await.map_err(|_| closed())?;
-                    queue
-                        .send(Outgoing {
-                            msg,
-                            bytes,
-                            _room: Some(room),
-                        })
-                        .map_err(|_| closed())
-                })))
-            }
+            Err(_) => Ok(Delivery::Wait(Box::pin(async move {
+                let room = peer.room.clone().acquire_many_owned(cost).await;
+                let room = room.map_err(|_| closed())?;
+                let queued = peer.enqueue(Outgoing {
+                    msg,
+                    bytes,
+                    skip: 0,
+                    _room: Some(room),
+                });
+                queued.then_some(()).ok_or_else(closed)
+            }))),
         }
     }
 }

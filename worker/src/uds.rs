@@ -7,7 +7,9 @@
 //! the chip's shared buffers straight into the socket (the messages waiting together go out
 //! in one vectored write, headers and payload runs side by side), and the receiver reads it
 //! straight into a pooled buffer that becomes the message's payload: one copy into the kernel
-//! and one out. The header carries exactly the
+//! and one out. A small message offered while the link's writer task is idle is written by
+//! the chip's own thread ([`LinkWriter`]), which saves a thread hand-off per message. The
+//! header carries exactly the
 //! envelope's fields and goes through the same validation ([`crate::wire::message`]), so a garbage or
 //! oversized record from a peer is refused the same way.
 //!
@@ -345,18 +347,140 @@ fn decode_header(h: &[u8; HEADER_BYTES]) -> Result<(pb::Envelope, bool, u64), St
     Ok((env, payload_kind, u64_at(80)))
 }
 
+/// Largest payload a chip writes to an idle link itself. Above it latency matters less than
+/// throughput: the writer task then sends (and finishes any pending reduction of) the payload
+/// while the chip's thread goes on with its next step.
+const DIRECT_MAX_BYTES: usize = 256 << 10;
+
+/// The sending end of a link, shared by its writer task and the chips' threads.
+///
+/// A chip's message normally goes through the link's queue to the writer task, which costs a
+/// thread hand-off (the task's wake-up) per message: most of a small message's latency. While
+/// the task is idle (nothing queued, nothing in hand) a chip writes its record itself, with
+/// a non-blocking vectored write. Order on the wire is kept by one flag under a lock: the
+/// task marks itself idle only when its queue is empty, every enqueue marks it busy, and a
+/// direct write happens only while it is idle, so nothing a chip writes can overtake what was
+/// queued before it.
+#[derive(Debug)]
+pub(crate) struct LinkWriter {
+    out: OwnedWriteHalf,
+    idle: std::sync::Mutex<bool>,
+}
+
+/// What became of a message offered to [`LinkWriter::write_if_idle`].
+pub(crate) enum Direct {
+    /// On the socket (whole, or its start, with the rest queued first).
+    Done,
+    /// The writer task is busy: queue the message.
+    Busy(Message),
+    /// The link is broken (the writer task also stops on it).
+    Failed,
+}
+
+impl LinkWriter {
+    pub(crate) fn new(out: OwnedWriteHalf) -> LinkWriter {
+        LinkWriter {
+            out,
+            idle: std::sync::Mutex::new(false),
+        }
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Marks the writer task busy for as long as the guard lives (a message is being queued).
+    pub(crate) fn mark_busy(&self) -> std::sync::MutexGuard<'_, bool> {
+        let mut idle = self.idle();
+        *idle = false;
+        idle
+    }
+
+    /// Writes `msg` from this thread when the writer task is idle. When the socket takes only
+    /// part of the record, `queue_rest(msg, bytes_written)` queues the rest while the lock is
+    /// held (it returns false when the queue is closed).
+    pub(crate) fn write_if_idle(
+        &self,
+        msg: Message,
+        queue_rest: impl FnOnce(Message, usize) -> bool,
+    ) -> Direct {
+        if msg.payload.len() * 4 > DIRECT_MAX_BYTES {
+            return Direct::Busy(msg);
+        }
+        let mut idle = self.idle();
+        if !*idle {
+            return Direct::Busy(msg);
+        }
+        let msg = Message {
+            payload: msg.payload.resolve(),
+            ..msg
+        };
+        let mut header = Vec::with_capacity(HEADER_BYTES);
+        encode_header(&msg, &mut header);
+        let mut slices = Vec::new();
+        record_slices(&msg, &header, &mut slices);
+        let total: usize = slices.iter().map(|s| s.len()).sum();
+        let mut written = 0;
+        let mut rest: &mut [IoSlice<'_>] = &mut slices;
+        while !rest.is_empty() {
+            let upto = rest.len().min(MAX_IOVECS);
+            match self.out.try_write_vectored(&rest[..upto]) {
+                Ok(0) => return Direct::Failed,
+                Ok(n) => {
+                    written += n;
+                    IoSlice::advance_slices(&mut rest, n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => return Direct::Failed,
+            }
+        }
+        if written == total {
+            return Direct::Done;
+        }
+        *idle = false;
+        if queue_rest(msg, written) {
+            Direct::Done
+        } else {
+            Direct::Failed
+        }
+    }
+}
+
 /// Writes queued messages to the socket until the queue closes or the peer goes away.
 ///
 /// Messages waiting together go out in one vectored write: their headers from one small
 /// buffer and their payload runs straight from the chips' shared buffers, so no payload byte
-/// is copied in user space however finely an algorithm cuts its messages.
+/// is copied in user space however finely an algorithm cuts its messages. With nothing left
+/// to write the task marks the link idle, and chips write to it themselves until they queue
+/// again.
 pub(crate) async fn pump_out(
     mut queue: mpsc::UnboundedReceiver<Outgoing>,
-    mut out: OwnedWriteHalf,
+    writer: Arc<LinkWriter>,
 ) {
     let mut batch: Vec<Message> = Vec::new();
     let mut headers: Vec<u8> = Vec::new();
-    while let Some(first) = queue.recv().await {
+    loop {
+        let waiting = {
+            let mut idle = writer.idle();
+            match queue.try_recv() {
+                Ok(o) => Some(o),
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    *idle = true;
+                    None
+                }
+                Err(mpsc::error::TryRecvError::Disconnected) => return,
+            }
+        };
+        let first = match waiting {
+            Some(o) => o,
+            None => match queue.recv().await {
+                Some(o) => o,
+                None => return,
+            },
+        };
+        // Only a message queued while the link was idle can have been started directly, and
+        // it is then the first one queued.
+        let skip = first.skip;
         batch.clear();
         headers.clear();
         let mut bytes = 0;
@@ -377,7 +501,10 @@ pub(crate) async fn pump_out(
                 None
             };
         }
-        if write_batch(&batch, &headers, &mut out).await.is_err() {
+        if write_batch(&batch, &headers, skip, &writer.out)
+            .await
+            .is_err()
+        {
             return;
         }
     }
@@ -388,40 +515,50 @@ fn payload_bytes(payload: &Payload) -> usize {
     payload.as_rope().map_or(0, |r| 4 * r.len())
 }
 
-/// Writes each message's header and payload runs with vectored writes.
-async fn write_batch(
-    batch: &[Message],
-    headers: &[u8],
-    out: &mut OwnedWriteHalf,
-) -> io::Result<()> {
-    let mut slices: Vec<IoSlice<'_>> = Vec::new();
-    for (msg, header) in batch.iter().zip(headers.chunks_exact(HEADER_BYTES)) {
-        slices.push(IoSlice::new(header));
-        let Some(rope) = msg.payload.as_rope() else {
-            continue;
-        };
-        for run in rope.runs() {
-            match run {
-                Run::Values(values) => slices.push(IoSlice::new(bytemuck::cast_slice(values))),
-                Run::Zeros(n) => {
-                    let mut left = 4 * n;
-                    while left > 0 {
-                        let k = left.min(ZEROS.len());
-                        slices.push(IoSlice::new(&ZEROS[..k]));
-                        left -= k;
-                    }
+/// One message's record as buffers to write: its header, then its payload runs.
+fn record_slices<'a>(msg: &'a Message, header: &'a [u8], slices: &mut Vec<IoSlice<'a>>) {
+    slices.push(IoSlice::new(header));
+    let Some(rope) = msg.payload.as_rope() else {
+        return;
+    };
+    for run in rope.runs() {
+        match run {
+            Run::Values(values) => slices.push(IoSlice::new(bytemuck::cast_slice(values))),
+            Run::Zeros(n) => {
+                let mut left = 4 * n;
+                while left > 0 {
+                    let k = left.min(ZEROS.len());
+                    slices.push(IoSlice::new(&ZEROS[..k]));
+                    left -= k;
                 }
             }
         }
     }
+}
+
+/// Writes each message's record with vectored writes, less the first `skip` bytes (already
+/// written by a chip).
+async fn write_batch(
+    batch: &[Message],
+    headers: &[u8],
+    skip: usize,
+    out: &OwnedWriteHalf,
+) -> io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = Vec::new();
+    for (msg, header) in batch.iter().zip(headers.chunks_exact(HEADER_BYTES)) {
+        record_slices(msg, header, &mut slices);
+    }
     let mut rest: &mut [IoSlice<'_>] = &mut slices;
+    IoSlice::advance_slices(&mut rest, skip);
     while !rest.is_empty() {
         let upto = rest.len().min(MAX_IOVECS);
-        let n = out.write_vectored(&rest[..upto]).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
+        out.writable().await?;
+        match out.try_write_vectored(&rest[..upto]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut rest, n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
         }
-        IoSlice::advance_slices(&mut rest, n);
     }
     Ok(())
 }
@@ -533,6 +670,116 @@ mod tests {
         let mut bad = header;
         bad[0] ^= 1;
         assert!(decode_header(&bad).is_err());
+    }
+
+    /// Message `seq` of chip `src`: `len` values that say who sent it and which it is.
+    fn numbered(src: u32, seq: u32, len: usize) -> Message {
+        let values = (0..len).map(|i| (src * 1_000_000 + seq) as f32 + i as f32 * 1e-3);
+        Message {
+            src,
+            dst: 0,
+            link: Link::Ici {
+                axis: 0,
+                dir: Dir::Plus,
+            },
+            hops: 1,
+            fingerprint: Fingerprint {
+                group: 1,
+                seq: u64::from(seq),
+                op: OpKind::AllReduce,
+                dtype: DType::F32,
+                count: len as u64,
+                reduce: Some(ReduceOp::Sum),
+            },
+            tag: Tag {
+                lane: 0,
+                phase: 0,
+                step: seq,
+            },
+            arrive_ns: 0.0,
+            payload: Payload::from_vec(values.collect()),
+            checksum: None,
+        }
+    }
+
+    #[test]
+    fn chips_writing_directly_never_overtake_or_tear_queued_records() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (senders, per_sender) = (4u32, 150u32);
+        rt.block_on(async {
+            let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
+            let (_, out) = a.into_split();
+            let writer = Arc::new(LinkWriter::new(out));
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(pump_out(rx, writer.clone()));
+            // Chips on their own threads, as in a worker: small records (written directly
+            // when the link is idle) and large ones (beyond the socket's buffer: written in
+            // part, the rest queued, or queued whole) mixed, so every path meets every other.
+            let threads: Vec<_> = (0..senders)
+                .map(|src| {
+                    let (writer, tx) = (writer.clone(), tx.clone());
+                    std::thread::spawn(move || {
+                        for seq in 0..per_sender {
+                            let len = if (seq + src) % 5 == 0 { 60_000 } else { 100 };
+                            let queue =
+                                |msg, skip| tx.send(Outgoing::unbudgeted(msg, skip)).is_ok();
+                            let msg = match writer.write_if_idle(numbered(src, seq, len), queue) {
+                                Direct::Done => continue,
+                                Direct::Busy(msg) => msg,
+                                Direct::Failed => panic!("the link failed"),
+                            };
+                            let _busy = writer.mark_busy();
+                            assert!(tx.send(Outgoing::unbudgeted(msg, 0)).is_ok());
+                        }
+                    })
+                })
+                .collect();
+            // A reader slower than the writers, so that the socket fills up.
+            let (input, _) = b.into_split();
+            let mut input = BufReader::with_capacity(READ_BUFFER_BYTES, input);
+            let mut next = vec![0u32; senders as usize];
+            let read_all = async {
+                for _ in 0..senders * per_sender {
+                    let mut header = [0u8; HEADER_BYTES];
+                    input
+                        .read_exact(&mut header)
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    let (env, _, len) = decode_header(&header).unwrap_or_else(|e| panic!("{e}"));
+                    let mut values = vec![0f32; len as usize];
+                    input
+                        .read_exact(bytemuck::cast_slice_mut(&mut values))
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    let (src, seq) = (env.src_chip, env.tag.map_or(0, |t| t.step));
+                    assert_eq!(seq, next[src as usize], "chip {src}: out of order");
+                    next[src as usize] += 1;
+                    let want = (src * 1_000_000 + seq) as f32;
+                    assert!(
+                        values
+                            .iter()
+                            .enumerate()
+                            .all(|(i, v)| *v == want + i as f32 * 1e-3)
+                    );
+                    if seq % 16 == 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    }
+                }
+            };
+            // A torn record would leave the reader waiting for bytes that never come.
+            let deadline = std::time::Duration::from_secs(60);
+            assert!(
+                tokio::time::timeout(deadline, read_all).await.is_ok(),
+                "stuck"
+            );
+            for t in threads {
+                assert!(t.join().is_ok());
+            }
+        });
     }
 
     #[test]
