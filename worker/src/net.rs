@@ -59,9 +59,9 @@ struct Peer {
     /// Taken by whichever side sets up the stream to this peer.
     queue_rx: Mutex<Option<mpsc::UnboundedReceiver<Outgoing>>>,
     room: Arc<Semaphore>,
-    /// The sending end of a Unix-socket link, once there is one: chips write to it directly
-    /// while its writer task is idle.
-    writer: std::sync::OnceLock<Arc<uds::LinkWriter>>,
+    /// The sending end of a Unix-socket link (once it has its socket): chips write to it
+    /// directly while its writer task is idle.
+    writer: Arc<uds::LinkWriter>,
 }
 
 impl Peer {
@@ -70,7 +70,7 @@ impl Peer {
     /// its message is still unsent.
     /// False when the queue is closed (the link is gone).
     fn enqueue(&self, o: Outgoing) -> bool {
-        let _busy = self.writer.get().map(|w| w.mark_busy());
+        let _busy = self.writer.mark_busy();
         self.queue.send(o).is_ok()
     }
 }
@@ -233,7 +233,7 @@ impl NodeFabric {
                     queue: tx,
                     queue_rx: Mutex::new(Some(rx)),
                     room: Arc::new(Semaphore::new(PEER_BUDGET_BYTES)),
-                    writer: std::sync::OnceLock::new(),
+                    writer: Arc::new(uds::LinkWriter::new()),
                 };
                 (w, peer)
             })
@@ -418,11 +418,13 @@ impl NodeFabric {
         queue: mpsc::UnboundedReceiver<Outgoing>,
     ) {
         let (input, output) = stream.into_split();
-        let writer = Arc::new(uds::LinkWriter::new(output));
-        if let Some(p) = self.peers.get(&peer) {
-            let _ = p.writer.set(writer.clone());
+        let Some(p) = self.peers.get(&peer) else {
+            return;
+        };
+        if !p.writer.attach(output) {
+            return;
         }
-        tokio::spawn(uds::pump_out(queue, writer));
+        tokio::spawn(uds::pump_out(queue, p.writer.clone()));
         tokio::spawn(uds::pump_in(self.clone(), peer, input));
         self.connected_by(peer, Transport::Uds);
     }
@@ -604,27 +606,23 @@ impl Router for NodeFabric {
             move || CollectiveError::Transport(format!("link to worker {worker} is closed"));
         // An idle Unix-socket link takes the message from this thread: no hand-off to the
         // writer task, whose wake-up is most of a small message's latency.
-        let msg = match peer.writer.get() {
-            Some(writer) => {
-                // What the socket did not take goes first in the queue, queued before the
-                // writer's lock is let go so that nothing else lands on the wire in between.
-                let queue_rest = |msg, skip| {
-                    let room = peer.room.clone().try_acquire_many_owned(cost).ok();
-                    let rest = Outgoing {
-                        msg,
-                        bytes,
-                        skip,
-                        _room: room,
-                    };
-                    peer.queue.send(rest).is_ok()
-                };
-                match writer.write_if_idle(msg, queue_rest) {
-                    uds::Direct::Done => return Ok(Delivery::Done),
-                    uds::Direct::Busy(msg) => msg,
-                    uds::Direct::Failed => return Err(closed()),
-                }
-            }
-            None => msg,
+        // What the socket did not take goes first in the queue, queued before the writer's
+        // lock is let go so that nothing else lands on the wire in between (straight into the
+        // queue: `Peer::enqueue` would take that lock again).
+        let queue_rest = |msg, skip| {
+            let room = peer.room.clone().try_acquire_many_owned(cost).ok();
+            let rest = Outgoing {
+                msg,
+                bytes,
+                skip,
+                _room: room,
+            };
+            peer.queue.send(rest).is_ok()
+        };
+        let msg = match peer.writer.write_if_idle(msg, queue_rest) {
+            uds::Direct::Done => return Ok(Delivery::Done),
+            uds::Direct::Busy(msg) => msg,
+            uds::Direct::Failed => return Err(closed()),
         };
         match peer.room.clone().try_acquire_many_owned(cost) {
             Ok(room) => {

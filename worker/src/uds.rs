@@ -363,7 +363,11 @@ const DIRECT_MAX_BYTES: usize = 256 << 10;
 /// queued before it.
 #[derive(Debug)]
 pub(crate) struct LinkWriter {
-    out: OwnedWriteHalf,
+    /// The socket, once the link runs over one (never, for a gRPC link: then every message
+    /// is queued).
+    out: std::sync::OnceLock<OwnedWriteHalf>,
+    /// Exists from the peer's creation, so that every message ever queued to the peer was
+    /// queued under it, including those queued before the socket was attached.
     idle: std::sync::Mutex<bool>,
 }
 
@@ -373,16 +377,24 @@ pub(crate) enum Direct {
     Done,
     /// The writer task is busy: queue the message.
     Busy(Message),
-    /// The link is broken (the writer task also stops on it).
+    /// The socket refused the write: the link is broken and the message lost, as a queued
+    /// message is when the writer task finds the link broken (the caller reports the link
+    /// closed; the coordinator learns of the dead worker through its session).
     Failed,
 }
 
 impl LinkWriter {
-    pub(crate) fn new(out: OwnedWriteHalf) -> LinkWriter {
+    pub(crate) fn new() -> LinkWriter {
         LinkWriter {
-            out,
+            out: std::sync::OnceLock::new(),
             idle: std::sync::Mutex::new(false),
         }
+    }
+
+    /// Gives the link its socket (once; false when it had one already). It stays busy until
+    /// its writer task has found the queue empty.
+    pub(crate) fn attach(&self, out: OwnedWriteHalf) -> bool {
+        self.out.set(out).is_ok()
     }
 
     fn idle(&self) -> std::sync::MutexGuard<'_, bool> {
@@ -398,23 +410,28 @@ impl LinkWriter {
 
     /// Writes `msg` from this thread when the writer task is idle. When the socket takes only
     /// part of the record, `queue_rest(msg, bytes_written)` queues the rest while the lock is
-    /// held (it returns false when the queue is closed).
+    /// held (it returns false when the queue is closed; it must not take this lock again).
     pub(crate) fn write_if_idle(
         &self,
         msg: Message,
         queue_rest: impl FnOnce(Message, usize) -> bool,
     ) -> Direct {
+        let Some(out) = self.out.get() else {
+            return Direct::Busy(msg);
+        };
         if msg.payload.len() * 4 > DIRECT_MAX_BYTES {
             return Direct::Busy(msg);
         }
-        let mut idle = self.idle();
-        if !*idle {
-            return Direct::Busy(msg);
-        }
+        // A pending reduction is finished before the lock is taken: the writer task may be
+        // waiting for the lock.
         let msg = Message {
             payload: msg.payload.resolve(),
             ..msg
         };
+        let mut idle = self.idle();
+        if !*idle {
+            return Direct::Busy(msg);
+        }
         let mut header = Vec::with_capacity(HEADER_BYTES);
         encode_header(&msg, &mut header);
         let mut slices = Vec::new();
@@ -424,7 +441,7 @@ impl LinkWriter {
         let mut rest: &mut [IoSlice<'_>] = &mut slices;
         while !rest.is_empty() {
             let upto = rest.len().min(MAX_IOVECS);
-            match self.out.try_write_vectored(&rest[..upto]) {
+            match out.try_write_vectored(&rest[..upto]) {
                 Ok(0) => return Direct::Failed,
                 Ok(n) => {
                     written += n;
@@ -457,6 +474,9 @@ pub(crate) async fn pump_out(
     mut queue: mpsc::UnboundedReceiver<Outgoing>,
     writer: Arc<LinkWriter>,
 ) {
+    let Some(out) = writer.out.get() else {
+        return;
+    };
     let mut batch: Vec<Message> = Vec::new();
     let mut headers: Vec<u8> = Vec::new();
     loop {
@@ -501,10 +521,7 @@ pub(crate) async fn pump_out(
                 None
             };
         }
-        if write_batch(&batch, &headers, skip, &writer.out)
-            .await
-            .is_err()
-        {
+        if write_batch(&batch, &headers, skip, out).await.is_err() {
             return;
         }
     }
@@ -672,9 +689,16 @@ mod tests {
         assert!(decode_header(&bad).is_err());
     }
 
-    /// Message `seq` of chip `src`: `len` values that say who sent it and which it is.
+    /// Message `seq` of chip `src`: its first value says who sent it and which it is, value
+    /// `i` after it is `i` (all exact in f32).
     fn numbered(src: u32, seq: u32, len: usize) -> Message {
-        let values = (0..len).map(|i| (src * 1_000_000 + seq) as f32 + i as f32 * 1e-3);
+        let values = (0..len).map(|i| {
+            if i == 0 {
+                (src * 1000 + seq) as f32
+            } else {
+                i as f32
+            }
+        });
         Message {
             src,
             dst: 0,
@@ -713,18 +737,24 @@ mod tests {
         rt.block_on(async {
             let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
             let (_, out) = a.into_split();
-            let writer = Arc::new(LinkWriter::new(out));
+            let writer = Arc::new(LinkWriter::new());
+            assert!(writer.attach(out));
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(pump_out(rx, writer.clone()));
             // Chips on their own threads, as in a worker: small records (written directly
-            // when the link is idle) and large ones (beyond the socket's buffer: written in
-            // part, the rest queued, or queued whole) mixed, so every path meets every other.
+            // when the link is idle), larger ones (beyond the socket's buffer: written in
+            // part, the rest queued, or queued whole) and some above the direct-write limit
+            // (always queued) mixed, so every path meets every other.
             let threads: Vec<_> = (0..senders)
                 .map(|src| {
                     let (writer, tx) = (writer.clone(), tx.clone());
                     std::thread::spawn(move || {
                         for seq in 0..per_sender {
-                            let len = if (seq + src) % 5 == 0 { 60_000 } else { 100 };
+                            let len = match (seq + src) % 7 {
+                                0 => 60_000,
+                                3 => 100_000,
+                                _ => 100,
+                            };
                             let queue =
                                 |msg, skip| tx.send(Outgoing::unbudgeted(msg, skip)).is_ok();
                             let msg = match writer.write_if_idle(numbered(src, seq, len), queue) {
@@ -758,12 +788,13 @@ mod tests {
                     let (src, seq) = (env.src_chip, env.tag.map_or(0, |t| t.step));
                     assert_eq!(seq, next[src as usize], "chip {src}: out of order");
                     next[src as usize] += 1;
-                    let want = (src * 1_000_000 + seq) as f32;
+                    assert_eq!(values[0], (src * 1000 + seq) as f32);
                     assert!(
                         values
                             .iter()
                             .enumerate()
-                            .all(|(i, v)| *v == want + i as f32 * 1e-3)
+                            .skip(1)
+                            .all(|(i, v)| *v == i as f32)
                     );
                     if seq % 16 == 0 {
                         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
