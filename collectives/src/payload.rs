@@ -301,8 +301,26 @@ impl PendingReduction {
         while out.len() < len {
             let start = out.len();
             let n = CHUNK.min(len - start);
-            first.runs(n, |run| out.extend_from_slice(run));
-            for c in rest.iter_mut() {
+            // The first two terms are combined in one pass over the output (copying the first
+            // and then folding the second into it would pass over every value twice).
+            let others = match rest.split_first_mut() {
+                Some((second, others)) => {
+                    first.runs(n, |a| {
+                        let mut done = 0;
+                        second.runs(a.len(), |b| {
+                            self.op
+                                .extend_combined(&mut out, &a[done..done + b.len()], b);
+                            done += b.len();
+                        });
+                    });
+                    others
+                }
+                None => {
+                    first.runs(n, |run| out.extend_from_slice(run));
+                    &mut []
+                }
+            };
+            for c in others.iter_mut() {
                 let mut at = start;
                 c.runs(n, |run| {
                     self.op.apply_in_place(&mut out[at..at + run.len()], run);
@@ -699,6 +717,62 @@ mod tests {
         assert_eq!(groups[1].to_vec().unwrap(), vec![2., 3., 8., 9.]);
         let back = Payload::merge_interleaved(groups, 2);
         assert_eq!(back.to_vec().unwrap(), p.to_vec().unwrap());
+    }
+
+    /// A payload of `values` cut into pieces at `cuts` (so its runs start at unusual
+    /// places), followed by `zeros` zero values held as a zero run.
+    fn cut(values: &[f32], cuts: &[usize], zeros: usize) -> Payload {
+        let mut at = 0;
+        let mut pieces = Vec::new();
+        for &c in cuts.iter().chain([&values.len()]) {
+            let c = c.clamp(at, values.len());
+            pieces.push(data(&values[at..c]));
+            at = c;
+        }
+        Payload::concat(pieces).pad(zeros)
+    }
+
+    proptest::proptest! {
+        /// A reduction of several differently cut payloads equals the element-wise fold of
+        /// their values, left to right, bit for bit (whatever path evaluates it).
+        #[test]
+        fn a_reduction_equals_the_element_wise_fold(
+            len in 0usize..40_000,
+            terms in proptest::collection::vec(
+                (proptest::collection::vec(0usize..40_000, 0..4), 0usize..3_000, 0u32..1000),
+                2..5,
+            ),
+            op in 0usize..4,
+        ) {
+            let op = ReduceOp::ALL[op];
+            let mut expected: Option<Vec<f32>> = None;
+            let mut acc: Option<Payload> = None;
+            for (cuts, zeros, seed) in &terms {
+                let zeros = (*zeros).min(len);
+                let mut values: Vec<f32> = (0..len - zeros)
+                    .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 * 1e-3 - 1e3)
+                    .collect();
+                let payload = cut(&values, cuts, zeros);
+                values.resize(len, 0.0);
+                expected = Some(match expected {
+                    None => values,
+                    Some(mut e) => {
+                        op.apply_in_place(&mut e, &values);
+                        e
+                    }
+                });
+                acc = Some(match acc {
+                    None => payload,
+                    Some(a) => a.combine(&payload, op).unwrap(),
+                });
+            }
+            let got = acc.unwrap().resolve().to_vec().unwrap();
+            let expected = expected.unwrap();
+            proptest::prop_assert_eq!(got.len(), expected.len());
+            for (g, e) in got.iter().zip(&expected) {
+                proptest::prop_assert_eq!(g.to_bits(), e.to_bits());
+            }
+        }
     }
 
     #[test]

@@ -28,6 +28,17 @@ impl ReduceOp {
         }
     }
 
+    /// Appends `a[i] op b[i]` for every `i` to `out`: the same values as copying `a` and
+    /// then [`ReduceOp::apply_in_place`] with `b`, in one pass.
+    pub fn extend_combined(self, out: &mut Vec<f32>, a: &[f32], b: &[f32]) {
+        let pairs = a.iter().zip(b);
+        match self {
+            ReduceOp::Sum | ReduceOp::Avg => out.extend(pairs.map(|(x, y)| x + y)),
+            ReduceOp::Max => out.extend(pairs.map(|(x, y)| x.max(*y))),
+            ReduceOp::Min => out.extend(pairs.map(|(x, y)| x.min(*y))),
+        }
+    }
+
     pub fn code(self) -> u32 {
         match self {
             ReduceOp::Sum => 1,
