@@ -103,7 +103,11 @@ pub struct BenchRow {
     pub count: u64,
     pub mode: String,
     pub iters: usize,
+    /// Mean wall time per timed iteration.
     pub wall_s: f64,
+    /// Each timed iteration's wall time (first chip's start to last chip's end), in order:
+    /// whether the mean is a steady rate or carries a few slow iterations.
+    pub iteration_wall_s: Vec<f64>,
     pub algbw_gbps: f64,
     pub busbw_gbps: f64,
     pub virtual_s: f64,
@@ -413,6 +417,7 @@ fn make_row(plan: &BenchPlan, size: u64, steps: &[ChipStepReport]) -> BenchRow {
         mode: if plan.meta { "meta" } else { "data" }.to_string(),
         iters: plan.iters,
         wall_s,
+        iteration_wall_s: times.iter().map(|t| t.0).collect(),
         algbw_gbps: gbps(wall_s),
         busbw_gbps: gbps(wall_s) * factor,
         virtual_s,

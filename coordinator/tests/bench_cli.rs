@@ -74,6 +74,23 @@ fn json_rows_carry_the_documented_fields() {
     assert_eq!(rows[1]["errors"], 0);
     assert!(rows[1]["checked"].as_u64().unwrap() > 0);
     assert!(rows[1]["virtual_s"].as_f64().unwrap() > 0.0);
+    // One wall time per timed iteration, and their mean is the row's wall time.
+    for row in &rows {
+        let walls: Vec<f64> = row["iteration_wall_s"]
+            .as_array()
+            .expect("iteration_wall_s")
+            .iter()
+            .map(|w| w.as_f64().unwrap())
+            .collect();
+        assert_eq!(walls.len(), 2);
+        assert!(walls.iter().all(|&w| w > 0.0), "{walls:?}");
+        let mean = walls.iter().sum::<f64>() / 2.0;
+        let wall = row["wall_s"].as_f64().unwrap();
+        assert!(
+            (mean - wall).abs() <= 1e-9 * wall.max(1.0),
+            "{mean} vs {wall}"
+        );
+    }
 }
 
 #[test]
