@@ -610,6 +610,10 @@ impl Router for NodeFabric {
         // lock is let go so that nothing else lands on the wire in between (straight into the
         // queue: `Peer::enqueue` would take that lock again).
         let queue_rest = |msg, skip| {
+            // The rest cannot wait for queue room with the writer's lock held, so it takes
+            // room only when there is some. This overdraws the peer's budget by at most one
+            // direct record (256 KiB) per time the link goes from idle to busy: every message
+            // after it is queued with room.
             let room = peer.room.clone().try_acquire_many_owned(cost).ok();
             let rest = Outgoing {
                 msg,

@@ -436,22 +436,12 @@ impl LinkWriter {
         encode_header(&msg, &mut header);
         let mut slices = Vec::new();
         record_slices(&msg, &header, &mut slices);
-        let total: usize = slices.iter().map(|s| s.len()).sum();
-        let mut written = 0;
         let mut rest: &mut [IoSlice<'_>] = &mut slices;
-        while !rest.is_empty() {
-            let upto = rest.len().min(MAX_IOVECS);
-            match out.try_write_vectored(&rest[..upto]) {
-                Ok(0) => return Direct::Failed,
-                Ok(n) => {
-                    written += n;
-                    IoSlice::advance_slices(&mut rest, n);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => return Direct::Failed,
-            }
-        }
-        if written == total {
+        let written = match write_now(out, &mut rest) {
+            Ok(n) => n,
+            Err(_) => return Direct::Failed,
+        };
+        if rest.is_empty() {
             return Direct::Done;
         }
         *idle = false;
@@ -568,16 +558,29 @@ async fn write_batch(
     let mut rest: &mut [IoSlice<'_>] = &mut slices;
     IoSlice::advance_slices(&mut rest, skip);
     while !rest.is_empty() {
-        let upto = rest.len().min(MAX_IOVECS);
         out.writable().await?;
+        write_now(out, &mut rest)?;
+    }
+    Ok(())
+}
+
+/// Writes from `rest` what the socket takes without blocking, advancing `rest` past it;
+/// returns how many bytes that was. A socket that takes nothing while writable is an error.
+fn write_now(out: &OwnedWriteHalf, rest: &mut &mut [IoSlice<'_>]) -> io::Result<usize> {
+    let mut written = 0;
+    while !rest.is_empty() {
+        let upto = rest.len().min(MAX_IOVECS);
         match out.try_write_vectored(&rest[..upto]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut rest, n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Ok(n) => {
+                written += n;
+                IoSlice::advance_slices(rest, n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    Ok(written)
 }
 
 /// Reads records from the socket, validates each and delivers it, until the peer closes.
