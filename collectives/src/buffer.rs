@@ -32,6 +32,14 @@ pub(crate) fn take_filled(len: usize) -> Vec<f32> {
     v
 }
 
+/// `len` values to be overwritten whole (a matmul's output with `beta = 0`): a pooled buffer
+/// when one fits, so that a result made every step (a weight gradient that goes on into a
+/// collective and back into the pool) reuses memory instead of faulting in fresh pages. The
+/// values it holds on return are unspecified.
+pub fn scratch(len: usize) -> Vec<f32> {
+    take_filled(len)
+}
+
 /// A pooled vector that fits `len` (its old contents kept), or a new empty one.
 fn take_used(len: usize) -> Vec<f32> {
     if len >= MIN_POOLED_ELEMENTS {

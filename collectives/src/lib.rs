@@ -38,7 +38,7 @@
 
 mod algo;
 pub mod bits;
-mod buffer;
+pub mod buffer;
 mod chip;
 mod collective;
 mod error;

@@ -577,10 +577,47 @@ pub async fn all_reduce(
     i: usize,
     op: ReduceOp,
 ) -> Result<Vec<DTensor>, WorkerError> {
+    let (pieces, shells) = all_reduce_bucket(chip, items, i, op).await?;
+    pieces
+        .into_iter()
+        .zip(shells)
+        .map(|(piece, (mesh, placements, shape, local_shape))| {
+            Ok(DTensor {
+                mesh,
+                placements,
+                shape,
+                local: Tensor::from_payload(piece, &local_shape)?,
+            })
+        })
+        .collect()
+}
+
+/// [`all_reduce`] that leaves each tensor's reduced local values where the collective put
+/// them (pieces of its own block and of received buffers), for a reader that takes them run
+/// by run (the optimizer): making each a contiguous tensor would copy every value.
+pub async fn all_reduce_in_place(
+    chip: &mut Chip,
+    items: Vec<DTensor>,
+    i: usize,
+    op: ReduceOp,
+) -> Result<Vec<Payload>, WorkerError> {
+    Ok(all_reduce_bucket(chip, items, i, op).await?.0)
+}
+
+/// What a reduced tensor is rebuilt from: its mesh, placements, global and local shapes.
+type Shell = (Mesh, Vec<Placement>, Vec<usize>, Vec<usize>);
+
+/// The one all-reduce of a bucket: each tensor's reduced local values and its shell.
+async fn all_reduce_bucket(
+    chip: &mut Chip,
+    items: Vec<DTensor>,
+    i: usize,
+    op: ReduceOp,
+) -> Result<(Vec<Payload>, Vec<Shell>), WorkerError> {
     let refs: Vec<&DTensor> = items.iter().collect();
     expect_at(&refs, i, |p| p == Placement::Partial(op), "all-reduce")?;
     let Some(first) = items.first() else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     };
     let comm = first.mesh.comm(i);
     // The inputs are the caller's to give up: their buffers become the collective's input
@@ -595,20 +632,16 @@ pub async fn all_reduce(
         shells.push((t.mesh, placements, t.shape, local_shape));
     }
     let reduced = chip.all_reduce(&comm, &Payload::concat(parts), op).await?;
-    let mut out = Vec::with_capacity(shells.len());
     let mut offset = 0;
-    for (mesh, placements, shape, local_shape) in shells {
-        let len: usize = local_shape.iter().product();
-        let local = Tensor::from_payload(reduced.slice(offset, len), &local_shape)?;
-        offset += len;
-        out.push(DTensor {
-            mesh,
-            placements,
-            shape,
-            local,
-        });
-    }
-    Ok(out)
+    let pieces = shells
+        .iter()
+        .map(|(_, _, _, local_shape)| {
+            let len: usize = local_shape.iter().product();
+            offset += len;
+            reduced.slice(offset - len, len)
+        })
+        .collect();
+    Ok((pieces, shells))
 }
 
 /// Where `chip`'s piece of dimension `d` starts in the global tensor, for row-sliced

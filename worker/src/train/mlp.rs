@@ -243,8 +243,13 @@ pub fn linear_backward(
     } else {
         None
     };
+    // The weight gradient is a fresh megabyte-scale result every step that goes on into a
+    // collective: written into a pooled buffer it reuses the memory the last one gave back.
+    let mut dw = Array2::from_shape_vec((n, k), podsim_collectives::buffer::scratch(n * k))
+        .map_err(|e| WorkerError::Internal(format!("weight gradient buffer: {e}")))?;
+    ndarray::linalg::general_mat_mul(1.0, &dyv.t(), &view2(x)?, 0.0, &mut dw);
     Ok(Grads {
-        dw: Tensor::Data(dyv.t().dot(&view2(x)?).into_dyn()),
+        dw: Tensor::Data(dw.into_dyn()),
         db: Tensor::Data(dyv.sum_axis(Axis(0)).into_dyn()),
         dx,
         weight_cost,

@@ -2,7 +2,8 @@
 //! element-wise to whatever piece of a parameter a chip holds: a shard updates exactly as the
 //! same elements of the whole tensor would.
 
-use ndarray::{ArrayD, Zip};
+use ndarray::ArrayD;
+use podsim_collectives::Payload;
 use serde::{Deserialize, Serialize};
 
 /// Which optimizer and its hyper-parameters.
@@ -73,63 +74,85 @@ impl ParamState {
         }
     }
 
-    /// One update of `param` with gradient `grad`.
-    pub fn step(&mut self, spec: &OptimizerSpec, param: &mut ArrayD<f32>, grad: &ArrayD<f32>) {
+    /// One update of `param` with gradient `grad` (its elements in the parameter's order).
+    ///
+    /// The gradient is read run by run where it lies (a collective's result is pieces of its
+    /// own block and of received buffers): no copy into one array first.
+    pub fn step(&mut self, spec: &OptimizerSpec, param: &mut ArrayD<f32>, grad: &Payload) {
         self.step += 1;
-        match *spec {
-            OptimizerSpec::Sgd {
-                lr,
-                momentum,
-                weight_decay,
-            } => {
-                if momentum == 0.0 {
-                    Zip::from(param).and(grad).for_each(|p, &g| {
+        if !param.is_standard_layout() {
+            *param = param.as_standard_layout().into_owned();
+        }
+        while self.buffers.len() < spec.state_per_param() {
+            self.buffers.push(ArrayD::zeros(param.raw_dim()));
+        }
+        let first = self.step == 1;
+        let t = self.step as i32;
+        let (Some(param), Some(rope)) = (param.as_slice_mut(), grad.as_rope()) else {
+            return;
+        };
+        let mut buffers: Vec<&mut [f32]> = self
+            .buffers
+            .iter_mut()
+            .filter_map(|b| b.as_slice_mut())
+            .collect();
+        let mut at = 0;
+        rope.for_each_run(|g| {
+            let end = (at + g.len()).min(param.len());
+            let p = &mut param[at..end];
+            let g = &g[..end - at];
+            match (*spec, buffers.as_mut_slice()) {
+                (
+                    OptimizerSpec::Sgd {
+                        lr, weight_decay, ..
+                    },
+                    [],
+                ) => {
+                    for (p, &g) in p.iter_mut().zip(g) {
                         *p -= lr * (g + weight_decay * *p);
-                    });
-                    return;
+                    }
                 }
-                let first = self.buffers.is_empty();
-                if first {
-                    self.buffers.push(ArrayD::zeros(param.raw_dim()));
-                }
-                Zip::from(param)
-                    .and(grad)
-                    .and(&mut self.buffers[0])
-                    .for_each(|p, &g, buf| {
+                (
+                    OptimizerSpec::Sgd {
+                        lr,
+                        momentum,
+                        weight_decay,
+                    },
+                    [buf],
+                ) => {
+                    for ((p, &g), buf) in p.iter_mut().zip(g).zip(&mut buf[at..end]) {
                         let d = g + weight_decay * *p;
                         // torch: the first step initialises the buffer with the gradient itself.
                         *buf = if first { d } else { momentum * *buf + d };
                         *p -= lr * *buf;
-                    });
-            }
-            OptimizerSpec::Adamw {
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            } => {
-                if self.buffers.is_empty() {
-                    self.buffers.push(ArrayD::zeros(param.raw_dim()));
-                    self.buffers.push(ArrayD::zeros(param.raw_dim()));
+                    }
                 }
-                let t = self.step as i32;
-                let bc1 = 1.0 - beta1.powi(t);
-                let bc2 = 1.0 - beta2.powi(t);
-                let (m, v) = self.buffers.split_at_mut(1);
-                Zip::from(param)
-                    .and(grad)
-                    .and(&mut m[0])
-                    .and(&mut v[0])
-                    .for_each(|p, &g, m, v| {
+                (
+                    OptimizerSpec::Adamw {
+                        lr,
+                        beta1,
+                        beta2,
+                        eps,
+                        weight_decay,
+                    },
+                    [m, v],
+                ) => {
+                    let bc1 = 1.0 - beta1.powi(t);
+                    let bc2 = 1.0 - beta2.powi(t);
+                    let moments = m[at..end].iter_mut().zip(&mut v[at..end]);
+                    for ((p, &g), (m, v)) in p.iter_mut().zip(g).zip(moments) {
                         *p *= 1.0 - lr * weight_decay;
                         *m = beta1 * *m + (1.0 - beta1) * g;
                         *v = beta2 * *v + (1.0 - beta2) * g * g;
                         let denom = (*v / bc2).sqrt() + eps;
                         *p -= lr / bc1 * *m / denom;
-                    });
+                    }
+                }
+                // The buffers are made above to match the optimizer.
+                _ => {}
             }
-        }
+            at = end;
+        });
     }
 }
 
@@ -153,12 +176,59 @@ mod tests {
             weight_decay: 0.0,
         };
         let mut p = ArrayD::from_elem(IxDyn(&[1]), 1.0f32);
-        let g = ArrayD::from_elem(IxDyn(&[1]), 1.0f32);
+        let g = Payload::from_vec(vec![1.0f32]);
         let mut s = ParamState::new();
         s.step(&spec, &mut p, &g);
         assert!((p[[0]] - 0.9).abs() < 1e-7);
         s.step(&spec, &mut p, &g);
         assert!((p[[0]] - 0.71).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_gradient_in_pieces_updates_exactly_as_one_in_one_piece() {
+        let g: Vec<f32> = (0..10).map(|i| (i as f32 - 4.5) * 0.37).collect();
+        let whole = Payload::from_vec(g.clone());
+        let pieces = Payload::concat([
+            Payload::from_vec(g[..3].to_vec()),
+            Payload::from_vec(g[3..].to_vec()),
+        ]);
+        let specs = [
+            OptimizerSpec::Sgd {
+                lr: 0.1,
+                momentum: 0.0,
+                weight_decay: 0.01,
+            },
+            OptimizerSpec::Sgd {
+                lr: 0.1,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            OptimizerSpec::Adamw {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
+        ];
+        for spec in specs {
+            let run = |grad: &Payload| {
+                let mut p = ArrayD::from_shape_vec(IxDyn(&[2, 5]), vec![0.5f32; 10]).unwrap();
+                let mut s = ParamState::new();
+                for _ in 0..3 {
+                    s.step(&spec, &mut p, grad);
+                }
+                (p, s.buffers().to_vec())
+            };
+            let (p1, b1) = run(&whole);
+            let (p2, b2) = run(&pieces);
+            assert_eq!(p1, p2, "{spec:?}");
+            assert_eq!(b1, b2, "{spec:?}");
+            assert!(
+                p1.iter().all(|&x| x != 0.5),
+                "{spec:?}: every element moved"
+            );
+        }
     }
 
     #[test]
@@ -172,7 +242,7 @@ mod tests {
             weight_decay: 0.0,
         };
         let mut p = ArrayD::from_elem(IxDyn(&[2]), 0.5f32);
-        let g = ArrayD::from_shape_vec(IxDyn(&[2]), vec![3.0, -0.2]).unwrap();
+        let g = Payload::from_vec(vec![3.0, -0.2]);
         ParamState::new().step(&spec, &mut p, &g);
         assert!((p[[0]] - 0.49).abs() < 1e-6 && (p[[1]] - 0.51).abs() < 1e-6);
     }

@@ -323,8 +323,9 @@ struct Param {
     grad: Option<Tensor>,
     /// HBM charged for that gradient while it is unsharded (FSDP), freed once it is synced.
     unsharded_grad_bytes: u64,
-    /// The synced gradient, in the stored layout.
-    synced: Option<Tensor>,
+    /// The synced gradient, in the stored layout: where the collective left it (pieces of
+    /// its buffers), read in place by the optimizer.
+    synced: Option<Payload>,
     state: ParamState,
 }
 
@@ -1579,7 +1580,7 @@ impl<'a> Trainer<'a> {
         } else if self.plan.replicate_dim().is_some() {
             // DDP: the gradients wait in their buckets.
             for (which, g) in grads.into_iter().enumerate() {
-                self.params[2 * l + which].synced = Some(g.into_local());
+                self.params[2 * l + which].synced = Some(g.into_local().into_payload());
             }
             return self.issue_ready_buckets(chip).await;
         } else {
@@ -1592,6 +1593,11 @@ impl<'a> Trainer<'a> {
     }
 
     fn finish_grad(&mut self, index: usize, g: Tensor) {
+        self.finish_synced(index, g.into_payload());
+    }
+
+    /// Parameter `index`'s gradient is synced: it waits for the optimizer.
+    fn finish_synced(&mut self, index: usize, g: Payload) {
         let p = &mut self.params[index];
         self.hbm.free(
             MemKind::Transient,
@@ -1615,19 +1621,21 @@ impl<'a> Trainer<'a> {
                 .iter()
                 .map(|&i| {
                     let p = &mut self.params[i];
-                    let g = p
-                        .synced
-                        .take()
-                        .unwrap_or_else(|| Tensor::zeros(p.stored.local().shape(), true));
-                    p.stored
-                        .with_local(g, &self.plan.gradient(p.layer, p.which))
+                    let shape = p.stored.local().shape();
+                    let g = match p.synced.take() {
+                        // The backward's own buffer: made a tensor again without a copy.
+                        Some(g) => Tensor::from_payload(g, shape)?,
+                        None => Tensor::zeros(shape, true),
+                    };
+                    Ok(p.stored
+                        .with_local(g, &self.plan.gradient(p.layer, p.which)))
                 })
-                .collect();
+                .collect::<Result<_, WorkerError>>()?;
             let issued = self.tl.begin(chip, Stream::Reduce, true);
-            let reduced = dtensor::all_reduce(chip, grads, dim, ReduceOp::Avg).await?;
+            let reduced = dtensor::all_reduce_in_place(chip, grads, dim, ReduceOp::Avg).await?;
             self.tl.end(chip, issued);
             for (&i, g) in bucket.iter().zip(reduced) {
-                self.finish_grad(i, g.into_local());
+                self.finish_synced(i, g);
             }
             self.next_bucket += 1;
         }
@@ -1644,10 +1652,18 @@ impl<'a> Trainer<'a> {
                 ))
             })?;
             let n = p.stored.local().numel();
+            let g = g.resolve();
+            if g.len() != n {
+                return Err(WorkerError::Internal(format!(
+                    "a synced gradient of {} elements for {} of {n}",
+                    g.len(),
+                    p.name
+                )));
+            }
             let reads = 2.0 + spec.state_per_param() as f64;
             chip.recorder().compute_started();
-            if let (Some(param), Some(g)) = (p.stored.local_mut().values_mut(), g.values()) {
-                p.state.step(spec, param, g);
+            if let Some(param) = p.stored.local_mut().values_mut() {
+                p.state.step(spec, param, &g);
             }
             let name = &p.name;
             self.tl.compute(
