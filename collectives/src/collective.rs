@@ -166,8 +166,7 @@ impl Chip {
         let (mut own, t) = sched
             .reduce_scatter(call, &padded, l, op, 0, self.clock())
             .await?;
-        // Dividing by one changes nothing but costs a pass over the block.
-        if op == ReduceOp::Avg && n > 1 {
+        if op == ReduceOp::Avg {
             own = own.divide(n as f32);
         }
         Ok((own, l, sched, t))

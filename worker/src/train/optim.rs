@@ -3,7 +3,7 @@
 //! same elements of the whole tensor would.
 
 use ndarray::ArrayD;
-use podsim_collectives::Payload;
+use podsim_collectives::Rope;
 use serde::{Deserialize, Serialize};
 
 /// Which optimizer and its hyper-parameters.
@@ -74,11 +74,12 @@ impl ParamState {
         }
     }
 
-    /// One update of `param` with gradient `grad` (its elements in the parameter's order).
+    /// One update of `param` with gradient `grad`: its values in the parameter's order, as
+    /// many as the parameter has (the caller checks; extra values are ignored).
     ///
     /// The gradient is read run by run where it lies (a collective's result is pieces of its
     /// own block and of received buffers): no copy into one array first.
-    pub fn step(&mut self, spec: &OptimizerSpec, param: &mut ArrayD<f32>, grad: &Payload) {
+    pub fn step(&mut self, spec: &OptimizerSpec, param: &mut ArrayD<f32>, grad: &Rope) {
         self.step += 1;
         if !param.is_standard_layout() {
             *param = param.as_standard_layout().into_owned();
@@ -88,7 +89,7 @@ impl ParamState {
         }
         let first = self.step == 1;
         let t = self.step as i32;
-        let (Some(param), Some(rope)) = (param.as_slice_mut(), grad.as_rope()) else {
+        let Some(param) = param.as_slice_mut() else {
             return;
         };
         let mut buffers: Vec<&mut [f32]> = self
@@ -97,7 +98,7 @@ impl ParamState {
             .filter_map(|b| b.as_slice_mut())
             .collect();
         let mut at = 0;
-        rope.for_each_run(|g| {
+        grad.for_each_run(|g| {
             let end = (at + g.len()).min(param.len());
             let p = &mut param[at..end];
             let g = &g[..end - at];
@@ -166,6 +167,7 @@ impl Default for ParamState {
 mod tests {
     use super::*;
     use ndarray::IxDyn;
+    use podsim_collectives::Payload;
 
     #[test]
     fn sgd_with_momentum_matches_torch() {
@@ -176,7 +178,7 @@ mod tests {
             weight_decay: 0.0,
         };
         let mut p = ArrayD::from_elem(IxDyn(&[1]), 1.0f32);
-        let g = Payload::from_vec(vec![1.0f32]);
+        let g = Rope::from_vec(vec![1.0f32]);
         let mut s = ParamState::new();
         s.step(&spec, &mut p, &g);
         assert!((p[[0]] - 0.9).abs() < 1e-7);
@@ -213,6 +215,7 @@ mod tests {
         ];
         for spec in specs {
             let run = |grad: &Payload| {
+                let grad = grad.as_rope().expect("data");
                 let mut p = ArrayD::from_shape_vec(IxDyn(&[2, 5]), vec![0.5f32; 10]).unwrap();
                 let mut s = ParamState::new();
                 for _ in 0..3 {
@@ -242,7 +245,7 @@ mod tests {
             weight_decay: 0.0,
         };
         let mut p = ArrayD::from_elem(IxDyn(&[2]), 0.5f32);
-        let g = Payload::from_vec(vec![3.0, -0.2]);
+        let g = Rope::from_vec(vec![3.0, -0.2]);
         ParamState::new().step(&spec, &mut p, &g);
         assert!((p[[0]] - 0.49).abs() < 1e-6 && (p[[1]] - 0.51).abs() < 1e-6);
     }

@@ -45,8 +45,10 @@ pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, Work
             }
         }
         for ((p, g), s) in params.iter_mut().zip(grads).zip(&mut states) {
-            if let (Some(p), Some(g @ Tensor::Data(_))) = (p.values_mut(), g) {
-                s.step(&spec.optimizer, p, &g.into_payload());
+            if let (Some(p), Some(g @ Tensor::Data(_))) = (p.values_mut(), g)
+                && let Some(g) = g.into_payload().as_rope()
+            {
+                s.step(&spec.optimizer, p, g);
             }
         }
     }

@@ -1662,8 +1662,8 @@ impl<'a> Trainer<'a> {
             }
             let reads = 2.0 + spec.state_per_param() as f64;
             chip.recorder().compute_started();
-            if let Some(param) = p.stored.local_mut().values_mut() {
-                p.state.step(spec, param, &g);
+            if let (Some(param), Some(g)) = (p.stored.local_mut().values_mut(), g.as_rope()) {
+                p.state.step(spec, param, g);
             }
             let name = &p.name;
             self.tl.compute(
