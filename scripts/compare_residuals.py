@@ -8,8 +8,10 @@ Runs `podsim compare FILE --json` on each validation file and prints:
    scattered signs point at noise in the measurements.
 2. Multislice growth: for every model measured on 1 and on n slices of the same slice type,
    the measured step at n slices minus the one at 1 slice, beside what podsim predicts for
-   the same difference, and the measured growth per decoder layer per doubling of the slices
-   (growth / layers / log2 n). A figure that stays put across models and slice counts says
+   the same difference as it runs (collectives overlapped with compute) and with every
+   collective exposed (`--set job.eager=strict`: the cross-slice all-reduce's whole time at
+   the preset DCN bandwidth, the most that bandwidth can add), and the measured growth per
+   decoder layer per doubling of the slices (growth / layers / log2 n). A figure that stays put across models and slice counts says
    the growth is a per-layer cost that grows with the depth of a log-depth algorithm, not
    with the bytes of the gradient (`grad MB/layer/chip` is printed beside it to compare).
 3. Pairs of rows on the same chips (hardware, slice, slices, sequence, batch per chip), one
@@ -41,11 +43,12 @@ DEFAULT_FILES = [
 ]
 
 
-def predictions(podsim, path):
-    """Row id -> podsim's prediction object for that row."""
-    out = subprocess.run(
-        [podsim, "compare", path, "--json"], capture_output=True, text=True, check=False
-    )
+def predictions(podsim, path, sets=()):
+    """Row id -> podsim's prediction object for that row (`sets`: `--set` overrides)."""
+    args = [podsim, "compare", path, "--json"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, check=False)
     if out.returncode not in (0, 1):
         sys.exit(f"podsim compare {path} failed (exit {out.returncode}):\n{out.stderr}")
     rows = {}
@@ -93,14 +96,14 @@ def slice_key(r):
     return tuple((k, v) for k, v in sorted(r.items()) if k not in skip)
 
 
-def multislice_growth(rows, pred):
+def multislice_growth(rows, pred, exposed):
     families = defaultdict(dict)
     for r in rows:
         if r["id"] in pred:
             families[slice_key(r)][int(r["slices"])] = r
     print("## Multislice growth (step at n slices minus at 1 slice)")
     print(f"{'row at n slices':34} {'n':>3} {'measured s':>10} {'podsim s':>9} "
-          f"{'ms/layer/doubling':>17} {'grad MB/layer/chip':>18}")
+          f"{'all exposed s':>13} {'ms/layer/doubling':>17} {'grad MB/layer/chip':>18}")
     per_doubling = []
     for fam in families.values():
         if 1 not in fam or len(fam) < 2:
@@ -109,21 +112,24 @@ def multislice_growth(rows, pred):
         for n in sorted(k for k in fam if k > 1):
             r = fam[n]
             grown = float(r["measured_step_s"]) - float(one["measured_step_s"])
-            predicted = pred[r["id"]]["predicted_step_s"] - pred[one["id"]]["predicted_step_s"]
+            def growth(p):
+                return p[r["id"]]["predicted_step_s"] - p[one["id"]]["predicted_step_s"]
+
             layers = int(r["layers"])
             ms = grown / layers / math.log2(n) * 1e3
             per_doubling.append(ms)
             chips = int(r["ici_fsdp"]) * int(r["ici_tp"])
             # f32 gradients of one layer, this chip's shard.
             grad_mb = params_per_layer(r) * 4 / chips / 1e6
-            print(f"{r['id'][:34]:34} {n:3d} {grown:+10.2f} {predicted:+9.2f} {ms:17.1f} {grad_mb:18.1f}")
+            print(f"{r['id'][:34]:34} {n:3d} {grown:+10.2f} {growth(pred):+9.2f} "
+                  f"{growth(exposed):+13.2f} {ms:17.1f} {grad_mb:18.1f}")
     if per_doubling:
         print(f"median {statistics.median(per_doubling):.1f} ms per layer per doubling "
               f"over {len(per_doubling)} rows")
     print()
 
 
-def superset_pairs(rows, pred):
+def full_minimal_pairs(rows, pred):
     """Rows on the same chips (hardware, topology, slices, batch) with `full` and `minimal`."""
     by_chips = defaultdict(lambda: defaultdict(list))
     for r in rows:
@@ -148,7 +154,7 @@ def main():
     args = ap.parse_args()
     if not os.access(args.podsim, os.X_OK):
         sys.exit(f"no podsim at {args.podsim} (cargo build --release, or pass --podsim)")
-    rows, pred = [], {}
+    rows, pred, exposed = [], {}, {}
     seen = set()
     for path in args.files:
         for r in read_rows(path):
@@ -158,9 +164,11 @@ def main():
                 seen.add(key)
                 rows.append(r)
         pred.update(predictions(args.podsim, path))
+        exposed.update(predictions(args.podsim, path, ["job.eager=strict"]))
+    print(f"{len(rows)} rows from {len(args.files)} files (a row in two files counted once)\n")
     grouped_errors(rows, pred)
-    multislice_growth(rows, pred)
-    superset_pairs(rows, pred)
+    multislice_growth(rows, pred, exposed)
+    full_minimal_pairs(rows, pred)
 
 
 if __name__ == "__main__":
