@@ -8,10 +8,13 @@ cargo clippy --workspace --all-targets -- -D warnings
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo test --workspace 2>&1 | tee "$log"
-# Every cross-process test again with the links between workers forced over gRPC/TCP (the run
-# above takes the default: Unix sockets between workers on this host).
-PODSIM_TRANSPORT=tcp cargo test -p podsim-coordinator --test faults --test launch \
-    --test orphans --test training --test bench_cli --test garbage 2>&1 | tee -a "$log"
+# Every cross-process test again with the links between workers forced over gRPC/TCP, then
+# over Unix sockets alone (the run above takes the default: Unix sockets with large payloads in
+# shared memory between workers on this host).
+for transport in tcp uds; do
+    PODSIM_TRANSPORT=$transport cargo test -p podsim-coordinator --test faults --test launch \
+        --test orphans --test training --test bench_cli --test garbage 2>&1 | tee -a "$log"
+done
 # The watchdog's fault matrix, bounded: every kind at three places on 8x8x8 over 2 workers
 # (kind and culprit checked; detection times are printed, not enforced on a shared machine).
 python3 scripts/fault_matrix.py --podsim target/debug/podsim --shape 8x8x8 --workers 2 \

@@ -2,6 +2,9 @@
 //! megabytes anew each time makes the allocator map fresh pages from the kernel, and the page
 //! faults then cost more than the arithmetic. Dropped large buffers go back to a small global
 //! pool (bounded in count and bytes) and the next reduction of a similar size reuses one.
+//!
+//! A buffer may also hold values that live outside this process's heap ([`ExternalValues`]:
+//! a peer's message in a shared-memory ring), read in place and handed back when dropped.
 
 use std::ops::Deref;
 use std::sync::Mutex;
@@ -68,32 +71,77 @@ fn recycle(v: Vec<f32>) {
     }
 }
 
-/// Immutable f32 values shared by ropes; returns its memory to the pool when dropped.
-#[derive(Debug, Default)]
+/// Read-only f32 values owned by something other than this process's allocator (a slot of a
+/// shared-memory ring a peer wrote): a payload reads them in place, never writes them, and
+/// dropping the owner gives the memory back to whoever lent it.
+pub trait ExternalValues: Send + Sync + std::fmt::Debug {
+    fn values(&self) -> &[f32];
+}
+
+#[derive(Debug)]
+enum Storage {
+    Owned(Vec<f32>),
+    External(Box<dyn ExternalValues>),
+}
+
+/// Immutable f32 values shared by ropes; returns its memory to the pool (or to its lender)
+/// when dropped.
+#[derive(Debug)]
 pub(crate) struct Buffer {
-    values: Vec<f32>,
+    values: Storage,
+}
+
+impl Default for Buffer {
+    fn default() -> Buffer {
+        Buffer::new(Vec::new())
+    }
 }
 
 impl Buffer {
     pub fn new(values: Vec<f32>) -> Buffer {
-        Buffer { values }
+        Buffer {
+            values: Storage::Owned(values),
+        }
     }
 
-    /// The values, leaving nothing to recycle.
+    pub fn external(values: Box<dyn ExternalValues>) -> Buffer {
+        Buffer {
+            values: Storage::External(values),
+        }
+    }
+
+    /// Whether the values are this process's to write in place once nothing shares them.
+    pub fn is_owned(&self) -> bool {
+        matches!(self.values, Storage::Owned(_))
+    }
+
+    /// The values, leaving nothing to recycle (a pooled copy of external values).
     pub fn into_vec(mut self) -> Vec<f32> {
-        std::mem::take(&mut self.values)
+        match &mut self.values {
+            Storage::Owned(v) => std::mem::take(v),
+            Storage::External(e) => {
+                let mut v = take(e.values().len());
+                v.extend_from_slice(e.values());
+                v
+            }
+        }
     }
 }
 
 impl Deref for Buffer {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        &self.values
+        match &self.values {
+            Storage::Owned(v) => v,
+            Storage::External(e) => e.values(),
+        }
     }
 }
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        recycle(std::mem::take(&mut self.values));
+        if let Storage::Owned(v) = &mut self.values {
+            recycle(std::mem::take(v));
+        }
     }
 }

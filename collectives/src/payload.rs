@@ -10,7 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use tokio::sync::Semaphore;
 
-use crate::buffer::{self, Buffer};
+use crate::buffer::{self, Buffer, ExternalValues};
 use crate::error::CollectiveError;
 use crate::reduce::ReduceOp;
 
@@ -181,6 +181,7 @@ impl Rope {
             if let Some(buf) = seg.buf.as_mut()
                 && seg.start == 0
                 && seg.len == buf.len()
+                && buf.is_owned()
                 && Arc::get_mut(buf).is_some()
             {
                 let buf = seg.buf.take().expect("checked above");
@@ -288,35 +289,48 @@ pub struct PendingReduction {
 }
 
 impl PendingReduction {
-    /// Combines the terms left to right, a cache-sized chunk at a time: one read of every
-    /// term and one write of the result, with no allocation besides the result.
+    /// Combines the terms left to right into a fresh (pooled) buffer.
     fn evaluate(&self) -> Rope {
-        const CHUNK: usize = 16384;
         let len = self.terms.first().map_or(0, Rope::len);
-        let mut out = buffer::take(len);
+        let mut out = buffer::take_filled(len);
+        self.evaluate_into(&mut out);
+        Rope::from_vec(out)
+    }
+
+    /// Combines the terms left to right into `out` (as long as a term), a cache-sized chunk
+    /// at a time: one read of every term and one write of the result.
+    fn evaluate_into(&self, out: &mut [f32]) {
+        const CHUNK: usize = 16384;
+        let len = out.len();
         let mut cursors: Vec<Cursor<'_>> = self.terms.iter().map(Cursor::new).collect();
         let Some((first, rest)) = cursors.split_first_mut() else {
-            return Rope::default();
+            return;
         };
-        while out.len() < len {
-            let start = out.len();
+        let mut start = 0;
+        while start < len {
             let n = CHUNK.min(len - start);
             // The first two terms are combined in one pass over the output (copying the first
             // and then folding the second into it would pass over every value twice).
             let others = match rest.split_first_mut() {
                 Some((second, others)) => {
+                    let mut at = start;
                     first.runs(n, |a| {
                         let mut done = 0;
                         second.runs(a.len(), |b| {
-                            self.op
-                                .extend_combined(&mut out, &a[done..done + b.len()], b);
+                            let o = &mut out[at..at + b.len()];
+                            self.op.combine_into(o, &a[done..done + b.len()], b);
                             done += b.len();
+                            at += b.len();
                         });
                     });
                     others
                 }
                 None => {
-                    first.runs(n, |run| out.extend_from_slice(run));
+                    let mut at = start;
+                    first.runs(n, |run| {
+                        out[at..at + run.len()].copy_from_slice(run);
+                        at += run.len();
+                    });
                     &mut []
                 }
             };
@@ -327,8 +341,8 @@ impl PendingReduction {
                     at += run.len();
                 });
             }
+            start += n;
         }
-        Rope::from_vec(out)
     }
 }
 
@@ -361,6 +375,29 @@ impl Payload {
     /// no fresh pages are mapped and nothing is zeroed for received data.
     pub fn receive_buffer(len: usize) -> Vec<f32> {
         buffer::take_filled(len)
+    }
+
+    /// Values that stay where a transport received them (see [`ExternalValues`]): read in
+    /// place, copied only by whoever must write them.
+    pub fn from_external(values: Box<dyn ExternalValues>) -> Payload {
+        Payload::data(Rope::from_shared(Arc::new(Buffer::external(values))))
+    }
+
+    /// Writes the values into `out` (exactly [`Payload::len`] long): a deferred reduction is
+    /// performed straight into it, so a transport's send slot is the reduction's only output.
+    /// Meta payloads write nothing.
+    pub fn write_into(&self, out: &mut [f32]) {
+        match self {
+            Payload::Meta(_) => {}
+            Payload::Data(r) => {
+                let mut at = 0;
+                r.for_each_run(|run| {
+                    out[at..at + run.len()].copy_from_slice(run);
+                    at += run.len();
+                });
+            }
+            Payload::Pending(p) => p.evaluate_into(out),
+        }
     }
 
     /// Values decoded from little-endian f32 bytes (a peer's message), into a reused buffer.

@@ -28,14 +28,14 @@ impl ReduceOp {
         }
     }
 
-    /// Appends `a[i] op b[i]` for every `i` to `out`: the same values as copying `a` and
+    /// Writes `a[i] op b[i]` into `out[i]` for every `i`: the same values as copying `a` and
     /// then [`ReduceOp::apply_in_place`] with `b`, in one pass.
-    pub fn extend_combined(self, out: &mut Vec<f32>, a: &[f32], b: &[f32]) {
-        let pairs = a.iter().zip(b);
+    pub fn combine_into(self, out: &mut [f32], a: &[f32], b: &[f32]) {
+        let triples = out.iter_mut().zip(a.iter().zip(b));
         match self {
-            ReduceOp::Sum | ReduceOp::Avg => out.extend(pairs.map(|(x, y)| x + y)),
-            ReduceOp::Max => out.extend(pairs.map(|(x, y)| x.max(*y))),
-            ReduceOp::Min => out.extend(pairs.map(|(x, y)| x.min(*y))),
+            ReduceOp::Sum | ReduceOp::Avg => triples.for_each(|(o, (x, y))| *o = x + y),
+            ReduceOp::Max => triples.for_each(|(o, (x, y))| *o = x.max(*y)),
+            ReduceOp::Min => triples.for_each(|(o, (x, y))| *o = x.min(*y)),
         }
     }
 

@@ -73,9 +73,10 @@ pub struct BenchArgs {
     /// Run the chips in this many worker processes (default: in this process).
     #[arg(long)]
     pub workers: Option<u32>,
-    /// How worker processes reach each other: auto (a Unix socket on one host, the default
-    /// unless PODSIM_TRANSPORT says otherwise), tcp (gRPC) or uds.
-    #[arg(long, value_parser = ["auto", "tcp", "uds"])]
+    /// How worker processes reach each other: auto (on one host a Unix socket with large
+    /// payloads in shared memory; the default unless PODSIM_TRANSPORT says otherwise), tcp
+    /// (gRPC), uds (the socket carries every byte) or shm (shared memory or fail).
+    #[arg(long, value_parser = ["auto", "tcp", "uds", "shm"])]
     pub transport: Option<String>,
     /// Print one JSON object per row instead of the table.
     #[arg(long)]

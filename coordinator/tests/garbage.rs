@@ -243,10 +243,26 @@ async fn local_exchange(name: &str, bytes: &[u8]) -> Vec<u8> {
 #[cfg(target_os = "linux")]
 fn local_hello(worker: u32, token: &str) -> Vec<u8> {
     let mut h = b"PODSIMLK".to_vec();
-    h.extend(1u32.to_le_bytes());
+    h.extend(2u32.to_le_bytes());
     h.extend(worker.to_le_bytes());
     h.extend((token.len() as u32).to_le_bytes());
     h.extend(token.as_bytes());
+    // No shared region offered.
+    h.extend([0u8; 16]);
+    h
+}
+
+/// A record header (version 2: 104 bytes) for chip 1 to chip 0 whose payload of `len` values
+/// lies, it says, in the sender's shared region at `slot`, `offset`.
+#[cfg(target_os = "linux")]
+fn lent_record(len: u64, slot: u32, offset: u64) -> Vec<u8> {
+    let mut h = vec![0u8; 104];
+    h[..4].copy_from_slice(&0x314D_5350u32.to_le_bytes());
+    h[4..8].copy_from_slice(&1u32.to_le_bytes());
+    h[51] = 2;
+    h[80..88].copy_from_slice(&len.to_le_bytes());
+    h[88..92].copy_from_slice(&slot.to_le_bytes());
+    h[96..104].copy_from_slice(&offset.to_le_bytes());
     h
 }
 
@@ -281,6 +297,18 @@ async fn local_link_listener_refuses_garbage_and_bad_records() {
         assert!(answer.starts_with(b"OK"), "{answer:?}");
         let errors = link_errors(&fabric, "the garbage record was not refused").await;
         assert!(errors[0].contains("bad record"), "{errors:?}");
+        // A record that points into a shared region the link does not have: refused, named.
+        let fabric = NodeFabric::new(spec(), 0).unwrap();
+        let (_tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
+        let (listener, second) = uds::bind().unwrap();
+        tokio::spawn(uds::serve(listener, TOKEN.to_string(), rx));
+        let mut bytes = local_hello(1, TOKEN);
+        bytes.push(0); // "I did not map your region"
+        bytes.extend(lent_record(1 << 16, 3, 1 << 20));
+        let answer = local_exchange(&second, &bytes).await;
+        assert!(answer.starts_with(b"OK"), "{answer:?}");
+        let errors = link_errors(&fabric, "the lent record was not refused").await;
+        assert!(errors[0].contains("without a shared region"), "{errors:?}");
         // Still serving: a second link from worker 1 is refused as taken, not ignored.
         let answer = local_exchange(&name, &local_hello(1, TOKEN)).await;
         assert!(

@@ -352,13 +352,17 @@ pub struct PeerLink {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
-    /// A Unix domain socket between workers on the same host, gRPC over TCP otherwise.
+    /// Between workers on the same host a Unix domain socket, with large payloads in shared
+    /// memory where both workers can map it; gRPC over TCP to other hosts.
     #[default]
     Auto,
     /// gRPC over TCP, wherever the peer is.
     Tcp,
-    /// A Unix domain socket; a peer on another host is an error.
+    /// A Unix domain socket carrying every byte; a peer on another host is an error.
     Uds,
+    /// A Unix domain socket with large payloads in shared memory; a peer on another host, or
+    /// a region that cannot be mapped, is an error.
+    Shm,
 }
 
 /// The environment variable that sets the default transport (tests run every cross-process
@@ -366,13 +370,19 @@ pub enum Transport {
 pub const TRANSPORT_ENV: &str = "PODSIM_TRANSPORT";
 
 impl Transport {
-    pub const ALL: [Transport; 3] = [Transport::Auto, Transport::Tcp, Transport::Uds];
+    pub const ALL: [Transport; 4] = [
+        Transport::Auto,
+        Transport::Tcp,
+        Transport::Uds,
+        Transport::Shm,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Transport::Auto => "auto",
             Transport::Tcp => "tcp",
             Transport::Uds => "uds",
+            Transport::Shm => "shm",
         }
     }
 
@@ -388,6 +398,6 @@ impl Transport {
         Transport::ALL
             .into_iter()
             .find(|t| t.name() == name)
-            .ok_or_else(|| format!("{source}: {name:?} is not auto, tcp or uds"))
+            .ok_or_else(|| format!("{source}: {name:?} is not auto, tcp, uds or shm"))
     }
 }

@@ -31,6 +31,7 @@ mod net;
 mod programs;
 pub mod protocol;
 mod session;
+mod shm;
 pub mod tls;
 mod torch;
 pub mod train;

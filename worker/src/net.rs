@@ -46,6 +46,8 @@ pub(crate) struct Outgoing {
     /// Bytes of the message's record a chip already wrote to the socket itself (a Unix-socket
     /// link's direct write that the socket did not take whole); the writer task sends the rest.
     pub skip: usize,
+    /// Where that direct write put the payload in the link's shared region, if it did.
+    pub lent: Option<crate::shm::Place>,
     _room: Option<OwnedSemaphorePermit>,
 }
 
@@ -83,6 +85,7 @@ impl Outgoing {
             bytes: msg.payload.len() * 4,
             msg,
             skip,
+            lent: None,
             _room: None,
         }
     }
@@ -410,23 +413,31 @@ impl NodeFabric {
         Ok(())
     }
 
-    /// Starts the pumps of a same-host link to `peer` (see [`crate::uds`]).
+    /// Starts the pumps of a same-host link to `peer` (see [`crate::uds`]), with the shared
+    /// regions its hello settled.
     pub(crate) fn run_local_link(
         self: &Arc<Self>,
         peer: u32,
         stream: tokio::net::UnixStream,
         queue: mpsc::UnboundedReceiver<Outgoing>,
+        regions: uds::Regions,
     ) {
         let (input, output) = stream.into_split();
         let Some(p) = self.peers.get(&peer) else {
             return;
         };
-        if !p.writer.attach(output) {
+        let transport = regions.transport();
+        if !p.writer.attach(output, regions.outbound) {
             return;
         }
         tokio::spawn(uds::pump_out(queue, p.writer.clone()));
-        tokio::spawn(uds::pump_in(self.clone(), peer, input));
-        self.connected_by(peer, Transport::Uds);
+        tokio::spawn(uds::pump_in(self.clone(), peer, input, regions.inbound));
+        self.connected_by(peer, transport);
+    }
+
+    /// How this worker's job asks its links to be carried.
+    pub(crate) fn transport(&self) -> Transport {
+        self.spec.transport
     }
 
     /// Checks a message that came from worker `peer` (see [`wire::message`]).
@@ -474,23 +485,28 @@ impl NodeFabric {
         tls: Option<&crate::tls::Tls>,
     ) -> Result<(), WorkerError> {
         let same_host = !mine.host_id.is_empty() && mine.host_id == at.host_id;
-        let local = match self.spec.transport {
+        let transport = self.spec.transport;
+        let local = match transport {
             Transport::Tcp => None,
             Transport::Auto => at.local.as_deref().filter(|_| same_host),
-            Transport::Uds => Some(at.local.as_deref().filter(|_| same_host).ok_or_else(|| {
-                WorkerError::Link(format!(
-                    "launch.transport = \"uds\" but worker {peer} is not on this host \
-                     (or has no Unix socket link)"
-                ))
-            })?),
+            Transport::Uds | Transport::Shm => {
+                Some(at.local.as_deref().filter(|_| same_host).ok_or_else(|| {
+                    WorkerError::Link(format!(
+                        "launch.transport = \"{}\" but worker {peer} is not on this host \
+                         (or has no Unix socket link)",
+                        transport.name()
+                    ))
+                })?)
+            }
         };
         match local {
             Some(name) => {
-                let stream = uds::dial(name, self.me, peer, token).await?;
+                let sharing = uds::Sharing::of(transport);
+                let (stream, regions) = uds::dial(name, self.me, peer, token, sharing).await?;
                 let queue = self
                     .claim(peer)
                     .map_err(|r| WorkerError::Link(r.to_string()))?;
-                self.run_local_link(peer, stream, queue);
+                self.run_local_link(peer, stream, queue, regions);
                 Ok(())
             }
             None => self.dial_grpc(peer, &at.tcp, token, tls).await,
@@ -609,7 +625,7 @@ impl Router for NodeFabric {
         // What the socket did not take goes first in the queue, queued before the writer's
         // lock is let go so that nothing else lands on the wire in between (straight into the
         // queue: `Peer::enqueue` would take that lock again).
-        let queue_rest = |msg, skip| {
+        let queue_rest = |msg, skip, lent| {
             // The rest cannot wait for queue room with the writer's lock held, so it takes
             // room only when there is some. This overdraws the peer's budget by at most one
             // direct record (256 KiB) per time the link goes from idle to busy: every message
@@ -619,6 +635,7 @@ impl Router for NodeFabric {
                 msg,
                 bytes,
                 skip,
+                lent,
                 _room: room,
             };
             peer.queue.send(rest).is_ok()
@@ -634,6 +651,7 @@ impl Router for NodeFabric {
                     msg,
                     bytes,
                     skip: 0,
+                    lent: None,
                     _room: Some(room),
                 }) {
                     return Err(closed());
@@ -647,6 +665,7 @@ impl Router for NodeFabric {
                     msg,
                     bytes,
                     skip: 0,
+                    lent: None,
                     _room: Some(room),
                 });
                 queued.then_some(()).ok_or_else(closed)

@@ -13,8 +13,14 @@
 //! envelope's fields and goes through the same validation ([`crate::wire::message`]), so a garbage or
 //! oversized record from a peer is refused the same way.
 //!
-//! A connection opens with a hello (magic, version, the dialling worker's id, the job token);
-//! the listener answers `OK` or `NO` with a reason. Sockets live in the abstract namespace
+//! Large payloads can skip the socket: when both workers map each other's region
+//! ([`crate::shm`]) a record carries only where in the sender's region its values lie, and the
+//! receiver reads them there. The hello settles it: each side offers its region, says whether
+//! it mapped the other's, and lends only to a peer that mapped.
+//!
+//! A connection opens with a hello (magic, version, the dialling worker's id, the job token,
+//! its region offer); the listener answers `OK` (whether it mapped the offered region, its own
+//! offer; the dialler then says whether it mapped that) or `NO` with a reason. Sockets live in the abstract namespace
 //! (Linux): nothing on disk to clean up after a killed worker, and the token keeps other
 //! local users out. Workers on one host and network namespace are recognised by
 //! [`host_id`]. Both ends write and read the payload in the host's byte order, which is the
@@ -33,18 +39,20 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::WorkerError;
+use crate::job::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
+use crate::shm::{self, Inbound, Offer, Outbound, Place};
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Longest job token a hello may carry.
 const MAX_TOKEN_BYTES: u32 = 4096;
 /// How long a dialled connection may take to say hello and be answered.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// First four bytes of every message record ("PSM1"), to catch a stream out of step.
 const RECORD_MAGIC: u32 = 0x314D_5350;
-const HEADER_BYTES: usize = 88;
+const HEADER_BYTES: usize = 104;
 /// Queued messages are written together until this many bytes are in one batch (or nothing
 /// more is queued).
 const BATCH_BYTES: usize = 256 << 10;
@@ -140,14 +148,84 @@ pub async fn serve(
     }
 }
 
-/// The listening side of a hello: checks it, waits for the job's fabric, attaches the link.
+/// Whether a link's payloads go through shared memory: never (`uds`), where both workers can
+/// map each other's region (`auto`), or always, failing the link otherwise (`shm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sharing {
+    Never,
+    Try,
+    Must,
+}
+
+impl Sharing {
+    pub(crate) fn of(transport: Transport) -> Sharing {
+        match transport {
+            Transport::Shm => Sharing::Must,
+            Transport::Auto => Sharing::Try,
+            Transport::Uds | Transport::Tcp => Sharing::Never,
+        }
+    }
+
+    /// A region of this side's own, to lend from (none when not sharing, or when it cannot
+    /// be made and sharing is only tried).
+    fn own_region(self) -> Result<Option<Outbound>, String> {
+        match self {
+            Sharing::Never => Ok(None),
+            _ => match Outbound::create(shm::REGION_BYTES) {
+                Ok(o) => Ok(Some(o)),
+                Err(e) if self == Sharing::Must => Err(format!("no shared region: {e}")),
+                Err(_) => Ok(None),
+            },
+        }
+    }
+
+    /// The peer's region mapped here, as far as this side shares.
+    fn map_peers(self, offer: &Offer) -> Result<Option<Inbound>, String> {
+        if self == Sharing::Never {
+            return Ok(None);
+        }
+        if offer.is_none() {
+            return match self {
+                Sharing::Must => Err("the peer offered no shared region".into()),
+                _ => Ok(None),
+            };
+        }
+        match Inbound::open(offer) {
+            Ok(i) => Ok(Some(i)),
+            Err(e) if self == Sharing::Must => Err(format!("cannot map the peer's region: {e}")),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+/// The shared regions of one link, as its hello settled them: the one this side lends from
+/// (only if the peer mapped it) and the peer's, mapped here.
+#[derive(Debug, Default)]
+pub(crate) struct Regions {
+    pub(crate) outbound: Option<Outbound>,
+    pub(crate) inbound: Option<Inbound>,
+}
+
+impl Regions {
+    /// What the link is, as reports name it: `shm` when both directions share memory.
+    pub(crate) fn transport(&self) -> Transport {
+        if self.outbound.is_some() && self.inbound.is_some() {
+            Transport::Shm
+        } else {
+            Transport::Uds
+        }
+    }
+}
+
+/// The listening side of a hello: checks it, waits for the job's fabric, settles the shared
+/// regions, attaches the link.
 async fn answer(
     mut stream: UnixStream,
     token: &str,
     mut fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
 ) -> Result<(), String> {
-    let peer = match read_hello(&mut stream, token).await {
-        Ok(peer) => peer,
+    let (peer, offer) = match read_hello(&mut stream, token).await {
+        Ok(hello) => hello,
         Err(e) => {
             refuse(&mut stream, &e).await;
             return Err(e);
@@ -161,14 +239,42 @@ async fn answer(
     let Some(fabric) = ready else {
         return Err("no fabric".into());
     };
+    let sharing = Sharing::of(fabric.transport());
+    let regions = sharing
+        .map_peers(&offer)
+        .and_then(|inbound| Ok((inbound, sharing.own_region()?)));
+    let (inbound, outbound) = match regions {
+        Ok(r) => r,
+        Err(e) => {
+            let e = format!("worker {peer}: {e}");
+            refuse(&mut stream, &e).await;
+            return Err(e);
+        }
+    };
     let claimed = fabric.claim(peer);
     match claimed {
         Ok(queue) => {
-            stream
-                .write_all(b"OK")
-                .await
-                .map_err(|e| format!("worker {peer}: {e}"))?;
-            fabric.run_local_link(peer, stream, queue);
+            let mut answer = b"OK".to_vec();
+            answer.push(u8::from(inbound.is_some()));
+            answer.extend(
+                outbound
+                    .as_ref()
+                    .map(Outbound::offer)
+                    .unwrap_or_default()
+                    .encode(),
+            );
+            let failed = |e: io::Error| format!("worker {peer}: {e}");
+            stream.write_all(&answer).await.map_err(failed)?;
+            let mut mapped = [0u8];
+            stream.read_exact(&mut mapped).await.map_err(failed)?;
+            let regions = Regions {
+                outbound: outbound.filter(|_| mapped[0] == 1),
+                inbound,
+            };
+            if sharing == Sharing::Must && regions.transport() != Transport::Shm {
+                return Err(format!("worker {peer}: could not map this worker's region"));
+            }
+            fabric.run_local_link(peer, stream, queue, regions);
             Ok(())
         }
         Err(e) => {
@@ -186,7 +292,7 @@ async fn refuse(stream: &mut UnixStream, reason: &str) {
     let _ = stream.write_all(&out).await;
 }
 
-async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<u32, String> {
+async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<(u32, Offer), String> {
     let mut head = [0u8; 20];
     stream
         .read_exact(&mut head)
@@ -214,12 +320,25 @@ async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<u32, String>
     if !same_token(&given, token.as_bytes()) {
         return Err(format!("worker {peer}: missing or wrong job token"));
     }
-    Ok(peer)
+    let mut offer = [0u8; Offer::BYTES];
+    stream
+        .read_exact(&mut offer)
+        .await
+        .map_err(|e| format!("short hello: {e}"))?;
+    Ok((peer, Offer::decode(&offer)))
 }
 
-/// Dials the link of worker `peer` at `name` as worker `me`; the stream once accepted.
-pub async fn dial(name: &str, me: u32, peer: u32, token: &str) -> Result<UnixStream, WorkerError> {
+/// Dials the link of worker `peer` at `name` as worker `me`: the stream once accepted, and the
+/// shared regions the hello settled.
+pub async fn dial(
+    name: &str,
+    me: u32,
+    peer: u32,
+    token: &str,
+    sharing: Sharing,
+) -> Result<(UnixStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at unix:{name}: {e}"));
+    let outbound = sharing.own_region().map_err(failed)?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let mut stream = loop {
         match connect(name) {
@@ -233,12 +352,23 @@ pub async fn dial(name: &str, me: u32, peer: u32, token: &str) -> Result<UnixStr
     hello.extend(me.to_le_bytes());
     hello.extend((token.len() as u32).to_le_bytes());
     hello.extend(token.as_bytes());
+    hello.extend(
+        outbound
+            .as_ref()
+            .map(Outbound::offer)
+            .unwrap_or_default()
+            .encode(),
+    );
     let answered = async {
         stream.write_all(&hello).await?;
         let mut verdict = [0u8; 2];
         stream.read_exact(&mut verdict).await?;
         if &verdict == b"OK" {
-            return Ok(Ok(()));
+            let mut settled = [0u8; 1 + Offer::BYTES];
+            stream.read_exact(&mut settled).await?;
+            let mut offer = [0u8; Offer::BYTES];
+            offer.copy_from_slice(&settled[1..]);
+            return Ok(Ok((settled[0] == 1, Offer::decode(&offer))));
         }
         let mut len = [0u8; 4];
         stream.read_exact(&mut len).await?;
@@ -247,24 +377,50 @@ pub async fn dial(name: &str, me: u32, peer: u32, token: &str) -> Result<UnixStr
         stream.read_exact(&mut reason).await?;
         Ok::<_, io::Error>(Err(String::from_utf8_lossy(&reason).into_owned()))
     };
-    match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
-        Ok(Ok(Ok(()))) => Ok(stream),
-        Ok(Ok(Err(reason))) => Err(failed(format!("refused: {reason}"))),
-        Ok(Err(e)) => Err(failed(e.to_string())),
-        Err(_) => Err(failed("no answer to hello".into())),
+    let (mapped_mine, offer) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
+        Ok(Ok(Ok(settled))) => settled,
+        Ok(Ok(Err(reason))) => return Err(failed(format!("refused: {reason}"))),
+        Ok(Err(e)) => return Err(failed(e.to_string())),
+        Err(_) => return Err(failed("no answer to hello".into())),
+    };
+    let inbound = sharing.map_peers(&offer);
+    let mapped = [u8::from(matches!(inbound, Ok(Some(_))))];
+    stream
+        .write_all(&mapped)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    let regions = Regions {
+        outbound: outbound.filter(|_| mapped_mine),
+        inbound: inbound.map_err(failed)?,
+    };
+    if sharing == Sharing::Must && regions.transport() != Transport::Shm {
+        return Err(failed("the peer could not map this worker's region".into()));
     }
+    Ok((stream, regions))
 }
 
-/// The fixed header of one message record.
-fn encode_header(msg: &Message, out: &mut Vec<u8>) {
+/// Where a record's payload values are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Body {
+    /// None: a meta payload (a count).
+    Meta,
+    /// After the header, on the socket.
+    Inline,
+    /// In the sender's shared region.
+    Lent(Place),
+}
+
+/// The fixed header of one message record (`lent`: the payload lies in the shared region).
+fn encode_header(msg: &Message, lent: Option<Place>, out: &mut Vec<u8>) {
     let (kind, axis, positive, peer_slice) = match msg.link {
         Link::Ici { axis, dir } => (0u8, axis, u8::from(dir == Dir::Plus), 0u32),
         Link::Dcn { peer_slice } => (1, 0, 0, peer_slice),
     };
     let fp = msg.fingerprint;
-    let (payload_kind, len) = match &msg.payload {
-        Payload::Meta(n) => (0u8, *n as u64),
-        other => (1, other.len() as u64),
+    let (payload_kind, len) = match (&msg.payload, lent) {
+        (p, Some(_)) => (2u8, p.len() as u64),
+        (Payload::Meta(n), None) => (0, *n as u64),
+        (p, None) => (1, p.len() as u64),
     };
     let start = out.len();
     out.extend(RECORD_MAGIC.to_le_bytes());
@@ -288,11 +444,15 @@ fn encode_header(msg: &Message, out: &mut Vec<u8>) {
     out.extend(msg.arrive_ns.to_le_bytes());
     out.extend(msg.checksum.unwrap_or(0).to_le_bytes());
     out.extend(len.to_le_bytes());
+    let place = lent.unwrap_or(Place { slot: 0, offset: 0 });
+    out.extend(place.slot.to_le_bytes());
+    out.extend(0u32.to_le_bytes());
+    out.extend(place.offset.to_le_bytes());
     debug_assert_eq!(out.len() - start, HEADER_BYTES);
 }
 
-/// What a header says: the envelope's fields (no payload) and the payload's kind and length.
-fn decode_header(h: &[u8; HEADER_BYTES]) -> Result<(pb::Envelope, bool, u64), String> {
+/// What a header says: the envelope's fields (no payload), where the payload is, its length.
+fn decode_header(h: &[u8; HEADER_BYTES]) -> Result<(pb::Envelope, Body, u64), String> {
     let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
     let u64_at = |i: usize| {
         let mut b = [0u8; 8];
@@ -317,9 +477,13 @@ fn decode_header(h: &[u8; HEADER_BYTES]) -> Result<(pb::Envelope, bool, u64), St
         },
         k => return Err(format!("unknown link kind {k}")),
     };
-    let payload_kind = match h[51] {
-        0 => false,
-        1 => true,
+    let body = match h[51] {
+        0 => Body::Meta,
+        1 => Body::Inline,
+        2 => Body::Lent(Place {
+            slot: u32_at(88),
+            offset: u64_at(96),
+        }),
         k => return Err(format!("unknown payload kind {k}")),
     };
     let env = pb::Envelope {
@@ -344,7 +508,7 @@ fn decode_header(h: &[u8; HEADER_BYTES]) -> Result<(pb::Envelope, bool, u64), St
         checksum: (h[15] != 0).then(|| u64_at(72)),
         hops: u32_at(20),
     };
-    Ok((env, payload_kind, u64_at(80)))
+    Ok((env, body, u64_at(80)))
 }
 
 /// Largest payload a chip writes to an idle link itself. Above it latency matters less than
@@ -366,6 +530,8 @@ pub(crate) struct LinkWriter {
     /// The socket, once the link runs over one (never, for a gRPC link: then every message
     /// is queued).
     out: std::sync::OnceLock<OwnedWriteHalf>,
+    /// The shared region large payloads are lent from, when the link has one.
+    lender: std::sync::OnceLock<Outbound>,
     /// Exists from the peer's creation, so that every message ever queued to the peer was
     /// queued under it, including those queued before the socket was attached.
     idle: std::sync::Mutex<bool>,
@@ -387,13 +553,19 @@ impl LinkWriter {
     pub(crate) fn new() -> LinkWriter {
         LinkWriter {
             out: std::sync::OnceLock::new(),
+            lender: std::sync::OnceLock::new(),
             idle: std::sync::Mutex::new(false),
         }
     }
 
     /// Gives the link its socket (once; false when it had one already). It stays busy until
     /// its writer task has found the queue empty.
-    pub(crate) fn attach(&self, out: OwnedWriteHalf) -> bool {
+    pub(crate) fn attach(&self, out: OwnedWriteHalf, lender: Option<Outbound>) -> bool {
+        if let Some(lender) = lender
+            && self.lender.set(lender).is_err()
+        {
+            return false;
+        }
         self.out.set(out).is_ok()
     }
 
@@ -408,32 +580,53 @@ impl LinkWriter {
         idle
     }
 
-    /// Writes `msg` from this thread when the writer task is idle. When the socket takes only
-    /// part of the record, `queue_rest(msg, bytes_written)` queues the rest while the lock is
-    /// held (it returns false when the queue is closed; it must not take this lock again).
+    /// Writes `msg` from this thread when the writer task is idle (a large enough payload into
+    /// the shared region, when the link has one, and only its header to the socket). When
+    /// the socket takes only part of the record, `queue_rest(msg, bytes_written, lent)`
+    /// queues the rest while the lock is held (it returns false when the queue is closed; it
+    /// must not take this lock again).
     pub(crate) fn write_if_idle(
         &self,
         msg: Message,
-        queue_rest: impl FnOnce(Message, usize) -> bool,
+        queue_rest: impl FnOnce(Message, usize, Option<Place>) -> bool,
     ) -> Direct {
         let Some(out) = self.out.get() else {
             return Direct::Busy(msg);
         };
-        if msg.payload.len() * 4 > DIRECT_MAX_BYTES {
+        let bytes = msg.payload.len() * 4;
+        if bytes > DIRECT_MAX_BYTES {
             return Direct::Busy(msg);
         }
-        // A pending reduction is finished before the lock is taken: the writer task may be
-        // waiting for the lock.
-        let msg = Message {
-            payload: msg.payload.resolve(),
-            ..msg
+        let lender = self
+            .lender
+            .get()
+            .filter(|_| bytes >= shm::MIN_LENT_BYTES && !msg.payload.is_meta());
+        // A pending reduction is finished before the lock is taken (the writer task may be
+        // waiting for the lock), unless it is to be computed straight into the region.
+        let msg = match lender {
+            Some(_) => msg,
+            None => Message {
+                payload: msg.payload.resolve(),
+                ..msg
+            },
         };
         let mut idle = self.idle();
         if !*idle {
             return Direct::Busy(msg);
         }
+        let lent = lender.and_then(|l| l.lend(&msg.payload));
+        let msg = match lent {
+            Some(_) => Message {
+                payload: Payload::Meta(msg.payload.len()),
+                ..msg
+            },
+            None => Message {
+                payload: msg.payload.resolve(),
+                ..msg
+            },
+        };
         let mut header = Vec::with_capacity(HEADER_BYTES);
-        encode_header(&msg, &mut header);
+        encode_header(&msg, lent, &mut header);
         let mut slices = Vec::new();
         record_slices(&msg, &header, &mut slices);
         let mut rest: &mut [IoSlice<'_>] = &mut slices;
@@ -445,7 +638,7 @@ impl LinkWriter {
             return Direct::Done;
         }
         *idle = false;
-        if queue_rest(msg, written) {
+        if queue_rest(msg, written, lent) {
             Direct::Done
         } else {
             Direct::Failed
@@ -457,9 +650,10 @@ impl LinkWriter {
 ///
 /// Messages waiting together go out in one vectored write: their headers from one small
 /// buffer and their payload runs straight from the chips' shared buffers, so no payload byte
-/// is copied in user space however finely an algorithm cuts its messages. With nothing left
-/// to write the task marks the link idle, and chips write to it themselves until they queue
-/// again.
+/// is copied in user space however finely an algorithm cuts its messages. A large payload on a
+/// link with a shared region is instead written into the region (a pending reduction computed
+/// straight into it) and only its header goes on the socket. With nothing left to write the
+/// task marks the link idle, and chips write to it themselves until they queue again.
 pub(crate) async fn pump_out(
     mut queue: mpsc::UnboundedReceiver<Outgoing>,
     writer: Arc<LinkWriter>,
@@ -467,6 +661,7 @@ pub(crate) async fn pump_out(
     let Some(out) = writer.out.get() else {
         return;
     };
+    let lender = writer.lender.get();
     let mut batch: Vec<Message> = Vec::new();
     let mut headers: Vec<u8> = Vec::new();
     loop {
@@ -496,11 +691,24 @@ pub(crate) async fn pump_out(
         let mut bytes = 0;
         let mut next = Some(first);
         while let Some(o) = next {
-            let msg = Message {
-                payload: o.msg.payload.resolve(),
-                ..o.msg
+            // A message started directly keeps the body it started with.
+            let lent = match (o.lent, lender) {
+                (Some(place), _) => Some(place),
+                (None, Some(lender)) if o.skip == 0 => lender.lend(&o.msg.payload),
+                _ => None,
             };
-            encode_header(&msg, &mut headers);
+            let msg = match lent {
+                // The values are in the region; the socket carries the header alone.
+                Some(_) => Message {
+                    payload: Payload::Meta(o.msg.payload.len()),
+                    ..o.msg
+                },
+                None => Message {
+                    payload: o.msg.payload.resolve(),
+                    ..o.msg
+                },
+            };
+            encode_header(&msg, lent, &mut headers);
             bytes += HEADER_BYTES + payload_bytes(&msg.payload);
             batch.push(msg);
             // `o`'s queue room is released here: its message is in the batch, which is
@@ -584,7 +792,13 @@ fn write_now(out: &OwnedWriteHalf, rest: &mut &mut [IoSlice<'_>]) -> io::Result<
 }
 
 /// Reads records from the socket, validates each and delivers it, until the peer closes.
-pub(crate) async fn pump_in(fabric: Arc<NodeFabric>, peer: u32, input: OwnedReadHalf) {
+/// `shared`: the peer's region, where its large payloads lie (when the link has one).
+pub(crate) async fn pump_in(
+    fabric: Arc<NodeFabric>,
+    peer: u32,
+    input: OwnedReadHalf,
+    shared: Option<Inbound>,
+) {
     let mut input = BufReader::with_capacity(READ_BUFFER_BYTES, input);
     loop {
         match input.fill_buf().await {
@@ -594,7 +808,7 @@ pub(crate) async fn pump_in(fabric: Arc<NodeFabric>, peer: u32, input: OwnedRead
             Ok(_) => {}
             Err(e) => return fabric.link_failed(format!("link from worker {peer}: {e}")),
         }
-        match read_message(&fabric, peer, &mut input).await {
+        match read_message(&fabric, peer, &mut input, shared.as_ref()).await {
             Ok(msg) => {
                 if let Err(e) = fabric.accept(peer, msg) {
                     return fabric.link_failed(e);
@@ -611,23 +825,28 @@ async fn read_message(
     fabric: &NodeFabric,
     peer: u32,
     input: &mut BufReader<OwnedReadHalf>,
+    shared: Option<&Inbound>,
 ) -> Result<Message, String> {
     let mut header = [0u8; HEADER_BYTES];
     input
         .read_exact(&mut header)
         .await
         .map_err(|e| format!("short header: {e}"))?;
-    let (env, has_values, len) = decode_header(&header)?;
-    let len = payload_len(has_values, len)?;
-    let payload = if has_values {
-        let mut values = Payload::receive_buffer(len);
-        input
-            .read_exact(bytemuck::cast_slice_mut(&mut values))
-            .await
-            .map_err(|e| format!("short payload: {e}"))?;
-        Payload::from_vec(values)
-    } else {
-        Payload::Meta(len)
+    let (env, body, len) = decode_header(&header)?;
+    let len = payload_len(body != Body::Meta, len)?;
+    let payload = match body {
+        Body::Meta => Payload::Meta(len),
+        Body::Inline => {
+            let mut values = Payload::receive_buffer(len);
+            input
+                .read_exact(bytemuck::cast_slice_mut(&mut values))
+                .await
+                .map_err(|e| format!("short payload: {e}"))?;
+            Payload::from_vec(values)
+        }
+        Body::Lent(place) => shared
+            .ok_or("a shared-memory payload on a link without a shared region")?
+            .take(place, len)?,
     };
     fabric.decode(env, payload, peer)
 }
@@ -674,11 +893,20 @@ mod tests {
             checksum: Some(0xdead_beef),
         };
         let mut out = Vec::new();
-        encode_header(&msg, &mut out);
+        encode_header(&msg, None, &mut out);
         let header: [u8; HEADER_BYTES] = out.try_into().unwrap_or([0; HEADER_BYTES]);
-        let (env, values, len) = decode_header(&header).unwrap_or_else(|e| panic!("{e}"));
+        let (env, body, len) = decode_header(&header).unwrap_or_else(|e| panic!("{e}"));
+        // A lent payload's place survives the header too.
+        let place = Place {
+            slot: 7,
+            offset: 1 << 33,
+        };
+        let mut lent = Vec::new();
+        encode_header(&msg, Some(place), &mut lent);
+        let lent: [u8; HEADER_BYTES] = lent.try_into().unwrap_or([0; HEADER_BYTES]);
+        assert_eq!(decode_header(&lent).map(|d| d.1), Ok(Body::Lent(place)));
         let direct = wire::encode(msg);
-        assert!(!values);
+        assert_eq!(body, Body::Meta);
         assert_eq!(len, 1 << 33);
         assert_eq!(
             pb::Envelope {
@@ -741,7 +969,7 @@ mod tests {
             let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
             let (_, out) = a.into_split();
             let writer = Arc::new(LinkWriter::new());
-            assert!(writer.attach(out));
+            assert!(writer.attach(out, None));
             let (tx, rx) = mpsc::unbounded_channel();
             tokio::spawn(pump_out(rx, writer.clone()));
             // Chips on their own threads, as in a worker: small records (written directly
@@ -759,7 +987,7 @@ mod tests {
                                 _ => 100,
                             };
                             let queue =
-                                |msg, skip| tx.send(Outgoing::unbudgeted(msg, skip)).is_ok();
+                                |msg, skip, _| tx.send(Outgoing::unbudgeted(msg, skip)).is_ok();
                             let msg = match writer.write_if_idle(numbered(src, seq, len), queue) {
                                 Direct::Done => continue,
                                 Direct::Busy(msg) => msg,
