@@ -76,6 +76,9 @@ fn recycle(v: Vec<f32>) {
 /// dropping the owner gives the memory back to whoever lent it.
 pub trait ExternalValues: Send + Sync + std::fmt::Debug {
     fn values(&self) -> &[f32];
+    /// The owner itself, so that its lender can recognise it (a transport forwarding values
+    /// it was lent by reference instead of copying them).
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 #[derive(Debug)]
@@ -104,9 +107,17 @@ impl Buffer {
         }
     }
 
-    pub fn external(values: Box<dyn ExternalValues>) -> Buffer {
+    pub fn from_external(values: Box<dyn ExternalValues>) -> Buffer {
         Buffer {
             values: Storage::External(values),
+        }
+    }
+
+    /// The owner of external values.
+    pub fn external(&self) -> Option<&dyn ExternalValues> {
+        match &self.values {
+            Storage::Owned(_) => None,
+            Storage::External(e) => Some(e.as_ref()),
         }
     }
 

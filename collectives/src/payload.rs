@@ -380,7 +380,19 @@ impl Payload {
     /// Values that stay where a transport received them (see [`ExternalValues`]): read in
     /// place, copied only by whoever must write them.
     pub fn from_external(values: Box<dyn ExternalValues>) -> Payload {
-        Payload::data(Rope::from_shared(Arc::new(Buffer::external(values))))
+        Payload::data(Rope::from_shared(Arc::new(Buffer::from_external(values))))
+    }
+
+    /// When the values are one run of external values ([`Payload::from_external`], perhaps a
+    /// slice of them): their owner and where in it they start.
+    pub fn external_run(&self) -> Option<(&dyn ExternalValues, usize)> {
+        match self {
+            Payload::Data(r) => match r.segs.as_slice() {
+                [seg] => seg.buf.as_ref()?.external().map(|e| (e, seg.start)),
+                _ => None,
+            },
+            Payload::Meta(_) | Payload::Pending(_) => None,
+        }
     }
 
     /// Writes the values into `out` (exactly [`Payload::len`] long): a deferred reduction is

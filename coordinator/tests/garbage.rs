@@ -252,11 +252,11 @@ fn local_hello(worker: u32, token: &str) -> Vec<u8> {
     h
 }
 
-/// A record header (version 2: 104 bytes) for chip 1 to chip 0 whose payload of `len` values
-/// lies, it says, in the sender's shared region at `slot`, `offset`.
+/// A record header (version 2: 120 bytes) for chip 1 to chip 0 whose payload of `len` values
+/// lies, it says, in a shared region at `slot`, `offset`.
 #[cfg(target_os = "linux")]
 fn lent_record(len: u64, slot: u32, offset: u64) -> Vec<u8> {
-    let mut h = vec![0u8; 104];
+    let mut h = vec![0u8; 120];
     h[..4].copy_from_slice(&0x314D_5350u32.to_le_bytes());
     h[4..8].copy_from_slice(&1u32.to_le_bytes());
     h[51] = 2;

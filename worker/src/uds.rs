@@ -14,9 +14,10 @@
 //! oversized record from a peer is refused the same way.
 //!
 //! Large payloads can skip the socket: when both workers map each other's region
-//! ([`crate::shm`]) a record carries only where in the sender's region its values lie, and the
-//! receiver reads them there. The hello settles it: each side offers its region, says whether
-//! it mapped the other's, and lends only to a peer that mapped.
+//! ([`crate::shm`]) a record carries only where its values lie (in the sender's region, or in
+//! the region that lent them to the sender), and the receiver reads them there. The hello
+//! settles it: each side offers its region, says whether it mapped the other's, and lends only
+//! to a peer that mapped.
 //!
 //! A connection opens with a hello (magic, version, the dialling worker's id, the job token,
 //! its region offer); the listener answers `OK` (whether it mapped the offered region, its own
@@ -41,7 +42,7 @@ use tokio::sync::{mpsc, watch};
 use crate::error::WorkerError;
 use crate::job::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
-use crate::shm::{self, Inbound, Offer, Outbound, Place};
+use crate::shm::{self, Inbound, Outbound, Place, Region};
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
@@ -52,7 +53,7 @@ const MAX_TOKEN_BYTES: u32 = 4096;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// First four bytes of every message record ("PSM1"), to catch a stream out of step.
 const RECORD_MAGIC: u32 = 0x314D_5350;
-const HEADER_BYTES: usize = 104;
+const HEADER_BYTES: usize = 120;
 /// Queued messages are written together until this many bytes are in one batch (or nothing
 /// more is queued).
 const BATCH_BYTES: usize = 256 << 10;
@@ -168,10 +169,10 @@ impl Sharing {
 
     /// A region of this side's own, to lend from (none when not sharing, or when it cannot
     /// be made and sharing is only tried).
-    fn own_region(self) -> Result<Option<Outbound>, String> {
+    fn own_region(self, token: &str) -> Result<Option<Outbound>, String> {
         match self {
             Sharing::Never => Ok(None),
-            _ => match Outbound::create(shm::REGION_BYTES) {
+            _ => match Outbound::create(shm::REGION_BYTES, &shm::job_tag(token)) {
                 Ok(o) => Ok(Some(o)),
                 Err(e) if self == Sharing::Must => Err(format!("no shared region: {e}")),
                 Err(_) => Ok(None),
@@ -180,17 +181,17 @@ impl Sharing {
     }
 
     /// The peer's region mapped here, as far as this side shares.
-    fn map_peers(self, offer: &Offer) -> Result<Option<Inbound>, String> {
+    fn map_peers(self, region: Region, token: &str) -> Result<Option<Inbound>, String> {
         if self == Sharing::Never {
             return Ok(None);
         }
-        if offer.is_none() {
+        if region.is_none() {
             return match self {
                 Sharing::Must => Err("the peer offered no shared region".into()),
                 _ => Ok(None),
             };
         }
-        match Inbound::open(offer) {
+        match Inbound::open(region, &shm::job_tag(token)) {
             Ok(i) => Ok(Some(i)),
             Err(e) if self == Sharing::Must => Err(format!("cannot map the peer's region: {e}")),
             Err(_) => Ok(None),
@@ -224,7 +225,7 @@ async fn answer(
     token: &str,
     mut fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
 ) -> Result<(), String> {
-    let (peer, offer) = match read_hello(&mut stream, token).await {
+    let (peer, offered) = match read_hello(&mut stream, token).await {
         Ok(hello) => hello,
         Err(e) => {
             refuse(&mut stream, &e).await;
@@ -241,8 +242,8 @@ async fn answer(
     };
     let sharing = Sharing::of(fabric.transport());
     let regions = sharing
-        .map_peers(&offer)
-        .and_then(|inbound| Ok((inbound, sharing.own_region()?)));
+        .map_peers(offered, token)
+        .and_then(|inbound| Ok((inbound, sharing.own_region(token)?)));
     let (inbound, outbound) = match regions {
         Ok(r) => r,
         Err(e) => {
@@ -259,7 +260,7 @@ async fn answer(
             answer.extend(
                 outbound
                     .as_ref()
-                    .map(Outbound::offer)
+                    .map(Outbound::region)
                     .unwrap_or_default()
                     .encode(),
             );
@@ -292,7 +293,7 @@ async fn refuse(stream: &mut UnixStream, reason: &str) {
     let _ = stream.write_all(&out).await;
 }
 
-async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<(u32, Offer), String> {
+async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<(u32, Region), String> {
     let mut head = [0u8; 20];
     stream
         .read_exact(&mut head)
@@ -320,12 +321,12 @@ async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<(u32, Offer)
     if !same_token(&given, token.as_bytes()) {
         return Err(format!("worker {peer}: missing or wrong job token"));
     }
-    let mut offer = [0u8; Offer::BYTES];
+    let mut offer = [0u8; Region::BYTES];
     stream
         .read_exact(&mut offer)
         .await
         .map_err(|e| format!("short hello: {e}"))?;
-    Ok((peer, Offer::decode(&offer)))
+    Ok((peer, Region::decode(&offer)))
 }
 
 /// Dials the link of worker `peer` at `name` as worker `me`: the stream once accepted, and the
@@ -338,7 +339,7 @@ pub async fn dial(
     sharing: Sharing,
 ) -> Result<(UnixStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at unix:{name}: {e}"));
-    let outbound = sharing.own_region().map_err(failed)?;
+    let outbound = sharing.own_region(token).map_err(failed)?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let mut stream = loop {
         match connect(name) {
@@ -355,7 +356,7 @@ pub async fn dial(
     hello.extend(
         outbound
             .as_ref()
-            .map(Outbound::offer)
+            .map(Outbound::region)
             .unwrap_or_default()
             .encode(),
     );
@@ -364,11 +365,9 @@ pub async fn dial(
         let mut verdict = [0u8; 2];
         stream.read_exact(&mut verdict).await?;
         if &verdict == b"OK" {
-            let mut settled = [0u8; 1 + Offer::BYTES];
+            let mut settled = [0u8; 1 + Region::BYTES];
             stream.read_exact(&mut settled).await?;
-            let mut offer = [0u8; Offer::BYTES];
-            offer.copy_from_slice(&settled[1..]);
-            return Ok(Ok((settled[0] == 1, Offer::decode(&offer))));
+            return Ok(Ok((settled[0] == 1, Region::decode(&settled[1..]))));
         }
         let mut len = [0u8; 4];
         stream.read_exact(&mut len).await?;
@@ -377,13 +376,13 @@ pub async fn dial(
         stream.read_exact(&mut reason).await?;
         Ok::<_, io::Error>(Err(String::from_utf8_lossy(&reason).into_owned()))
     };
-    let (mapped_mine, offer) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
+    let (mapped_mine, offered) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
         Ok(Ok(Ok(settled))) => settled,
         Ok(Ok(Err(reason))) => return Err(failed(format!("refused: {reason}"))),
         Ok(Err(e)) => return Err(failed(e.to_string())),
         Err(_) => return Err(failed("no answer to hello".into())),
     };
-    let inbound = sharing.map_peers(&offer);
+    let inbound = sharing.map_peers(offered, token);
     let mapped = [u8::from(matches!(inbound, Ok(Some(_))))];
     stream
         .write_all(&mapped)
@@ -444,10 +443,12 @@ fn encode_header(msg: &Message, lent: Option<Place>, out: &mut Vec<u8>) {
     out.extend(msg.arrive_ns.to_le_bytes());
     out.extend(msg.checksum.unwrap_or(0).to_le_bytes());
     out.extend(len.to_le_bytes());
-    let place = lent.unwrap_or(Place { slot: 0, offset: 0 });
-    out.extend(place.slot.to_le_bytes());
+    let (slot, offset, region) =
+        lent.map_or((0, 0, Region::default()), |p| (p.slot, p.offset, p.region));
+    out.extend(slot.to_le_bytes());
     out.extend(0u32.to_le_bytes());
-    out.extend(place.offset.to_le_bytes());
+    out.extend(offset.to_le_bytes());
+    out.extend(region.encode());
     debug_assert_eq!(out.len() - start, HEADER_BYTES);
 }
 
@@ -481,6 +482,7 @@ fn decode_header(h: &[u8; HEADER_BYTES]) -> Result<(pb::Envelope, Body, u64), St
         0 => Body::Meta,
         1 => Body::Inline,
         2 => Body::Lent(Place {
+            region: Region::decode(&h[104..120]),
             slot: u32_at(88),
             offset: u64_at(96),
         }),
@@ -898,6 +900,7 @@ mod tests {
         let (env, body, len) = decode_header(&header).unwrap_or_else(|e| panic!("{e}"));
         // A lent payload's place survives the header too.
         let place = Place {
+            region: Region::decode(&[9; Region::BYTES]),
             slot: 7,
             offset: 1 << 33,
         };
