@@ -433,7 +433,11 @@ impl Payload {
             Payload::Meta(_) => {}
             Payload::Data(r) => {
                 out.reserve(r.len() * 4);
-                r.for_each_run(|run| out.extend(run.iter().flat_map(|v| v.to_le_bytes())));
+                r.for_each_run(|run| {
+                    for v in run {
+                        out.extend_from_slice(&v.to_le_bytes());
+                    }
+                });
             }
             Payload::Pending(_) => self.resolved().write_f32_le(out),
         }

@@ -3,12 +3,25 @@
 //! worker hosts, a link that really joins them, sane sizes and times. A bad envelope is an
 //! error naming what was wrong, never a panic or an oversized allocation.
 
-use podsim_collectives::{DType, Fingerprint, Message, OpKind, Payload, ReduceOp, Tag};
+use podsim_collectives::{DType, Fingerprint, Message, OpKind, Payload, ReduceOp, Run, Tag};
 use podsim_proto::v1 as pb;
 use podsim_topology::{Dir, Link, Placement, Pod, Route};
 
 /// Largest frame accepted on a link stream, bytes.
 pub const MAX_FRAME_BYTES: usize = 256 << 20;
+
+/// A payload of one run of values seen as its bytes: their little-endian encoding on a
+/// little-endian host.
+struct LittleEndianValues(Payload);
+
+impl AsRef<[u8]> for LittleEndianValues {
+    fn as_ref(&self) -> &[u8] {
+        match self.0.as_rope().and_then(|r| r.runs().next()) {
+            Some(Run::Values(values)) => bytemuck::cast_slice(values),
+            _ => &[],
+        }
+    }
+}
 
 pub fn encode(msg: Message) -> pb::Envelope {
     let link = match msg.link {
@@ -28,8 +41,14 @@ pub fn encode(msg: Message) -> pb::Envelope {
     let fp = msg.fingerprint;
     let body = match msg.payload.resolve() {
         Payload::Meta(n) => pb::payload::Body::MetaElements(n as u64),
+        // The values' own memory is the field's bytes (the payload is made one buffer first,
+        // without a copy when it is one already): the codec copies it once, into the frame.
+        other if cfg!(target_endian = "little") => {
+            let one_buffer = Payload::from_vec(other.into_vec().unwrap_or_default());
+            pb::payload::Body::F32Le(bytes::Bytes::from_owner(LittleEndianValues(one_buffer)))
+        }
         other => {
-            let mut bytes = Vec::new();
+            let mut bytes = Vec::with_capacity(other.len() * 4);
             other.write_f32_le(&mut bytes);
             pb::payload::Body::F32Le(bytes.into())
         }
@@ -170,4 +189,69 @@ pub fn message(
         payload,
         checksum: env.checksum,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(payload: Payload) -> Message {
+        Message {
+            src: 0,
+            dst: 1,
+            link: Link::Ici {
+                axis: 0,
+                dir: Dir::Plus,
+            },
+            hops: 1,
+            fingerprint: Fingerprint {
+                group: 1,
+                seq: 1,
+                op: OpKind::AllReduce,
+                dtype: DType::F32,
+                count: payload.len() as u64,
+                reduce: Some(ReduceOp::Sum),
+            },
+            tag: Tag {
+                lane: 0,
+                phase: 0,
+                step: 0,
+            },
+            arrive_ns: 0.0,
+            payload,
+            checksum: None,
+        }
+    }
+
+    #[test]
+    fn payload_bytes_are_the_values_little_endian_however_the_payload_is_made() {
+        let a: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let b: Vec<f32> = (0..1000).map(|i| (i % 13) as f32).collect();
+        let pa = Payload::from_vec(a.clone());
+        let pb_ = Payload::from_vec(b.clone());
+        let sum: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+        let pieces = [a[..300].to_vec(), vec![0.0; 50], b[..10].to_vec()].concat();
+        let cases = [
+            (pa.clone(), a.clone()),
+            (
+                pa.clone()
+                    .combine(&pb_, ReduceOp::Sum)
+                    .unwrap_or(pa.clone()),
+                sum,
+            ),
+            (
+                Payload::concat([pa.slice(0, 300), pa.zeros_like(50), pb_.slice(0, 10)]),
+                pieces,
+            ),
+            (Payload::from_vec(Vec::new()), Vec::new()),
+        ];
+        for (payload, values) in cases {
+            let env = encode(message(payload));
+            let Some(pb::payload::Body::F32Le(bytes)) = env.payload.and_then(|p| p.body) else {
+                panic!("no values");
+            };
+            let expected: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            assert_eq!(bytes.as_ref(), expected.as_slice());
+        }
+    }
 }
