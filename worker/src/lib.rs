@@ -16,7 +16,8 @@
 //!   model, strategies, DTensor, remat, HBM ledger, the step loop, the single-chip reference);
 //! - `torch`: PyTorch programs, one rank process per chip, served by its chip;
 //! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: gRPC over
-//!   TCP, or `uds`: a Unix socket with raw records to a worker on the same host);
+//!   TCP, or `uds`: a Unix socket with raw records to a worker on the same host, whose large
+//!   payloads go through `shm`: shared-memory regions, the crate's one module with `unsafe`);
 //!   `wire`: chip messages to and from checked protobuf envelopes;
 //! - `session`: a worker from joining the coordinator to exit; `watch`: the per-worker
 //!   summary each heartbeat carries; `faults`: fault injection;

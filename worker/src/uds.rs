@@ -1048,6 +1048,39 @@ mod tests {
     }
 
     #[test]
+    fn forced_shared_memory_fails_where_tried_sharing_falls_back() {
+        let token = "job-token";
+        let region = |tag_token: &str| {
+            Outbound::create(1 << 20, &shm::job_tag(tag_token)).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let ours = region(token);
+        let other_job = region("another job's token");
+        // A region of this job maps under every mode that shares.
+        for sharing in [Sharing::Try, Sharing::Must] {
+            assert!(matches!(
+                sharing.map_peers(ours.region(), token),
+                Ok(Some(_))
+            ));
+        }
+        assert!(matches!(
+            Sharing::Never.map_peers(ours.region(), token),
+            Ok(None)
+        ));
+        // No region, or another job's: `auto` goes on over the socket alone, `shm` refuses
+        // and says why.
+        for offered in [Region::default(), other_job.region()] {
+            assert!(matches!(Sharing::Try.map_peers(offered, token), Ok(None)));
+            let refused = Sharing::Must.map_peers(offered, token);
+            assert!(refused.is_err_and(|e| e.contains("region")), "{offered:?}");
+        }
+        assert_eq!(Sharing::of(Transport::Auto), Sharing::Try);
+        assert_eq!(Sharing::of(Transport::Shm), Sharing::Must);
+        assert_eq!(Sharing::of(Transport::Uds), Sharing::Never);
+        assert!(matches!(Sharing::Never.own_region(token), Ok(None)));
+        assert!(matches!(Sharing::Must.own_region(token), Ok(Some(_))));
+    }
+
+    #[test]
     fn an_oversized_payload_is_refused_before_any_allocation() {
         assert!(payload_len(true, (MAX_FRAME_BYTES / 4 + 1) as u64).is_err());
         assert!(payload_len(true, u64::MAX).is_err());
