@@ -933,31 +933,7 @@ mod tests {
                 i as f32
             }
         });
-        Message {
-            src,
-            dst: 0,
-            link: Link::Ici {
-                axis: 0,
-                dir: Dir::Plus,
-            },
-            hops: 1,
-            fingerprint: Fingerprint {
-                group: 1,
-                seq: u64::from(seq),
-                op: OpKind::AllReduce,
-                dtype: DType::F32,
-                count: len as u64,
-                reduce: Some(ReduceOp::Sum),
-            },
-            tag: Tag {
-                lane: 0,
-                phase: 0,
-                step: seq,
-            },
-            arrive_ns: 0.0,
-            payload: Payload::from_vec(values.collect()),
-            checksum: None,
-        }
+        wire::tests::message(src, seq, Payload::from_vec(values.collect()))
     }
 
     #[test]

@@ -192,13 +192,15 @@ pub fn message(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn message(payload: Payload) -> Message {
+    /// Message `seq` of chip `src` to chip 0 over the x+ link, carrying `payload` (for tests
+    /// of the transports).
+    pub(crate) fn message(src: u32, seq: u32, payload: Payload) -> Message {
         Message {
-            src: 0,
-            dst: 1,
+            src,
+            dst: 0,
             link: Link::Ici {
                 axis: 0,
                 dir: Dir::Plus,
@@ -206,7 +208,7 @@ mod tests {
             hops: 1,
             fingerprint: Fingerprint {
                 group: 1,
-                seq: 1,
+                seq: u64::from(seq),
                 op: OpKind::AllReduce,
                 dtype: DType::F32,
                 count: payload.len() as u64,
@@ -215,7 +217,7 @@ mod tests {
             tag: Tag {
                 lane: 0,
                 phase: 0,
-                step: 0,
+                step: seq,
             },
             arrive_ns: 0.0,
             payload,
@@ -246,7 +248,7 @@ mod tests {
             (Payload::from_vec(Vec::new()), Vec::new()),
         ];
         for (payload, values) in cases {
-            let env = encode(message(payload));
+            let env = encode(message(1, 1, payload));
             let Some(pb::payload::Body::F32Le(bytes)) = env.payload.and_then(|p| p.body) else {
                 panic!("no values");
             };
