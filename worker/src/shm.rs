@@ -16,8 +16,11 @@
 //! sends through it, which creates it (`memfd`, so it lives only as long as the workers that
 //! map it: nothing to clean up after a kill) and lends its slots out. Other workers map it
 //! through `/proc/<pid>/fd` (the receiver when the link says hello, a worker further on when a
-//! record first names it) after checking that it is a region of this job: a memfd named for
-//! the job's token, of the inode and size named. Each slot has a count of the payloads that
+//! record first names it) after checking, on the descriptor it opened, that it is a region of
+//! this job: a memfd named for the job's token, of the inode named, sealed against resizing
+//! (a region that shrank under a mapping would fault whoever touched it). Passing a slot on
+//! assumes that every worker of the job on this host can open every other's regions, as the
+//! workers one coordinator spawns can (same user, same pid namespace). Each slot has a count of the payloads that
 //! read it: the owner sets it to 1 (release) after writing the values, a worker passing the
 //! slot on adds 1 before its record goes out, each reader checks it (acquire) before reading
 //! and takes 1 off (release) when its last piece of the payload is dropped, and the owner
@@ -56,6 +59,11 @@ const SLOTS: usize = 1024;
 const DATA_START: usize = SLOTS * 4;
 /// Alignment of a lent payload (a cache line).
 const ALIGN: usize = 64;
+/// Regions one process maps at most: a worker's links name a few; a peer naming more is
+/// refused rather than allowed to use up this process's descriptors and address space.
+const MAX_MAPPED: usize = 256;
+/// Seals every region carries: its size is fixed for good.
+const SEALS: i32 = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 /// Prefix of every region's memfd name; the rest is the job's tag ([`job_tag`]).
 const NAME_PREFIX: &str = "podsim-link-";
 
@@ -123,8 +131,9 @@ struct Mapping {
     ptr: *mut u8,
     len: usize,
     region: Region,
-    /// Keeps the memfd open (the owner's, so that others can open it through `/proc`).
-    _file: File,
+    /// The owner's memfd, kept open so that others can open it through `/proc` (a mapping
+    /// of someone else's region needs no descriptor: the mapping keeps the memory).
+    _owned: Option<File>,
 }
 
 // SAFETY: the mapping is plain memory valid for the life of `Mapping`; which parts a thread
@@ -134,8 +143,8 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps `len` bytes of `file` shared, read and write.
-    fn map(file: File, len: usize, region: Region) -> io::Result<Mapping> {
+    /// Maps `len` bytes of `file` shared, read and write; keeps `file` open when `owned`.
+    fn map(file: File, len: usize, region: Region, owned: bool) -> io::Result<Mapping> {
         // SAFETY: a fresh shared mapping of an open file, at an address the kernel chooses;
         // nothing else in this process refers to it yet. The result is checked for failure.
         let ptr = unsafe {
@@ -155,7 +164,7 @@ impl Mapping {
             ptr: ptr.cast(),
             len,
             region,
-            _file: file,
+            _owned: owned.then_some(file),
         })
     }
 
@@ -231,8 +240,14 @@ fn mapped(region: Region, tag: &str) -> io::Result<Arc<Mapping>> {
             Err(refuse("a region of another job".into()))
         };
     }
+    if all.len() >= MAX_MAPPED {
+        return Err(refuse(format!("more than {MAX_MAPPED} regions named")));
+    }
+    // Opened once; every check is of the descriptor opened, so a peer cannot swap the file
+    // between a check and the mapping.
     let path = format!("/proc/{}/fd/{}", region.pid, region.fd);
-    let name = std::fs::read_link(&path)?;
+    let file = File::options().read(true).write(true).open(&path)?;
+    let name = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
     let expected = format!("/memfd:{NAME_PREFIX}{tag}");
     let name = name.to_string_lossy();
     if name != expected && name != format!("{expected} (deleted)") {
@@ -240,16 +255,22 @@ fn mapped(region: Region, tag: &str) -> io::Result<Arc<Mapping>> {
             "{path} is {name}, not a region of this job"
         )));
     }
-    let file = File::options().read(true).write(true).open(&path)?;
     let meta = file.metadata()?;
     if meta.ino() != region.ino {
         return Err(refuse(format!("{path} is not the region named")));
+    }
+    // A region that could shrink under a mapping would fault (SIGBUS) whoever reads or
+    // writes past its new end: only sealed regions are mapped.
+    // SAFETY: a query of an open descriptor's seals; no memory is involved.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & SEALS != SEALS {
+        return Err(refuse(format!("{path} is not sealed against resizing")));
     }
     let len = usize::try_from(meta.len()).unwrap_or(usize::MAX);
     if len <= DATA_START || meta.len() > REGION_BYTES {
         return Err(refuse(format!("a region of {} bytes", meta.len())));
     }
-    let m = Arc::new(Mapping::map(file, len, region)?);
+    let m = Arc::new(Mapping::map(file, len, region, false)?);
     all.insert(region, (tag.to_string(), m.clone()));
     Ok(m)
 }
@@ -277,21 +298,27 @@ impl Outbound {
         }
         let name = std::ffi::CString::new(format!("{NAME_PREFIX}{tag}"))
             .map_err(|_| io::ErrorKind::InvalidInput)?;
-        // SAFETY: a NUL-terminated name and a flag; the result is checked and owned at once.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: a NUL-terminated name and flags; the result is checked and owned at once.
+        let fd = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `fd` is a fresh descriptor nothing else owns.
         let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
         file.set_len(bytes)?;
+        // SAFETY: seals an open descriptor this function owns; no memory is involved.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
         let region = Region {
             pid: std::process::id(),
             fd,
             ino: file.metadata()?.ino(),
         };
         Ok(Outbound {
-            map: Mapping::map(file, len, region)?,
+            map: Mapping::map(file, len, region, true)?,
             lent: Mutex::new(Lent {
                 ranges: Default::default(),
                 free_slots: (0..SLOTS as u32).rev().collect(),
@@ -586,5 +613,21 @@ mod tests {
             ..region
         };
         assert!(Inbound::open(other_inode, TAG).is_err());
+        // A memfd of the right name that could still be resized.
+        let name =
+            std::ffi::CString::new(format!("{NAME_PREFIX}{TAG}")).unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: a NUL-terminated name and a flag; the result is checked and owned at once.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` is a fresh descriptor nothing else owns.
+        let unsealed = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        unsealed.set_len(1 << 20).unwrap_or_else(|e| panic!("{e}"));
+        let resizable = Region {
+            pid: std::process::id(),
+            fd,
+            ino: unsealed.metadata().map(|m| m.ino()).unwrap_or(0),
+        };
+        let refused = Inbound::open(resizable, TAG).map(|_| ());
+        assert!(refused.is_err_and(|e| e.to_string().contains("sealed")));
     }
 }
