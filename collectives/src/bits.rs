@@ -18,6 +18,13 @@ pub fn fnv1a_f32_from(h: u64, values: impl IntoIterator<Item = f32>) -> u64 {
     })
 }
 
+/// FNV-1a over bytes (names derived from secrets, such as a job's shared-memory tag).
+pub fn fnv1a_bytes(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(FNV_OFFSET, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(FNV_PRIME)
+    })
+}
+
 const PIECE_BITS: u32 = 22;
 
 /// `word` as three f32 values, each an exact integer below 2^22.
@@ -43,6 +50,9 @@ mod tests {
             assert_eq!(f32s_to_word(&word_to_f32s(w)), w);
         }
         assert_ne!(fnv1a_f32([0.0]), fnv1a_f32([-0.0]));
+        // The published FNV-1a 64 test vectors.
+        assert_eq!(fnv1a_bytes(*b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a_bytes(*b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(
             fnv1a_f32([1.0, 2.0]),
             fnv1a_f32_from(fnv1a_f32([1.0]), [2.0])

@@ -70,10 +70,10 @@ const NAME_PREFIX: &str = "podsim-link-";
 /// The tag a job's regions are named with: a hash of its token, so that a worker maps only
 /// regions of its own job (never another job's, whatever a peer's record names).
 pub fn job_tag(token: &str) -> String {
-    let hash = token.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    format!("{hash:016x}")
+    format!(
+        "{:016x}",
+        podsim_collectives::bits::fnv1a_bytes(token.bytes())
+    )
 }
 
 /// Which region: its owner's pid, the memfd's number there, its inode. What a hello offers and
