@@ -640,9 +640,9 @@ impl Router for NodeFabric {
             };
             peer.queue.send(rest).is_ok()
         };
-        let msg = match peer.writer.write_if_idle(msg, queue_rest) {
+        let (msg, lent) = match peer.writer.write_if_idle(msg, queue_rest) {
             uds::Direct::Done => return Ok(Delivery::Done),
-            uds::Direct::Busy(msg) => msg,
+            uds::Direct::Busy(msg, lent) => (msg, lent),
             uds::Direct::Failed => return Err(closed()),
         };
         match peer.room.clone().try_acquire_many_owned(cost) {
@@ -651,7 +651,7 @@ impl Router for NodeFabric {
                     msg,
                     bytes,
                     skip: 0,
-                    lent: None,
+                    lent,
                     _room: Some(room),
                 }) {
                     return Err(closed());
@@ -665,7 +665,7 @@ impl Router for NodeFabric {
                     msg,
                     bytes,
                     skip: 0,
-                    lent: None,
+                    lent,
                     _room: Some(room),
                 });
                 queued.then_some(()).ok_or_else(closed)

@@ -543,8 +543,8 @@ pub(crate) struct LinkWriter {
 pub(crate) enum Direct {
     /// On the socket (whole, or its start, with the rest queued first).
     Done,
-    /// The writer task is busy: queue the message.
-    Busy(Message),
+    /// The writer task is busy: queue the message (and where its payload was lent, if it was).
+    Busy(Message, Option<Place>),
     /// The socket refused the write: the link is broken and the message lost, as a queued
     /// message is when the writer task finds the link broken (the caller reports the link
     /// closed; the coordinator learns of the dead worker through its session).
@@ -593,40 +593,18 @@ impl LinkWriter {
         queue_rest: impl FnOnce(Message, usize, Option<Place>) -> bool,
     ) -> Direct {
         let Some(out) = self.out.get() else {
-            return Direct::Busy(msg);
+            return Direct::Busy(msg, None);
         };
-        let bytes = msg.payload.len() * 4;
-        if bytes > DIRECT_MAX_BYTES {
-            return Direct::Busy(msg);
+        if msg.payload.len() * 4 > DIRECT_MAX_BYTES {
+            return Direct::Busy(msg, None);
         }
-        let lender = self
-            .lender
-            .get()
-            .filter(|_| bytes >= shm::MIN_LENT_BYTES && !msg.payload.is_meta());
-        // A pending reduction is finished before the lock is taken (the writer task may be
-        // waiting for the lock), unless it is to be computed straight into the region.
-        let msg = match lender {
-            Some(_) => msg,
-            None => Message {
-                payload: msg.payload.resolve(),
-                ..msg
-            },
-        };
+        // The payload is lent (its pending reduction computed into the region) or its
+        // reduction finished before the lock is taken: the writer task may be waiting for it.
+        let (msg, lent) = ready(self.lender.get(), msg);
         let mut idle = self.idle();
         if !*idle {
-            return Direct::Busy(msg);
+            return Direct::Busy(msg, lent);
         }
-        let lent = lender.and_then(|l| l.lend(&msg.payload));
-        let msg = match lent {
-            Some(_) => Message {
-                payload: Payload::Meta(msg.payload.len()),
-                ..msg
-            },
-            None => Message {
-                payload: msg.payload.resolve(),
-                ..msg
-            },
-        };
         let mut header = Vec::with_capacity(HEADER_BYTES);
         encode_header(&msg, lent, &mut header);
         let mut slices = Vec::new();
@@ -693,22 +671,11 @@ pub(crate) async fn pump_out(
         let mut bytes = 0;
         let mut next = Some(first);
         while let Some(o) = next {
-            // A message started directly keeps the body it started with.
-            let lent = match (o.lent, lender) {
-                (Some(place), _) => Some(place),
-                (None, Some(lender)) if o.skip == 0 => lender.lend(&o.msg.payload),
-                _ => None,
-            };
-            let msg = match lent {
-                // The values are in the region; the socket carries the header alone.
-                Some(_) => Message {
-                    payload: Payload::Meta(o.msg.payload.len()),
-                    ..o.msg
-                },
-                None => Message {
-                    payload: o.msg.payload.resolve(),
-                    ..o.msg
-                },
+            // A message a chip lent or started keeps the body it has.
+            let (msg, lent) = match (o.lent, o.skip) {
+                (Some(place), _) => (o.msg, Some(place)),
+                (None, 0) => ready(lender, o.msg),
+                (None, _) => ready(None, o.msg),
             };
             encode_header(&msg, lent, &mut headers);
             bytes += HEADER_BYTES + payload_bytes(&msg.payload);
@@ -725,6 +692,18 @@ pub(crate) async fn pump_out(
             return;
         }
     }
+}
+
+/// `msg` as its record will carry it: its payload lent through `lender` when the link has a
+/// region and the payload is large enough (the record then carries only the place), or with
+/// any pending reduction finished, to go inline.
+fn ready(lender: Option<&Outbound>, msg: Message) -> (Message, Option<Place>) {
+    let lent = lender.and_then(|l| l.lend(&msg.payload));
+    let payload = match lent {
+        Some(_) => Payload::Meta(msg.payload.len()),
+        None => msg.payload.resolve(),
+    };
+    (Message { payload, ..msg }, lent)
 }
 
 /// The bytes of a payload's values on the wire (none for a meta payload).
@@ -969,7 +948,8 @@ mod tests {
                                 |msg, skip, _| tx.send(Outgoing::unbudgeted(msg, skip)).is_ok();
                             let msg = match writer.write_if_idle(numbered(src, seq, len), queue) {
                                 Direct::Done => continue,
-                                Direct::Busy(msg) => msg,
+                                // This link has no region: nothing is lent.
+                                Direct::Busy(msg, _) => msg,
                                 Direct::Failed => panic!("the link failed"),
                             };
                             let _busy = writer.mark_busy();
