@@ -8,10 +8,10 @@ cargo clippy --workspace --all-targets -- -D warnings
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 cargo test --workspace 2>&1 | tee "$log"
-# Every cross-process test again with the links between workers forced over gRPC/TCP, then
-# over Unix sockets alone (the run above takes the default: Unix sockets with large payloads in
-# shared memory between workers on this host).
-for transport in tcp uds; do
+# Every cross-process test again with the links between workers forced over records on TCP,
+# over Unix sockets alone, then over gRPC (the run above takes the default: Unix sockets with
+# large payloads in shared memory between workers on this host).
+for transport in tcp uds grpc; do
     PODSIM_TRANSPORT=$transport cargo test -p podsim-coordinator --test faults --test launch \
         --test orphans --test training --test bench_cli --test garbage 2>&1 | tee -a "$log"
 done

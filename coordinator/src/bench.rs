@@ -75,8 +75,9 @@ pub struct BenchArgs {
     pub workers: Option<u32>,
     /// How worker processes reach each other: auto (on one host a Unix socket with large
     /// payloads in shared memory; the default unless PODSIM_TRANSPORT says otherwise), tcp
-    /// (gRPC), uds (the socket carries every byte) or shm (shared memory or fail).
-    #[arg(long, value_parser = ["auto", "tcp", "uds", "shm"])]
+    /// (records over TCP), uds (the socket carries every byte), shm (shared memory or fail)
+    /// or grpc (gRPC over TCP).
+    #[arg(long, value_parser = ["auto", "tcp", "uds", "shm", "grpc"])]
     pub transport: Option<String>,
     /// Print one JSON object per row instead of the table.
     #[arg(long)]

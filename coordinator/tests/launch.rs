@@ -96,12 +96,14 @@ const AUTO_LOCAL: &str = if cfg!(target_os = "linux") {
 
 #[test]
 fn each_transport_moves_the_same_values_in_the_same_virtual_time() {
-    // The links between 4 workers forced over TCP (gRPC), Unix sockets, and Unix sockets
-    // with shared memory, then chosen automatically (shared memory, on one Linux host): the
-    // same values checked, the same virtual time, and report.json names each link's transport.
+    // The links between 4 workers forced over records on TCP, gRPC, Unix sockets, and Unix
+    // sockets with shared memory, then chosen automatically (shared memory, on one Linux
+    // host): the same values checked, the same virtual time, and report.json names each
+    // link's transport.
     let mut seen = Vec::new();
     for (transport, shown) in [
         ("tcp", "tcp"),
+        ("grpc", "grpc"),
         ("uds", "uds"),
         ("shm", "shm"),
         ("auto", AUTO_LOCAL),
@@ -278,7 +280,7 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         assert!(
             links
                 .iter()
-                .all(|l| l["transport"] == "tcp" && l["tls"] == true),
+                .all(|l| l["transport"] == "grpc" && l["tls"] == true),
             "{links:?}"
         );
     }

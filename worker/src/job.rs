@@ -353,16 +353,19 @@ pub struct PeerLink {
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
     /// Between workers on the same host a Unix domain socket, with large payloads in shared
-    /// memory where both workers can map it; gRPC over TCP to other hosts.
+    /// memory where both workers can map it; records over TCP to other hosts (gRPC when the
+    /// link service runs TLS).
     #[default]
     Auto,
-    /// gRPC over TCP, wherever the peer is.
+    /// Records over TCP, wherever the peer is (gRPC when the link service runs TLS).
     Tcp,
     /// A Unix domain socket carrying every byte; a peer on another host is an error.
     Uds,
     /// A Unix domain socket with large payloads in shared memory; a peer on another host, or
     /// a region that cannot be mapped, is an error.
     Shm,
+    /// gRPC (HTTP/2) over TCP, wherever the peer is.
+    Grpc,
 }
 
 /// The environment variable that sets the default transport (tests run every cross-process
@@ -370,11 +373,12 @@ pub enum Transport {
 pub const TRANSPORT_ENV: &str = "PODSIM_TRANSPORT";
 
 impl Transport {
-    pub const ALL: [Transport; 4] = [
+    pub const ALL: [Transport; 5] = [
         Transport::Auto,
         Transport::Tcp,
         Transport::Uds,
         Transport::Shm,
+        Transport::Grpc,
     ];
 
     pub fn name(self) -> &'static str {
@@ -383,6 +387,7 @@ impl Transport {
             Transport::Tcp => "tcp",
             Transport::Uds => "uds",
             Transport::Shm => "shm",
+            Transport::Grpc => "grpc",
         }
     }
 
@@ -398,6 +403,6 @@ impl Transport {
         Transport::ALL
             .into_iter()
             .find(|t| t.name() == name)
-            .ok_or_else(|| format!("{source}: {name:?} is not auto, tcp, uds or shm"))
+            .ok_or_else(|| format!("{source}: {name:?} is not auto, tcp, uds, shm or grpc"))
     }
 }

@@ -33,6 +33,7 @@ mod programs;
 pub mod protocol;
 mod session;
 mod shm;
+mod socket;
 pub mod tls;
 mod torch;
 pub mod train;

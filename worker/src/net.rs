@@ -28,8 +28,15 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::WorkerError;
 use crate::job::{JobSpec, PeerLink, Program, Transport};
+use crate::socket::LinkStream;
 use crate::uds;
 use crate::wire::{self, MAX_FRAME_BYTES};
+
+/// Whether links over TCP carry records (the same as a Unix socket link's) rather than gRPC.
+/// A record carries payload values in the host's byte order, so only little-endian builds
+/// (every host podsim is built for in practice) speak it over TCP, where the peer may be
+/// another machine; a big-endian build dials and serves gRPC.
+pub const RECORDS_OVER_TCP: bool = cfg!(target_endian = "little");
 
 /// Bytes of messages that may wait to be sent to one peer worker.
 pub const PEER_BUDGET_BYTES: usize = 128 << 20;
@@ -380,7 +387,7 @@ impl NodeFabric {
     }
 
     /// The transport of each link to another worker, by peer; `tls` when this worker's gRPC
-    /// connections are mutual TLS (its Unix-socket links never are).
+    /// connections are mutual TLS (its record links never are).
     pub fn links(&self, tls: bool) -> Vec<PeerLink> {
         let connected = self.connected.lock().unwrap_or_else(|e| e.into_inner());
         let mut links: Vec<PeerLink> = connected
@@ -388,7 +395,7 @@ impl NodeFabric {
             .map(|(&peer, &transport)| PeerLink {
                 peer,
                 transport,
-                tls: tls && transport == Transport::Tcp,
+                tls: tls && transport == Transport::Grpc,
             })
             .collect();
         links.sort_by_key(|l| l.peer);
@@ -409,24 +416,27 @@ impl NodeFabric {
         })?;
         tokio::spawn(pump_out(queue, outgoing));
         tokio::spawn(pump_in(self.clone(), peer, incoming));
-        self.connected_by(peer, Transport::Tcp);
+        self.connected_by(peer, Transport::Grpc);
         Ok(())
     }
 
-    /// Starts the pumps of a same-host link to `peer` (see [`crate::uds`]), with the shared
+    /// Starts the pumps of a record link to `peer` (see [`crate::uds`]), with the shared
     /// regions its hello settled.
-    pub(crate) fn run_local_link(
+    pub(crate) fn run_record_link(
         self: &Arc<Self>,
         peer: u32,
-        stream: tokio::net::UnixStream,
+        stream: LinkStream,
         queue: mpsc::UnboundedReceiver<Outgoing>,
         regions: uds::Regions,
     ) {
+        let transport = match stream.is_tcp() {
+            true => Transport::Tcp,
+            false => regions.transport(),
+        };
         let (input, output) = stream.into_split();
         let Some(p) = self.peers.get(&peer) else {
             return;
         };
-        let transport = regions.transport();
         if !p.writer.attach(output, regions.outbound) {
             return;
         }
@@ -474,8 +484,10 @@ impl NodeFabric {
         }
     }
 
-    /// Links to `peer`, whose addresses are `at`: over a Unix socket when the job's transport
-    /// says so (or, automatically, when the peer is on this host), gRPC over TCP otherwise.
+    /// Links to `peer`, whose addresses are `at`. On this host (automatically, or when the
+    /// job's transport says so) a Unix socket, with shared memory unless `uds`; to another
+    /// host, or when forced with `tcp`, the record stream over TCP; gRPC when forced with
+    /// `grpc`, or when the link service runs TLS (records are not encrypted).
     pub async fn dial(
         self: &Arc<Self>,
         peer: u32,
@@ -487,7 +499,7 @@ impl NodeFabric {
         let same_host = !mine.host_id.is_empty() && mine.host_id == at.host_id;
         let transport = self.spec.transport;
         let local = match transport {
-            Transport::Tcp => None,
+            Transport::Tcp | Transport::Grpc => None,
             Transport::Auto => at.local.as_deref().filter(|_| same_host),
             Transport::Uds | Transport::Shm => {
                 Some(at.local.as_deref().filter(|_| same_host).ok_or_else(|| {
@@ -499,18 +511,21 @@ impl NodeFabric {
                 })?)
             }
         };
-        match local {
+        let (stream, regions) = match local {
             Some(name) => {
                 let sharing = uds::Sharing::of(transport);
-                let (stream, regions) = uds::dial(name, self.me, peer, token, sharing).await?;
-                let queue = self
-                    .claim(peer)
-                    .map_err(|r| WorkerError::Link(r.to_string()))?;
-                self.run_local_link(peer, stream, queue, regions);
-                Ok(())
+                uds::dial(name, self.me, peer, token, sharing).await?
             }
-            None => self.dial_grpc(peer, &at.tcp, token, tls).await,
-        }
+            None if tls.is_some() || transport == Transport::Grpc || !RECORDS_OVER_TCP => {
+                return self.dial_grpc(peer, &at.tcp, token, tls).await;
+            }
+            None => uds::dial_tcp(&at.tcp, self.me, peer, token).await?,
+        };
+        let queue = self
+            .claim(peer)
+            .map_err(|r| WorkerError::Link(r.to_string()))?;
+        self.run_record_link(peer, stream, queue, regions);
+        Ok(())
     }
 
     /// Dials the gRPC link service of `peer` at `addr` and attaches the stream.

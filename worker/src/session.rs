@@ -160,8 +160,8 @@ async fn exit_when_stdin_closes() {
     std::process::exit(1);
 }
 
-/// This worker's link listeners (gRPC over TCP, and a Unix socket for workers on this host)
-/// and the fabric they serve once the job is known.
+/// This worker's link listeners (one TCP port for record links and gRPC, and a Unix socket
+/// for workers on this host) and the fabric they serve once the job is known.
 struct Links {
     mine: net::PeerAddress,
     fabric: watch::Sender<Option<Arc<NodeFabric>>>,
@@ -198,6 +198,7 @@ impl Links {
             }
             None => None,
         };
+        let fabric_rx_tcp = fabric_rx.clone();
         let service = net::link_service(opts.token.clone(), fabric_rx);
         let mut server = net::server_builder();
         if let Some(tls) = &opts.tls {
@@ -205,17 +206,31 @@ impl Links {
                 .tls_config(tls.server())
                 .map_err(|e| WorkerError::Link(crate::tls::chain(&e)))?;
         }
-        tokio::spawn(async move {
-            let served = server
-                .serve_with_incoming(
-                    service,
-                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                )
-                .await;
-            if let Err(e) = served {
-                tracing::error!("link service stopped: {e}");
-            }
-        });
+        if opts.tls.is_none() && net::RECORDS_OVER_TCP {
+            // One port for both: connections that open with a record hello become record
+            // links, the others go to gRPC.
+            let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(16);
+            tokio::spawn(crate::uds::route_tcp(
+                listener,
+                opts.token.clone(),
+                fabric_rx_tcp,
+                grpc_tx,
+            ));
+            let incoming = tokio_stream::wrappers::ReceiverStream::new(grpc_rx);
+            tokio::spawn(async move {
+                if let Err(e) = server.serve_with_incoming(service, incoming).await {
+                    tracing::error!("link service stopped: {e}");
+                }
+            });
+        } else {
+            tokio::spawn(async move {
+                let incoming =
+                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+                if let Err(e) = server.serve_with_incoming(service, incoming).await {
+                    tracing::error!("link service stopped: {e}");
+                }
+            });
+        }
         Ok(Links {
             mine: net::PeerAddress {
                 tcp: link_addr,

@@ -1,7 +1,8 @@
-//! Links between workers on one host: one Unix domain socket per worker pair, carrying each
-//! message as a fixed binary header followed by its payload's raw bytes.
+//! Record links between workers: one socket per worker pair (a Unix domain socket on one
+//! host, TCP between hosts; [`crate::socket`]), carrying each message as a fixed binary header
+//! followed by its payload's raw bytes.
 //!
-//! Why not gRPC here: on loopback the cost of a link is copies and hand-offs, not the network.
+//! Why not gRPC: the cost of a link is copies and hand-offs more than the network.
 //! The gRPC path copies every value into a protobuf buffer, again into HTTP/2 frames, and
 //! back out on the other side, and each message passes several tasks. Here a payload goes from
 //! the chip's shared buffers straight into the socket (the messages waiting together go out
@@ -19,6 +20,9 @@
 //! settles it: each side offers its region, says whether it mapped the other's, and lends only
 //! to a peer that mapped.
 //!
+//! Over TCP the records share the worker's link port with gRPC ([`route_tcp`] tells them apart
+//! by the first bytes) and nothing is shared in memory: the peer may be on another host.
+//!
 //! A connection opens with a hello (magic, version, the dialling worker's id, the job token,
 //! its region offer); the listener answers `OK` (whether it mapped the offered region, its own
 //! offer; the dialler then says whether it mapped that) or `NO` with a reason. Sockets live in the abstract namespace
@@ -35,14 +39,14 @@ use podsim_collectives::{Message, Payload, Run};
 use podsim_proto::v1 as pb;
 use podsim_topology::{Dir, Link};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::UnixStream;
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::WorkerError;
 use crate::job::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
 use crate::shm::{self, Inbound, Outbound, Place, Region};
+use crate::socket::{LinkRead, LinkStream, LinkWrite};
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
@@ -140,6 +144,7 @@ pub async fn serve(
         let token = token.clone();
         let fabric = fabric.clone();
         tokio::spawn(async move {
+            let stream = LinkStream::Unix(stream);
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, answer(stream, &token, fabric)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!("refused a local link: {e}"),
@@ -163,7 +168,7 @@ impl Sharing {
         match transport {
             Transport::Shm => Sharing::Must,
             Transport::Auto => Sharing::Try,
-            Transport::Uds | Transport::Tcp => Sharing::Never,
+            Transport::Uds | Transport::Tcp | Transport::Grpc => Sharing::Never,
         }
     }
 
@@ -221,7 +226,7 @@ impl Regions {
 /// The listening side of a hello: checks it, waits for the job's fabric, settles the shared
 /// regions, attaches the link.
 async fn answer(
-    mut stream: UnixStream,
+    mut stream: LinkStream,
     token: &str,
     mut fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
 ) -> Result<(), String> {
@@ -240,7 +245,11 @@ async fn answer(
     let Some(fabric) = ready else {
         return Err("no fabric".into());
     };
-    let sharing = Sharing::of(fabric.transport());
+    // A TCP peer may be on another host: nothing is shared with it.
+    let sharing = match stream.is_tcp() {
+        true => Sharing::Never,
+        false => Sharing::of(fabric.transport()),
+    };
     let regions = sharing
         .map_peers(offered, token)
         .and_then(|inbound| Ok((inbound, sharing.own_region(token)?)));
@@ -275,7 +284,7 @@ async fn answer(
             if sharing == Sharing::Must && regions.transport() != Transport::Shm {
                 return Err(format!("worker {peer}: could not map this worker's region"));
             }
-            fabric.run_local_link(peer, stream, queue, regions);
+            fabric.run_record_link(peer, stream, queue, regions);
             Ok(())
         }
         Err(e) => {
@@ -286,14 +295,14 @@ async fn answer(
     }
 }
 
-async fn refuse(stream: &mut UnixStream, reason: &str) {
+async fn refuse(stream: &mut LinkStream, reason: &str) {
     let mut out = b"NO".to_vec();
     out.extend((reason.len() as u32).to_le_bytes());
     out.extend(reason.as_bytes());
     let _ = stream.write_all(&out).await;
 }
 
-async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<(u32, Region), String> {
+async fn read_hello(stream: &mut LinkStream, token: &str) -> Result<(u32, Region), String> {
     let mut head = [0u8; 20];
     stream
         .read_exact(&mut head)
@@ -329,25 +338,70 @@ async fn read_hello(stream: &mut UnixStream, token: &str) -> Result<(u32, Region
     Ok((peer, Region::decode(&offer)))
 }
 
-/// Dials the link of worker `peer` at `name` as worker `me`: the stream once accepted, and the
-/// shared regions the hello settled.
+/// Dials the same-host link of worker `peer` at `name` as worker `me`: the stream once
+/// accepted, and the shared regions the hello settled.
 pub async fn dial(
     name: &str,
     me: u32,
     peer: u32,
     token: &str,
     sharing: Sharing,
-) -> Result<(UnixStream, Regions), WorkerError> {
+) -> Result<(LinkStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at unix:{name}: {e}"));
     let outbound = sharing.own_region(token).map_err(failed)?;
+    let stream = with_retry(|| std::future::ready(connect(name)))
+        .await
+        .map_err(failed)?;
+    handshake(LinkStream::Unix(stream), me, token, sharing, outbound)
+        .await
+        .map_err(failed)
+}
+
+/// Dials the record link of worker `peer` over TCP at `addr` (its link service's address,
+/// which tells a record hello from gRPC by its first bytes) as worker `me`. Nothing is shared.
+pub async fn dial_tcp(
+    addr: &str,
+    me: u32,
+    peer: u32,
+    token: &str,
+) -> Result<(LinkStream, Regions), WorkerError> {
+    let failed = |e: String| WorkerError::Link(format!("worker {peer} at {addr}: {e}"));
+    let stream = with_retry(|| async {
+        let s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        Ok(s)
+    })
+    .await
+    .map_err(failed)?;
+    handshake(LinkStream::Tcp(stream), me, token, Sharing::Never, None)
+        .await
+        .map_err(failed)
+}
+
+/// `connect` tried again every 50 ms for up to 20 s (the peer may still be starting).
+async fn with_retry<T, F>(mut connect: impl FnMut() -> F) -> Result<T, String>
+where
+    F: std::future::Future<Output = io::Result<T>>,
+{
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut stream = loop {
-        match connect(name) {
-            Ok(s) => break s,
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(failed(e.to_string())),
+    loop {
+        match connect().await {
+            Ok(s) => return Ok(s),
+            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e.to_string()),
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
-    };
+    }
+}
+
+/// The dialling side of a hello on a connected `stream`, offering `outbound` (this side's
+/// region, if any): the stream once accepted, and the regions settled.
+async fn handshake(
+    mut stream: LinkStream,
+    me: u32,
+    token: &str,
+    sharing: Sharing,
+    outbound: Option<Outbound>,
+) -> Result<(LinkStream, Regions), String> {
     let mut hello = HELLO_MAGIC.to_vec();
     hello.extend(VERSION.to_le_bytes());
     hello.extend(me.to_le_bytes());
@@ -378,24 +432,83 @@ pub async fn dial(
     };
     let (mapped_mine, offered) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
         Ok(Ok(Ok(settled))) => settled,
-        Ok(Ok(Err(reason))) => return Err(failed(format!("refused: {reason}"))),
-        Ok(Err(e)) => return Err(failed(e.to_string())),
-        Err(_) => return Err(failed("no answer to hello".into())),
+        Ok(Ok(Err(reason))) => return Err(format!("refused: {reason}")),
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err("no answer to hello".into()),
     };
     let inbound = sharing.map_peers(offered, token);
     let mapped = [u8::from(matches!(inbound, Ok(Some(_))))];
-    stream
-        .write_all(&mapped)
-        .await
-        .map_err(|e| failed(e.to_string()))?;
+    stream.write_all(&mapped).await.map_err(|e| e.to_string())?;
     let regions = Regions {
         outbound: outbound.filter(|_| mapped_mine),
-        inbound: inbound.map_err(failed)?,
+        inbound: inbound?,
     };
     if sharing == Sharing::Must && regions.transport() != Transport::Shm {
-        return Err(failed("the peer could not map this worker's region".into()));
+        return Err("the peer could not map this worker's region".into());
     }
     Ok((stream, regions))
+}
+
+/// Serves the TCP port of this worker's link service: a connection that opens with a record
+/// hello becomes a record link ([`answer`]); any other (gRPC's HTTP/2 preface, a TLS hello) is
+/// handed to the gRPC server through `grpc`. Only used without TLS: a record link is not
+/// encrypted, so with TLS every connection goes to gRPC.
+pub async fn route_tcp(
+    listener: tokio::net::TcpListener,
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    grpc: mpsc::Sender<io::Result<TcpStream>>,
+) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of descriptors and the like: say so, and keep serving.
+                tracing::warn!("link service accept: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let (token, fabric, grpc) = (token.clone(), fabric.clone(), grpc.clone());
+        tokio::spawn(async move {
+            let _ = stream.set_nodelay(true);
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, opens_with_hello(&stream)).await {
+                Ok(Ok(true)) => {
+                    let answered = answer(LinkStream::Tcp(stream), &token, fabric);
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => tracing::warn!("refused a TCP link: {e}"),
+                        Err(_) => tracing::warn!("a TCP link did not finish its hello"),
+                    }
+                }
+                Ok(Ok(false)) => {
+                    let _ = grpc.send(Ok(stream)).await;
+                }
+                Ok(Err(_)) | Err(_) => {}
+            }
+        });
+    }
+}
+
+/// Whether the first bytes a connection sends are a record hello's magic (without taking
+/// them). Decided as soon as the bytes so far differ from it; an HTTP/2 preface ("PRI ...")
+/// differs at its second byte.
+async fn opens_with_hello(stream: &TcpStream) -> io::Result<bool> {
+    let mut first = [0u8; HELLO_MAGIC.len()];
+    loop {
+        let n = stream.peek(&mut first).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if first[..n] != HELLO_MAGIC[..n] {
+            return Ok(false);
+        }
+        if n == first.len() {
+            return Ok(true);
+        }
+        // Only part of the magic has arrived: peeking again at once would return the same.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 /// Where a record's payload values are.
@@ -531,7 +644,7 @@ const DIRECT_MAX_BYTES: usize = 256 << 10;
 pub(crate) struct LinkWriter {
     /// The socket, once the link runs over one (never, for a gRPC link: then every message
     /// is queued).
-    out: std::sync::OnceLock<OwnedWriteHalf>,
+    out: std::sync::OnceLock<LinkWrite>,
     /// The shared region large payloads are lent from, when the link has one.
     lender: std::sync::OnceLock<Outbound>,
     /// Exists from the peer's creation, so that every message ever queued to the peer was
@@ -562,7 +675,7 @@ impl LinkWriter {
 
     /// Gives the link its socket (once; false when it had one already). It stays busy until
     /// its writer task has found the queue empty.
-    pub(crate) fn attach(&self, out: OwnedWriteHalf, lender: Option<Outbound>) -> bool {
+    pub(crate) fn attach(&self, out: LinkWrite, lender: Option<Outbound>) -> bool {
         if let Some(lender) = lender
             && self.lender.set(lender).is_err()
         {
@@ -738,7 +851,7 @@ async fn write_batch(
     batch: &[Message],
     headers: &[u8],
     skip: usize,
-    out: &OwnedWriteHalf,
+    out: &LinkWrite,
 ) -> io::Result<()> {
     let mut slices: Vec<IoSlice<'_>> = Vec::new();
     for (msg, header) in batch.iter().zip(headers.chunks_exact(HEADER_BYTES)) {
@@ -755,7 +868,7 @@ async fn write_batch(
 
 /// Writes from `rest` what the socket takes without blocking, advancing `rest` past it;
 /// returns how many bytes that was. A socket that takes nothing while writable is an error.
-fn write_now(out: &OwnedWriteHalf, rest: &mut &mut [IoSlice<'_>]) -> io::Result<usize> {
+fn write_now(out: &LinkWrite, rest: &mut &mut [IoSlice<'_>]) -> io::Result<usize> {
     let mut written = 0;
     while !rest.is_empty() {
         let upto = rest.len().min(MAX_IOVECS);
@@ -777,7 +890,7 @@ fn write_now(out: &OwnedWriteHalf, rest: &mut &mut [IoSlice<'_>]) -> io::Result<
 pub(crate) async fn pump_in(
     fabric: Arc<NodeFabric>,
     peer: u32,
-    input: OwnedReadHalf,
+    input: LinkRead,
     shared: Option<Inbound>,
 ) {
     let mut input = BufReader::with_capacity(READ_BUFFER_BYTES, input);
@@ -805,7 +918,7 @@ pub(crate) async fn pump_in(
 async fn read_message(
     fabric: &NodeFabric,
     peer: u32,
-    input: &mut BufReader<OwnedReadHalf>,
+    input: &mut BufReader<LinkRead>,
     shared: Option<&Inbound>,
 ) -> Result<Message, String> {
     let mut header = [0u8; HEADER_BYTES];
@@ -925,7 +1038,7 @@ mod tests {
         let (senders, per_sender) = (4u32, 150u32);
         rt.block_on(async {
             let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
-            let (_, out) = a.into_split();
+            let (_, out) = LinkStream::Unix(a).into_split();
             let writer = Arc::new(LinkWriter::new());
             assert!(writer.attach(out, None));
             let (tx, rx) = mpsc::unbounded_channel();
@@ -959,7 +1072,7 @@ mod tests {
                 })
                 .collect();
             // A reader slower than the writers, so that the socket fills up.
-            let (input, _) = b.into_split();
+            let (input, _) = LinkStream::Unix(b).into_split();
             let mut input = BufReader::with_capacity(READ_BUFFER_BYTES, input);
             let mut next = vec![0u32; senders as usize];
             let read_all = async {
@@ -1032,8 +1145,55 @@ mod tests {
         assert_eq!(Sharing::of(Transport::Auto), Sharing::Try);
         assert_eq!(Sharing::of(Transport::Shm), Sharing::Must);
         assert_eq!(Sharing::of(Transport::Uds), Sharing::Never);
+        assert_eq!(Sharing::of(Transport::Tcp), Sharing::Never);
+        assert_eq!(Sharing::of(Transport::Grpc), Sharing::Never);
         assert!(matches!(Sharing::Never.own_region(token), Ok(None)));
         assert!(matches!(Sharing::Must.own_region(token), Ok(Some(_))));
+    }
+
+    #[test]
+    fn the_tcp_port_tells_record_links_from_grpc_by_their_first_bytes() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+            let (_fabric_tx, fabric) = watch::channel(None);
+            let (grpc_tx, mut grpc_rx) = mpsc::channel(4);
+            tokio::spawn(route_tcp(listener, "job-token".into(), fabric, grpc_tx));
+            let bounded = std::time::Duration::from_secs(20);
+            // HTTP/2's preface starts with the same letter as the record magic: it goes to
+            // gRPC, its bytes untouched.
+            let mut h2 = TcpStream::connect(addr)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let handed = tokio::time::timeout(bounded, grpc_rx.recv()).await;
+            let Ok(Some(Ok(forwarded))) = handed else {
+                panic!("the gRPC connection was not handed on");
+            };
+            let mut first = [0u8; 3];
+            let peeked = forwarded
+                .peek(&mut first)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(&first[..peeked], &b"PRI"[..peeked]);
+            // A record hello with the wrong token is refused, saying why, and never reaches gRPC.
+            let at = addr.to_string();
+            let dialled = tokio::time::timeout(bounded, dial_tcp(&at, 1, 0, "wrong"));
+            match dialled.await {
+                Ok(Err(e)) => assert!(e.to_string().contains("token"), "{e}"),
+                Ok(Ok(_)) => panic!("a wrong token was admitted"),
+                Err(_) => panic!("no answer to the hello"),
+            }
+            assert!(grpc_rx.try_recv().is_err());
+        });
     }
 
     #[test]

@@ -1,0 +1,121 @@
+//! The byte stream under a record link ([`crate::uds`]): a Unix domain socket between workers
+//! on one host, a TCP connection between hosts. Both carry the same hello and the same
+//! records; only how the bytes travel differs, so the link code is written once against
+//! these three types.
+
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpStream, UnixStream, tcp, unix};
+
+/// A connected link socket.
+#[derive(Debug)]
+pub(crate) enum LinkStream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+/// The reading half of a [`LinkStream`].
+#[derive(Debug)]
+pub(crate) enum LinkRead {
+    Unix(unix::OwnedReadHalf),
+    Tcp(tcp::OwnedReadHalf),
+}
+
+/// The writing half of a [`LinkStream`]: written without blocking, from any thread.
+#[derive(Debug)]
+pub(crate) enum LinkWrite {
+    Unix(unix::OwnedWriteHalf),
+    Tcp(tcp::OwnedWriteHalf),
+}
+
+impl LinkStream {
+    pub(crate) fn into_split(self) -> (LinkRead, LinkWrite) {
+        match self {
+            LinkStream::Unix(s) => {
+                let (r, w) = s.into_split();
+                (LinkRead::Unix(r), LinkWrite::Unix(w))
+            }
+            LinkStream::Tcp(s) => {
+                let (r, w) = s.into_split();
+                (LinkRead::Tcp(r), LinkWrite::Tcp(w))
+            }
+        }
+    }
+
+    /// Whether the peer is reached over TCP (maybe on another host: no shared memory).
+    pub(crate) fn is_tcp(&self) -> bool {
+        matches!(self, LinkStream::Tcp(_))
+    }
+}
+
+impl LinkWrite {
+    /// Writes what the socket takes now; `WouldBlock` when it takes nothing.
+    pub(crate) fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            LinkWrite::Unix(w) => w.try_write_vectored(bufs),
+            LinkWrite::Tcp(w) => w.try_write_vectored(bufs),
+        }
+    }
+
+    /// Waits until the socket may take more.
+    pub(crate) async fn writable(&self) -> io::Result<()> {
+        match self {
+            LinkWrite::Unix(w) => w.writable().await,
+            LinkWrite::Tcp(w) => w.writable().await,
+        }
+    }
+}
+
+/// Forwards a poll to whichever socket `$s` holds.
+macro_rules! either {
+    ($s:expr, $x:ident => $body:expr) => {
+        match $s {
+            LinkStream::Unix($x) => $body,
+            LinkStream::Tcp($x) => $body,
+        }
+    };
+}
+
+impl AsyncRead for LinkStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        either!(self.get_mut(), s => Pin::new(s).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for LinkStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        either!(self.get_mut(), s => Pin::new(s).poll_write(cx, buf))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        either!(self.get_mut(), s => Pin::new(s).poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        either!(self.get_mut(), s => Pin::new(s).poll_shutdown(cx))
+    }
+}
+
+impl AsyncRead for LinkRead {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            LinkRead::Unix(r) => Pin::new(r).poll_read(cx, buf),
+            LinkRead::Tcp(r) => Pin::new(r).poll_read(cx, buf),
+        }
+    }
+}
