@@ -23,6 +23,10 @@ for rep in $(seq 1 "$R"); do
     | sed "s/^{/{\"lib\":\"podsim-inprocess\",\"run\":\"rep$rep\",/" >>"$OUT/podsim.jsonl"
   timeout -k 5 300 "$PODSIM" bench --topology 8 --workers 4 --sizes 1MiB,16MiB,64MiB --iters 10 \
     --warmup 2 --json 2>/dev/null | sed "s/^{/{\"lib\":\"podsim-workers4\",\"run\":\"rep$rep\",/" >>"$OUT/podsim.jsonl"
+  # The same over TCP (records, as between hosts), the transport gloo's numbers are over.
+  timeout -k 5 300 "$PODSIM" bench --topology 8 --workers 4 --sizes 1MiB,16MiB,64MiB --iters 10 \
+    --warmup 2 --transport tcp --json 2>/dev/null \
+    | sed "s/^{/{\"lib\":\"podsim-workers4-tcp\",\"run\":\"rep$rep\",/" >>"$OUT/podsim.jsonl"
   port=$((port + 1))
   (cd "$PEERS" && timeout -k 5 300 "$VENV/bin/torchrun" --nnodes 1 --nproc_per_node 4 \
     --master_addr 127.0.0.1 --master_port $port torch_gloo_allreduce.py --ops allreduce \
