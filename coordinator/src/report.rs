@@ -215,7 +215,8 @@ pub struct WorkerEntry {
     pub peak_rss_bytes: u64,
     pub messages_sent: u64,
     pub bytes_sent: u64,
-    /// Each link to another worker and its transport (`tcp`, `uds` or `shm`).
+    /// Each link to another worker and its transport (`tcp`: records over TCP, `grpc`, `uds` or
+    /// `shm`).
     pub links: Vec<podsim_worker::protocol::PeerLink>,
 }
 

@@ -212,9 +212,6 @@ async fn link_service_refuses_garbage_and_bad_frames() {
     let _ = Arc::strong_count(&fabric);
 }
 
-/// Dials the same-host listener named `name` and sends `bytes`; what it answers (until it
-/// closes or 2 s pass).
-#[cfg(target_os = "linux")]
 /// The link errors the fabric has recorded, once there are any (at most 5 s; `refused`
 /// says what failed to happen otherwise).
 async fn link_errors(fabric: &NodeFabric, refused: &str) -> Vec<String> {
@@ -228,16 +225,53 @@ async fn link_errors(fabric: &NodeFabric, refused: &str) -> Vec<String> {
     fabric.link_errors()
 }
 
-async fn local_exchange(name: &str, bytes: &[u8]) -> Vec<u8> {
-    use std::os::linux::net::SocketAddrExt;
-    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
-    let s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
-    s.set_nonblocking(true).unwrap();
-    let mut s = tokio::net::UnixStream::from_std(s).unwrap();
-    let _ = s.write_all(bytes).await;
-    let mut out = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut out)).await;
-    out
+/// A record-link listener under test: a Unix socket's name, or a link port on TCP.
+#[derive(Clone)]
+enum Port {
+    Unix(String),
+    Tcp(std::net::SocketAddr),
+}
+
+/// Serves record links for `fabric` on a fresh listener of `port`'s kind (a TCP port hands
+/// whatever is not a record hello to a gRPC server that is not there).
+#[cfg(target_os = "linux")]
+async fn record_port(tcp: bool, fabric: &std::sync::Arc<NodeFabric>) -> Port {
+    use podsim_worker::transport::uds;
+    let (tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
+    // The fabric stays set for the listener's life.
+    tokio::spawn(async move { tx.closed().await });
+    if tcp {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (grpc, mut unused) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move { while unused.recv().await.is_some() {} });
+        tokio::spawn(uds::route_tcp(listener, true, TOKEN.to_string(), rx, grpc));
+        Port::Tcp(addr)
+    } else {
+        let (listener, name) = uds::bind().unwrap();
+        tokio::spawn(uds::serve(listener, TOKEN.to_string(), rx));
+        Port::Unix(name)
+    }
+}
+
+/// Dials `port` and sends `bytes`; what it answers (until it closes or 2 s pass).
+async fn exchange(port: &Port, bytes: &[u8]) -> Vec<u8> {
+    async fn talk<S: AsyncReadExt + AsyncWriteExt + Unpin>(mut s: S, bytes: &[u8]) -> Vec<u8> {
+        let _ = s.write_all(bytes).await;
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut out)).await;
+        out
+    }
+    match port {
+        Port::Unix(name) => {
+            use std::os::linux::net::SocketAddrExt;
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+            let s = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+            s.set_nonblocking(true).unwrap();
+            talk(tokio::net::UnixStream::from_std(s).unwrap(), bytes).await
+        }
+        Port::Tcp(addr) => talk(tokio::net::TcpStream::connect(addr).await.unwrap(), bytes).await,
+    }
 }
 
 #[cfg(target_os = "linux")]
@@ -268,55 +302,70 @@ fn lent_record(len: u64, slot: u32, offset: u64) -> Vec<u8> {
 
 #[cfg(target_os = "linux")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn local_link_listener_refuses_garbage_and_bad_records() {
-    use podsim_worker::transport::uds;
-    let fabric = NodeFabric::new(spec(), 0).unwrap();
-    let (_tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
-    let (listener, name) = uds::bind().unwrap();
-    tokio::spawn(uds::serve(listener, TOKEN.to_string(), rx));
+async fn record_link_listeners_refuse_garbage_and_bad_records() {
     let run = async {
-        let junk: Vec<u8> = (0..100_000u32)
-            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-            .collect();
-        let answer = local_exchange(&name, &junk).await;
-        assert!(answer.starts_with(b"NO"), "{answer:?}");
-        let answer = local_exchange(&name, &local_hello(1, "wrong")).await;
-        assert!(
-            answer.starts_with(b"NO") && String::from_utf8_lossy(&answer).contains("token"),
-            "{answer:?}"
-        );
-        let answer = local_exchange(&name, &local_hello(7, TOKEN)).await;
-        assert!(
-            String::from_utf8_lossy(&answer).contains("shares no link"),
-            "{answer:?}"
-        );
-        // A proper peer whose first record is garbage: the link fails with a named error.
-        let mut bytes = local_hello(1, TOKEN);
-        bytes.extend(&junk[..200]);
-        let answer = local_exchange(&name, &bytes).await;
-        assert!(answer.starts_with(b"OK"), "{answer:?}");
-        let errors = link_errors(&fabric, "the garbage record was not refused").await;
-        assert!(errors[0].contains("bad record"), "{errors:?}");
-        // A record that points into a shared region the link does not have: refused, named.
-        let fabric = NodeFabric::new(spec(), 0).unwrap();
-        let (_tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
-        let (listener, second) = uds::bind().unwrap();
-        tokio::spawn(uds::serve(listener, TOKEN.to_string(), rx));
-        let mut bytes = local_hello(1, TOKEN);
-        bytes.push(0); // "I did not map your region"
-        bytes.extend(lent_record(1 << 16, 3, 1 << 20));
-        let answer = local_exchange(&second, &bytes).await;
-        assert!(answer.starts_with(b"OK"), "{answer:?}");
-        let errors = link_errors(&fabric, "the lent record was not refused").await;
-        assert!(errors[0].contains("without a shared region"), "{errors:?}");
-        // Still serving: a second link from worker 1 is refused as taken, not ignored.
-        let answer = local_exchange(&name, &local_hello(1, TOKEN)).await;
-        assert!(
-            String::from_utf8_lossy(&answer).contains("already linked"),
-            "{answer:?}"
-        );
+        for tcp in [false, true] {
+            refuses_garbage_and_bad_records(tcp).await;
+        }
     };
-    tokio::time::timeout(Duration::from_secs(60), run)
+    tokio::time::timeout(Duration::from_secs(120), run)
         .await
         .expect("bounded");
+}
+
+/// The same attacks on the Unix-socket listener and on the TCP link port.
+#[cfg(target_os = "linux")]
+async fn refuses_garbage_and_bad_records(tcp: bool) {
+    let kind = if tcp { "tcp" } else { "unix" };
+    let fabric = NodeFabric::new(spec(), 0).unwrap();
+    let port = record_port(tcp, &fabric).await;
+    let junk: Vec<u8> = (0..100_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    // Junk where a hello should be (on the TCP port, after the magic: junk from the start
+    // is not a record link there, and goes to gRPC).
+    let mut opening = if tcp {
+        b"PODSIMLK".to_vec()
+    } else {
+        Vec::new()
+    };
+    opening.extend(&junk);
+    let answer = exchange(&port, &opening).await;
+    assert!(answer.starts_with(b"NO"), "{kind}: {answer:?}");
+    let answer = exchange(&port, &local_hello(1, "wrong")).await;
+    assert!(
+        answer.starts_with(b"NO") && String::from_utf8_lossy(&answer).contains("token"),
+        "{kind}: {answer:?}"
+    );
+    let answer = exchange(&port, &local_hello(7, TOKEN)).await;
+    assert!(
+        String::from_utf8_lossy(&answer).contains("shares no link"),
+        "{kind}: {answer:?}"
+    );
+    // A proper peer whose first record is garbage: the link fails with a named error.
+    let mut bytes = local_hello(1, TOKEN);
+    bytes.extend(&junk[..200]);
+    let answer = exchange(&port, &bytes).await;
+    assert!(answer.starts_with(b"OK"), "{kind}: {answer:?}");
+    let errors = link_errors(&fabric, "the garbage record was not refused").await;
+    assert!(errors[0].contains("bad record"), "{kind}: {errors:?}");
+    // A record that points into a shared region the link does not have: refused, named.
+    let second = NodeFabric::new(spec(), 0).unwrap();
+    let second_port = record_port(tcp, &second).await;
+    let mut bytes = local_hello(1, TOKEN);
+    bytes.push(0); // "I did not map your region"
+    bytes.extend(lent_record(1 << 16, 3, 1 << 20));
+    let answer = exchange(&second_port, &bytes).await;
+    assert!(answer.starts_with(b"OK"), "{kind}: {answer:?}");
+    let errors = link_errors(&second, "the lent record was not refused").await;
+    assert!(
+        errors[0].contains("without a shared region"),
+        "{kind}: {errors:?}"
+    );
+    // Still serving: a second link from worker 1 is refused as taken, not ignored.
+    let answer = exchange(&port, &local_hello(1, TOKEN)).await;
+    assert!(
+        String::from_utf8_lossy(&answer).contains("already linked"),
+        "{kind}: {answer:?}"
+    );
 }

@@ -1,6 +1,7 @@
 //! podsim's chip runtime: the programs emulated chips execute (scripted collectives, the
 //! benchmark, training), the fabric of a worker process (in-memory links between its own
-//! chips, Unix sockets or gRPC streams to other workers) and the worker's control session with the coordinator.
+//! chips, record streams over Unix sockets or TCP, or gRPC streams, to other workers) and the
+//! worker's control session with the coordinator.
 //!
 //! The crate's API is deliberately small: [`protocol`] (the types coordinator and workers
 //! exchange), [`train`] (training as a library: specs, models, strategies, checkpoints),
@@ -15,13 +16,15 @@
 //! - `bench`: one timed, checked collective per chip; [`train`]: training (models, kernel
 //!   model, strategies, DTensor, remat, HBM ledger, the step loop, the single-chip reference);
 //! - `torch`: PyTorch programs, one rank process per chip, served by its chip;
-//! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: gRPC over
-//!   TCP, or `uds`: a Unix socket with raw records to a worker on the same host, whose large
-//!   payloads go through `shm`: shared-memory regions, the crate's one module with `unsafe`);
-//!   `wire`: chip messages to and from checked protobuf envelopes;
+//! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: `uds`, raw
+//!   records over a Unix socket to a worker on the same host, whose large payloads go through
+//!   `shm`: shared-memory regions, the crate's one module with `unsafe`; the same records
+//!   over TCP to another host (`socket` hides which); or gRPC under TLS); `wire`: chip
+//!   messages to and from checked protobuf envelopes;
 //! - `session`: a worker from joining the coordinator to exit; `watch`: the per-worker
 //!   summary each heartbeat carries; `faults`: fault injection;
-//! - [`tls`]: mutual TLS for the gRPC connections of a job across machines;
+//! - [`tls`]: mutual TLS for the gRPC connections of a job across machines (links between
+//!   hosts then go over gRPC);
 //! - `error`: [`WorkerError`].
 
 mod bench;
@@ -47,14 +50,15 @@ pub use programs::{COMPUTE_TRACK, STEPS_TRACK, enable_traces, run_program};
 pub use session::{WorkerOptions, run as run_worker};
 pub use watch::Summariser;
 
-/// The links between workers: a worker's fabric, the gRPC link service and the Unix-socket
-/// link, as the tests that send them garbage reach them.
+/// The links between workers: a worker's fabric, the gRPC link service and the record links
+/// (Unix-socket listener, TCP link port), as the tests that send them garbage reach them.
 pub mod transport {
     pub use crate::net::{
         NodeFabric, TOKEN_HEADER, WORKER_HEADER, check_token, link_service, server_builder,
     };
-    /// The Unix-socket link between workers on one host.
+    /// Record links: the Unix-socket listener between workers on one host, and the router of
+    /// the TCP link port.
     pub mod uds {
-        pub use crate::uds::{bind, serve};
+        pub use crate::uds::{bind, route_tcp, serve};
     }
 }

@@ -1,6 +1,7 @@
 //! The fabric of one worker process: chips it hosts talk through in-memory inboxes; chips of
-//! other workers are reached over one bidirectional gRPC stream per neighbouring worker,
-//! carrying frames that batch many envelopes.
+//! other workers are reached over one link per neighbouring worker: a record stream
+//! ([`crate::uds`]) over a Unix socket on this host or over TCP to another, or under TLS a
+//! bidirectional gRPC stream carrying frames that batch many envelopes.
 //!
 //! Flow control: messages to another worker wait in a queue bounded in bytes (a semaphore of
 //! [`PEER_BUDGET_BYTES`]); a chip whose send would overflow it waits for room, so a fast sender
@@ -31,12 +32,6 @@ use crate::job::{JobSpec, PeerLink, Program, Transport};
 use crate::socket::LinkStream;
 use crate::uds;
 use crate::wire::{self, MAX_FRAME_BYTES};
-
-/// Whether links over TCP carry records (the same as a Unix socket link's) rather than gRPC.
-/// A record carries payload values in the host's byte order, so only little-endian builds
-/// (every host podsim is built for in practice) speak it over TCP, where the peer may be
-/// another machine; a big-endian build dials and serves gRPC.
-pub const RECORDS_OVER_TCP: bool = cfg!(target_endian = "little");
 
 /// Bytes of messages that may wait to be sent to one peer worker.
 pub const PEER_BUDGET_BYTES: usize = 128 << 20;
@@ -429,10 +424,7 @@ impl NodeFabric {
         queue: mpsc::UnboundedReceiver<Outgoing>,
         regions: uds::Regions,
     ) {
-        let transport = match stream.is_tcp() {
-            true => Transport::Tcp,
-            false => regions.transport(),
-        };
+        let transport = regions.transport(&stream);
         let (input, output) = stream.into_split();
         let Some(p) = self.peers.get(&peer) else {
             return;
@@ -516,7 +508,7 @@ impl NodeFabric {
                 let sharing = uds::Sharing::of(transport);
                 uds::dial(name, self.me, peer, token, sharing).await?
             }
-            None if tls.is_some() || transport == Transport::Grpc || !RECORDS_OVER_TCP => {
+            None if tls.is_some() || transport == Transport::Grpc || !uds::RECORDS_OVER_TCP => {
                 return self.dial_grpc(peer, &at.tcp, token, tls).await;
             }
             None => uds::dial_tcp(&at.tcp, self.me, peer, token).await?,
@@ -537,7 +529,7 @@ impl NodeFabric {
         tls: Option<&crate::tls::Tls>,
     ) -> Result<(), WorkerError> {
         let endpoint = crate::tls::url(addr, tls);
-        let mut client = connect_with_retry(&endpoint, tls, Duration::from_secs(20)).await?;
+        let mut client = connect_with_retry(&endpoint, tls, uds::DIAL_PATIENCE).await?;
         let (tx, rx) = mpsc::channel::<pb::Frame>(4);
         let mut request = Request::new(ReceiverStream::new(rx));
         insert_header(&mut request, TOKEN_HEADER, token)?;
@@ -581,23 +573,15 @@ async fn connect_with_retry(
     tls: Option<&crate::tls::Tls>,
     patience: Duration,
 ) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
-    let deadline = tokio::time::Instant::now() + patience;
     let endpoint = crate::tls::secure(endpoint(url)?, tls)?;
-    loop {
-        match endpoint.connect().await {
-            Ok(channel) => {
-                return Ok(LinkServiceClient::new(channel)
-                    .max_decoding_message_size(MAX_FRAME_BYTES)
-                    .max_encoding_message_size(MAX_FRAME_BYTES));
-            }
-            Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(WorkerError::Link(format!(
-                    "cannot reach {url}: {}",
-                    crate::tls::chain(&e)
-                )));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
+    match uds::with_retry(patience, || endpoint.connect()).await {
+        Ok(channel) => Ok(LinkServiceClient::new(channel)
+            .max_decoding_message_size(MAX_FRAME_BYTES)
+            .max_encoding_message_size(MAX_FRAME_BYTES)),
+        Err(last) => Err(WorkerError::Link(format!(
+            "cannot reach {url}: {}",
+            last.map_or_else(|| "no answer in time".into(), |e| crate::tls::chain(&e))
+        ))),
     }
 }
 

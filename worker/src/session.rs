@@ -206,31 +206,22 @@ impl Links {
                 .tls_config(tls.server())
                 .map_err(|e| WorkerError::Link(crate::tls::chain(&e)))?;
         }
-        if opts.tls.is_none() && net::RECORDS_OVER_TCP {
-            // One port for both: connections that open with a record hello become record
-            // links, the others go to gRPC.
-            let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(16);
-            tokio::spawn(crate::uds::route_tcp(
-                listener,
-                opts.token.clone(),
-                fabric_rx_tcp,
-                grpc_tx,
-            ));
-            let incoming = tokio_stream::wrappers::ReceiverStream::new(grpc_rx);
-            tokio::spawn(async move {
-                if let Err(e) = server.serve_with_incoming(service, incoming).await {
-                    tracing::error!("link service stopped: {e}");
-                }
-            });
-        } else {
-            tokio::spawn(async move {
-                let incoming =
-                    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-                if let Err(e) = server.serve_with_incoming(service, incoming).await {
-                    tracing::error!("link service stopped: {e}");
-                }
-            });
-        }
+        // One port for both: without TLS, connections that open with a record hello become
+        // record links and the others go to gRPC; under TLS every one goes to gRPC.
+        let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(crate::uds::route_tcp(
+            listener,
+            opts.tls.is_none(),
+            opts.token.clone(),
+            fabric_rx_tcp,
+            grpc_tx,
+        ));
+        let incoming = tokio_stream::wrappers::ReceiverStream::new(grpc_rx);
+        tokio::spawn(async move {
+            if let Err(e) = server.serve_with_incoming(service, incoming).await {
+                tracing::error!("link service stopped: {e}");
+            }
+        });
         Ok(Links {
             mine: net::PeerAddress {
                 tcp: link_addr,

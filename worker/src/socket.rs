@@ -10,6 +10,16 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
 
+/// Forwards a call to whichever socket `$s` (a `$kind`: stream or half) holds.
+macro_rules! either {
+    ($kind:ident, $s:expr, $x:ident => $body:expr) => {
+        match $s {
+            $kind::Unix($x) => $body,
+            $kind::Tcp($x) => $body,
+        }
+    };
+}
+
 /// A connected link socket.
 #[derive(Debug)]
 pub(crate) enum LinkStream {
@@ -54,29 +64,13 @@ impl LinkStream {
 impl LinkWrite {
     /// Writes what the socket takes now; `WouldBlock` when it takes nothing.
     pub(crate) fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            LinkWrite::Unix(w) => w.try_write_vectored(bufs),
-            LinkWrite::Tcp(w) => w.try_write_vectored(bufs),
-        }
+        either!(LinkWrite, self, w => w.try_write_vectored(bufs))
     }
 
     /// Waits until the socket may take more.
     pub(crate) async fn writable(&self) -> io::Result<()> {
-        match self {
-            LinkWrite::Unix(w) => w.writable().await,
-            LinkWrite::Tcp(w) => w.writable().await,
-        }
+        either!(LinkWrite, self, w => w.writable().await)
     }
-}
-
-/// Forwards a poll to whichever socket `$s` holds.
-macro_rules! either {
-    ($s:expr, $x:ident => $body:expr) => {
-        match $s {
-            LinkStream::Unix($x) => $body,
-            LinkStream::Tcp($x) => $body,
-        }
-    };
 }
 
 impl AsyncRead for LinkStream {
@@ -85,7 +79,7 @@ impl AsyncRead for LinkStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        either!(self.get_mut(), s => Pin::new(s).poll_read(cx, buf))
+        either!(LinkStream, self.get_mut(), s => Pin::new(s).poll_read(cx, buf))
     }
 }
 
@@ -95,15 +89,15 @@ impl AsyncWrite for LinkStream {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        either!(self.get_mut(), s => Pin::new(s).poll_write(cx, buf))
+        either!(LinkStream, self.get_mut(), s => Pin::new(s).poll_write(cx, buf))
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        either!(self.get_mut(), s => Pin::new(s).poll_flush(cx))
+        either!(LinkStream, self.get_mut(), s => Pin::new(s).poll_flush(cx))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        either!(self.get_mut(), s => Pin::new(s).poll_shutdown(cx))
+        either!(LinkStream, self.get_mut(), s => Pin::new(s).poll_shutdown(cx))
     }
 }
 
@@ -113,9 +107,6 @@ impl AsyncRead for LinkRead {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            LinkRead::Unix(r) => Pin::new(r).poll_read(cx, buf),
-            LinkRead::Tcp(r) => Pin::new(r).poll_read(cx, buf),
-        }
+        either!(LinkRead, self.get_mut(), r => Pin::new(r).poll_read(cx, buf))
     }
 }

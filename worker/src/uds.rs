@@ -25,11 +25,13 @@
 //!
 //! A connection opens with a hello (magic, version, the dialling worker's id, the job token,
 //! its region offer); the listener answers `OK` (whether it mapped the offered region, its own
-//! offer; the dialler then says whether it mapped that) or `NO` with a reason. Sockets live in the abstract namespace
-//! (Linux): nothing on disk to clean up after a killed worker, and the token keeps other
-//! local users out. Workers on one host and network namespace are recognised by
-//! [`host_id`]. Both ends write and read the payload in the host's byte order, which is the
-//! same at both ends by construction.
+//! offer; the dialler then says whether it mapped that) or `NO` with a reason. Unix sockets
+//! live in the abstract namespace (Linux): nothing on disk to clean up after a killed worker,
+//! and the token keeps other local users out. Workers on one host and network namespace are
+//! recognised by [`host_id`]. Both ends write and read the payload in the host's byte order:
+//! the same at both ends of a Unix socket by construction; over TCP only little-endian builds
+//! speak records ([`RECORDS_OVER_TCP`]). Over TCP the token travels in the clear, as gRPC's
+//! does without TLS: a cluster network that others share needs `[launch.tls]`.
 
 use std::io::{self, IoSlice};
 use std::sync::Arc;
@@ -50,6 +52,13 @@ use crate::socket::{LinkRead, LinkStream, LinkWrite};
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
+/// Whether this build speaks records over TCP. A record carries payload values in the host's
+/// byte order, the same at both ends of a Unix socket but not necessarily across machines:
+/// only little-endian builds (every host podsim is built for in practice) do, and a
+/// big-endian one links over gRPC and refuses a record hello on its TCP port, saying why.
+pub const RECORDS_OVER_TCP: bool = cfg!(target_endian = "little");
+const BIG_ENDIAN_REFUSAL: &str =
+    "this worker is big-endian and takes no records over TCP: set launch.transport = \"grpc\"";
 const VERSION: u32 = 2;
 /// Longest job token a hello may carry.
 const MAX_TOKEN_BYTES: u32 = 4096;
@@ -141,16 +150,23 @@ pub async fn serve(
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let token = token.clone();
-        let fabric = fabric.clone();
-        tokio::spawn(async move {
-            let stream = LinkStream::Unix(stream);
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, answer(stream, &token, fabric)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!("refused a local link: {e}"),
-                Err(_) => tracing::warn!("a local link did not finish its hello"),
-            }
-        });
+        let (token, fabric) = (token.clone(), fabric.clone());
+        tokio::spawn(answer_bounded(LinkStream::Unix(stream), token, fabric));
+    }
+}
+
+/// [`answer`] within the handshake's time limit; a refusal or a hello that never ends is
+/// logged (the dialler hears the reason itself).
+async fn answer_bounded(
+    stream: LinkStream,
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+) {
+    let what = if stream.is_tcp() { "TCP" } else { "local" };
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, answer(stream, &token, fabric)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!("refused a {what} link: {e}"),
+        Err(_) => tracing::warn!("a {what} link did not finish its hello"),
     }
 }
 
@@ -213,9 +229,12 @@ pub(crate) struct Regions {
 }
 
 impl Regions {
-    /// What the link is, as reports name it: `shm` when both directions share memory.
-    pub(crate) fn transport(&self) -> Transport {
-        if self.outbound.is_some() && self.inbound.is_some() {
+    /// What the link over `stream` is, as reports name it: `tcp`, or on a Unix socket `shm`
+    /// when both directions share memory and `uds` otherwise.
+    pub(crate) fn transport(&self, stream: &LinkStream) -> Transport {
+        if stream.is_tcp() {
+            Transport::Tcp
+        } else if self.outbound.is_some() && self.inbound.is_some() {
             Transport::Shm
         } else {
             Transport::Uds
@@ -230,7 +249,11 @@ async fn answer(
     token: &str,
     mut fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
 ) -> Result<(), String> {
-    let (peer, offered) = match read_hello(&mut stream, token).await {
+    let hello = match stream.is_tcp() && !RECORDS_OVER_TCP {
+        true => Err(BIG_ENDIAN_REFUSAL.to_string()),
+        false => read_hello(&mut stream, token).await,
+    };
+    let (peer, offered) = match hello {
         Ok(hello) => hello,
         Err(e) => {
             refuse(&mut stream, &e).await;
@@ -281,7 +304,7 @@ async fn answer(
                 outbound: outbound.filter(|_| mapped[0] == 1),
                 inbound,
             };
-            if sharing == Sharing::Must && regions.transport() != Transport::Shm {
+            if sharing == Sharing::Must && regions.transport(&stream) != Transport::Shm {
                 return Err(format!("worker {peer}: could not map this worker's region"));
             }
             fabric.run_record_link(peer, stream, queue, regions);
@@ -349,9 +372,9 @@ pub async fn dial(
 ) -> Result<(LinkStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at unix:{name}: {e}"));
     let outbound = sharing.own_region(token).map_err(failed)?;
-    let stream = with_retry(|| std::future::ready(connect(name)))
+    let stream = with_retry(DIAL_PATIENCE, || std::future::ready(connect(name)))
         .await
-        .map_err(failed)?;
+        .map_err(|e| failed(unreached(e)))?;
     handshake(LinkStream::Unix(stream), me, token, sharing, outbound)
         .await
         .map_err(failed)
@@ -366,31 +389,49 @@ pub async fn dial_tcp(
     token: &str,
 ) -> Result<(LinkStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at {addr}: {e}"));
-    let stream = with_retry(|| async {
+    let stream = with_retry(DIAL_PATIENCE, || async {
         let s = TcpStream::connect(addr).await?;
         s.set_nodelay(true)?;
         Ok(s)
     })
     .await
-    .map_err(failed)?;
+    .map_err(|e| failed(unreached(e)))?;
     handshake(LinkStream::Tcp(stream), me, token, Sharing::Never, None)
         .await
         .map_err(failed)
 }
 
-/// `connect` tried again every 50 ms for up to 20 s (the peer may still be starting).
-async fn with_retry<T, F>(mut connect: impl FnMut() -> F) -> Result<T, String>
+/// How long a link keeps trying to reach a peer that may still be starting.
+pub(crate) const DIAL_PATIENCE: Duration = Duration::from_secs(20);
+
+/// `connect` tried again every 50 ms until it succeeds or `patience` is spent (an attempt
+/// that hangs, as a connection to an unreachable host does, is cut off at the deadline); the
+/// last error otherwise (`None` when no attempt ended before the deadline).
+pub(crate) async fn with_retry<T, E, F>(
+    patience: Duration,
+    mut connect: impl FnMut() -> F,
+) -> Result<T, Option<E>>
 where
-    F: std::future::Future<Output = io::Result<T>>,
+    F: std::future::Future<Output = Result<T, E>>,
 {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut last = None;
     loop {
-        match connect().await {
-            Ok(s) => return Ok(s),
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e.to_string()),
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        match tokio::time::timeout_at(deadline, connect()).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => last = Some(e),
+            Err(_) => return Err(last),
         }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(last);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Why a dial found no peer: its last error, or that none answered in time.
+fn unreached(last: Option<io::Error>) -> String {
+    last.map_or_else(|| "no answer in time".to_string(), |e| e.to_string())
 }
 
 /// The dialling side of a hello on a connected `stream`, offering `outbound` (this side's
@@ -443,59 +484,75 @@ async fn handshake(
         outbound: outbound.filter(|_| mapped_mine),
         inbound: inbound?,
     };
-    if sharing == Sharing::Must && regions.transport() != Transport::Shm {
+    if sharing == Sharing::Must && regions.transport(&stream) != Transport::Shm {
         return Err("the peer could not map this worker's region".into());
     }
     Ok((stream, regions))
 }
 
-/// Serves the TCP port of this worker's link service: a connection that opens with a record
-/// hello becomes a record link ([`answer`]); any other (gRPC's HTTP/2 preface, a TLS hello) is
-/// handed to the gRPC server through `grpc`. Only used without TLS: a record link is not
-/// encrypted, so with TLS every connection goes to gRPC.
+/// Serves the TCP port of this worker's link service. With `records`, a connection that opens
+/// with a record hello becomes a record link ([`answer`]) and any other (gRPC's HTTP/2
+/// preface) is handed to the gRPC server through `grpc`; without (the link service runs TLS,
+/// and records are not encrypted) every connection goes to gRPC, so a plain record hello
+/// meets the TLS handshake and fails there.
 pub async fn route_tcp(
     listener: tokio::net::TcpListener,
+    records: bool,
     token: String,
     fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
     grpc: mpsc::Sender<io::Result<TcpStream>>,
 ) {
+    let mut failing = false;
     loop {
         let stream = match listener.accept().await {
-            Ok((s, _)) => s,
+            Ok((s, _)) => {
+                failing = false;
+                s
+            }
             Err(e) => {
-                // Out of descriptors and the like: say so, and keep serving.
-                tracing::warn!("link service accept: {e}");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+                // Out of descriptors and the like: said once, and served again after a pause.
+                if !failing {
+                    tracing::warn!("link service cannot accept: {e}");
+                }
+                failing = true;
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
+        let _ = stream.set_nodelay(true);
         let (token, fabric, grpc) = (token.clone(), fabric.clone(), grpc.clone());
         tokio::spawn(async move {
-            let _ = stream.set_nodelay(true);
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, opens_with_hello(&stream)).await {
-                Ok(Ok(true)) => {
-                    let answered = answer(LinkStream::Tcp(stream), &token, fabric);
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => tracing::warn!("refused a TCP link: {e}"),
-                        Err(_) => tracing::warn!("a TCP link did not finish its hello"),
+            let hello = match records {
+                true => tokio::time::timeout(FIRST_BYTES_TIMEOUT, opens_with_hello(&stream)).await,
+                false => Ok(Ok(false)),
+            };
+            match hello {
+                Ok(Ok(true)) => answer_bounded(LinkStream::Tcp(stream), token, fabric).await,
+                Ok(Ok(false)) => {
+                    if grpc.send(Ok(stream)).await.is_err() {
+                        tracing::debug!("a gRPC connection came after the link service stopped");
                     }
                 }
-                Ok(Ok(false)) => {
-                    let _ = grpc.send(Ok(stream)).await;
+                Ok(Err(e)) => {
+                    tracing::debug!("a link connection closed before its first bytes: {e}")
                 }
-                Ok(Err(_)) | Err(_) => {}
+                Err(_) => tracing::debug!("a link connection sent nothing in time"),
             }
         });
     }
 }
 
+/// How long a connection to the link port may take to send its first bytes (a dialler sends
+/// its hello, gRPC its preface, as soon as it is connected).
+const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Whether the first bytes a connection sends are a record hello's magic (without taking
 /// them). Decided as soon as the bytes so far differ from it; an HTTP/2 preface ("PRI ...")
-/// differs at its second byte.
+/// differs at its second byte. A peer that sent part of the magic and no more (peeking again
+/// returns the same bytes, even once it has closed) is given up on after a second.
 async fn opens_with_hello(stream: &TcpStream) -> io::Result<bool> {
     let mut first = [0u8; HELLO_MAGIC.len()];
-    loop {
+    for _ in 0..1000 {
         let n = stream.peek(&mut first).await?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
@@ -506,9 +563,12 @@ async fn opens_with_hello(stream: &TcpStream) -> io::Result<bool> {
         if n == first.len() {
             return Ok(true);
         }
-        // Only part of the magic has arrived: peeking again at once would return the same.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    Err(io::Error::new(
+        io::ErrorKind::TimedOut,
+        "only part of a hello arrived",
+    ))
 }
 
 /// Where a record's payload values are.
@@ -1151,31 +1211,51 @@ mod tests {
         assert!(matches!(Sharing::Must.own_region(token), Ok(Some(_))));
     }
 
-    #[test]
-    fn the_tcp_port_tells_record_links_from_grpc_by_their_first_bytes() {
-        let rt = tokio::runtime::Builder::new_current_thread()
+    /// The fabric a test's link port waits for (never set; dropping it would read as the
+    /// worker shutting down).
+    type NoFabric = watch::Sender<Option<Arc<NodeFabric>>>;
+
+    /// A link port on loopback routed by `route_tcp` (`records`: without TLS): its address,
+    /// the receiving end of what it hands to gRPC, and its fabric.
+    async fn link_port(records: bool) -> (String, mpsc::Receiver<io::Result<TcpStream>>, NoFabric) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let (fabric_tx, fabric) = watch::channel(None);
+        let (grpc_tx, grpc_rx) = mpsc::channel(4);
+        tokio::spawn(route_tcp(
+            listener,
+            records,
+            "job-token".into(),
+            fabric,
+            grpc_tx,
+        ));
+        (addr.to_string(), grpc_rx, fabric_tx)
+    }
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .unwrap_or_else(|e| panic!("{e}"));
-        rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-            let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
-            let (_fabric_tx, fabric) = watch::channel(None);
-            let (grpc_tx, mut grpc_rx) = mpsc::channel(4);
-            tokio::spawn(route_tcp(listener, "job-token".into(), fabric, grpc_tx));
-            let bounded = std::time::Duration::from_secs(20);
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    const BOUNDED: Duration = Duration::from_secs(20);
+
+    #[test]
+    fn the_tcp_port_tells_record_links_from_grpc_by_their_first_bytes() {
+        current_thread().block_on(async {
+            let (addr, mut grpc, _fabric) = link_port(true).await;
             // HTTP/2's preface starts with the same letter as the record magic: it goes to
             // gRPC, its bytes untouched.
-            let mut h2 = TcpStream::connect(addr)
+            let mut h2 = TcpStream::connect(&addr)
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
-            let handed = tokio::time::timeout(bounded, grpc_rx.recv()).await;
-            let Ok(Some(Ok(forwarded))) = handed else {
+            let Ok(Some(Ok(forwarded))) = tokio::time::timeout(BOUNDED, grpc.recv()).await else {
                 panic!("the gRPC connection was not handed on");
             };
             let mut first = [0u8; 3];
@@ -1185,14 +1265,70 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(&first[..peeked], &b"PRI"[..peeked]);
             // A record hello with the wrong token is refused, saying why, and never reaches gRPC.
-            let at = addr.to_string();
-            let dialled = tokio::time::timeout(bounded, dial_tcp(&at, 1, 0, "wrong"));
-            match dialled.await {
+            match tokio::time::timeout(BOUNDED, dial_tcp(&addr, 1, 0, "wrong")).await {
                 Ok(Err(e)) => assert!(e.to_string().contains("token"), "{e}"),
                 Ok(Ok(_)) => panic!("a wrong token was admitted"),
                 Err(_) => panic!("no answer to the hello"),
             }
-            assert!(grpc_rx.try_recv().is_err());
+            assert!(grpc.try_recv().is_err());
+        });
+    }
+
+    #[test]
+    fn a_hello_in_pieces_is_a_record_link_and_part_of_one_is_given_up_on() {
+        current_thread().block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+            let accept = || async {
+                let (s, _) = listener.accept().await.unwrap_or_else(|e| panic!("{e}"));
+                s
+            };
+            // The magic split over two writes, 30 ms apart.
+            let mut dialler = TcpStream::connect(addr)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            dialler.set_nodelay(true).unwrap_or_else(|e| panic!("{e}"));
+            let accepted = accept().await;
+            dialler
+                .write_all(&HELLO_MAGIC[..2])
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let pieces = async {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                dialler.write_all(&HELLO_MAGIC[2..]).await
+            };
+            let (seen, written) = tokio::join!(opens_with_hello(&accepted), pieces);
+            assert!(written.is_ok());
+            assert!(seen.unwrap_or_else(|e| panic!("{e}")));
+            // Part of the magic, then nothing: given up on, not taken for gRPC, within about
+            // a second.
+            let mut half = TcpStream::connect(addr)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let accepted = accept().await;
+            half.write_all(&HELLO_MAGIC[..3])
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            drop(half);
+            let verdict = tokio::time::timeout(BOUNDED, opens_with_hello(&accepted)).await;
+            assert!(matches!(verdict, Ok(Err(_))), "{verdict:?}");
+        });
+    }
+
+    #[test]
+    fn under_tls_every_connection_goes_to_grpc_even_a_record_hello() {
+        current_thread().block_on(async {
+            let (addr, mut grpc, _fabric) = link_port(false).await;
+            let dialled = tokio::spawn(async move { dial_tcp(&addr, 1, 0, "job-token").await });
+            let Ok(Some(Ok(forwarded))) = tokio::time::timeout(BOUNDED, grpc.recv()).await else {
+                panic!("the record hello was not handed to gRPC");
+            };
+            // gRPC (here: nobody) answers it; the dialler fails instead of linking up.
+            drop(forwarded);
+            let outcome = tokio::time::timeout(BOUNDED, dialled).await;
+            assert!(matches!(outcome, Ok(Ok(Err(_)))), "a record link was made");
         });
     }
 
