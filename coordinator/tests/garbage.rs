@@ -236,7 +236,7 @@ enum Port {
 /// whatever is not a record hello to a gRPC server that is not there).
 #[cfg(target_os = "linux")]
 async fn record_port(tcp: bool, fabric: &std::sync::Arc<NodeFabric>) -> Port {
-    use podsim_worker::transport::uds;
+    use podsim_worker::transport::records;
     let (tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
     // The fabric stays set for the listener's life.
     tokio::spawn(async move { tx.closed().await });
@@ -245,11 +245,17 @@ async fn record_port(tcp: bool, fabric: &std::sync::Arc<NodeFabric>) -> Port {
         let addr = listener.local_addr().unwrap();
         let (grpc, mut unused) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move { while unused.recv().await.is_some() {} });
-        tokio::spawn(uds::route_tcp(listener, true, TOKEN.to_string(), rx, grpc));
+        tokio::spawn(records::route_tcp(
+            listener,
+            true,
+            TOKEN.to_string(),
+            rx,
+            grpc,
+        ));
         Port::Tcp(addr)
     } else {
-        let (listener, name) = uds::bind().unwrap();
-        tokio::spawn(uds::serve(listener, TOKEN.to_string(), rx));
+        let (listener, name) = records::bind().unwrap();
+        tokio::spawn(records::serve(listener, TOKEN.to_string(), rx));
         Port::Unix(name)
     }
 }

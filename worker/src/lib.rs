@@ -16,8 +16,8 @@
 //! - `bench`: one timed, checked collective per chip; [`train`]: training (models, kernel
 //!   model, strategies, DTensor, remat, HBM ledger, the step loop, the single-chip reference);
 //! - `torch`: PyTorch programs, one rank process per chip, served by its chip;
-//! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: `uds`, raw
-//!   records over a Unix socket to a worker on the same host, whose large payloads go through
+//! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: `records`,
+//!   raw records over a Unix socket to a worker on the same host, whose large payloads go through
 //!   `shm`: shared-memory regions, the crate's one module with `unsafe`; the same records
 //!   over TCP to another host (`socket` hides which); or gRPC under TLS); `wire`: chip
 //!   messages to and from checked protobuf envelopes;
@@ -34,13 +34,13 @@ mod job;
 mod net;
 mod programs;
 pub mod protocol;
+mod records;
 mod session;
 mod shm;
 mod socket;
 pub mod tls;
 mod torch;
 pub mod train;
-mod uds;
 mod watch;
 mod wire;
 
@@ -58,7 +58,7 @@ pub mod transport {
     };
     /// Record links: the Unix-socket listener between workers on one host, and the router of
     /// the TCP link port.
-    pub mod uds {
-        pub use crate::uds::{bind, route_tcp, serve};
+    pub mod records {
+        pub use crate::records::{bind, route_tcp, serve};
     }
 }

@@ -1,6 +1,6 @@
 //! The fabric of one worker process: chips it hosts talk through in-memory inboxes; chips of
 //! other workers are reached over one link per neighbouring worker: a record stream
-//! ([`crate::uds`]) over a Unix socket on this host or over TCP to another, or under TLS a
+//! ([`crate::records`]) over a Unix socket on this host or over TCP to another, or under TLS a
 //! bidirectional gRPC stream carrying frames that batch many envelopes.
 //!
 //! Flow control: messages to another worker wait in a queue bounded in bytes (a semaphore of
@@ -29,8 +29,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::WorkerError;
 use crate::job::{JobSpec, PeerLink, Program, Transport};
+use crate::records;
 use crate::socket::LinkStream;
-use crate::uds;
 use crate::wire::{self, MAX_FRAME_BYTES};
 
 /// Bytes of messages that may wait to be sent to one peer worker.
@@ -65,7 +65,7 @@ struct Peer {
     room: Arc<Semaphore>,
     /// The sending end of a Unix-socket link (once it has its socket): chips write to it
     /// directly while its writer task is idle.
-    writer: Arc<uds::LinkWriter>,
+    writer: Arc<records::LinkWriter>,
 }
 
 impl Peer {
@@ -119,7 +119,7 @@ pub struct PeerAddress {
     pub tcp: String,
     /// Name of its same-host link listener, if it has one.
     pub local: Option<String>,
-    /// Its host and network namespace ([`uds::host_id`]).
+    /// Its host and network namespace ([`records::host_id`]).
     pub host_id: String,
 }
 
@@ -238,7 +238,7 @@ impl NodeFabric {
                     queue: tx,
                     queue_rx: Mutex::new(Some(rx)),
                     room: Arc::new(Semaphore::new(PEER_BUDGET_BYTES)),
-                    writer: Arc::new(uds::LinkWriter::new()),
+                    writer: Arc::new(records::LinkWriter::new()),
                 };
                 (w, peer)
             })
@@ -415,14 +415,14 @@ impl NodeFabric {
         Ok(())
     }
 
-    /// Starts the pumps of a record link to `peer` (see [`crate::uds`]), with the shared
+    /// Starts the pumps of a record link to `peer` (see [`crate::records`]), with the shared
     /// regions its hello settled.
     pub(crate) fn run_record_link(
         self: &Arc<Self>,
         peer: u32,
         stream: LinkStream,
         queue: mpsc::UnboundedReceiver<Outgoing>,
-        regions: uds::Regions,
+        regions: records::Regions,
     ) {
         let transport = regions.transport(&stream);
         let (input, output) = stream.into_split();
@@ -432,8 +432,8 @@ impl NodeFabric {
         if !p.writer.attach(output, regions.outbound) {
             return;
         }
-        tokio::spawn(uds::pump_out(queue, p.writer.clone()));
-        tokio::spawn(uds::pump_in(self.clone(), peer, input, regions.inbound));
+        tokio::spawn(records::pump_out(queue, p.writer.clone()));
+        tokio::spawn(records::pump_in(self.clone(), peer, input, regions.inbound));
         self.connected_by(peer, transport);
     }
 
@@ -505,13 +505,13 @@ impl NodeFabric {
         };
         let (stream, regions) = match local {
             Some(name) => {
-                let sharing = uds::Sharing::of(transport);
-                uds::dial(name, self.me, peer, token, sharing).await?
+                let sharing = records::Sharing::of(transport);
+                records::dial(name, self.me, peer, token, sharing).await?
             }
-            None if tls.is_some() || transport == Transport::Grpc || !uds::RECORDS_OVER_TCP => {
+            None if tls.is_some() || transport == Transport::Grpc || !records::RECORDS_OVER_TCP => {
                 return self.dial_grpc(peer, &at.tcp, token, tls).await;
             }
-            None => uds::dial_tcp(&at.tcp, self.me, peer, token).await?,
+            None => records::dial_tcp(&at.tcp, self.me, peer, token).await?,
         };
         let queue = self
             .claim(peer)
@@ -529,7 +529,7 @@ impl NodeFabric {
         tls: Option<&crate::tls::Tls>,
     ) -> Result<(), WorkerError> {
         let endpoint = crate::tls::url(addr, tls);
-        let mut client = connect_with_retry(&endpoint, tls, uds::DIAL_PATIENCE).await?;
+        let mut client = connect_with_retry(&endpoint, tls, records::DIAL_PATIENCE).await?;
         let (tx, rx) = mpsc::channel::<pb::Frame>(4);
         let mut request = Request::new(ReceiverStream::new(rx));
         insert_header(&mut request, TOKEN_HEADER, token)?;
@@ -574,7 +574,7 @@ async fn connect_with_retry(
     patience: Duration,
 ) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
     let endpoint = crate::tls::secure(endpoint(url)?, tls)?;
-    match uds::with_retry(patience, || endpoint.connect()).await {
+    match records::with_retry(patience, || endpoint.connect()).await {
         Ok(channel) => Ok(LinkServiceClient::new(channel)
             .max_decoding_message_size(MAX_FRAME_BYTES)
             .max_encoding_message_size(MAX_FRAME_BYTES)),
@@ -640,9 +640,9 @@ impl Router for NodeFabric {
             peer.queue.send(rest).is_ok()
         };
         let (msg, lent) = match peer.writer.write_if_idle(msg, queue_rest) {
-            uds::Direct::Done => return Ok(Delivery::Done),
-            uds::Direct::Busy(msg, lent) => (msg, lent),
-            uds::Direct::Failed => return Err(closed()),
+            records::Direct::Done => return Ok(Delivery::Done),
+            records::Direct::Busy(msg, lent) => (msg, lent),
+            records::Direct::Failed => return Err(closed()),
         };
         match peer.room.clone().try_acquire_many_owned(cost) {
             Ok(room) => {

@@ -186,10 +186,10 @@ impl Links {
             None => local.to_string(),
         };
         let (fabric_tx, fabric_rx) = watch::channel::<Option<Arc<NodeFabric>>>(None);
-        // Workers on this host reach this one over a Unix socket (see `uds`).
-        let link_local = match crate::uds::bind() {
+        // Workers on this host reach this one over a Unix socket (see `records`).
+        let link_local = match crate::records::bind() {
             Some((listener, name)) => {
-                tokio::spawn(crate::uds::serve(
+                tokio::spawn(crate::records::serve(
                     listener,
                     opts.token.clone(),
                     fabric_rx.clone(),
@@ -209,7 +209,7 @@ impl Links {
         // One port for both: without TLS, connections that open with a record hello become
         // record links and the others go to gRPC; under TLS every one goes to gRPC.
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(16);
-        tokio::spawn(crate::uds::route_tcp(
+        tokio::spawn(crate::records::route_tcp(
             listener,
             opts.tls.is_none(),
             opts.token.clone(),
@@ -226,7 +226,7 @@ impl Links {
             mine: net::PeerAddress {
                 tcp: link_addr,
                 local: link_local,
-                host_id: crate::uds::host_id(),
+                host_id: crate::records::host_id(),
             },
             fabric: fabric_tx,
             bound_ip: local.ip().to_string(),

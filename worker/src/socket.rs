@@ -1,4 +1,4 @@
-//! The byte stream under a record link ([`crate::uds`]): a Unix domain socket between workers
+//! The byte stream under a record link ([`crate::records`]): a Unix domain socket between workers
 //! on one host, a TCP connection between hosts. Both carry the same hello and the same
 //! records; only how the bytes travel differs, so the link code is written once against
 //! these three types.

@@ -92,7 +92,7 @@ pub fn start(
     world: u32,
     recorders: &[Arc<FlightRecorder>],
 ) -> Result<(Vec<Rank>, RankGuard), WorkerError> {
-    let (listener, socket) = crate::uds::bind_abstract("podsim-ranks")
+    let (listener, socket) = crate::records::bind_abstract("podsim-ranks")
         .ok_or_else(|| WorkerError::Invalid("cannot open a Unix socket for the ranks".into()))?;
     let token = random_token();
     let master_port = free_port()?;
