@@ -12,8 +12,9 @@ cargo test --workspace 2>&1 | tee "$log"
 # over Unix sockets alone, then over gRPC (the run above takes the default: Unix sockets with
 # large payloads in shared memory between workers on this host).
 for transport in tcp uds grpc; do
-    PODSIM_TRANSPORT=$transport cargo test -p podsim-coordinator --test faults --test launch \
-        --test orphans --test training --test bench_cli --test garbage 2>&1 | tee -a "$log"
+    PODSIM_TRANSPORT=$transport cargo test -p podsim-coordinator --test faults --test stragglers \
+        --test launch --test orphans --test training --test bench_cli --test garbage 2>&1 \
+        | tee -a "$log"
 done
 # The watchdog's fault matrix, bounded: every kind at three places on 8x8x8 over 2 workers
 # (kind and culprit checked; detection times are printed, not enforced on a shared machine).

@@ -1,65 +1,18 @@
 //! Fault injection end to end: every fault kind at several targets (a corner chip, an interior
 //! chip, a chip on a worker boundary; first and later steps) is diagnosed with the right kind,
-//! culprit and link; slow or delayed jobs finish `ok` with stragglers; SIGSTOP and SIGKILL
-//! sent to a worker from outside are diagnosed and leave no process behind.
+//! culprit and link; SIGSTOP and SIGKILL sent to a worker from outside are diagnosed and leave
+//! no process behind. (Slow or delayed jobs, which finish `ok` with stragglers, are
+//! `tests/stragglers.rs`.)
 #![allow(clippy::unwrap_used)]
 
+mod fault_jobs;
 mod support;
 
 use std::process::Stdio;
 use std::time::Duration;
 
+use fault_jobs::{config, launch};
 use support::*;
-
-/// A DDP training job on a 4x4 torus (16 chips, 4 workers of one row each: chip
-/// `4y + x` is on worker `y`), with `fault` as its `[[faults]]` entry.
-fn config(dir: &std::path::Path, steps: u32, fault: &str) -> std::path::PathBuf {
-    let text = format!(
-        r#"name = "faults"
-
-[topology]
-shape = "4x4"
-hardware = "v5e"
-
-[launch]
-workers = 4
-
-[job]
-kind = "train"
-strategy = "ddp"
-eager = "fused"
-steps = {steps}
-batch = 8
-check = false
-
-[job.model]
-widths = [16, 32, 10]
-
-{fault}
-
-[output]
-dir = "{}"
-"#,
-        dir.display()
-    );
-    write(dir, "job.toml", &text)
-}
-
-fn launch(tag: &str, steps: u32, fault: &str) -> (i32, serde_json::Value) {
-    let dir = temp_dir(&format!("fault-{tag}"));
-    let path = config(&dir, steps, fault);
-    let mut c = podsim();
-    c.arg("launch").arg(&path);
-    let out = run_bounded(c, Duration::from_secs(90));
-    let r = report(&dir);
-    for w in r["workers"].as_array().unwrap() {
-        assert!(
-            !alive(w["pid"].as_u64().unwrap() as u32),
-            "{tag}: worker left behind"
-        );
-    }
-    (out.status.code().unwrap_or(-1), r)
-}
 
 struct Expect {
     code: i32,
@@ -253,38 +206,6 @@ fn partitions_desyncs_and_corruption_are_diagnosed() {
     assert_eq!(h["kind"], "corrupt");
     assert_eq!(h["culprit"]["chip"], 6);
     assert_eq!(h["culprit"]["link"], "ici+y");
-}
-
-#[test]
-fn slow_and_delayed_jobs_are_not_hangs() {
-    for (tag, fault, straggler) in [
-        ("none", "", None),
-        (
-            "slow",
-            "[[faults]]\nkind = \"slow\"\nchip = 5\nfactor = 10",
-            Some(5),
-        ),
-        (
-            "delay",
-            "[[faults]]\nkind = \"delay\"\nlink = \"7:+y\"\ndelay_ms = 30",
-            Some(7),
-        ),
-    ] {
-        let (code, r) = launch(&format!("ok-{tag}"), 120, fault);
-        assert_eq!(code, 0, "{tag}: {r}");
-        assert_eq!(r["status"], "ok", "{tag}");
-        assert!(r.get("hang").is_none(), "{tag}");
-        let stragglers: Vec<u64> = r["stragglers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["chip"].as_u64().unwrap())
-            .collect();
-        match straggler {
-            Some(c) => assert!(stragglers.contains(&c), "{tag}: stragglers {stragglers:?}"),
-            None => assert!(stragglers.is_empty(), "{tag}: stragglers {stragglers:?}"),
-        }
-    }
 }
 
 /// Starts a long job, waits for its 4 workers, applies `signal` to worker 2's process, and
