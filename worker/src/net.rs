@@ -63,7 +63,7 @@ struct Peer {
     /// Taken by whichever side sets up the stream to this peer.
     queue_rx: Mutex<Option<mpsc::UnboundedReceiver<Outgoing>>>,
     room: Arc<Semaphore>,
-    /// The sending end of a Unix-socket link (once it has its socket): chips write to it
+    /// The sending end of a record link (once it has its socket): chips write to it
     /// directly while its writer task is idle.
     writer: Arc<records::LinkWriter>,
 }
@@ -529,7 +529,7 @@ impl NodeFabric {
         tls: Option<&crate::tls::Tls>,
     ) -> Result<(), WorkerError> {
         let endpoint = crate::tls::url(addr, tls);
-        let mut client = connect_with_retry(&endpoint, tls, records::DIAL_PATIENCE).await?;
+        let mut client = connect_with_retry(&endpoint, tls, crate::socket::DIAL_PATIENCE).await?;
         let (tx, rx) = mpsc::channel::<pb::Frame>(4);
         let mut request = Request::new(ReceiverStream::new(rx));
         insert_header(&mut request, TOKEN_HEADER, token)?;
@@ -574,7 +574,7 @@ async fn connect_with_retry(
     patience: Duration,
 ) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
     let endpoint = crate::tls::secure(endpoint(url)?, tls)?;
-    match records::with_retry(patience, || endpoint.connect()).await {
+    match crate::socket::with_retry(patience, || endpoint.connect()).await {
         Ok(channel) => Ok(LinkServiceClient::new(channel)
             .max_decoding_message_size(MAX_FRAME_BYTES)
             .max_encoding_message_size(MAX_FRAME_BYTES)),

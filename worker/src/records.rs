@@ -48,7 +48,7 @@ use crate::error::WorkerError;
 use crate::job::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
 use crate::shm::{self, Inbound, Outbound, Place, Region};
-use crate::socket::{LinkRead, LinkStream, LinkWrite};
+use crate::socket::{DIAL_PATIENCE, LinkRead, LinkStream, LinkWrite, with_retry};
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
@@ -399,34 +399,6 @@ pub async fn dial_tcp(
     handshake(LinkStream::Tcp(stream), me, token, Sharing::Never, None)
         .await
         .map_err(failed)
-}
-
-/// How long a link keeps trying to reach a peer that may still be starting.
-pub(crate) const DIAL_PATIENCE: Duration = Duration::from_secs(20);
-
-/// `connect` tried again every 50 ms until it succeeds or `patience` is spent (an attempt
-/// that hangs, as a connection to an unreachable host does, is cut off at the deadline); the
-/// last error otherwise (`None` when no attempt ended before the deadline).
-pub(crate) async fn with_retry<T, E, F>(
-    patience: Duration,
-    mut connect: impl FnMut() -> F,
-) -> Result<T, Option<E>>
-where
-    F: std::future::Future<Output = Result<T, E>>,
-{
-    let deadline = tokio::time::Instant::now() + patience;
-    let mut last = None;
-    loop {
-        match tokio::time::timeout_at(deadline, connect()).await {
-            Ok(Ok(s)) => return Ok(s),
-            Ok(Err(e)) => last = Some(e),
-            Err(_) => return Err(last),
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(last);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Why a dial found no peer: its last error, or that none answered in time.

@@ -1,11 +1,13 @@
 //! The byte stream under a record link ([`crate::records`]): a Unix domain socket between workers
 //! on one host, a TCP connection between hosts. Both carry the same hello and the same
 //! records; only how the bytes travel differs, so the link code is written once against
-//! these three types.
+//! these three types. Also how every link (record or gRPC) keeps dialling a peer that may
+//! still be starting ([`with_retry`]).
 
 use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
@@ -108,5 +110,33 @@ impl AsyncRead for LinkRead {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         either!(LinkRead, self.get_mut(), r => Pin::new(r).poll_read(cx, buf))
+    }
+}
+
+/// How long a link keeps trying to reach a peer that may still be starting.
+pub(crate) const DIAL_PATIENCE: Duration = Duration::from_secs(20);
+
+/// `connect` tried again every 50 ms until it succeeds or `patience` is spent (an attempt
+/// that hangs, as a connection to an unreachable host does, is cut off at the deadline); the
+/// last error otherwise (`None` when no attempt ended before the deadline).
+pub(crate) async fn with_retry<T, E, F>(
+    patience: Duration,
+    mut connect: impl FnMut() -> F,
+) -> Result<T, Option<E>>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut last = None;
+    loop {
+        match tokio::time::timeout_at(deadline, connect()).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => last = Some(e),
+            Err(_) => return Err(last),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(last);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
