@@ -18,6 +18,11 @@
 //! blocking pool, its channels), and wakers from anywhere (another worker's link, a timer)
 //! work as usual. The first chip error (or panic) stops every chip, as does dropping the
 //! caller's future.
+//!
+//! An executor with one thread (a worker's few chips) can be given an [`IdleWait`]: what the
+//! thread does instead of parking when none of its chips can run. A transport whose messages
+//! arrive on sockets waits on them there, so that the thread a message wakes is the one that
+//! runs its chip, not a reader thread that then wakes this one.
 
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -93,6 +98,50 @@ impl Direction {
     }
 }
 
+/// What an executor's only thread does when none of its chips can run, in place of parking:
+/// wait for input (messages on sockets, say) or a wake-up, delivering what arrives on this
+/// thread before the chips it wakes run. One thread hand-off fewer per message than a reader
+/// thread that delivers and then wakes the executor's.
+pub trait IdleWait: Send + Sync {
+    /// Takes over the waiting for one executor until [`IdleWait::finish`]; false when it
+    /// cannot (another executor has it), and the executor parks as usual.
+    fn begin(&self) -> bool;
+    /// Sleeps until [`IdleWait::wake`] or input, delivering the input. May return early.
+    fn wait(&self);
+    /// Delivers input that has already arrived, without sleeping.
+    fn poll(&self);
+    /// Makes a [`IdleWait::wait`] in progress return, or the next one return at once.
+    fn wake(&self);
+    /// Ends what [`IdleWait::begin`] took over.
+    fn finish(&self);
+}
+
+/// A begun [`IdleWait`], as the executor's thread and wakers use it.
+#[derive(Clone)]
+struct IdleHook(Arc<dyn IdleWait>);
+
+impl std::fmt::Debug for IdleHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IdleHook")
+    }
+}
+
+/// Finishes a begun [`IdleWait`] when [`run_on_threads`] returns or its future is dropped
+/// (not when the last waker goes: a waker a chip left behind must not keep it begun).
+struct FinishOnDrop(Option<IdleHook>);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        if let Some(idle) = self.0.take() {
+            idle.0.finish();
+        }
+    }
+}
+
+/// How often a busy executor thread with an [`IdleWait`] delivers input without sleeping: a
+/// chip that keeps the thread busy must not keep the others' messages unread for long.
+const BUSY_POLL_NS: u64 = 1_000_000;
+
 /// What the threads and the wakers share.
 #[derive(Debug)]
 struct Shared {
@@ -111,6 +160,8 @@ struct Shared {
     previous_pass_ns: Box<[AtomicU64]>,
     /// Per chip, the flight recorder told where the executor has it (empty: none told).
     observers: Vec<Arc<FlightRecorder>>,
+    /// What the only thread does instead of parking, when it was given one that began.
+    idle: Option<IdleHook>,
 }
 
 /// Every executor running in this process, for [`scheduling_lag`].
@@ -161,7 +212,9 @@ impl Shared {
     }
 
     fn wake_thread(&self, t: usize) {
-        if let Some(thread) = self.threads[t].get() {
+        if let Some(idle) = &self.idle {
+            idle.0.wake();
+        } else if let Some(thread) = self.threads[t].get() {
             thread.unpark();
         }
     }
@@ -209,10 +262,12 @@ impl Drop for StopOnDrop {
 /// Runs every future to completion on `threads` OS threads (inside the current tokio runtime)
 /// and returns the results in order. The first error, or a panic, stops all the others.
 /// `observers` (one per future, or none) are told when their chip is runnable, idle or done.
+/// `idle` is what the thread does instead of parking, when there is only one thread.
 pub(crate) async fn run_on_threads<T, E>(
     futures: Vec<ChipFuture<T, E>>,
     threads: usize,
     observers: Vec<Arc<FlightRecorder>>,
+    idle: Option<Arc<dyn IdleWait>>,
 ) -> Result<Vec<T>, E>
 where
     T: Send + 'static,
@@ -241,7 +296,9 @@ where
         } else {
             Vec::new()
         },
+        idle: idle.filter(|i| threads == 1 && i.begin()).map(IdleHook),
     });
+    let _finish = FinishOnDrop(shared.idle.clone());
     // Every chip starts runnable.
     shared.observers.iter().for_each(|o| o.set_runnable());
     EXECUTORS
@@ -332,10 +389,17 @@ where
     };
     let mut pass = Direction::Ascending;
     let mut pass_started = crate::wall_ns();
+    let mut polled_ns = pass_started;
     'run: while left > 0 {
         let now = crate::wall_ns();
         shared.previous_pass_ns[t].store(pass_started, Ordering::Relaxed);
         pass_started = now;
+        if let Some(idle) = &shared.idle
+            && now.saturating_sub(polled_ns) >= BUSY_POLL_NS
+        {
+            idle.0.poll();
+            polled_ns = now;
+        }
         let mut ran = false;
         for k in 0..end - start {
             let word = pass.word(start, end, k);
@@ -404,8 +468,12 @@ where
             if idle && !shared.stop.load(Ordering::SeqCst) {
                 // Nothing of this thread's is runnable: it keeps no chip waiting.
                 shared.previous_pass_ns[t].store(0, Ordering::Relaxed);
-                std::thread::park();
+                match &shared.idle {
+                    Some(idle) => idle.0.wait(),
+                    None => std::thread::park(),
+                }
                 pass_started = crate::wall_ns();
+                polled_ns = pass_started;
             }
             shared.sleeping[t].store(false, Ordering::SeqCst);
         }
@@ -484,7 +552,7 @@ mod tests {
                     .block_on(async {
                         tokio::time::timeout(
                             std::time::Duration::from_secs(20),
-                            run_on_threads(futures, threads, Vec::new()),
+                            run_on_threads(futures, threads, Vec::new(), None),
                         )
                         .await
                     })

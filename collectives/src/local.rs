@@ -8,7 +8,7 @@ use podsim_topology::{ChipId, Hardware, Pod};
 
 use crate::chip::Chip;
 use crate::error::CollectiveError;
-use crate::executor::{ChipFuture, run_on_threads};
+use crate::executor::{ChipFuture, IdleWait, run_on_threads};
 use crate::fabric::{Delivery, Inbox, Message, Router};
 
 /// Delivers every message into the destination's inbox in this process.
@@ -75,6 +75,22 @@ where
     T: Send + 'static,
     E: From<CollectiveError> + Send + 'static,
 {
+    run_chips_waiting(chips, program, None).await
+}
+
+/// [`run_chips`], with what the executor's thread does instead of parking when it has only
+/// one thread (see [`IdleWait`]).
+pub async fn run_chips_waiting<T, E, F, Fut>(
+    chips: Vec<Chip>,
+    program: F,
+    idle: Option<Arc<dyn IdleWait>>,
+) -> Result<Vec<T>, E>
+where
+    F: Fn(Chip) -> Fut,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: From<CollectiveError> + Send + 'static,
+{
     let threads = tokio::runtime::Handle::current().metrics().num_workers();
     // Each chip's flight recorder learns whether it waits for a thread or for a wake-up.
     let observers = chips.iter().map(Chip::recorder).collect();
@@ -82,7 +98,7 @@ where
         .into_iter()
         .map(|chip| Box::pin(program(chip)) as ChipFuture<T, E>)
         .collect();
-    run_on_threads(futures, threads, observers).await
+    run_on_threads(futures, threads, observers, idle).await
 }
 
 #[cfg(test)]

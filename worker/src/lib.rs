@@ -18,9 +18,10 @@
 //! - `torch`: PyTorch programs, one rank process per chip, served by its chip;
 //! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: `records`,
 //!   raw records over a Unix socket to a worker on the same host, whose large payloads go through
-//!   `shm`: shared-memory regions, the crate's one module with `unsafe`; the same records
-//!   over TCP to another host (`socket` hides which); or gRPC under TLS); `wire`: chip
-//!   messages to and from checked protobuf envelopes;
+//!   `shm`: shared-memory regions; the same records over TCP to another host (`socket` hides
+//!   which); or gRPC under TLS); `intake`: who reads the record links (the chip executor's
+//!   own thread while it runs); `wire`: chip messages to and from checked protobuf
+//!   envelopes (`shm` and `intake` are the crate's only modules with `unsafe`);
 //! - `session`: a worker from joining the coordinator to exit; `watch`: the per-worker
 //!   summary each heartbeat carries; `faults`: fault injection;
 //! - [`tls`]: mutual TLS for the gRPC connections of a job across machines (links between
@@ -30,6 +31,7 @@
 mod bench;
 mod error;
 mod faults;
+mod intake;
 mod job;
 mod net;
 mod programs;

@@ -136,6 +136,8 @@ pub struct NodeFabric {
     link_errors: Mutex<Vec<String>>,
     /// Set once this worker's chips are done: peers closing their streams is then expected.
     finished: AtomicBool,
+    /// The record links into this worker, and who reads them.
+    inputs: Arc<crate::intake::LinkInputs>,
     this: std::sync::Weak<NodeFabric>,
 }
 
@@ -253,6 +255,7 @@ impl NodeFabric {
             connected_changed: Notify::new(),
             link_errors: Mutex::new(Vec::new()),
             finished: AtomicBool::new(false),
+            inputs: Arc::new(crate::intake::LinkInputs::new(this.clone())),
             this: this.clone(),
         }))
     }
@@ -425,7 +428,10 @@ impl NodeFabric {
         regions: records::Regions,
     ) {
         let transport = regions.transport(&stream);
-        let (input, output) = stream.into_split();
+        let (input, output) = match stream.into_split() {
+            Ok(halves) => halves,
+            Err(e) => return self.link_failed(format!("link from worker {peer}: {e}")),
+        };
         let Some(p) = self.peers.get(&peer) else {
             return;
         };
@@ -433,8 +439,14 @@ impl NodeFabric {
             return;
         }
         tokio::spawn(records::pump_out(queue, p.writer.clone()));
-        tokio::spawn(records::pump_in(self.clone(), peer, input, regions.inbound));
+        self.inputs.add(peer, input, regions.inbound);
         self.connected_by(peer, transport);
+    }
+
+    /// What the chip executor's thread does instead of parking: read this worker's record
+    /// links itself (see `intake`).
+    pub(crate) fn idle_wait(&self) -> Arc<dyn podsim_collectives::IdleWait> {
+        self.inputs.clone()
     }
 
     /// How this worker's job asks its links to be carried.

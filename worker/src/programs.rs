@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use podsim_collectives::{Chip, run_chips};
+use podsim_collectives::{Chip, IdleWait, run_chips_waiting};
 
 use crate::bench::bench_chip;
 use crate::error::WorkerError;
@@ -46,6 +46,17 @@ pub async fn run_program(
     program: &Program,
     done: Arc<AtomicU64>,
 ) -> Result<ProgramOutput, WorkerError> {
+    run_program_waiting(chips, program, done, None).await
+}
+
+/// [`run_program`], with what the chip executor's thread does instead of parking (a
+/// worker's: read its links, see `intake`).
+pub(crate) async fn run_program_waiting(
+    chips: Vec<Chip>,
+    program: &Program,
+    done: Arc<AtomicU64>,
+    idle: Option<Arc<dyn IdleWait>>,
+) -> Result<ProgramOutput, WorkerError> {
     if let Program::Torch(spec) = program {
         let torch = crate::torch::run(chips, spec, done).await?;
         return Ok(ProgramOutput {
@@ -55,81 +66,85 @@ pub async fn run_program(
     }
     // Each program's future is boxed: a chip task's future is as large as the largest
     // program it could run (the trainer's), which at 100,000 chips was most of the memory.
-    let per_chip = run_chips(chips, |mut chip| {
-        let program = program.clone();
-        let done = done.clone();
-        async move {
-            let mut reports = Vec::new();
-            let mut train = None;
-            match &program {
-                Program::Collectives {
-                    iterations,
-                    meta,
-                    script,
-                    verify,
-                } => {
-                    for iteration in 0..*iterations {
-                        chip.enter_step(u64::from(iteration)).await;
-                        let span = chip.trace_open(
-                            STEPS_TRACK,
-                            "step",
-                            || format!("iteration {iteration}"),
-                            Vec::new(),
-                        );
-                        for (step, s) in script.iter().enumerate() {
-                            let mut case = s.case(chip.pod(), *meta);
-                            case.comm.verify = *verify;
-                            let r = Box::pin(bench_chip(&mut chip, &case, false)).await?;
+    let per_chip = run_chips_waiting(
+        chips,
+        |mut chip| {
+            let program = program.clone();
+            let done = done.clone();
+            async move {
+                let mut reports = Vec::new();
+                let mut train = None;
+                match &program {
+                    Program::Collectives {
+                        iterations,
+                        meta,
+                        script,
+                        verify,
+                    } => {
+                        for iteration in 0..*iterations {
+                            chip.enter_step(u64::from(iteration)).await;
+                            let span = chip.trace_open(
+                                STEPS_TRACK,
+                                "step",
+                                || format!("iteration {iteration}"),
+                                Vec::new(),
+                            );
+                            for (step, s) in script.iter().enumerate() {
+                                let mut case = s.case(chip.pod(), *meta);
+                                case.comm.verify = *verify;
+                                let r = Box::pin(bench_chip(&mut chip, &case, false)).await?;
+                                reports.push(ChipStepReport {
+                                    chip: chip.id(),
+                                    step,
+                                    iteration,
+                                    calls: r.calls,
+                                    checked: r.checked,
+                                    wrong: r.wrong,
+                                });
+                                done.fetch_add(1, Ordering::Relaxed);
+                            }
+                            chip.trace_close(span);
+                        }
+                    }
+                    Program::Bench { cases } => {
+                        for (step, case) in cases.iter().enumerate() {
+                            let span = chip.trace_open(
+                                STEPS_TRACK,
+                                "step",
+                                || format!("case {step}: {} of {} elements", case.op, case.count),
+                                Vec::new(),
+                            );
+                            let r = Box::pin(bench_chip(&mut chip, case, true)).await?;
+                            chip.trace_close(span);
                             reports.push(ChipStepReport {
                                 chip: chip.id(),
                                 step,
-                                iteration,
+                                iteration: 0,
                                 calls: r.calls,
                                 checked: r.checked,
                                 wrong: r.wrong,
                             });
                             done.fetch_add(1, Ordering::Relaxed);
                         }
-                        chip.trace_close(span);
+                    }
+                    Program::Train(spec) => {
+                        train = Some(Box::pin(train_chip(&mut chip, spec, done.clone())).await?);
+                    }
+                    Program::Torch(_) => {
+                        return Err(WorkerError::Internal("torch programs run apart".into()));
                     }
                 }
-                Program::Bench { cases } => {
-                    for (step, case) in cases.iter().enumerate() {
-                        let span = chip.trace_open(
-                            STEPS_TRACK,
-                            "step",
-                            || format!("case {step}: {} of {} elements", case.op, case.count),
-                            Vec::new(),
-                        );
-                        let r = Box::pin(bench_chip(&mut chip, case, true)).await?;
-                        chip.trace_close(span);
-                        reports.push(ChipStepReport {
-                            chip: chip.id(),
-                            step,
-                            iteration: 0,
-                            calls: r.calls,
-                            checked: r.checked,
-                            wrong: r.wrong,
-                        });
-                        done.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                Program::Train(spec) => {
-                    train = Some(Box::pin(train_chip(&mut chip, spec, done.clone())).await?);
-                }
-                Program::Torch(_) => {
-                    return Err(WorkerError::Internal("torch programs run apart".into()));
-                }
+                let stats = chip.stats();
+                let sent = (
+                    stats.messages_sent.load(Ordering::Relaxed),
+                    stats.bytes_sent.load(Ordering::Relaxed),
+                );
+                let trace = chip.take_trace();
+                Ok::<_, WorkerError>((reports, train, sent, trace))
             }
-            let stats = chip.stats();
-            let sent = (
-                stats.messages_sent.load(Ordering::Relaxed),
-                stats.bytes_sent.load(Ordering::Relaxed),
-            );
-            let trace = chip.take_trace();
-            Ok::<_, WorkerError>((reports, train, sent, trace))
-        }
-    })
+        },
+        idle,
+    )
     .await?;
     let mut out = ProgramOutput::default();
     for (reports, train, (messages, bytes), trace) in per_chip {

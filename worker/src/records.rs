@@ -40,7 +40,7 @@ use std::time::Duration;
 use podsim_collectives::{Message, Payload, Run};
 use podsim_proto::v1 as pb;
 use podsim_topology::{Dir, Link};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, watch};
 
@@ -48,7 +48,7 @@ use crate::error::WorkerError;
 use crate::job::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
 use crate::shm::{self, Inbound, Outbound, Place, Region};
-use crate::socket::{DIAL_PATIENCE, LinkRead, LinkStream, LinkWrite, with_retry};
+use crate::socket::{DIAL_PATIENCE, LinkStream, LinkWrite, RawLink, with_retry};
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
@@ -892,8 +892,11 @@ async fn write_batch(
     let mut rest: &mut [IoSlice<'_>] = &mut slices;
     IoSlice::advance_slices(&mut rest, skip);
     while !rest.is_empty() {
-        out.writable().await?;
-        write_now(out, &mut rest)?;
+        out.when_writable(|| match write_now(out, &mut rest)? {
+            0 => Err(io::ErrorKind::WouldBlock.into()),
+            _ => Ok(()),
+        })
+        .await?;
     }
     Ok(())
 }
@@ -917,64 +920,133 @@ fn write_now(out: &LinkWrite, rest: &mut &mut [IoSlice<'_>]) -> io::Result<usize
     Ok(written)
 }
 
-/// Reads records from the socket, validates each and delivers it, until the peer closes.
-/// `shared`: the peer's region, where its large payloads lie (when the link has one).
-pub(crate) async fn pump_in(
-    fabric: Arc<NodeFabric>,
-    peer: u32,
-    input: LinkRead,
-    shared: Option<Inbound>,
-) {
-    let mut input = BufReader::with_capacity(READ_BUFFER_BYTES, input);
-    loop {
-        match input.fill_buf().await {
-            // The peer closed the link (as the gRPC stream's end: a worker that died is the
-            // coordinator's to find, through its control session).
-            Ok([]) => return,
-            Ok(_) => {}
-            Err(e) => return fabric.link_failed(format!("link from worker {peer}: {e}")),
-        }
-        match read_message(&fabric, peer, &mut input, shared.as_ref()).await {
-            Ok(msg) => {
-                if let Err(e) = fabric.accept(peer, msg) {
-                    return fabric.link_failed(e);
-                }
-            }
-            Err(e) => {
-                return fabric.link_failed(format!("link from worker {peer}: bad record: {e}"));
-            }
-        }
-    }
+/// Records a drain delivers before it lets its caller go on (the rest wait for the next
+/// drain): a peer that keeps writing cannot hold the reading thread forever.
+const DRAIN_RECORDS: usize = 256;
+
+/// What a [`RecordReader::drain`] left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Drained {
+    /// Everything that had arrived was delivered: wait for more.
+    Empty,
+    /// It stopped at its budget: more may have arrived already.
+    More,
+    /// The peer closed the link between records.
+    Closed,
 }
 
-async fn read_message(
-    fabric: &NodeFabric,
+/// Reads a link's records without blocking, validates each and delivers it: what has
+/// arrived is delivered, a record still arriving is kept (header or payload in part) for the
+/// next drain. Small records arrive several per read into a buffer; an inline payload is
+/// read straight into the buffer that becomes the message's payload.
+#[derive(Debug)]
+pub(crate) struct RecordReader {
     peer: u32,
-    input: &mut BufReader<LinkRead>,
-    shared: Option<&Inbound>,
-) -> Result<Message, String> {
-    let mut header = [0u8; HEADER_BYTES];
-    input
-        .read_exact(&mut header)
-        .await
-        .map_err(|e| format!("short header: {e}"))?;
-    let (env, body, len) = decode_header(&header)?;
-    let len = payload_len(body != Body::Meta, len)?;
-    let payload = match body {
-        Body::Meta => Payload::Meta(len),
-        Body::Inline => {
-            let mut values = Payload::receive_buffer(len);
-            input
-                .read_exact(bytemuck::cast_slice_mut(&mut values))
-                .await
-                .map_err(|e| format!("short payload: {e}"))?;
-            Payload::from_vec(values)
+    /// The peer's region, where its large payloads lie (when the link has one).
+    shared: Option<Inbound>,
+    buf: Box<[u8]>,
+    /// The unread bytes of `buf`.
+    start: usize,
+    end: usize,
+    /// A record whose inline payload is still arriving: its envelope, its values, and how
+    /// many of their bytes have come.
+    partial: Option<(pb::Envelope, Vec<f32>, usize)>,
+}
+
+impl RecordReader {
+    pub(crate) fn new(peer: u32, shared: Option<Inbound>) -> RecordReader {
+        RecordReader {
+            peer,
+            shared,
+            buf: vec![0u8; READ_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            partial: None,
         }
-        Body::Lent(place) => shared
-            .ok_or("a shared-memory payload on a link without a shared region")?
-            .take(place, len)?,
-    };
-    fabric.decode(env, payload, peer)
+    }
+
+    /// Delivers through `fabric` every whole record that has arrived on `input` (up to a
+    /// budget). An error says what was wrong with the link or its records.
+    pub(crate) fn drain(
+        &mut self,
+        input: &RawLink,
+        fabric: &NodeFabric,
+    ) -> Result<Drained, String> {
+        let peer = self.peer;
+        let failed = |e: io::Error| format!("link from worker {peer}: {e}");
+        let bad = |e: String| format!("link from worker {peer}: bad record: {e}");
+        for _ in 0..DRAIN_RECORDS {
+            if let Some((_, values, got)) = &mut self.partial {
+                let bytes: &mut [u8] = bytemuck::cast_slice_mut(values);
+                let buffered = (self.end - self.start).min(bytes.len() - *got);
+                bytes[*got..*got + buffered]
+                    .copy_from_slice(&self.buf[self.start..self.start + buffered]);
+                self.start += buffered;
+                *got += buffered;
+                while *got < bytes.len() {
+                    match input.read(&mut bytes[*got..]) {
+                        Ok(0) => return Err(bad("short payload: the peer closed".into())),
+                        Ok(n) => *got += n,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            return Ok(Drained::Empty);
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(failed(e)),
+                    }
+                }
+                if let Some((env, values, _)) = self.partial.take() {
+                    self.deliver(fabric, env, Payload::from_vec(values))?;
+                }
+                continue;
+            }
+            if self.end - self.start < HEADER_BYTES {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+                match input.read(&mut self.buf[self.end..]) {
+                    Ok(0) if self.end == 0 => return Ok(Drained::Closed),
+                    Ok(0) => return Err(bad("short header: the peer closed".into())),
+                    Ok(n) => self.end += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Drained::Empty),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(failed(e)),
+                }
+                continue;
+            }
+            let mut header = [0u8; HEADER_BYTES];
+            header.copy_from_slice(&self.buf[self.start..self.start + HEADER_BYTES]);
+            self.start += HEADER_BYTES;
+            let (env, body, len) = decode_header(&header).map_err(bad)?;
+            let len = payload_len(body != Body::Meta, len).map_err(bad)?;
+            match body {
+                Body::Meta => self.deliver(fabric, env, Payload::Meta(len))?,
+                Body::Inline => self.partial = Some((env, Payload::receive_buffer(len), 0)),
+                Body::Lent(place) => {
+                    let payload = self
+                        .shared
+                        .as_ref()
+                        .ok_or("a shared-memory payload on a link without a shared region")
+                        .map_err(|e| bad(e.to_string()))?
+                        .take(place, len)
+                        .map_err(bad)?;
+                    self.deliver(fabric, env, payload)?;
+                }
+            }
+        }
+        Ok(Drained::More)
+    }
+
+    fn deliver(
+        &self,
+        fabric: &NodeFabric,
+        env: pb::Envelope,
+        payload: Payload,
+    ) -> Result<(), String> {
+        let msg = fabric
+            .decode(env, payload, self.peer)
+            .map_err(|e| format!("link from worker {}: bad record: {e}", self.peer))?;
+        fabric.accept(self.peer, msg)
+    }
 }
 
 /// The element count of a record's payload, refused when its values would exceed the frame
@@ -1070,7 +1142,9 @@ mod tests {
         let (senders, per_sender) = (4u32, 150u32);
         rt.block_on(async {
             let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
-            let (_, out) = LinkStream::Unix(a).into_split();
+            let (_, out) = LinkStream::Unix(a)
+                .into_split()
+                .unwrap_or_else(|e| panic!("{e}"));
             let writer = Arc::new(LinkWriter::new());
             assert!(writer.attach(out, None));
             let (tx, rx) = mpsc::unbounded_channel();
@@ -1104,8 +1178,7 @@ mod tests {
                 })
                 .collect();
             // A reader slower than the writers, so that the socket fills up.
-            let (input, _) = LinkStream::Unix(b).into_split();
-            let mut input = BufReader::with_capacity(READ_BUFFER_BYTES, input);
+            let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER_BYTES, b);
             let mut next = vec![0u32; senders as usize];
             let read_all = async {
                 for _ in 0..senders * per_sender {

@@ -23,7 +23,7 @@ use crate::error::WorkerError;
 use crate::faults::FaultPlan;
 use crate::job::{FailureReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
 use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
-use crate::programs::{run_program, total_units};
+use crate::programs::{run_program_waiting, total_units};
 
 /// The largest control message either side accepts. A worker's final report carries every
 /// chip's step records: about 700 bytes a chip, 75 MB for 110,592 chips in one worker.
@@ -65,7 +65,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     let total = total_units(&program, chips.len());
     let done = Arc::new(AtomicU64::new(0));
     let heartbeats = Heartbeats::start(&fabric, &session, &watched, done.clone(), total)?;
-    let run = run_program(chips, &program, done);
+    let run = run_program_waiting(chips, &program, done, Some(fabric.idle_wait()));
     tokio::pin!(run);
     let outcome = loop {
         tokio::select! {
