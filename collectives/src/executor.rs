@@ -504,6 +504,85 @@ mod tests {
         assert_eq!(Direction::Descending.reversed(), Direction::Ascending);
     }
 
+    /// An [`IdleWait`] that counts its calls and sleeps on a condition variable.
+    #[derive(Default)]
+    struct Counting {
+        woken: Mutex<bool>,
+        bell: std::sync::Condvar,
+        begun: AtomicUsize,
+        waits: AtomicUsize,
+        finished: AtomicUsize,
+    }
+
+    impl IdleWait for Counting {
+        fn begin(&self) -> bool {
+            self.begun.fetch_add(1, Ordering::SeqCst);
+            true
+        }
+        fn wait(&self) {
+            self.waits.fetch_add(1, Ordering::SeqCst);
+            let mut woken = self.woken.lock().unwrap();
+            while !*woken {
+                woken = self.bell.wait(woken).unwrap();
+            }
+            *woken = false;
+        }
+        fn poll(&self) {}
+        fn wake(&self) {
+            *self.woken.lock().unwrap() = true;
+            self.bell.notify_all();
+        }
+        fn finish(&self) {
+            self.finished.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// An executor with one thread sleeps in its `IdleWait` (begun once, finished once, woken
+    /// through it by a waker called from another thread); one with several threads parks and
+    /// never begins it.
+    #[test]
+    fn one_thread_sleeps_in_its_idle_wait_and_several_park() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let _runtime = rt.enter();
+        for (chips, threads) in [(3, 1), (3 * WORD, 3)] {
+            let idle = Arc::new(Counting::default());
+            let futures: Vec<ChipFuture<usize, CollectiveError>> = (0..chips)
+                .map(|i| {
+                    let mut timer = (i == 1).then(|| {
+                        Box::pin(tokio::time::sleep(std::time::Duration::from_millis(30)))
+                    });
+                    Box::pin(std::future::poll_fn(move |cx| match &mut timer {
+                        Some(t) => t.as_mut().poll(cx).map(|()| Ok(i)),
+                        None => Poll::Ready(Ok(i)),
+                    })) as ChipFuture<usize, CollectiveError>
+                })
+                .collect();
+            let hook: Arc<dyn IdleWait> = idle.clone();
+            let done = rt
+                .block_on(async {
+                    tokio::time::timeout(
+                        std::time::Duration::from_secs(20),
+                        run_on_threads(futures, threads, Vec::new(), Some(hook)),
+                    )
+                    .await
+                })
+                .expect("finished in time")
+                .expect("no chip failed");
+            assert_eq!(done, (0..chips).collect::<Vec<_>>());
+            let count = |c: &AtomicUsize| c.load(Ordering::SeqCst);
+            if threads == 1 {
+                assert_eq!((count(&idle.begun), count(&idle.finished)), (1, 1));
+                assert!(count(&idle.waits) >= 1);
+            } else {
+                assert_eq!(count(&idle.begun) + count(&idle.waits), 0);
+            }
+        }
+    }
+
     /// A token relayed down, and then up, a line of chips spanning several words (chip `i`
     /// waits for its upstream neighbour, then hands on), on one and two threads: whichever way
     /// a sweep goes, every hand-on is seen, no chip is woken more than once, and the relay

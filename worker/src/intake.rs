@@ -53,7 +53,15 @@ impl LinkInput {
         if self.done.load(Ordering::Acquire) {
             return None;
         }
-        let drained = self.reader().drain(&self.socket, fabric);
+        let mut reader = self.reader();
+        let peer = reader.peer();
+        let drained = reader.drain(&self.socket, &mut |env, payload| {
+            let msg = fabric
+                .decode(env, payload, peer)
+                .map_err(|e| format!("link from worker {peer}: bad record: {e}"))?;
+            fabric.accept(peer, msg)
+        });
+        drop(reader);
         match drained {
             Ok(Drained::Empty) => Some(false),
             Ok(Drained::More) => Some(true),

@@ -965,12 +965,13 @@ impl RecordReader {
         }
     }
 
-    /// Delivers through `fabric` every whole record that has arrived on `input` (up to a
-    /// budget). An error says what was wrong with the link or its records.
+    /// Hands `deliver` every whole record that has arrived on `input` (up to a budget): its
+    /// envelope, still to be checked, and its payload. An error says what was wrong with the
+    /// link or its records, or is what `deliver` returned.
     pub(crate) fn drain(
         &mut self,
         input: &RawLink,
-        fabric: &NodeFabric,
+        deliver: &mut impl FnMut(pb::Envelope, Payload) -> Result<(), String>,
     ) -> Result<Drained, String> {
         let peer = self.peer;
         let failed = |e: io::Error| format!("link from worker {peer}: {e}");
@@ -995,7 +996,7 @@ impl RecordReader {
                     }
                 }
                 if let Some((env, values, _)) = self.partial.take() {
-                    self.deliver(fabric, env, Payload::from_vec(values))?;
+                    deliver(env, Payload::from_vec(values))?;
                 }
                 continue;
             }
@@ -1019,7 +1020,7 @@ impl RecordReader {
             let (env, body, len) = decode_header(&header).map_err(bad)?;
             let len = payload_len(body != Body::Meta, len).map_err(bad)?;
             match body {
-                Body::Meta => self.deliver(fabric, env, Payload::Meta(len))?,
+                Body::Meta => deliver(env, Payload::Meta(len))?,
                 Body::Inline => self.partial = Some((env, Payload::receive_buffer(len), 0)),
                 Body::Lent(place) => {
                     let payload = self
@@ -1029,23 +1030,16 @@ impl RecordReader {
                         .map_err(|e| bad(e.to_string()))?
                         .take(place, len)
                         .map_err(bad)?;
-                    self.deliver(fabric, env, payload)?;
+                    deliver(env, payload)?;
                 }
             }
         }
         Ok(Drained::More)
     }
 
-    fn deliver(
-        &self,
-        fabric: &NodeFabric,
-        env: pb::Envelope,
-        payload: Payload,
-    ) -> Result<(), String> {
-        let msg = fabric
-            .decode(env, payload, self.peer)
-            .map_err(|e| format!("link from worker {}: bad record: {e}", self.peer))?;
-        fabric.accept(self.peer, msg)
+    /// The worker this link comes from.
+    pub(crate) fn peer(&self) -> u32 {
+        self.peer
     }
 }
 
@@ -1177,35 +1171,41 @@ mod tests {
                     })
                 })
                 .collect();
-            // A reader slower than the writers, so that the socket fills up.
-            let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER_BYTES, b);
+            // The reader the links use, slower than the writers (it rests between drains),
+            // so that the socket fills up and records arrive in pieces.
+            let (input, _) = LinkStream::Unix(b)
+                .into_split()
+                .unwrap_or_else(|e| panic!("{e}"));
+            let mut reader = RecordReader::new(0, None);
             let mut next = vec![0u32; senders as usize];
+            let got = std::cell::Cell::new(0);
+            let mut check = |env: pb::Envelope, payload: Payload| {
+                let values = payload.to_vec().ok_or("a meta payload")?;
+                let (src, seq) = (env.src_chip, env.tag.map_or(0, |t| t.step));
+                if seq != next[src as usize] {
+                    return Err(format!("chip {src}: {seq} out of order"));
+                }
+                next[src as usize] += 1;
+                let intact = values[0] == (src * 1000 + seq) as f32
+                    && values
+                        .iter()
+                        .enumerate()
+                        .skip(1)
+                        .all(|(i, v)| *v == i as f32);
+                if !intact {
+                    return Err(format!("chip {src}: record {seq} torn"));
+                }
+                got.set(got.get() + 1);
+                Ok(())
+            };
             let read_all = async {
-                for _ in 0..senders * per_sender {
-                    let mut header = [0u8; HEADER_BYTES];
-                    input
-                        .read_exact(&mut header)
-                        .await
-                        .unwrap_or_else(|e| panic!("{e}"));
-                    let (env, _, len) = decode_header(&header).unwrap_or_else(|e| panic!("{e}"));
-                    let mut values = vec![0f32; len as usize];
-                    input
-                        .read_exact(bytemuck::cast_slice_mut(&mut values))
-                        .await
-                        .unwrap_or_else(|e| panic!("{e}"));
-                    let (src, seq) = (env.src_chip, env.tag.map_or(0, |t| t.step));
-                    assert_eq!(seq, next[src as usize], "chip {src}: out of order");
-                    next[src as usize] += 1;
-                    assert_eq!(values[0], (src * 1000 + seq) as f32);
-                    assert!(
-                        values
-                            .iter()
-                            .enumerate()
-                            .skip(1)
-                            .all(|(i, v)| *v == i as f32)
-                    );
-                    if seq % 16 == 0 {
-                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                while got.get() < senders * per_sender {
+                    match reader.drain(&input, &mut check) {
+                        Ok(Drained::More) => {}
+                        Ok(Drained::Empty) => {
+                            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                        }
+                        other => panic!("{other:?}"),
                     }
                 }
             };
