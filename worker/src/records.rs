@@ -976,6 +976,11 @@ impl RecordReader {
         let peer = self.peer;
         let failed = |e: io::Error| format!("link from worker {peer}: {e}");
         let bad = |e: String| format!("link from worker {peer}: bad record: {e}");
+        // A read that filled less than it asked for took everything the socket held: the
+        // next read would only say `WouldBlock`, a system call per drain for nothing. (Input
+        // after it wakes the next wait: `poll(2)` sees it, tokio's readiness was cleared
+        // before this drain.)
+        let mut emptied = false;
         for _ in 0..DRAIN_RECORDS {
             if let Some((_, values, got)) = &mut self.partial {
                 let bytes: &mut [u8] = bytemuck::cast_slice_mut(values);
@@ -985,9 +990,16 @@ impl RecordReader {
                 self.start += buffered;
                 *got += buffered;
                 while *got < bytes.len() {
+                    if emptied {
+                        return Ok(Drained::Empty);
+                    }
+                    let want = bytes.len() - *got;
                     match input.read(&mut bytes[*got..]) {
                         Ok(0) => return Err(bad("short payload: the peer closed".into())),
-                        Ok(n) => *got += n,
+                        Ok(n) => {
+                            *got += n;
+                            emptied = n < want;
+                        }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             return Ok(Drained::Empty);
                         }
@@ -1001,13 +1013,20 @@ impl RecordReader {
                 continue;
             }
             if self.end - self.start < HEADER_BYTES {
+                if emptied {
+                    return Ok(Drained::Empty);
+                }
                 self.buf.copy_within(self.start..self.end, 0);
                 self.end -= self.start;
                 self.start = 0;
+                let want = self.buf.len() - self.end;
                 match input.read(&mut self.buf[self.end..]) {
                     Ok(0) if self.end == 0 => return Ok(Drained::Closed),
                     Ok(0) => return Err(bad("short header: the peer closed".into())),
-                    Ok(n) => self.end += n,
+                    Ok(n) => {
+                        self.end += n;
+                        emptied = n < want;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(Drained::Empty),
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => return Err(failed(e)),
