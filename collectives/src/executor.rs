@@ -396,6 +396,7 @@ where
         pass_started = now;
         if let Some(idle) = &shared.idle
             && now.saturating_sub(polled_ns) >= BUSY_POLL_NS
+            && !shared.stop.load(Ordering::Relaxed)
         {
             idle.0.poll();
             polled_ns = now;

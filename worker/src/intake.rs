@@ -38,6 +38,9 @@ use crate::socket::{RawLink, watch_fd};
 struct LinkInput {
     socket: RawLink,
     reader: Mutex<RecordReader>,
+    /// Set when a drain stopped at its budget: whole records may wait in the reader's
+    /// buffer while the socket itself is empty, so `poll(2)` would not say to drain again.
+    pending: AtomicBool,
     /// Set once the link closed or failed: nobody reads it again.
     done: AtomicBool,
 }
@@ -62,6 +65,8 @@ impl LinkInput {
             fabric.accept(peer, msg)
         });
         drop(reader);
+        self.pending
+            .store(drained == Ok(Drained::More), Ordering::Release);
         match drained {
             Ok(Drained::Empty) => Some(false),
             Ok(Drained::More) => Some(true),
@@ -94,6 +99,22 @@ thread_local! {
     /// Set while this thread delivers from inside [`LinkInputs::wait`]: a wake-up the
     /// delivery causes is for this very thread, which looks for runnable chips next anyway.
     static DELIVERING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// [`DELIVERING`] set for as long as it lives (cleared even if a delivery panics).
+struct Delivering;
+
+impl Delivering {
+    fn start() -> Delivering {
+        DELIVERING.with(|d| d.set(true));
+        Delivering
+    }
+}
+
+impl Drop for Delivering {
+    fn drop(&mut self) {
+        DELIVERING.with(|d| d.set(false));
+    }
 }
 
 /// The record links into this worker and whoever reads them (see the module doc).
@@ -129,6 +150,7 @@ impl LinkInputs {
         let link = Arc::new(LinkInput {
             socket,
             reader: Mutex::new(RecordReader::new(peer, shared)),
+            pending: AtomicBool::new(false),
             done: AtomicBool::new(false),
         });
         self.links().push(link.clone());
@@ -192,8 +214,9 @@ impl LinkInputs {
         }
     }
 
-    /// `poll(2)` on the eventfd and every open link for up to `timeout_ms` (-1: no limit),
-    /// then delivers what arrived, on this thread.
+    /// `poll(2)` on the eventfd and every open link for up to `timeout_ms` (-1: no limit; none
+    /// while a link has records pending in its reader), then delivers what arrived, on this
+    /// thread.
     fn poll_links(&self, timeout_ms: i32) {
         let Some(wake) = &self.wake else {
             return;
@@ -211,9 +234,15 @@ impl LinkInputs {
                 revents: 0,
             })
             .collect();
+        let pending = |l: &LinkInput| l.pending.load(Ordering::Acquire);
+        let timeout_ms = match links.iter().any(|l| pending(l)) {
+            true => 0,
+            false => timeout_ms,
+        };
         // SAFETY: `fds` is a valid array of `fds.len()` pollfd structs for the call's duration.
         let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
-        if ready <= 0 {
+        if ready < 0 {
+            // Interrupted: the executor looks again and calls back.
             return;
         }
         if fds[0].revents != 0 {
@@ -224,14 +253,14 @@ impl LinkInputs {
         let Some(fabric) = self.fabric.upgrade() else {
             return;
         };
-        DELIVERING.with(|d| d.set(true));
+        let _delivering = Delivering::start();
         for (link, fd) in links.iter().zip(&fds[1..]) {
-            if fd.revents != 0 && link.drain(&fabric) == Some(true) {
-                // The rest next time round: the executor runs what this delivered first.
-                self.notify();
+            // A link that stops at its budget stays pending: the rest next time round, after
+            // the executor has run what this delivered.
+            if fd.revents != 0 || pending(link) {
+                link.drain(&fabric);
             }
         }
-        DELIVERING.with(|d| d.set(false));
     }
 }
 

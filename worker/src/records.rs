@@ -929,7 +929,9 @@ const DRAIN_RECORDS: usize = 256;
 pub(crate) enum Drained {
     /// Everything that had arrived was delivered: wait for more.
     Empty,
-    /// It stopped at its budget: more may have arrived already.
+    /// It stopped at its budget: more may have arrived already, in the socket or already in
+    /// this reader's buffer (where no readiness of the socket says so): drain again without
+    /// waiting.
     More,
     /// The peer closed the link between records.
     Closed,
@@ -976,10 +978,10 @@ impl RecordReader {
         let peer = self.peer;
         let failed = |e: io::Error| format!("link from worker {peer}: {e}");
         let bad = |e: String| format!("link from worker {peer}: bad record: {e}");
-        // A read that filled less than it asked for took everything the socket held: the
-        // next read would only say `WouldBlock`, a system call per drain for nothing. (Input
-        // after it wakes the next wait: `poll(2)` sees it, tokio's readiness was cleared
-        // before this drain.)
+        // A read that filled less than it asked for took everything the socket held then:
+        // the next read would only say `WouldBlock`, a system call per drain for nothing.
+        // Input after it (including what TCP's backlog adds just after a read) wakes the next
+        // wait: `poll(2)` sees it, and tokio's readiness was cleared before this drain.
         let mut emptied = false;
         for _ in 0..DRAIN_RECORDS {
             if let Some((_, values, got)) = &mut self.partial {
