@@ -56,7 +56,24 @@ impl LinkInput {
         if self.done.load(Ordering::Acquire) {
             return None;
         }
-        let mut reader = self.reader();
+        self.drain_with(self.reader(), fabric)
+    }
+
+    /// [`LinkInput::drain`], unless another thread is reading the link right now.
+    fn drain_if_free(&self, fabric: &NodeFabric) {
+        if self.done.load(Ordering::Acquire) {
+            return;
+        }
+        if let Ok(reader) = self.reader.try_lock() {
+            self.drain_with(reader, fabric);
+        }
+    }
+
+    fn drain_with(
+        &self,
+        mut reader: MutexGuard<'_, RecordReader>,
+        fabric: &NodeFabric,
+    ) -> Option<bool> {
         let peer = reader.peer();
         let drained = reader.drain(&self.socket, &mut |env, payload| {
             let msg = fabric
@@ -204,6 +221,20 @@ impl LinkInputs {
                     }
                 }
             }
+        }
+    }
+
+    /// Delivers what has already arrived on every link, on the calling thread (a link another
+    /// thread is reading is skipped). A heartbeat calls this before it says which chips wait on
+    /// which: a message in a socket whose executor is busy has arrived, and its sender must
+    /// not be taken for a straggler.
+    pub(crate) fn deliver_arrived(&self) {
+        let Some(fabric) = self.fabric.upgrade() else {
+            return;
+        };
+        let links = self.links().clone();
+        for link in links {
+            link.drain_if_free(&fabric);
         }
     }
 

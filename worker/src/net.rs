@@ -443,6 +443,12 @@ impl NodeFabric {
         self.connected_by(peer, transport);
     }
 
+    /// Delivers what has already arrived on this worker's record links, on the calling thread
+    /// (see `intake`): the heartbeat's, before it reports who waits on whom.
+    pub(crate) fn deliver_arrived(&self) {
+        self.inputs.deliver_arrived();
+    }
+
     /// What the chip executor's thread does instead of parking: read this worker's record
     /// links itself (see `intake`).
     pub(crate) fn idle_wait(&self) -> Arc<dyn podsim_collectives::IdleWait> {

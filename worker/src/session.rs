@@ -416,6 +416,9 @@ impl Heartbeats {
             let list_waits = recorders.len() <= crate::job::STRAGGLER_WAITS_CHIPS;
             loop {
                 tick.tick().await;
+                // Messages waiting in a socket while their chips' executor is busy count as
+                // arrived: a chip waits on its peer only if the peer has not sent.
+                transport.deliver_arrived();
                 let mut summary = summariser.beat(
                     std::time::Instant::now(),
                     podsim_collectives::wall_ns(),
