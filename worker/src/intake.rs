@@ -94,11 +94,16 @@ impl LinkInput {
                 None
             }
             Err(e) => {
-                self.done.store(true, Ordering::Release);
-                fabric.link_failed(e);
+                self.fail(fabric, e);
                 None
             }
         }
+    }
+
+    /// Ends the link: nobody reads it again, and the fabric reports why.
+    fn fail(&self, fabric: &NodeFabric, error: String) {
+        self.done.store(true, Ordering::Release);
+        fabric.link_failed(error);
     }
 }
 
@@ -239,9 +244,9 @@ impl LinkInputs {
     }
 
     fn fail(&self, link: &LinkInput, error: String) {
-        link.done.store(true, Ordering::Release);
-        if let Some(fabric) = self.fabric.upgrade() {
-            fabric.link_failed(error);
+        match self.fabric.upgrade() {
+            Some(fabric) => link.fail(&fabric, error),
+            None => link.done.store(true, Ordering::Release),
         }
     }
 
