@@ -82,7 +82,7 @@ pub struct JobConfig {
     pub external: bool,
     /// How workers reach each other (`[launch] transport`).
     pub transport: Transport,
-    /// Mutual TLS on every gRPC connection of the job (`[launch.tls]`).
+    /// Mutual TLS on every TCP connection of the job, gRPC and record links (`[launch.tls]`).
     pub tls: Option<Tls>,
     pub program: Program,
     pub watchdog: Watchdog,

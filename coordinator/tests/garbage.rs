@@ -247,7 +247,7 @@ async fn record_port(tcp: bool, fabric: &std::sync::Arc<NodeFabric>) -> Port {
         tokio::spawn(async move { while unused.recv().await.is_some() {} });
         tokio::spawn(records::route_tcp(
             listener,
-            true,
+            None,
             TOKEN.to_string(),
             rx,
             grpc,

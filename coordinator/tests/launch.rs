@@ -228,7 +228,8 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
     );
     let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, &tls));
     let token = "test-token-tls-0123456789";
-    // Worker-to-worker links over gRPC too (not Unix sockets), so they are TLS as well.
+    // Worker-to-worker links over TCP (not Unix sockets): record links inside TLS, whose
+    // data-mode collectives must check out as any link's do.
     let (coord, addr) = external_coordinator(&config, token, &["--set", "launch.transport=tcp"]);
     let worker = |tls: &[&str]| external_worker(&addr, token, tls);
     let (ca, job_cert, job_key) = (
@@ -280,7 +281,7 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         assert!(
             links
                 .iter()
-                .all(|l| l["transport"] == "grpc" && l["tls"] == true),
+                .all(|l| l["transport"] == "tcp" && l["tls"] == true),
             "{links:?}"
         );
     }

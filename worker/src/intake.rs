@@ -38,8 +38,9 @@ use crate::socket::{RawLink, watch_fd};
 struct LinkInput {
     socket: RawLink,
     reader: Mutex<RecordReader>,
-    /// Set when a drain stopped at its budget: whole records may wait in the reader's
-    /// buffer while the socket itself is empty, so `poll(2)` would not say to drain again.
+    /// Set when a drain stopped at its budget (and until the first drain): whole records may
+    /// wait in the reader's buffer while the socket itself is empty, so `poll(2)` would not
+    /// say to drain again.
     pending: AtomicBool,
     /// Set once the link closed or failed: nobody reads it again.
     done: AtomicBool,
@@ -172,7 +173,9 @@ impl LinkInputs {
         let link = Arc::new(LinkInput {
             socket,
             reader: Mutex::new(RecordReader::new(peer, shared)),
-            pending: AtomicBool::new(false),
+            // Drained once before any wait: a TLS link may hold records that arrived with its
+            // handshake in its rustls state, where no readiness of the socket says so.
+            pending: AtomicBool::new(true),
             done: AtomicBool::new(false),
         });
         self.links().push(link.clone());

@@ -342,8 +342,8 @@ pub struct WorkerReport {
 pub struct PeerLink {
     pub peer: u32,
     pub transport: Transport,
-    /// Whether the link is encrypted and both ends authenticated (mutual TLS; gRPC links of
-    /// a job with `[launch.tls]`).
+    /// Whether the link is encrypted and both ends authenticated (mutual TLS; links over TCP,
+    /// records or gRPC, of a job with `[launch.tls]`).
     #[serde(default)]
     pub tls: bool,
 }
@@ -353,11 +353,11 @@ pub struct PeerLink {
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
     /// Between workers on the same host a Unix domain socket, with large payloads in shared
-    /// memory where both workers can map it; records over TCP to other hosts (gRPC when the
-    /// link service runs TLS).
+    /// memory where both workers can map it; records over TCP to other hosts (inside TLS
+    /// under `[launch.tls]`).
     #[default]
     Auto,
-    /// Records over TCP, wherever the peer is (gRPC when the link service runs TLS).
+    /// Records over TCP, wherever the peer is (inside TLS under `[launch.tls]`).
     Tcp,
     /// A Unix domain socket carrying every byte; a peer on another host is an error.
     Uds,

@@ -18,14 +18,14 @@
 //! - `torch`: PyTorch programs, one rank process per chip, served by its chip;
 //! - `net`: the worker's fabric (local inboxes, one link per neighbouring worker: `records`,
 //!   raw records over a Unix socket to a worker on the same host, whose large payloads go through
-//!   `shm`: shared-memory regions; the same records over TCP to another host (`socket` hides
-//!   which); or gRPC under TLS); `intake`: who reads the record links (the chip executor's
+//!   `shm`: shared-memory regions; the same records over TCP to another host, inside TLS under
+//!   `[launch.tls]` (`socket` hides which); or gRPC when forced); `intake`: who reads the record links (the chip executor's
 //!   own thread while it runs); `wire`: chip messages to and from checked protobuf
 //!   envelopes (`shm` and `intake` are the crate's only modules with `unsafe`);
 //! - `session`: a worker from joining the coordinator to exit; `watch`: the per-worker
 //!   summary each heartbeat carries; `faults`: fault injection;
-//! - [`tls`]: mutual TLS for the gRPC connections of a job across machines (links between
-//!   hosts then go over gRPC);
+//! - [`tls`]: mutual TLS for a job across machines (its gRPC connections, and its record
+//!   links over TCP);
 //! - `error`: [`WorkerError`].
 
 mod bench;

@@ -384,8 +384,8 @@ impl NodeFabric {
         self.connected_changed.notify_waiters();
     }
 
-    /// The transport of each link to another worker, by peer; `tls` when this worker's gRPC
-    /// connections are mutual TLS (its record links never are).
+    /// The transport of each link to another worker, by peer; `tls` when this worker's
+    /// connections over TCP (gRPC or records) are mutual TLS (its Unix-socket links never are).
     pub fn links(&self, tls: bool) -> Vec<PeerLink> {
         let connected = self.connected.lock().unwrap_or_else(|e| e.into_inner());
         let mut links: Vec<PeerLink> = connected
@@ -393,7 +393,7 @@ impl NodeFabric {
             .map(|(&peer, &transport)| PeerLink {
                 peer,
                 transport,
-                tls: tls && transport == Transport::Grpc,
+                tls: tls && matches!(transport, Transport::Grpc | Transport::Tcp),
             })
             .collect();
         links.sort_by_key(|l| l.peer);
@@ -496,8 +496,8 @@ impl NodeFabric {
 
     /// Links to `peer`, whose addresses are `at`. On this host (automatically, or when the
     /// job's transport says so) a Unix socket, with shared memory unless `uds`; to another
-    /// host, or when forced with `tcp`, the record stream over TCP; gRPC when forced with
-    /// `grpc`, or when the link service runs TLS (records are not encrypted).
+    /// host, or when forced with `tcp`, the record stream over TCP (inside TLS when the job
+    /// uses it); gRPC when forced with `grpc`.
     pub async fn dial(
         self: &Arc<Self>,
         peer: u32,
@@ -526,10 +526,10 @@ impl NodeFabric {
                 let sharing = records::Sharing::of(transport);
                 records::dial(name, self.me, peer, token, sharing).await?
             }
-            None if tls.is_some() || transport == Transport::Grpc || !records::RECORDS_OVER_TCP => {
+            None if transport == Transport::Grpc || !records::RECORDS_OVER_TCP => {
                 return self.dial_grpc(peer, &at.tcp, token, tls).await;
             }
-            None => records::dial_tcp(&at.tcp, self.me, peer, token).await?,
+            None => records::dial_tcp(&at.tcp, self.me, peer, token, tls).await?,
         };
         let queue = self
             .claim(peer)

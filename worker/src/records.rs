@@ -32,6 +32,13 @@
 //! the same at both ends of a Unix socket by construction; over TCP only little-endian builds
 //! speak records ([`RECORDS_OVER_TCP`]). Over TCP the token travels in the clear, as gRPC's
 //! does without TLS: a cluster network that others share needs `[launch.tls]`.
+//!
+//! Under `[launch.tls]` a TCP record link is mutual TLS with the job's certificates
+//! ([`crate::tls`]). The dialler opens with a short clear preamble ([`TLS_MAGIC`]), the
+//! listener answers `OK` in the clear (or `NO` with a reason the dialler can print: a worker
+//! without TLS, or a job without it), and the TLS handshake follows; the hello and every
+//! record then travel inside. A plain record hello on a TLS worker's port is refused the same
+//! way, so no record link of a TLS job is ever in the clear.
 
 use std::io::{self, IoSlice};
 use std::sync::Arc;
@@ -49,9 +56,13 @@ use crate::job::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
 use crate::shm::{self, Inbound, Outbound, Place, Region};
 use crate::socket::{DIAL_PATIENCE, LinkStream, LinkWrite, RawLink, with_retry};
+use crate::tls::Tls;
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
+/// The clear preamble of a TLS record link (as long as [`HELLO_MAGIC`], and differing from an
+/// HTTP/2 preface at its second byte too).
+const TLS_MAGIC: &[u8; 8] = b"PODSIMTL";
 /// Whether this build speaks records over TCP. A record carries payload values in the host's
 /// byte order, the same at both ends of a Unix socket but not necessarily across machines:
 /// only little-endian builds (every host podsim is built for in practice) do, and a
@@ -162,7 +173,11 @@ async fn answer_bounded(
     token: String,
     fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
 ) {
-    let what = if stream.is_tcp() { "TCP" } else { "local" };
+    let what = match (stream.is_tls(), stream.is_tcp()) {
+        (true, _) => "TLS",
+        (false, true) => "TCP",
+        (false, false) => "local",
+    };
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, answer(stream, &token, fabric)).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!("refused a {what} link: {e}"),
@@ -318,14 +333,19 @@ async fn answer(
     }
 }
 
-async fn refuse(stream: &mut LinkStream, reason: &str) {
+async fn refuse<S: tokio::io::AsyncWrite + Unpin>(stream: &mut S, reason: &str) {
     let mut out = b"NO".to_vec();
     out.extend((reason.len() as u32).to_le_bytes());
     out.extend(reason.as_bytes());
     let _ = stream.write_all(&out).await;
 }
 
-async fn read_hello(stream: &mut LinkStream, token: &str) -> Result<(u32, Region), String> {
+/// Reads a hello whole (its magic, version and token length checked as they come) and checks
+/// its token: the dialling worker and its region offer.
+async fn read_hello<S: tokio::io::AsyncRead + Unpin>(
+    stream: &mut S,
+    token: &str,
+) -> Result<(u32, Region), String> {
     let mut head = [0u8; 20];
     stream
         .read_exact(&mut head)
@@ -350,14 +370,14 @@ async fn read_hello(stream: &mut LinkStream, token: &str) -> Result<(u32, Region
         .read_exact(&mut given)
         .await
         .map_err(|e| format!("short hello: {e}"))?;
-    if !same_token(&given, token.as_bytes()) {
-        return Err(format!("worker {peer}: missing or wrong job token"));
-    }
     let mut offer = [0u8; Region::BYTES];
     stream
         .read_exact(&mut offer)
         .await
         .map_err(|e| format!("short hello: {e}"))?;
+    if !same_token(&given, token.as_bytes()) {
+        return Err(format!("worker {peer}: missing or wrong job token"));
+    }
     Ok((peer, Region::decode(&offer)))
 }
 
@@ -381,12 +401,14 @@ pub async fn dial(
 }
 
 /// Dials the record link of worker `peer` over TCP at `addr` (its link service's address,
-/// which tells a record hello from gRPC by its first bytes) as worker `me`. Nothing is shared.
+/// which tells a record hello from gRPC by its first bytes) as worker `me`, inside TLS when
+/// `tls` is given. Nothing is shared.
 pub async fn dial_tcp(
     addr: &str,
     me: u32,
     peer: u32,
     token: &str,
+    tls: Option<&Tls>,
 ) -> Result<(LinkStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at {addr}: {e}"));
     let stream = with_retry(DIAL_PATIENCE, || async {
@@ -396,9 +418,46 @@ pub async fn dial_tcp(
     })
     .await
     .map_err(|e| failed(unreached(e)))?;
-    handshake(LinkStream::Tcp(stream), me, token, Sharing::Never, None)
+    let stream = match tls {
+        None => LinkStream::Tcp(stream),
+        Some(tls) => tokio::time::timeout(HANDSHAKE_TIMEOUT, start_tls(stream, tls))
+            .await
+            .unwrap_or_else(|_| Err("no answer to the TLS preamble or handshake".into()))
+            .map_err(failed)?,
+    };
+    handshake(stream, me, token, Sharing::Never, None)
         .await
         .map_err(failed)
+}
+
+/// The dialling side of a TLS record link on a connected `stream`: the clear preamble, the
+/// listener's verdict, then the handshake.
+async fn start_tls(mut stream: TcpStream, tls: &Tls) -> Result<LinkStream, String> {
+    let io = |e: io::Error| e.to_string();
+    stream.write_all(TLS_MAGIC).await.map_err(io)?;
+    let mut verdict = [0u8; 2];
+    stream.read_exact(&mut verdict).await.map_err(io)?;
+    if &verdict != b"OK" {
+        let reason = read_reason(&mut stream).await.map_err(io)?;
+        return Err(format!("refused: {reason}"));
+    }
+    let config = tls.records();
+    let connector = tokio_rustls::TlsConnector::from(config.client.clone());
+    let stream = connector
+        .connect(config.server_name.clone(), stream)
+        .await
+        .map_err(|e| format!("TLS handshake: {}", crate::tls::chain(&e)))?;
+    Ok(LinkStream::Tls(Box::new(stream.into())))
+}
+
+/// The reason of a `NO` answer (its length, then its text), once `NO` has been read.
+async fn read_reason<S: tokio::io::AsyncRead + Unpin>(stream: &mut S) -> io::Result<String> {
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).await?;
+    let len = u32::from_le_bytes(len).min(MAX_TOKEN_BYTES) as usize;
+    let mut reason = vec![0u8; len];
+    stream.read_exact(&mut reason).await?;
+    Ok(String::from_utf8_lossy(&reason).into_owned())
 }
 
 /// Why a dial found no peer: its last error, or that none answered in time.
@@ -436,12 +495,7 @@ async fn handshake(
             stream.read_exact(&mut settled).await?;
             return Ok(Ok((settled[0] == 1, Region::decode(&settled[1..]))));
         }
-        let mut len = [0u8; 4];
-        stream.read_exact(&mut len).await?;
-        let len = u32::from_le_bytes(len).min(MAX_TOKEN_BYTES) as usize;
-        let mut reason = vec![0u8; len];
-        stream.read_exact(&mut reason).await?;
-        Ok::<_, io::Error>(Err(String::from_utf8_lossy(&reason).into_owned()))
+        Ok::<_, io::Error>(Err(read_reason(&mut stream).await?))
     };
     let (mapped_mine, offered) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
         Ok(Ok(Ok(settled))) => settled,
@@ -462,14 +516,13 @@ async fn handshake(
     Ok((stream, regions))
 }
 
-/// Serves the TCP port of this worker's link service. With `records`, a connection that opens
-/// with a record hello becomes a record link ([`answer`]) and any other (gRPC's HTTP/2
-/// preface) is handed to the gRPC server through `grpc`; without (the link service runs TLS,
-/// and records are not encrypted) every connection goes to gRPC, so a plain record hello
-/// meets the TLS handshake and fails there.
+/// Serves the TCP port of this worker's link service: a connection that opens with a record
+/// hello (without `tls`) or with the TLS preamble (with it) becomes a record link
+/// ([`answer`]), the other of the two is refused with a reason, and any other (gRPC's HTTP/2
+/// preface, or a TLS handshake for gRPC) is handed to the gRPC server through `grpc`.
 pub async fn route_tcp(
     listener: tokio::net::TcpListener,
-    records: bool,
+    tls: Option<Tls>,
     token: String,
     fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
     grpc: mpsc::Sender<io::Result<TcpStream>>,
@@ -492,15 +545,34 @@ pub async fn route_tcp(
             }
         };
         let _ = stream.set_nodelay(true);
-        let (token, fabric, grpc) = (token.clone(), fabric.clone(), grpc.clone());
+        let (token, fabric, grpc, tls) = (token.clone(), fabric.clone(), grpc.clone(), tls.clone());
         tokio::spawn(async move {
-            let hello = match records {
-                true => tokio::time::timeout(FIRST_BYTES_TIMEOUT, opens_with_hello(&stream)).await,
-                false => Ok(Ok(false)),
-            };
-            match hello {
-                Ok(Ok(true)) => answer_bounded(LinkStream::Tcp(stream), token, fabric).await,
-                Ok(Ok(false)) => {
+            let opening = tokio::time::timeout(FIRST_BYTES_TIMEOUT, opens_with(&stream)).await;
+            match opening {
+                Ok(Ok(Opening::Records)) => match tls {
+                    None => answer_bounded(LinkStream::Tcp(stream), token, fabric).await,
+                    Some(_) => refuse_plain(stream).await,
+                },
+                Ok(Ok(Opening::TlsRecords)) => match tls {
+                    Some(tls) => {
+                        let accepted =
+                            tokio::time::timeout(HANDSHAKE_TIMEOUT, accept_tls(stream, &tls)).await;
+                        match accepted {
+                            Ok(Ok(stream)) => answer_bounded(stream, token, fabric).await,
+                            Ok(Err(e)) => tracing::warn!("refused a TLS link: {e}"),
+                            Err(_) => tracing::warn!("a TLS link did not finish its handshake"),
+                        }
+                    }
+                    None => {
+                        let mut stream = stream;
+                        let mut magic = [0u8; TLS_MAGIC.len()];
+                        if stream.read_exact(&mut magic).await.is_ok() {
+                            refuse(&mut stream, NOT_TLS_REFUSAL).await;
+                        }
+                        tracing::warn!("refused a TLS link: {NOT_TLS_REFUSAL}");
+                    }
+                },
+                Ok(Ok(Opening::Other)) => {
                     if grpc.send(Ok(stream)).await.is_err() {
                         tracing::debug!("a gRPC connection came after the link service stopped");
                     }
@@ -518,22 +590,46 @@ pub async fn route_tcp(
 /// its hello, gRPC its preface, as soon as it is connected).
 const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Whether the first bytes a connection sends are a record hello's magic (without taking
-/// them). Decided as soon as the bytes so far differ from it; an HTTP/2 preface ("PRI ...")
-/// differs at its second byte. A peer that sent part of the magic and no more (peeking again
-/// returns the same bytes, even once it has closed) is given up on after a second.
-async fn opens_with_hello(stream: &TcpStream) -> io::Result<bool> {
+/// Why a TLS worker refuses a plain record hello.
+const PLAIN_REFUSAL: &str = "this job's links between workers use TLS: start the worker with \
+                             --tls-ca, --tls-cert and --tls-key (or the job with [launch.tls])";
+/// Why a worker without TLS refuses a TLS record link.
+const NOT_TLS_REFUSAL: &str = "this worker runs without TLS, but the dialling one with it: give every worker of the job \
+     the same --tls-* files (or none)";
+
+/// What a connection to the link port opens with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opening {
+    /// A record hello in the clear.
+    Records,
+    /// The preamble of a TLS record link.
+    TlsRecords,
+    /// Anything else: gRPC's.
+    Other,
+}
+
+/// What the first bytes a connection sends are (without taking them). Decided as soon as the
+/// bytes so far match neither magic; an HTTP/2 preface ("PRI ...") and a TLS handshake (0x16)
+/// differ at their first or second byte. A peer that sent part of a magic and no more
+/// (peeking again returns the same bytes, even once it has closed) is given up on after a
+/// second.
+async fn opens_with(stream: &TcpStream) -> io::Result<Opening> {
     let mut first = [0u8; HELLO_MAGIC.len()];
     for _ in 0..1000 {
         let n = stream.peek(&mut first).await?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
-        if first[..n] != HELLO_MAGIC[..n] {
-            return Ok(false);
+        let (plain, tls) = (first[..n] == HELLO_MAGIC[..n], first[..n] == TLS_MAGIC[..n]);
+        if !plain && !tls {
+            return Ok(Opening::Other);
         }
         if n == first.len() {
-            return Ok(true);
+            return Ok(if plain {
+                Opening::Records
+            } else {
+                Opening::TlsRecords
+            });
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -541,6 +637,29 @@ async fn opens_with_hello(stream: &TcpStream) -> io::Result<bool> {
         io::ErrorKind::TimedOut,
         "only part of a hello arrived",
     ))
+}
+
+/// The listening side of a TLS record link: takes the preamble, answers `OK`, runs the
+/// handshake (the dialler's certificate must be signed by the job's authority).
+async fn accept_tls(mut stream: TcpStream, tls: &Tls) -> Result<LinkStream, String> {
+    let io = |e: io::Error| e.to_string();
+    let mut magic = [0u8; TLS_MAGIC.len()];
+    stream.read_exact(&mut magic).await.map_err(io)?;
+    stream.write_all(b"OK").await.map_err(io)?;
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls.records().server.clone());
+    let stream = acceptor
+        .accept(stream)
+        .await
+        .map_err(|e| format!("TLS handshake: {}", crate::tls::chain(&e)))?;
+    Ok(LinkStream::Tls(Box::new(stream.into())))
+}
+
+/// A plain record hello on a TLS worker's port: its hello is taken (so that the refusal is
+/// read before the connection closes) and refused, saying why.
+async fn refuse_plain(mut stream: TcpStream) {
+    let _ = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_hello(&mut stream, "")).await;
+    refuse(&mut stream, PLAIN_REFUSAL).await;
+    tracing::warn!("refused a plain link: {PLAIN_REFUSAL}");
 }
 
 /// Where a record's payload values are.
@@ -759,7 +878,9 @@ impl LinkWriter {
             Ok(n) => n,
             Err(_) => return Direct::Failed,
         };
-        if rest.is_empty() {
+        // A TLS link may hold encrypted bytes the socket had no room for: the writer task
+        // sends them (the whole record is then queued as written).
+        if rest.is_empty() && out.flushed() {
             return Direct::Done;
         }
         *idle = false;
@@ -898,7 +1019,7 @@ async fn write_batch(
         })
         .await?;
     }
-    Ok(())
+    out.flush().await
 }
 
 /// Writes from `rest` what the socket takes without blocking, advancing `rest` past it;
@@ -1147,19 +1268,108 @@ mod tests {
         wire::tests::message(src, seq, Payload::from_vec(values.collect()))
     }
 
-    #[test]
-    fn chips_writing_directly_never_overtake_or_tear_queued_records() {
-        let rt = tokio::runtime::Builder::new_multi_thread()
+    fn multi_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
-            .unwrap_or_else(|e| panic!("{e}"));
-        let (senders, per_sender) = (4u32, 150u32);
-        rt.block_on(async {
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn chips_writing_directly_never_overtake_or_tear_queued_records() {
+        multi_thread().block_on(async {
             let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
-            let (_, out) = LinkStream::Unix(a)
-                .into_split()
-                .unwrap_or_else(|e| panic!("{e}"));
+            records_arrive_whole_and_in_order(LinkStream::Unix(a), LinkStream::Unix(b)).await;
+        });
+    }
+
+    #[test]
+    fn records_inside_tls_arrive_whole_and_in_order() {
+        multi_thread().block_on(async {
+            let tls = test_tls("job-node");
+            let (dialler, listener) = tls_pair(&tls, &tls).await;
+            let (a, b) = (
+                dialler.unwrap_or_else(|e| panic!("{e}")),
+                listener.unwrap_or_else(|e| panic!("{e}")),
+            );
+            assert!(a.is_tls() && b.is_tls());
+            records_arrive_whole_and_in_order(a, b).await;
+        });
+    }
+
+    /// The job's TLS material of the tests (`coordinator/tests/fixtures/tls`), with the
+    /// certificate and key of `node` (`job-node`, or `other-node`: signed by another
+    /// authority).
+    fn test_tls(node: &str) -> Tls {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../coordinator/tests/fixtures/tls"
+        );
+        let files = crate::tls::TlsFiles {
+            ca: format!("{dir}/job-ca.pem").into(),
+            cert: format!("{dir}/{node}.pem").into(),
+            key: format!("{dir}/{node}.key").into(),
+            server_name: crate::tls::DEFAULT_SERVER_NAME.into(),
+        };
+        Tls::load(&files).unwrap_or_else(|e| panic!("{e:?}"))
+    }
+
+    /// A TLS record link over loopback between a dialler with `dialling` and a listener
+    /// with `listening`, as each side ends it.
+    async fn tls_pair(
+        dialling: &Tls,
+        listening: &Tls,
+    ) -> (Result<LinkStream, String>, Result<LinkStream, String>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let listening = listening.clone();
+        let accepted = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap_or_else(|e| panic!("{e}"));
+            accept_tls(s, &listening).await
+        });
+        let s = TcpStream::connect(addr)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let dialled = tokio::time::timeout(BOUNDED, start_tls(s, dialling))
+            .await
+            .unwrap_or_else(|_| Err("no handshake in time".into()));
+        let accepted = tokio::time::timeout(BOUNDED, accepted).await;
+        let accepted = match accepted {
+            Ok(Ok(r)) => r,
+            _ => Err("the listener did not finish".into()),
+        };
+        (dialled, accepted)
+    }
+
+    #[test]
+    fn a_tls_link_needs_a_certificate_of_the_jobs_authority() {
+        multi_thread().block_on(async {
+            let (job, foreign) = (test_tls("job-node"), test_tls("other-node"));
+            let (dialled, accepted) = tls_pair(&foreign, &job).await;
+            let Err(a) = accepted else {
+                panic!("a certificate of another authority was admitted");
+            };
+            assert!(a.contains("TLS handshake"), "{a}");
+            // Under TLS 1.3 the dialler's side of the handshake may end before the listener
+            // has checked its certificate: it learns of the refusal at its first read.
+            if let Ok(mut stream) = dialled {
+                let mut byte = [0u8; 1];
+                let read = tokio::time::timeout(BOUNDED, stream.read(&mut byte)).await;
+                assert!(matches!(read, Ok(Err(_) | Ok(0))), "{read:?}");
+            }
+        });
+    }
+
+    /// Chips on their own threads write records to `a` as a worker's do (directly while the
+    /// link is idle, queued otherwise); the intake's reader reads them from `b`: each must
+    /// arrive once, whole, in each chip's order.
+    async fn records_arrive_whole_and_in_order(a: LinkStream, b: LinkStream) {
+        let (senders, per_sender) = (4u32, 150u32);
+        {
+            let (_, out) = a.into_split().unwrap_or_else(|e| panic!("{e}"));
             let writer = Arc::new(LinkWriter::new());
             assert!(writer.attach(out, None));
             let (tx, rx) = mpsc::unbounded_channel();
@@ -1194,9 +1404,7 @@ mod tests {
                 .collect();
             // The reader the links use, slower than the writers (it rests between drains),
             // so that the socket fills up and records arrive in pieces.
-            let (input, _) = LinkStream::Unix(b)
-                .into_split()
-                .unwrap_or_else(|e| panic!("{e}"));
+            let (input, _) = b.into_split().unwrap_or_else(|e| panic!("{e}"));
             let mut reader = RecordReader::new(0, None);
             let mut next = vec![0u32; senders as usize];
             let got = std::cell::Cell::new(0);
@@ -1239,7 +1447,7 @@ mod tests {
             for t in threads {
                 assert!(t.join().is_ok());
             }
-        });
+        }
     }
 
     #[test]
@@ -1281,9 +1489,11 @@ mod tests {
     /// worker shutting down).
     type NoFabric = watch::Sender<Option<Arc<NodeFabric>>>;
 
-    /// A link port on loopback routed by `route_tcp` (`records`: without TLS): its address,
+    /// A link port on loopback routed by `route_tcp` (with `tls` or without): its address,
     /// the receiving end of what it hands to gRPC, and its fabric.
-    async fn link_port(records: bool) -> (String, mpsc::Receiver<io::Result<TcpStream>>, NoFabric) {
+    async fn link_port(
+        tls: Option<Tls>,
+    ) -> (String, mpsc::Receiver<io::Result<TcpStream>>, NoFabric) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .unwrap_or_else(|e| panic!("{e}"));
@@ -1292,7 +1502,7 @@ mod tests {
         let (grpc_tx, grpc_rx) = mpsc::channel(4);
         tokio::spawn(route_tcp(
             listener,
-            records,
+            tls,
             "job-token".into(),
             fabric,
             grpc_tx,
@@ -1312,7 +1522,7 @@ mod tests {
     #[test]
     fn the_tcp_port_tells_record_links_from_grpc_by_their_first_bytes() {
         current_thread().block_on(async {
-            let (addr, mut grpc, _fabric) = link_port(true).await;
+            let (addr, mut grpc, _fabric) = link_port(None).await;
             // HTTP/2's preface starts with the same letter as the record magic: it goes to
             // gRPC, its bytes untouched.
             let mut h2 = TcpStream::connect(&addr)
@@ -1331,7 +1541,7 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(&first[..peeked], &b"PRI"[..peeked]);
             // A record hello with the wrong token is refused, saying why, and never reaches gRPC.
-            match tokio::time::timeout(BOUNDED, dial_tcp(&addr, 1, 0, "wrong")).await {
+            match tokio::time::timeout(BOUNDED, dial_tcp(&addr, 1, 0, "wrong", None)).await {
                 Ok(Err(e)) => assert!(e.to_string().contains("token"), "{e}"),
                 Ok(Ok(_)) => panic!("a wrong token was admitted"),
                 Err(_) => panic!("no answer to the hello"),
@@ -1365,9 +1575,19 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(30)).await;
                 dialler.write_all(&HELLO_MAGIC[2..]).await
             };
-            let (seen, written) = tokio::join!(opens_with_hello(&accepted), pieces);
+            let (seen, written) = tokio::join!(opens_with(&accepted), pieces);
             assert!(written.is_ok());
-            assert!(seen.unwrap_or_else(|e| panic!("{e}")));
+            assert_eq!(seen.unwrap_or_else(|e| panic!("{e}")), Opening::Records);
+            // The TLS preamble, which shares the record magic's first six bytes.
+            let mut tls = TcpStream::connect(addr)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let accepted = accept().await;
+            tls.write_all(TLS_MAGIC)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let seen = opens_with(&accepted).await;
+            assert_eq!(seen.unwrap_or_else(|e| panic!("{e}")), Opening::TlsRecords);
             // Part of the magic, then nothing: given up on, not taken for gRPC, within about
             // a second.
             let mut half = TcpStream::connect(addr)
@@ -1378,23 +1598,34 @@ mod tests {
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             drop(half);
-            let verdict = tokio::time::timeout(BOUNDED, opens_with_hello(&accepted)).await;
+            let verdict = tokio::time::timeout(BOUNDED, opens_with(&accepted)).await;
             assert!(matches!(verdict, Ok(Err(_))), "{verdict:?}");
         });
     }
 
     #[test]
-    fn under_tls_every_connection_goes_to_grpc_even_a_record_hello() {
+    fn plain_and_tls_record_links_are_refused_by_the_other_kind_of_port_saying_why() {
         current_thread().block_on(async {
-            let (addr, mut grpc, _fabric) = link_port(false).await;
-            let dialled = tokio::spawn(async move { dial_tcp(&addr, 1, 0, "job-token").await });
-            let Ok(Some(Ok(forwarded))) = tokio::time::timeout(BOUNDED, grpc.recv()).await else {
-                panic!("the record hello was not handed to gRPC");
-            };
-            // gRPC (here: nobody) answers it; the dialler fails instead of linking up.
-            drop(forwarded);
-            let outcome = tokio::time::timeout(BOUNDED, dialled).await;
-            assert!(matches!(outcome, Ok(Ok(Err(_)))), "a record link was made");
+            let tls = test_tls("job-node");
+            let refused =
+                |dialled: Option<Result<(LinkStream, Regions), WorkerError>>| match dialled {
+                    Some(Err(e)) => e.to_string(),
+                    Some(Ok(_)) => panic!("a record link was made"),
+                    None => panic!("no answer"),
+                };
+            // A plain record hello on a TLS worker's port: refused, never handed to gRPC.
+            let (addr, mut grpc, _fabric) = link_port(Some(tls.clone())).await;
+            let dialled = tokio::time::timeout(BOUNDED, dial_tcp(&addr, 1, 0, "job-token", None));
+            let e = refused(dialled.await.ok());
+            assert!(e.contains("use TLS") && e.contains("--tls-ca"), "{e}");
+            assert!(grpc.try_recv().is_err());
+            // A TLS dialler on a plain worker's port: refused in the clear, before any handshake.
+            let (addr, mut grpc, _fabric) = link_port(None).await;
+            let dialled =
+                tokio::time::timeout(BOUNDED, dial_tcp(&addr, 1, 0, "job-token", Some(&tls)));
+            let e = refused(dialled.await.ok());
+            assert!(e.contains("without TLS"), "{e}");
+            assert!(grpc.try_recv().is_err());
         });
     }
 

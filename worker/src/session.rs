@@ -43,7 +43,7 @@ pub struct WorkerOptions {
     pub advertise: Option<String>,
     /// Exit when standard input closes (set when a coordinator spawned this worker).
     pub watch_stdin: bool,
-    /// Mutual TLS on the gRPC connections (to the coordinator and to other workers).
+    /// Mutual TLS on the connections over TCP (to the coordinator and to other workers).
     pub tls: Option<crate::tls::Tls>,
 }
 
@@ -206,12 +206,12 @@ impl Links {
                 .tls_config(tls.server())
                 .map_err(|e| WorkerError::Link(crate::tls::chain(&e)))?;
         }
-        // One port for both: without TLS, connections that open with a record hello become
-        // record links and the others go to gRPC; under TLS every one goes to gRPC.
+        // One port for both: connections that open as record links (inside TLS when the job
+        // uses it) become record links and the others go to gRPC.
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(16);
         tokio::spawn(crate::records::route_tcp(
             listener,
-            opts.tls.is_none(),
+            opts.tls.clone(),
             opts.token.clone(),
             fabric_rx_tcp,
             grpc_tx,

@@ -1,7 +1,7 @@
 //! The byte stream under a record link ([`crate::records`]): a Unix domain socket between workers
-//! on one host, a TCP connection between hosts. Both carry the same hello and the same
-//! records; only how the bytes travel differs, so the link code is written once against
-//! these types. Also how every link (record or gRPC) keeps dialling a peer that may still be
+//! on one host, a TCP connection between hosts, and under `[launch.tls]` TLS over that TCP
+//! connection. All carry the same hello and the same records; only how the bytes travel
+//! differs, so the link code is written once against these types. Also how every link (record or gRPC) keeps dialling a peer that may still be
 //! starting ([`with_retry`]).
 //!
 //! The hello runs on tokio's sockets ([`LinkStream`]). Once linked, the socket leaves tokio's
@@ -9,10 +9,17 @@
 //! and its reading half ([`RawLink`]) is read by whoever waits for the link's input
 //! ([`crate::intake`]). A socket tokio watched for input too would wake a tokio thread for
 //! every message that arrives, even while the chip executor's own thread reads the link.
+//!
+//! A TLS link leaves tokio the same way once its handshake and hello are done: its rustls
+//! state, shared by both halves under a lock, is then driven without blocking on the
+//! socket ([`TlsLink`]), so the intake reads it like any other. Reading decrypts what the
+//! socket holds; writing encrypts into rustls's buffer and sends what the socket takes, and
+//! what it does not take is sent first by the next write or by [`LinkWrite::flush`].
 
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -26,6 +33,7 @@ macro_rules! either {
         match $s {
             $kind::Unix($x) => $body,
             $kind::Tcp($x) => $body,
+            $kind::Tls($x) => $body,
         }
     };
 }
@@ -35,6 +43,8 @@ macro_rules! either {
 pub(crate) enum LinkStream {
     Unix(UnixStream),
     Tcp(TcpStream),
+    /// Boxed: rustls's state is large, and only links across hosts carry it.
+    Tls(Box<tokio_rustls::TlsStream<TcpStream>>),
 }
 
 /// A linked socket outside tokio's reactor, non-blocking: read and written from any thread.
@@ -42,22 +52,33 @@ pub(crate) enum LinkStream {
 pub(crate) enum RawLink {
     Unix(std::os::unix::net::UnixStream),
     Tcp(std::net::TcpStream),
+    Tls(TlsLink),
 }
 
 impl RawLink {
-    /// Reads what has arrived; `WouldBlock` when nothing has.
+    /// Reads what has arrived; `WouldBlock` when nothing has. A read that returns less than
+    /// `buf` holds took everything the socket held (a TLS link reads on until it has).
     pub(crate) fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
-        either!(RawLink, self, s => (&*s).read(buf))
+        match self {
+            RawLink::Unix(s) => (&*s).read(buf),
+            RawLink::Tcp(s) => (&*s).read(buf),
+            RawLink::Tls(s) => s.read(buf),
+        }
     }
 
     fn write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        either!(RawLink, self, s => (&*s).write_vectored(bufs))
+        match self {
+            RawLink::Unix(s) => (&*s).write_vectored(bufs),
+            RawLink::Tcp(s) => (&*s).write_vectored(bufs),
+            RawLink::Tls(s) => s.write_vectored(bufs),
+        }
     }
 
     fn try_clone(&self) -> io::Result<RawLink> {
         Ok(match self {
             RawLink::Unix(s) => RawLink::Unix(s.try_clone()?),
             RawLink::Tcp(s) => RawLink::Tcp(s.try_clone()?),
+            RawLink::Tls(s) => RawLink::Tls(s.try_clone()?),
         })
     }
 }
@@ -66,6 +87,178 @@ impl AsRawFd for RawLink {
     fn as_raw_fd(&self) -> RawFd {
         either!(RawLink, self, s => s.as_raw_fd())
     }
+}
+
+/// A TLS link outside tokio: its own descriptor of the TCP socket (each half has one, so
+/// that each can be watched on its own) and the rustls state both halves share.
+#[derive(Debug)]
+pub(crate) struct TlsLink {
+    socket: std::net::TcpStream,
+    state: Arc<Mutex<TlsState>>,
+}
+
+/// A TLS link's rustls state, and the encrypted bytes read from the socket that rustls has
+/// not taken yet: rustls takes at most one TLS record (16 KiB) a call, and feeding it from
+/// one large read costs a copy where reading the socket a record at a time would cost a
+/// system call.
+#[derive(Debug)]
+struct TlsState {
+    tls: rustls::Connection,
+    arrived: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+/// The most plaintext one write hands rustls, and the most encrypted bytes it buffers: what
+/// one vectored write sends.
+const TLS_WRITE_CHUNK: usize = 256 << 10;
+/// Encrypted bytes read from the socket at once.
+const TLS_READ_BYTES: usize = 256 << 10;
+
+impl TlsState {
+    /// Hands rustls encrypted bytes: from `arrived`, refilled from `socket` (one read) when
+    /// empty. `Ok(0)`: the socket is at its end.
+    fn feed(&mut self, socket: &std::net::TcpStream) -> io::Result<usize> {
+        if self.start == self.end {
+            let n = (&*socket).read(&mut self.arrived)?;
+            (self.start, self.end) = (0, n);
+            if n == 0 {
+                return Ok(0);
+            }
+        }
+        let n = self
+            .tls
+            .read_tls(&mut &self.arrived[self.start..self.end])?;
+        if n == 0 {
+            // rustls took nothing from bytes it was offered (0 would read as the end).
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "TLS took no input",
+            ));
+        }
+        self.start += n;
+        Ok(n)
+    }
+}
+
+impl TlsLink {
+    fn new(socket: std::net::TcpStream, mut tls: rustls::Connection) -> TlsLink {
+        tls.set_buffer_limit(Some(TLS_WRITE_CHUNK));
+        TlsLink {
+            socket,
+            state: Arc::new(Mutex::new(TlsState {
+                tls,
+                arrived: vec![0u8; TLS_READ_BYTES].into_boxed_slice(),
+                start: 0,
+                end: 0,
+            })),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, TlsState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn try_clone(&self) -> io::Result<TlsLink> {
+        Ok(TlsLink {
+            socket: self.socket.try_clone()?,
+            state: self.state.clone(),
+        })
+    }
+
+    /// Plaintext into `buf` until it is full or the socket is empty; `WouldBlock` when
+    /// nothing had arrived. A peer that closed, with or without TLS's close notification,
+    /// reads as the end (0), as a plain socket's close does.
+    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut guard = self.state();
+        let state = &mut *guard;
+        let mut got = 0;
+        let mut ended = false;
+        loop {
+            match state.tls.reader().read(&mut buf[got..]) {
+                Ok(0) => return Ok(got),
+                Ok(n) => {
+                    got += n;
+                    if got == buf.len() {
+                        return Ok(got);
+                    }
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && !ended => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof || ended => return Ok(got),
+                Err(e) => return Err(e),
+            }
+            // Nothing decrypted is left: take what has arrived.
+            match state.feed(&self.socket) {
+                Ok(0) => ended = true,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && got > 0 => return Ok(got),
+                Err(e) => return Err(e),
+            }
+            state
+                .tls
+                .process_new_packets()
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            // What rustls answers by itself (a key update, an alert) goes now if it can, or
+            // ahead of the next write.
+            let _ = send_pending(&mut state.tls, &self.socket);
+        }
+    }
+
+    /// Sends what rustls holds, then encrypts from `bufs` and sends that too; the plaintext
+    /// bytes taken. `WouldBlock` when earlier bytes still wait for room (none taken then).
+    fn write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let mut guard = self.state();
+        let state = &mut guard.tls;
+        if !send_pending(state, &self.socket)? {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let mut taken = 0;
+        for buf in bufs {
+            let want = buf.len().min(TLS_WRITE_CHUNK - taken);
+            let n = state.writer().write(&buf[..want])?;
+            taken += n;
+            if n < want || taken == TLS_WRITE_CHUNK {
+                break;
+            }
+        }
+        send_pending(state, &self.socket)?;
+        Ok(taken)
+    }
+
+    /// Whether everything written has gone to the socket.
+    fn flushed(&self) -> bool {
+        !self.state().tls.wants_write()
+    }
+
+    /// Sends what rustls holds: `Ok` once nothing is left, `WouldBlock` while some is.
+    fn flush(&self) -> io::Result<()> {
+        match send_pending(&mut self.state().tls, &self.socket)? {
+            true => Ok(()),
+            false => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    }
+}
+
+impl AsRawFd for TlsLink {
+    fn as_raw_fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+}
+
+/// Writes rustls's encrypted output to `socket` until none is left (true) or the socket is
+/// full (false).
+fn send_pending(state: &mut rustls::Connection, socket: &std::net::TcpStream) -> io::Result<bool> {
+    while state.wants_write() {
+        match state.write_tls(&mut &*socket) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
 }
 
 /// `inner`'s descriptor registered with tokio's reactor for `interest` only.
@@ -101,14 +294,34 @@ impl LinkStream {
         let input = match self {
             LinkStream::Unix(s) => RawLink::Unix(s.into_std()?),
             LinkStream::Tcp(s) => RawLink::Tcp(s.into_std()?),
+            LinkStream::Tls(s) => {
+                // What arrived after the hello stays in the rustls state, decrypted or not.
+                let (socket, state) = match *s {
+                    tokio_rustls::TlsStream::Client(c) => {
+                        let (socket, state) = c.into_inner();
+                        (socket, rustls::Connection::from(state))
+                    }
+                    tokio_rustls::TlsStream::Server(c) => {
+                        let (socket, state) = c.into_inner();
+                        (socket, rustls::Connection::from(state))
+                    }
+                };
+                RawLink::Tls(TlsLink::new(socket.into_std()?, state))
+            }
         };
         let output = watch(input.try_clone()?, Interest::WRITABLE)?;
         Ok((input, LinkWrite(output)))
     }
 
-    /// Whether the peer is reached over TCP (maybe on another host: no shared memory).
+    /// Whether the peer is reached over TCP, with or without TLS (maybe on another host: no
+    /// shared memory).
     pub(crate) fn is_tcp(&self) -> bool {
-        matches!(self, LinkStream::Tcp(_))
+        matches!(self, LinkStream::Tcp(_) | LinkStream::Tls(_))
+    }
+
+    /// Whether the link runs TLS.
+    pub(crate) fn is_tls(&self) -> bool {
+        matches!(self, LinkStream::Tls(_))
     }
 }
 
@@ -116,6 +329,23 @@ impl LinkWrite {
     /// Writes what the socket takes now; `WouldBlock` when it takes nothing.
     pub(crate) fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         self.0.get_ref().write_vectored(bufs)
+    }
+
+    /// Whether everything written has reached the socket (a TLS link may hold encrypted
+    /// bytes the socket had no room for; the next write sends them first).
+    pub(crate) fn flushed(&self) -> bool {
+        match self.0.get_ref() {
+            RawLink::Tls(s) => s.flushed(),
+            _ => true,
+        }
+    }
+
+    /// Waits until everything written has reached the socket.
+    pub(crate) async fn flush(&self) -> io::Result<()> {
+        match self.0.get_ref() {
+            RawLink::Tls(s) => self.when_writable(|| s.flush()).await,
+            _ => Ok(()),
+        }
     }
 
     /// Runs `write` (non-blocking writes) once the socket may have room, again after each
