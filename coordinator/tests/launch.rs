@@ -239,7 +239,10 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
     );
     let (other_cert, other_key) = (tls_file("other-node.pem"), tls_file("other-node.key"));
     // Refused: a worker without TLS, and one that trusts the job's authority but presents
-    // a certificate another authority signed. Both retry until their patience runs out.
+    // a certificate another authority signed. Each is refused by the coordinator itself,
+    // before any worker is admitted: the job cannot end until two are, so a refusal here is
+    // the coordinator's answer to the worker's TLS, not a coordinator that is gone (a worker
+    // that finds no coordinator retries until its patience runs out, and says so).
     let plain = worker(&[]);
     let foreign = worker(&[
         "--tls-ca",
@@ -249,6 +252,18 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         "--tls-key",
         &other_key,
     ]);
+    for (refused, hint) in [
+        (plain, "--tls-ca"),
+        (foreign, "signed by the job's authority"),
+    ] {
+        let o = wait_bounded(refused, Duration::from_secs(90));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{err}");
+        assert!(
+            err.contains("the coordinator refused the session") && err.contains(hint),
+            "{err}"
+        );
+    }
     let admitted: Vec<_> = (0..2)
         .map(|_| {
             worker(&[
@@ -262,15 +277,6 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         })
         .collect();
     all_succeed(coord, admitted);
-    for (refused, hint) in [
-        (plain, "--tls-ca"),
-        (foreign, "signed by the job's authority"),
-    ] {
-        let o = wait_bounded(refused, Duration::from_secs(90));
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "{err}");
-        assert!(err.contains("coordinator") && err.contains(hint), "{err}");
-    }
     let r = report(&dir);
     assert_eq!(r["status"], "ok");
     let workers = r["workers"].as_array().unwrap();
