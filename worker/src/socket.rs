@@ -1,8 +1,8 @@
 //! The byte stream under a record link ([`crate::records`]): a Unix domain socket between workers
 //! on one host, a TCP connection between hosts, and under `[launch.tls]` TLS over that TCP
 //! connection. All carry the same hello and the same records; only how the bytes travel
-//! differs, so the link code is written once against these types. Also how every link (record or gRPC) keeps dialling a peer that may still be
-//! starting ([`with_retry`]).
+//! differs, so the link code is written once against these types. Also how every link
+//! (record or gRPC) keeps dialling a peer that may still be starting ([`with_retry`]).
 //!
 //! The hello runs on tokio's sockets ([`LinkStream`]). Once linked, the socket leaves tokio's
 //! reactor ([`LinkStream::into_split`]): its writing half is watched by tokio for room only,
