@@ -82,9 +82,11 @@ impl LinkInput {
                 .map_err(|e| format!("link from worker {peer}: bad record: {e}"))?;
             fabric.accept(peer, msg)
         });
-        drop(reader);
+        // Stored before the reader is let go: a drain that ends later (the heartbeat's, the
+        // task's) stores its own verdict after this one, never before it.
         self.pending
             .store(drained == Ok(Drained::More), Ordering::Release);
+        drop(reader);
         match drained {
             Ok(Drained::Empty) => Some(false),
             Ok(Drained::More) => Some(true),

@@ -131,7 +131,8 @@ pub struct NodeFabric {
     placement: Placement,
     inboxes: Vec<Option<Arc<Inbox>>>,
     peers: HashMap<u32, Peer>,
-    connected: Mutex<HashMap<u32, Transport>>,
+    /// Each linked peer: how, and for a record link whether it runs inside TLS.
+    connected: Mutex<HashMap<u32, (Transport, bool)>>,
     connected_changed: Notify,
     link_errors: Mutex<Vec<String>>,
     /// Set once this worker's chips are done: peers closing their streams is then expected.
@@ -376,24 +377,28 @@ impl NodeFabric {
             .ok_or_else(|| Refusal::Taken(format!("worker {peer} is already linked")))
     }
 
-    fn connected_by(&self, peer: u32, transport: Transport) {
+    fn connected_by(&self, peer: u32, transport: Transport, inside_tls: bool) {
         self.connected
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(peer, transport);
+            .insert(peer, (transport, inside_tls));
         self.connected_changed.notify_waiters();
     }
 
-    /// The transport of each link to another worker, by peer; `tls` when this worker's
-    /// connections over TCP (gRPC or records) are mutual TLS (its Unix-socket links never are).
+    /// The transport of each link to another worker, by peer, and whether it is mutual TLS:
+    /// a record link when it runs inside TLS, a gRPC link when this worker's gRPC does
+    /// (`tls`).
     pub fn links(&self, tls: bool) -> Vec<PeerLink> {
         let connected = self.connected.lock().unwrap_or_else(|e| e.into_inner());
         let mut links: Vec<PeerLink> = connected
             .iter()
-            .map(|(&peer, &transport)| PeerLink {
+            .map(|(&peer, &(transport, inside_tls))| PeerLink {
                 peer,
                 transport,
-                tls: tls && matches!(transport, Transport::Grpc | Transport::Tcp),
+                tls: match transport {
+                    Transport::Grpc => tls,
+                    _ => inside_tls,
+                },
             })
             .collect();
         links.sort_by_key(|l| l.peer);
@@ -414,7 +419,7 @@ impl NodeFabric {
         })?;
         tokio::spawn(pump_out(queue, outgoing));
         tokio::spawn(pump_in(self.clone(), peer, incoming));
-        self.connected_by(peer, Transport::Grpc);
+        self.connected_by(peer, Transport::Grpc, false);
         Ok(())
     }
 
@@ -427,7 +432,7 @@ impl NodeFabric {
         queue: mpsc::UnboundedReceiver<Outgoing>,
         regions: records::Regions,
     ) {
-        let transport = regions.transport(&stream);
+        let (transport, inside_tls) = (regions.transport(&stream), stream.is_tls());
         let (input, output) = match stream.into_split() {
             Ok(halves) => halves,
             Err(e) => return self.link_failed(format!("link from worker {peer}: {e}")),
@@ -440,7 +445,7 @@ impl NodeFabric {
         }
         tokio::spawn(records::pump_out(queue, p.writer.clone()));
         self.inputs.add(peer, input, regions.inbound);
-        self.connected_by(peer, transport);
+        self.connected_by(peer, transport, inside_tls);
     }
 
     /// Delivers what has already arrived on this worker's record links, on the calling thread

@@ -333,11 +333,22 @@ async fn answer(
     }
 }
 
-async fn refuse<S: tokio::io::AsyncWrite + Unpin>(stream: &mut S, reason: &str) {
+/// Answers `NO` with `reason` and closes the sending side. Whatever the peer still sends is
+/// then read and dropped until it closes (a second at most): a connection closed with
+/// input unread is reset, and a reset can discard the refusal before the peer reads it.
+async fn refuse<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    reason: &str,
+) {
     let mut out = b"NO".to_vec();
     out.extend((reason.len() as u32).to_le_bytes());
     out.extend(reason.as_bytes());
-    let _ = stream.write_all(&out).await;
+    if stream.write_all(&out).await.is_err() || stream.shutdown().await.is_err() {
+        return;
+    }
+    let mut sink = [0u8; 4096];
+    let drain = async { while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {} };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
 /// Reads a hello whole (its magic, version and token length checked as they come) and checks
@@ -1405,6 +1416,8 @@ mod tests {
             // The reader the links use, slower than the writers (it rests between drains),
             // so that the socket fills up and records arrive in pieces.
             let (input, _) = b.into_split().unwrap_or_else(|e| panic!("{e}"));
+            let watched = crate::socket::watch_input(&input).unwrap_or_else(|e| panic!("{e}"));
+            const STUCK: Duration = Duration::from_secs(10);
             let mut reader = RecordReader::new(0, None);
             let mut next = vec![0u32; senders as usize];
             let got = std::cell::Cell::new(0);
@@ -1431,8 +1444,21 @@ mod tests {
                 while got.get() < senders * per_sender {
                     match reader.drain(&input, &mut check) {
                         Ok(Drained::More) => {}
+                        Ok(Drained::Empty) if got.get() == senders * per_sender => {}
                         Ok(Drained::Empty) => {
                             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                            // Then as the intake waits: on the socket's readiness, so that a
+                            // record left inside the link (a TLS link's state) is a failure.
+                            let ready = tokio::time::timeout(STUCK, watched.readable()).await;
+                            match ready {
+                                Ok(Ok(mut ready)) => ready.clear_ready(),
+                                Ok(Err(e)) => panic!("{e}"),
+                                Err(_) => panic!(
+                                    "records missing and the socket silent: {} of {} arrived",
+                                    got.get(),
+                                    senders * per_sender
+                                ),
+                            }
                         }
                         other => panic!("{other:?}"),
                     }

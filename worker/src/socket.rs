@@ -188,17 +188,20 @@ impl TlsLink {
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof || ended => return Ok(got),
                 Err(e) => return Err(e),
             }
-            // Nothing decrypted is left: take what has arrived.
+            // Nothing decrypted is left: take what has arrived. What this read already
+            // decrypted is returned whatever stops it (an error that lasts comes back at the
+            // next read, which a short read is followed by once the socket says so).
             match state.feed(&self.socket) {
                 Ok(0) => ended = true,
                 Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock && got > 0 => return Ok(got),
+                Err(_) if got > 0 => return Ok(got),
                 Err(e) => return Err(e),
             }
-            state
-                .tls
-                .process_new_packets()
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            if let Err(e) = state.tls.process_new_packets() {
+                // The alert rustls queued for the peer goes, if the socket takes it.
+                let _ = send_pending(&mut state.tls, &self.socket);
+                return Err(io::Error::new(io::ErrorKind::InvalidData, e));
+            }
             // What rustls answers by itself (a key update, an alert) goes now if it can, or
             // ahead of the next write.
             let _ = send_pending(&mut state.tls, &self.socket);
@@ -390,6 +393,13 @@ impl AsyncWrite for LinkStream {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         either!(LinkStream, self.get_mut(), s => Pin::new(s).poll_shutdown(cx))
     }
+}
+
+/// `link`'s input watched by tokio's reactor through a descriptor of its own: tests wait on
+/// it as the intake's tasks do.
+#[cfg(test)]
+pub(crate) fn watch_input(link: &RawLink) -> io::Result<AsyncFd<RawLink>> {
+    watch(link.try_clone()?, Interest::READABLE)
 }
 
 /// How long a link keeps trying to reach a peer that may still be starting.
