@@ -1313,6 +1313,11 @@ mod tests {
     /// certificate and key of `node` (`job-node`, or `other-node`: signed by another
     /// authority).
     fn test_tls(node: &str) -> Tls {
+        test_tls_expecting(node, crate::tls::DEFAULT_SERVER_NAME)
+    }
+
+    /// [`test_tls`] expecting `server_name` in the listener's certificate.
+    fn test_tls_expecting(node: &str, server_name: &str) -> Tls {
         let dir = concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../coordinator/tests/fixtures/tls"
@@ -1321,7 +1326,7 @@ mod tests {
             ca: format!("{dir}/job-ca.pem").into(),
             cert: format!("{dir}/{node}.pem").into(),
             key: format!("{dir}/{node}.key").into(),
-            server_name: crate::tls::DEFAULT_SERVER_NAME.into(),
+            server_name: server_name.into(),
         };
         Tls::load(&files).unwrap_or_else(|e| panic!("{e:?}"))
     }
@@ -1353,6 +1358,25 @@ mod tests {
             _ => Err("the listener did not finish".into()),
         };
         (dialled, accepted)
+    }
+
+    #[test]
+    fn a_dialler_refuses_a_listener_of_another_authority_or_name() {
+        multi_thread().block_on(async {
+            let job = test_tls("job-node");
+            for (dialling, listening) in [
+                // The listener presents a certificate another authority signed.
+                (job.clone(), test_tls("other-node")),
+                // The listener's certificate is the job's, but names another server.
+                (test_tls_expecting("job-node", "not-podsim"), job.clone()),
+            ] {
+                let (dialled, _) = tls_pair(&dialling, &listening).await;
+                match dialled {
+                    Err(e) => assert!(e.contains("TLS handshake"), "{e}"),
+                    Ok(_) => panic!("the dialler accepted a listener it should not trust"),
+                }
+            }
+        });
     }
 
     #[test]
