@@ -454,11 +454,17 @@ async fn start_tls(mut stream: TcpStream, tls: &Tls) -> Result<LinkStream, Strin
     }
     let config = tls.records();
     let connector = tokio_rustls::TlsConnector::from(config.client.clone());
-    let stream = connector
-        .connect(config.server_name.clone(), stream)
-        .await
-        .map_err(|e| format!("TLS handshake: {}", crate::tls::chain(&e)))?;
-    Ok(LinkStream::Tls(Box::new(stream.into())))
+    tls_linked(connector.connect(config.server_name.clone(), stream).await)
+}
+
+/// The end of either side's TLS handshake as a link stream, or why it failed.
+fn tls_linked(
+    handshake: io::Result<impl Into<tokio_rustls::TlsStream<TcpStream>>>,
+) -> Result<LinkStream, String> {
+    match handshake {
+        Ok(stream) => Ok(LinkStream::Tls(Box::new(stream.into()))),
+        Err(e) => Err(format!("TLS handshake: {}", crate::tls::chain(&e))),
+    }
 }
 
 /// The reason of a `NO` answer (its length, then its text), once `NO` has been read.
@@ -574,14 +580,7 @@ pub async fn route_tcp(
                             Err(_) => tracing::warn!("a TLS link did not finish its handshake"),
                         }
                     }
-                    None => {
-                        let mut stream = stream;
-                        let mut magic = [0u8; TLS_MAGIC.len()];
-                        if stream.read_exact(&mut magic).await.is_ok() {
-                            refuse(&mut stream, NOT_TLS_REFUSAL).await;
-                        }
-                        tracing::warn!("refused a TLS link: {NOT_TLS_REFUSAL}");
-                    }
+                    None => refuse_tls(stream).await,
                 },
                 Ok(Ok(Opening::Other)) => {
                     if grpc.send(Ok(stream)).await.is_err() {
@@ -658,11 +657,16 @@ async fn accept_tls(mut stream: TcpStream, tls: &Tls) -> Result<LinkStream, Stri
     stream.read_exact(&mut magic).await.map_err(io)?;
     stream.write_all(b"OK").await.map_err(io)?;
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.records().server.clone());
-    let stream = acceptor
-        .accept(stream)
-        .await
-        .map_err(|e| format!("TLS handshake: {}", crate::tls::chain(&e)))?;
-    Ok(LinkStream::Tls(Box::new(stream.into())))
+    tls_linked(acceptor.accept(stream).await)
+}
+
+/// A TLS preamble on the port of a worker without TLS: taken, and refused in the clear.
+async fn refuse_tls(mut stream: TcpStream) {
+    let mut magic = [0u8; TLS_MAGIC.len()];
+    if stream.read_exact(&mut magic).await.is_ok() {
+        refuse(&mut stream, NOT_TLS_REFUSAL).await;
+    }
+    tracing::warn!("refused a TLS link: {NOT_TLS_REFUSAL}");
 }
 
 /// A plain record hello on a TLS worker's port: its hello is taken (so that the refusal is
