@@ -20,7 +20,7 @@
 //! descriptors, and an eventfd's creation and its 8-byte reads and writes.
 #![allow(unsafe_code)]
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
@@ -31,7 +31,7 @@ use tokio::sync::watch;
 use crate::net::NodeFabric;
 use crate::records::{Drained, RecordReader};
 use crate::shm::Inbound;
-use crate::socket::{RawLink, watch_fd};
+use crate::socket::{RawLink, Watched, watch_fd};
 
 /// One record link into this worker: its socket and its reader.
 #[derive(Debug)]
@@ -107,16 +107,6 @@ impl LinkInput {
     fn fail(&self, fabric: &NodeFabric, error: String) {
         self.done.store(true, Ordering::Release);
         fabric.link_failed(error);
-    }
-}
-
-/// A link's socket as tokio's reactor watches it while the link's task reads it (input only;
-/// the socket stays owned by its [`LinkInput`]).
-struct Watched(RawFd);
-
-impl AsRawFd for Watched {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0
     }
 }
 
