@@ -31,7 +31,7 @@ use tokio::sync::watch;
 use crate::net::NodeFabric;
 use crate::records::{Drained, RecordReader};
 use crate::shm::Inbound;
-use crate::socket::{RawLink, Watched, watch_fd};
+use crate::socket::{RawLink, SocketFd, watch_fd};
 
 /// One record link into this worker: its socket and its reader.
 #[derive(Debug)]
@@ -187,7 +187,8 @@ impl LinkInputs {
                 continue;
             }
             // SAFETY: `link` owns the socket and outlives `watched`, which this task drops first.
-            let watched = unsafe { watch_fd(Watched(link.socket.as_raw_fd()), Interest::READABLE) };
+            let watched =
+                unsafe { watch_fd(SocketFd(link.socket.as_raw_fd()), Interest::READABLE) };
             let Ok(watched) = watched else {
                 return self.fail(&link, "cannot watch the link's socket".into());
             };

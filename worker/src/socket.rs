@@ -5,8 +5,8 @@
 //! (record or gRPC) keeps dialling a peer that may still be starting ([`with_retry`]).
 //!
 //! The hello runs on tokio's sockets ([`LinkStream`]). Once linked, the socket leaves tokio's
-//! reactor ([`LinkStream::into_split`]): its writing half is watched by tokio for room only,
-//! and its reading half ([`RawLink`]) is read by whoever waits for the link's input
+//! reactor ([`LinkStream::into_split`]): its writing half is watched by tokio only while a
+//! write waits for room ([`LinkWrite`]), and its reading half ([`RawLink`]) is read by whoever waits for the link's input
 //! ([`crate::intake`]). A socket tokio watched for input too would wake a tokio thread for
 //! every message that arrives, even while the chip executor's own thread reads the link.
 //!
@@ -275,16 +275,6 @@ pub(crate) unsafe fn watch_fd<T: AsRawFd>(inner: T, interest: Interest) -> io::R
     unsafe { AsyncFd::register_with_interest(inner, interest) }.map_err(|e| e.into_parts().1)
 }
 
-/// [`watch_fd`] for a socket `inner` owns.
-#[cfg(test)]
-fn watch(inner: RawLink, interest: Interest) -> io::Result<AsyncFd<RawLink>> {
-    // SAFETY: the AsyncFd owns `inner`, whose descriptor stays open until it is dropped.
-    #[allow(unsafe_code)]
-    unsafe {
-        watch_fd(inner, interest)
-    }
-}
-
 /// The writing half of a linked socket: written without blocking, from any thread.
 ///
 /// tokio's reactor watches it for room only while a write waits for some: a socket in an
@@ -297,9 +287,9 @@ pub(crate) struct LinkWrite(RawLink);
 
 /// A descriptor another value owns, as tokio's reactor watches it (the owner outlives the
 /// watch: see [`watch_fd`]).
-pub(crate) struct Watched(pub(crate) RawFd);
+pub(crate) struct SocketFd(pub(crate) RawFd);
 
-impl AsRawFd for Watched {
+impl AsRawFd for SocketFd {
     fn as_raw_fd(&self) -> RawFd {
         self.0
     }
@@ -369,7 +359,8 @@ impl LinkWrite {
 
     /// Runs `write` (non-blocking writes) at once, and again after each `WouldBlock` it
     /// returns once room is made: a full socket is waited on (not retried in a loop), watched
-    /// by tokio's reactor only for that wait.
+    /// by tokio's reactor only for that wait. One wait at a time per link (its writer task's):
+    /// a second registration of the descriptor would fail, and the link with it.
     pub(crate) async fn when_writable<R>(
         &self,
         mut write: impl FnMut() -> io::Result<R>,
@@ -382,7 +373,7 @@ impl LinkWrite {
         // descriptor's state when it is added, not only later changes.
         // SAFETY: `self.0` owns the descriptor and outlives `watched`, dropped in this call.
         #[allow(unsafe_code)]
-        let watched = unsafe { watch_fd(Watched(self.0.as_raw_fd()), Interest::WRITABLE) }?;
+        let watched = unsafe { watch_fd(SocketFd(self.0.as_raw_fd()), Interest::WRITABLE) }?;
         loop {
             let mut ready = watched.writable().await?;
             if let Ok(result) = ready.try_io(|_| write()) {
@@ -424,7 +415,11 @@ impl AsyncWrite for LinkStream {
 /// it as the intake's tasks do.
 #[cfg(test)]
 pub(crate) fn watch_input(link: &RawLink) -> io::Result<AsyncFd<RawLink>> {
-    watch(link.try_clone()?, Interest::READABLE)
+    // SAFETY: the AsyncFd owns the clone, whose descriptor stays open until it is dropped.
+    #[allow(unsafe_code)]
+    unsafe {
+        watch_fd(link.try_clone()?, Interest::READABLE)
+    }
 }
 
 /// How long a link keeps trying to reach a peer that may still be starting.
