@@ -11,8 +11,11 @@ cargo test --workspace 2>&1 | tee "$log"
 # Every cross-process test again with the links between workers forced over records on TCP,
 # over Unix sockets alone, then over gRPC (the run above takes the default: Unix sockets with
 # large payloads in shared memory between workers on this host).
+# `--workspace`, as above, so that cargo builds nothing again (`-p` alone resolves other
+# features and rebuilt the worker and the coordinator, a minute). `--test training` also
+# matches the worker's own training tests (2 s).
 for transport in tcp uds grpc; do
-    PODSIM_TRANSPORT=$transport cargo test -p podsim-coordinator --test faults --test stragglers \
+    PODSIM_TRANSPORT=$transport cargo test --workspace --test faults --test stragglers \
         --test launch --test orphans --test training --test bench_cli --test garbage 2>&1 \
         | tee -a "$log"
 done

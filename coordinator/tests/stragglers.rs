@@ -13,20 +13,24 @@ use fault_jobs::launch;
 
 #[test]
 fn slow_and_delayed_jobs_are_not_hangs() {
-    for (tag, fault, straggler) in [
-        ("none", "", None),
+    // The delayed job runs 24 steps: about 9 s, over four of the watchdog's 2 s timeouts,
+    // since every message over the link waits 30 ms (120 steps took 46 s of the suite).
+    for (tag, steps, fault, straggler) in [
+        ("none", 120, "", None),
         (
             "slow",
+            120,
             "[[faults]]\nkind = \"slow\"\nchip = 5\nfactor = 10",
             Some(5),
         ),
         (
             "delay",
+            24,
             "[[faults]]\nkind = \"delay\"\nlink = \"7:+y\"\ndelay_ms = 30",
             Some(7),
         ),
     ] {
-        let (code, r) = launch(&format!("ok-{tag}"), 120, fault);
+        let (code, r) = launch(&format!("ok-{tag}"), steps, fault);
         assert_eq!(code, 0, "{tag}: {r}");
         assert_eq!(r["status"], "ok", "{tag}");
         assert!(r.get("hang").is_none(), "{tag}");
