@@ -567,7 +567,9 @@ impl NodeFabric {
 }
 
 /// HTTP/2 windows and frames sized for bulk streams: the 64 KiB defaults would cap each link
-/// at one window per round trip.
+/// at one window per round trip. Measured (docs/PERFORMANCE.md, gRPC links forced): the
+/// defaults give half the bandwidth of these; windows past 2 MiB change nothing, frames of
+/// 16 KiB cost a fifth of it, 1 MiB frames or more none.
 const STREAM_WINDOW: u32 = 32 << 20;
 const CONNECTION_WINDOW: u32 = 64 << 20;
 const H2_FRAME: u32 = (1 << 24) - 1;
