@@ -642,8 +642,12 @@ impl Router for NodeFabric {
         peer.handed.fetch_add(1, Ordering::Relaxed);
         let bytes = (msg.payload.len() * 4).clamp(1, PEER_BUDGET_BYTES);
         let cost = u32::try_from(bytes).unwrap_or(u32::MAX);
-        let closed =
-            move || CollectiveError::Transport(format!("link to worker {worker} is closed"));
+        let closed = move || {
+            CollectiveError::Transport(match peer.writer.failure() {
+                Some(why) => format!("link to worker {worker} is closed: {why}"),
+                None => format!("link to worker {worker} is closed"),
+            })
+        };
         // An idle Unix-socket link takes the message from this thread: no hand-off to the
         // writer task, whose wake-up is most of a small message's latency.
         // What the socket did not take goes first in the queue, queued before the writer's

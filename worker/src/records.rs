@@ -816,6 +816,9 @@ pub(crate) struct LinkWriter {
     /// Exists from the peer's creation, so that every message ever queued to the peer was
     /// queued under it, including those queued before the socket was attached.
     idle: std::sync::Mutex<bool>,
+    /// Why the link stopped taking records, once a write to its socket failed: a chip that
+    /// finds the link closed says so.
+    failure: std::sync::OnceLock<String>,
 }
 
 /// What became of a message offered to [`LinkWriter::write_if_idle`].
@@ -826,7 +829,8 @@ pub(crate) enum Direct {
     Busy(Message, Option<Place>),
     /// The socket refused the write: the link is broken and the message lost, as a queued
     /// message is when the writer task finds the link broken (the caller reports the link
-    /// closed; the coordinator learns of the dead worker through its session).
+    /// closed, with the socket's error from [`LinkWriter::failure`]; the coordinator learns of
+    /// a dead worker through its session).
     Failed,
 }
 
@@ -836,7 +840,17 @@ impl LinkWriter {
             out: std::sync::OnceLock::new(),
             lender: std::sync::OnceLock::new(),
             idle: std::sync::Mutex::new(false),
+            failure: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Why writing to the link failed, once it has.
+    pub(crate) fn failure(&self) -> Option<&str> {
+        self.failure.get().map(String::as_str)
+    }
+
+    fn failed(&self, e: &io::Error) {
+        let _ = self.failure.set(format!("writing to it failed: {e}"));
     }
 
     /// Gives the link its socket (once; false when it had one already). It stays busy until
@@ -891,7 +905,10 @@ impl LinkWriter {
         let mut rest: &mut [IoSlice<'_>] = &mut slices;
         let written = match write_now(out, &mut rest) {
             Ok(n) => n,
-            Err(_) => return Direct::Failed,
+            Err(e) => {
+                self.failed(&e);
+                return Direct::Failed;
+            }
         };
         // A TLS link may hold encrypted bytes the socket had no room for: the writer task
         // sends them (the whole record is then queued as written).
@@ -969,8 +986,8 @@ pub(crate) async fn pump_out(
                 None
             };
         }
-        if write_batch(&batch, &headers, skip, out).await.is_err() {
-            return;
+        if let Err(e) = write_batch(&batch, &headers, skip, out).await {
+            return writer.failed(&e);
         }
     }
 }
@@ -1296,6 +1313,58 @@ mod tests {
         multi_thread().block_on(async {
             let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
             records_arrive_whole_and_in_order(LinkStream::Unix(a), LinkStream::Unix(b)).await;
+        });
+    }
+
+    /// A link whose peer is gone fails at its next write, queued or direct, and says why: a
+    /// chip that finds the link closed reports the socket's error, not only that it closed.
+    #[test]
+    fn a_link_whose_peer_is_gone_says_why_it_failed() {
+        multi_thread().block_on(async {
+            let gone = || {
+                let (a, b) = UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
+                drop(b);
+                let (_, out) = LinkStream::Unix(a)
+                    .into_split()
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let writer = Arc::new(LinkWriter::new());
+                assert!(writer.attach(out, None));
+                let (tx, rx) = mpsc::unbounded_channel();
+                let pump = tokio::spawn(pump_out(rx, writer.clone()));
+                (writer, tx, pump)
+            };
+            let broken_pipe = |writer: &LinkWriter| {
+                let why = writer
+                    .failure()
+                    .unwrap_or_else(|| panic!("no failure recorded"));
+                assert!(why.contains("Broken pipe"), "{why}");
+            };
+            // Queued: the writer task's write fails, and the task ends.
+            let (writer, tx, pump) = gone();
+            assert!(writer.failure().is_none());
+            assert!(
+                tx.send(Outgoing::unbudgeted(numbered(0, 0, 100), 0))
+                    .is_ok()
+            );
+            tokio::time::timeout(Duration::from_secs(10), pump)
+                .await
+                .unwrap_or_else(|_| panic!("the writer task did not end"))
+                .unwrap_or_else(|e| panic!("{e}"));
+            broken_pipe(&writer);
+            // Direct: once the task is idle, a chip's own write fails.
+            let (writer, _tx, _pump) = gone();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                match writer.write_if_idle(numbered(0, 0, 100), |_, _, _| true) {
+                    Direct::Failed => break,
+                    Direct::Done => panic!("a write to a closed socket succeeded"),
+                    Direct::Busy(..) => {
+                        assert!(tokio::time::Instant::now() < deadline, "never idle");
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+            }
+            broken_pipe(&writer);
         });
     }
 
