@@ -1044,13 +1044,16 @@ async fn write_batch(
     }
     let mut rest: &mut [IoSlice<'_>] = &mut slices;
     IoSlice::advance_slices(&mut rest, skip);
-    while !rest.is_empty() {
-        out.when_writable(|| match write_now(out, &mut rest)? {
-            0 => Err(io::ErrorKind::WouldBlock.into()),
-            _ => Ok(()),
-        })
-        .await?;
-    }
+    // `write_now` stops only when the socket is full or the batch is out: one wait for room
+    // (one registration with tokio's reactor) however many times the socket fills.
+    out.when_writable(|| {
+        write_now(out, &mut rest)?;
+        match rest.is_empty() {
+            true => Ok(()),
+            false => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    })
+    .await?;
     out.flush().await
 }
 
