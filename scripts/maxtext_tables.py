@@ -57,6 +57,14 @@ TABLES = [
 ]
 
 
+# How each table's MaxText computed attention. The v4 table (README, 2023-04-27, commit
+# 281e04bf3) predates MaxText's flash attention (commit 5b0e28e04, 2023-09-06): its runs
+# materialised the score matrices (`dot_product`). The v5e tables (2023-10-24/27, scripts with
+# `enable_flash_attention=true` from 5ebcd67fe) and v5p tables (2023-12, `attention='flash'`)
+# ran the Pallas flash kernel.
+ATTENTION = {"v4": "dot_product", "v5e": "flash", "v5p": "flash"}
+
+
 def scaled_shape(scale):
     """MaxText's global_parameter_scale: a power of two spread over heads/mlp, width, depth."""
     base, rem = divmod(int(math.log2(scale)), 3)
@@ -97,6 +105,7 @@ def rows():
                 "ffn": ffn,
                 "mlp": "relu",
                 "block": "parallel",
+                "attention": ATTENTION[hw],
                 "vocab": VOCAB,
                 "tied_embeddings": "true",
                 "seq": seq,
@@ -119,7 +128,7 @@ def check_against_published(out):
             mine = by_source.get(row["source"])
             if mine is None:
                 continue
-            for column in ("layers", "d_model", "heads", "ffn", "seq", "batch_per_chip", "ici_fsdp", "ici_tp", "remat"):
+            for column in ("layers", "d_model", "heads", "ffn", "attention", "seq", "batch_per_chip", "ici_fsdp", "ici_tp", "remat"):
                 if str(mine[column]) != row[column]:
                     sys.exit(f"{row['id']}: {column} {mine[column]} here, {row[column]} in published.csv")
             if abs(float(mine["measured_step_s"]) - float(row["measured_step_s"])) > 0.005:

@@ -12,8 +12,10 @@
 //! wraparound: every position along that axis). MFU counts model flops: 6 per weight per
 //! token (the LM head included, the embedding lookup not) plus causal attention.
 //!
-//! Optional columns, read where the file has them: `weight_dtype` (`f32`, the default, or
-//! `bf16`: weights and optimizer state kept in bf16, MaxText's `weight_dtype`).
+//! Optional columns, read where the file has them (an empty cell is the default):
+//! `weight_dtype` (`f32`, the default, or `bf16`: weights and optimizer state kept in bf16,
+//! MaxText's `weight_dtype`); `attention` (`flash`, the default, or `dot_product`: scores
+//! materialised in HBM, as MaxText ran attention before its flash kernel).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -196,6 +198,11 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         None => {}
         Some(w @ ("f32" | "bf16")) => model.push_str(&format!("weight_dtype = {w:?}\n")),
         Some(_) => return Err(row.bad("weight_dtype", "expected f32 or bf16")),
+    }
+    match row.optional("attention") {
+        None => {}
+        Some(a @ ("flash" | "dot_product")) => model.push_str(&format!("attention = {a:?}\n")),
+        Some(_) => return Err(row.bad("attention", "expected flash or dot_product")),
     }
     Ok(format!(
         r#"name = "compare-{id}"

@@ -17,8 +17,8 @@ use podsim_worker::protocol::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::tls::{Tls, TlsFiles};
 use podsim_worker::train::strategy::Plan;
 use podsim_worker::train::{
-    BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy, TpActivations,
-    TrainSpec, TransformerSpec,
+    AttentionKind, BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy,
+    TpActivations, TrainSpec, TransformerSpec,
 };
 use serde::Deserialize;
 
@@ -262,6 +262,7 @@ table! {
         head_dim: Option<usize> [transformer],
         mlp: Option<String> [transformer],
         block: Option<String> [transformer],
+        attention: Option<String> [transformer],
         tied_embeddings: Option<bool> [transformer],
         dtype: Option<String> [transformer],
         weight_dtype: Option<String> [transformer],
@@ -514,6 +515,7 @@ fn transformer_spec(p: &mut Problems<'_>, m: &RawModel) -> TransformerSpec {
         ffn: need(p, "ffn", m.ffn),
         mlp,
         block,
+        attention: transformer_attention(p, m),
         vocab: need(p, "vocab", m.vocab),
         tied_embeddings: m.tied_embeddings.unwrap_or(false),
         seq: need(p, "seq", m.seq),
@@ -592,6 +594,22 @@ fn transformer_layers(p: &mut Problems<'_>, m: &RawModel) -> (MlpKind, BlockKind
         }
     };
     (mlp, block)
+}
+
+/// `[job.model] attention`: flash (the default) or dot_product.
+fn transformer_attention(p: &mut Problems<'_>, m: &RawModel) -> AttentionKind {
+    let name = m.attention.as_deref().unwrap_or("flash");
+    AttentionKind::ALL
+        .into_iter()
+        .find(|k| k.name() == name)
+        .unwrap_or_else(|| {
+            p.add(
+                "job.model",
+                Some("attention"),
+                format!("{name:?} is not flash or dot_product"),
+            );
+            AttentionKind::Flash
+        })
 }
 
 /// Default heartbeat interval and hang timeout, ms, for a worker hosting `chips_per_worker`
@@ -1742,6 +1760,32 @@ mod tests {
         .0;
         assert!(
             errors.iter().any(|e| e.field == "job.model.weight_dtype"),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn attention_is_flash_unless_the_model_says_dot_product() {
+        let text = "name = \"t\"\n[topology]\nshape = \"2x2\"\n[job]\nkind = \"train\"\nmode = \"meta\"\nstrategy = \"fsdp\"\n[job.model]\nkind = \"transformer\"\nlayers = 2\nd_model = 64\nheads = 4\nffn = 128\nvocab = 256\nseq = 32\n";
+        let attention = |sets: &[&str]| match load(text, sets).expect("a train job").program {
+            Program::Train(t) => match t.model {
+                ModelSpec::Transformer(m) => m.attention,
+                other => panic!("a transformer: {other:?}"),
+            },
+            other => panic!("a train program: {other:?}"),
+        };
+        assert_eq!(attention(&[]), AttentionKind::Flash);
+        assert_eq!(
+            attention(&["job.model.attention=\"dot_product\""]),
+            AttentionKind::DotProduct
+        );
+        let errors = load(text, &["job.model.attention=\"sdpa\""])
+            .expect_err("an unknown attention")
+            .0;
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.field == "job.model.attention" && e.reason.contains("\"sdpa\"")),
             "{errors:?}"
         );
     }

@@ -12,8 +12,8 @@ use common::run_on_chips;
 use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chips};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::train::{
-    BlockKind, ChipTrainReport, Eager, MlpKind, ModelSpec, OptimizerSpec, Remat, Strategy,
-    TpActivations, TrainSpec, TransformerSpec, train_chip,
+    AttentionKind, BlockKind, ChipTrainReport, Eager, MlpKind, ModelSpec, OptimizerSpec, Remat,
+    Strategy, TpActivations, TrainSpec, TransformerSpec, train_chip,
 };
 
 /// Every output dimension divides by 16: no `torch.chunk` padding on up to 16 chips.
@@ -27,6 +27,7 @@ fn model(d_model: usize, ffn: usize, vocab: usize) -> TransformerSpec {
         ffn,
         mlp: MlpKind::Gelu,
         block: BlockKind::Sequential,
+        attention: AttentionKind::Flash,
         vocab,
         tied_embeddings: false,
         seq: 64,
@@ -281,6 +282,82 @@ fn minimal_remat_keeps_exactly_the_matmul_outputs_backward_reads() {
         (sac.activations_bytes, sac.flops),
         (minimal.activations_bytes, minimal.flops)
     );
+}
+
+#[test]
+fn dot_product_attention_materialises_the_whole_score_square() {
+    let flash = model(64, 128, 128);
+    let dot = TransformerSpec {
+        attention: AttentionKind::DotProduct,
+        ..flash.clone()
+    };
+    // 2 sequences of 64 tokens a chip (DDP), 4 heads of 16, 2 blocks.
+    let (seqs, heads, seq, head_dim, layers) = (2.0, 4.0, 64.0, 16.0, 2.0);
+    let square = seqs * heads * seq * seq;
+    // One product over the whole square: 2 flops per score per head dimension.
+    let product = 2.0 * square * head_dim;
+    // Flash: QK^T and PV forward, QK^T again with dV, dP, dQ and dK backward, each over the
+    // causal half. Materialised: QK^T and PV forward, dP, dV, dQ and dK backward, each over
+    // the whole square, plus the softmax (5 flops a score) and its backward (4).
+    let flash_core = 7.0 * product / 2.0;
+    let dot_core = 6.0 * product + 9.0 * square;
+    let (f, d) = (remat_step(&flash, "none"), remat_step(&dot, "none"));
+    let extra = d.flops - f.flops;
+    let want = layers * (dot_core - flash_core);
+    assert!((extra - want).abs() < 1e-9 * want, "{extra} against {want}");
+    // Without remat each block keeps its probabilities (bf16) for backward.
+    let bf16 = 2;
+    assert_eq!(
+        d.activations_bytes - f.activations_bytes,
+        layers as u64 * square as u64 * bf16
+    );
+    // Under full remat nothing more is kept; the recomputed forward of each block differs by
+    // the two forward cores.
+    let (ff, df) = (remat_step(&flash, "full"), remat_step(&dot, "full"));
+    assert_eq!(df.activations_bytes, ff.activations_bytes);
+    let recomputed = (df.flops - d.flops) - (ff.flops - f.flops);
+    let want = layers * (2.0 * product + 5.0 * square - product);
+    assert!(
+        (recomputed - want).abs() < 1e-9 * want,
+        "{recomputed} against {want}"
+    );
+    // A policy that keeps q, k, v and the attention output keeps no probabilities (no policy
+    // names them): flash attention does not run again, materialised attention (RoPE, then the
+    // forward core) does.
+    let policy = "custom:qkv_proj=device+context=device";
+    let (fc, dc) = (remat_step(&flash, policy), remat_step(&dot, policy));
+    let rope = 6.0 * 128.0 * (64.0 + 64.0);
+    let recomputed = (dc.flops - fc.flops) - (d.flops - f.flops);
+    let want = layers * (2.0 * product + 5.0 * square + rope);
+    assert!(
+        (recomputed - want).abs() < 1e-9 * want,
+        "{recomputed} against {want}"
+    );
+}
+
+#[test]
+fn materialised_scores_that_do_not_fit_are_out_of_memory() {
+    // 8192-token sequences: one head's bf16 score square is 128 MiB, 32 heads 4 GiB a
+    // sequence; in 16 GiB of HBM the flash kernel fits and the materialised scores do not.
+    let mut flash = model(2048, 8192, 32000);
+    flash.seq = 8192;
+    flash.heads = 32;
+    flash.kv_heads = 32;
+    flash.head_dim = 64;
+    let dot = TransformerSpec {
+        attention: AttentionKind::DotProduct,
+        ..flash.clone()
+    };
+    let hbm = |m: &TransformerSpec| {
+        let mut s = spec(Strategy::Fsdp, m, 1);
+        s.remat = "full".parse().unwrap();
+        let mut hw = v5p();
+        hw.hbm_bytes = 16.0 * (1u64 << 30) as f64;
+        run(&s, "4", hw, true)[0].0.hbm.clone()
+    };
+    assert!(hbm(&flash).oom.is_none(), "{:?}", hbm(&flash));
+    let oom = hbm(&dot).oom.expect("materialised scores fit");
+    assert!(oom.contains("attention scores"), "{oom}");
 }
 
 #[test]

@@ -28,7 +28,7 @@ pub mod trainer;
 pub use dtensor::{DTensor, Mesh, Placement};
 pub use memory::{Hbm, HbmReport, MemKind};
 pub use mlp::MlpSpec;
-pub use model::{BlockKind, MlpKind, ModelSpec, TransformerSpec};
+pub use model::{AttentionKind, BlockKind, MlpKind, ModelSpec, TransformerSpec};
 pub use optim::OptimizerSpec;
 pub use remat::Remat;
 pub use strategy::{Eager, Strategy};

@@ -87,6 +87,31 @@ pub enum BlockKind {
     Parallel,
 }
 
+/// How a block computes attention.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttentionKind {
+    /// Flash attention: scores block by block in on-chip memory, never in HBM; causal blocks
+    /// above the diagonal skipped; backward recomputes the scores.
+    #[default]
+    Flash,
+    /// Scores materialised in HBM (MaxText's `dot_product`, PyTorch's math attention): `QK^T`
+    /// over the whole square (the causal mask is applied, not skipped), a softmax pass over
+    /// it, then `PV`; backward reads the probabilities back.
+    DotProduct,
+}
+
+impl AttentionKind {
+    pub const ALL: [AttentionKind; 2] = [AttentionKind::Flash, AttentionKind::DotProduct];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Flash => "flash",
+            AttentionKind::DotProduct => "dot_product",
+        }
+    }
+}
+
 /// A decoder-only transformer by its shape (`kv_heads < heads` is grouped-query attention;
 /// `heads * head_dim` need not equal `d_model`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -99,6 +124,9 @@ pub struct TransformerSpec {
     pub ffn: usize,
     pub mlp: MlpKind,
     pub block: BlockKind,
+    /// How attention is computed (flash unless said).
+    #[serde(default)]
+    pub attention: AttentionKind,
     pub vocab: usize,
     /// The LM head reuses the embedding table.
     pub tied_embeddings: bool,
@@ -129,6 +157,7 @@ pub struct AttentionShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    pub kind: AttentionKind,
 }
 
 impl AttentionShape {
@@ -147,7 +176,7 @@ pub enum After {
     None,
     /// The MLP's ReLU (real values).
     Relu,
-    /// Causal flash attention with RoPE on `q` and `k`: `(T, q + k + v)` in, `(T, q)` out.
+    /// Causal attention with RoPE on `q` and `k`: `(T, q + k + v)` in, `(T, q)` out.
     Attention(AttentionShape),
     /// A transformer MLP's activation: `(T, f)` in and out, or gated `(T, 2f)` in.
     Activation(MlpKind),
@@ -188,7 +217,7 @@ impl std::fmt::Display for ModelSpec {
             ModelSpec::Mlp(m) => write!(f, "MLP {:?}", m.widths),
             ModelSpec::Transformer(t) => write!(
                 f,
-                "transformer {} layers ({} blocks), d_model {}, {} heads ({} kv) of {}, ffn {} ({}), vocab {}{}, seq {}, {}{}",
+                "transformer {} layers ({} blocks), d_model {}, {} heads ({} kv) of {}{}, ffn {} ({}), vocab {}{}, seq {}, {}{}",
                 t.layers,
                 match t.block {
                     BlockKind::Sequential => "sequential",
@@ -198,6 +227,10 @@ impl std::fmt::Display for ModelSpec {
                 t.heads,
                 t.kv_heads,
                 t.head_dim,
+                match t.attention {
+                    AttentionKind::Flash => "",
+                    AttentionKind::DotProduct => " (dot-product attention)",
+                },
                 t.ffn,
                 t.mlp.name(),
                 t.vocab,
@@ -231,6 +264,7 @@ impl TransformerSpec {
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            kind: self.attention,
         }
     }
 
@@ -554,7 +588,7 @@ pub fn embedding_backward(x: &Tensor, w: &Tensor) -> Grads {
 }
 
 /// The attention kernels on `t` tokens with `share` of the heads (tensor parallelism):
-/// RoPE on `q` and `k`, then causal flash attention.
+/// RoPE on `q` and `k`, then causal attention as the shape says.
 fn attention_cost(a: &AttentionShape, t: usize, share: f64, backward: bool) -> Cost {
     let rope_width = ((a.heads + a.kv_heads) * a.head_dim) as f64 * share;
     let rope = Cost::elementwise(
@@ -562,15 +596,95 @@ fn attention_cost(a: &AttentionShape, t: usize, share: f64, backward: bool) -> C
         6.0,
         if backward { 2.0 } else { 1.0 },
     );
-    let core = Kernel::Attention {
-        seqs: t / a.seq.max(1),
-        seq: a.seq,
-        heads: a.heads as f64 * share,
-        head_dim: a.head_dim,
-        causal: true,
-        backward,
+    let core = match a.kind {
+        AttentionKind::Flash => Kernel::Attention {
+            seqs: t / a.seq.max(1),
+            seq: a.seq,
+            heads: a.heads as f64 * share,
+            head_dim: a.head_dim,
+            causal: true,
+            backward,
+        }
+        .into(),
+        AttentionKind::DotProduct => materialized_attention(a, t, share, backward),
     };
-    rope.plus(core.into())
+    rope.plus(core)
+}
+
+/// Attention whose `(seq, seq)` score matrices go through HBM, one per sequence and query head
+/// (grouped key/value heads are broadcast), as XLA runs a plain softmax-of-einsums. Stacked, the
+/// score matrices of `t / seq` sequences and the local heads are one `(rows, seq)` array.
+///
+/// Forward: `S = QK^T` (written), a softmax pass (scale, mask, row max and sum: reads `S`
+/// twice, writes `P`), `O = PV` (reads `P`). Backward, with `P` at hand (kept, or recomputed by
+/// rematerialisation): `dP = dO V^T` (written), `dS = P * (dP - rowsum(dP * P))` (reads `P` and
+/// `dP`, `dP` twice, writes `dS`), `dV = P^T dO`, `dQ = dS K`, `dK = dS^T Q` (each reads an
+/// `(s, s)` matrix per row block).
+fn materialized_attention(a: &AttentionShape, t: usize, share: f64, backward: bool) -> Cost {
+    let (s, hd) = (a.seq.max(1), a.head_dim);
+    let rows = ((t / s) as f64 * a.heads as f64 * share).round() as usize * s;
+    let scores = rows * s;
+    // A product that reads one `(s, s)` matrix per block of rows: `PV`, `P^T dO`, `dS K`.
+    let reads_square = || Cost::matmul(rows, s, hd);
+    if backward {
+        Cost::matmul(rows, hd, s)
+            .plus(Cost::elementwise(scores, 4.0, 3.0))
+            .plus(reads_square())
+            .plus(reads_square())
+            .plus(reads_square())
+    } else {
+        Cost::matmul(rows, hd, s)
+            .plus(Cost::elementwise(scores, 5.0, 2.0))
+            .plus(reads_square())
+    }
+}
+
+/// The materialised attention of an op-after, if it has one.
+fn materialized(after: After) -> Option<AttentionShape> {
+    match after {
+        After::Attention(a) | After::ParallelCore { attention: a, .. }
+            if a.kind == AttentionKind::DotProduct =>
+        {
+            Some(a)
+        }
+        _ => None,
+    }
+}
+
+/// Elements an op keeps for its backward beyond its input and output, on `t` tokens at `share`
+/// of the op's width: the probabilities of materialised attention.
+pub fn after_residual_elems(layer: &LayerSpec, t: usize, share: f64) -> usize {
+    materialized(layer.after).map_or(0, |a| {
+        let s = a.seq.max(1);
+        ((t / s) as f64 * a.heads as f64 * share).round() as usize * s * s
+    })
+}
+
+/// Score-sized elements a materialised attention holds while it runs, beyond what it keeps for
+/// backward, on `t` tokens with `in_width` of the op's input on this chip: `S` and `P` in
+/// forward; `dP` and `dS` in backward, and `P` itself when rematerialisation recomputed it
+/// instead of keeping it (`p_kept` false).
+pub fn after_workspace_elems(
+    layer: &LayerSpec,
+    t: usize,
+    in_width: usize,
+    backward: bool,
+    p_kept: bool,
+) -> usize {
+    let share = in_width as f64 / after_input_width(layer).max(1) as f64;
+    let arrays = match (backward, p_kept) {
+        (false, _) => 2,
+        (true, true) => 2,
+        (true, false) => 3,
+    };
+    arrays * after_residual_elems(layer, t, share)
+}
+
+/// The op-after holds a tensor its backward needs that no remat policy names (the
+/// probabilities of materialised attention): under any policy but `none`, backward runs the
+/// op again.
+pub fn after_needs_recompute(layer: &LayerSpec) -> bool {
+    materialized(layer.after).is_some()
 }
 
 /// A transformer MLP activation over `t x out` outputs (gated: two inputs per output).
@@ -682,6 +796,7 @@ mod tests {
             ffn: 28672,
             mlp: MlpKind::Swiglu,
             block: BlockKind::Sequential,
+            attention: AttentionKind::Flash,
             vocab: 32000,
             tied_embeddings: false,
             seq: 4096,
@@ -715,6 +830,7 @@ mod tests {
             ffn: 32768,
             mlp: MlpKind::Relu,
             block: BlockKind::Parallel,
+            attention: AttentionKind::Flash,
             vocab: 32768,
             tied_embeddings: true,
             seq: 2048,
@@ -750,6 +866,7 @@ mod tests {
             ffn: 128,
             mlp: MlpKind::Gelu,
             block: BlockKind::Sequential,
+            attention: AttentionKind::Flash,
             vocab: 100,
             tied_embeddings: false,
             seq: 16,

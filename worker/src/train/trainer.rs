@@ -448,22 +448,24 @@ fn matmul_share(cost: Cost, fraction: f64) -> Cost {
     let kernels = cost
         .kernels
         .into_iter()
-        .map(|k| match k {
-            Kernel::Matmul { m, k, n } => Kernel::Matmul {
+        .filter_map(|k| match k {
+            // Nothing of it runs again: no kernel, no fixed cost.
+            Kernel::Matmul { .. } | Kernel::Elementwise { .. } if fraction <= 0.0 => None,
+            Kernel::Matmul { m, k, n } => Some(Kernel::Matmul {
                 m,
                 k,
                 n: ((n as f64 * fraction).ceil() as usize).max(1),
-            },
+            }),
             Kernel::Elementwise {
                 elems,
                 flops_per,
                 reads,
-            } => Kernel::Elementwise {
+            } => Some(Kernel::Elementwise {
                 elems: (elems as f64 * fraction).ceil() as usize,
                 flops_per,
                 reads,
-            },
-            other => other,
+            }),
+            other => Some(other),
         })
         .collect();
     Cost { kernels }
@@ -939,6 +941,15 @@ impl<'a> Trainer<'a> {
                     After::ResidualNorm => dz.shape()[1],
                     _ => self.compute_shape(chip, l, 0)[0],
                 };
+                let p_kept = self.spec.remat.everything || self.layers[l].block.is_none();
+                let scratch = model::after_workspace_elems(
+                    &self.layers[l],
+                    dz.shape()[0],
+                    width,
+                    true,
+                    p_kept,
+                );
+                self.workspace(l, scratch)?;
                 model::after_backward(&self.layers[l], dz, width)
             }
         };
@@ -994,14 +1005,15 @@ impl<'a> Trainer<'a> {
             _ => 0,
         };
         let remat = &self.spec.remat;
+        let share = matmul_width as f64 / layer.outputs.max(1) as f64;
         if remat.everything || layer.block.is_none() {
+            let residual = model::after_residual_elems(layer, rows, share) as u64 * self.elem;
             return LayerKeep {
-                device: out_bytes + op_input,
+                device: out_bytes + op_input + residual,
                 output: true,
                 ..LayerKeep::default()
             };
         }
-        let share = matmul_width as f64 / layer.outputs.max(1) as f64;
         let (mut d1, mut o1, recompute_matmul) =
             named_bytes(remat, &layer.out_names, rows, share, self.elem);
         if layer
@@ -1022,7 +1034,8 @@ impl<'a> Trainer<'a> {
             offload: o1 + o2,
             output,
             recompute_matmul,
-            recompute_after: layer.after != After::None && (!output || recompute_matmul > 0.0),
+            recompute_after: layer.after != After::None
+                && (!output || recompute_matmul > 0.0 || model::after_needs_recompute(layer)),
         }
     }
 
@@ -1118,6 +1131,20 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
+    /// Charges `elems` elements of working memory an op of layer `l` holds only while it runs
+    /// (the score matrices of materialised attention): the peak sees them, nothing keeps them.
+    fn workspace(&mut self, l: usize, elems: usize) -> Result<(), WorkerError> {
+        if elems == 0 {
+            return Ok(());
+        }
+        let bytes = elems as u64 * self.elem;
+        self.hbm.alloc(MemKind::Transient, bytes, || {
+            format!("attention scores of layer {l}")
+        })?;
+        self.hbm.free(MemKind::Transient, bytes);
+        Ok(())
+    }
+
     /// Layer `l`'s held gathered input, once ready (compute waits for it), if any.
     fn take_gathered(&mut self, chip: &mut Chip, l: usize) -> Option<Tensor> {
         let (g, ready) = self.regathered[l].take()?;
@@ -1206,6 +1233,12 @@ impl<'a> Trainer<'a> {
                     After::ResidualNorm => z.shape()[1],
                     _ => self.compute_shape(chip, l + 1, 0)[1],
                 };
+                if after_charged {
+                    let (t, in_width) = (z.shape()[0], z.shape()[1]);
+                    let scratch =
+                        model::after_workspace_elems(&self.layers[l], t, in_width, false, true);
+                    self.workspace(l, scratch)?;
+                }
                 model::after_forward(&self.layers[l], &mut z, width)
             }
         };
