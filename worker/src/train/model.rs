@@ -622,7 +622,7 @@ fn attention_cost(a: &AttentionShape, t: usize, share: f64, backward: bool) -> C
 /// `(s, s)` matrix per row block).
 fn materialized_attention(a: &AttentionShape, t: usize, share: f64, backward: bool) -> Cost {
     let (s, hd) = (a.seq.max(1), a.head_dim);
-    let rows = ((t / s) as f64 * a.heads as f64 * share).round() as usize * s;
+    let rows = score_rows(a, t, share);
     let scores = rows * s;
     // A product that reads one `(s, s)` matrix per block of rows: `PV`, `P^T dO`, `dS K`.
     let reads_square = || Cost::matmul(rows, s, hd);
@@ -637,6 +637,13 @@ fn materialized_attention(a: &AttentionShape, t: usize, share: f64, backward: bo
             .plus(Cost::elementwise(scores, 5.0, 2.0))
             .plus(reads_square())
     }
+}
+
+/// Rows of the stacked `(seq, seq)` score matrices of `t` tokens at `share` of the heads: one
+/// matrix per sequence and local query head.
+fn score_rows(a: &AttentionShape, t: usize, share: f64) -> usize {
+    let s = a.seq.max(1);
+    ((t / s) as f64 * a.heads as f64 * share).round() as usize * s
 }
 
 /// The materialised attention of an op-after, if it has one.
@@ -654,10 +661,7 @@ fn materialized(after: After) -> Option<AttentionShape> {
 /// Elements an op keeps for its backward beyond its input and output, on `t` tokens at `share`
 /// of the op's width: the probabilities of materialised attention.
 pub fn after_residual_elems(layer: &LayerSpec, t: usize, share: f64) -> usize {
-    materialized(layer.after).map_or(0, |a| {
-        let s = a.seq.max(1);
-        ((t / s) as f64 * a.heads as f64 * share).round() as usize * s * s
-    })
+    materialized(layer.after).map_or(0, |a| score_rows(&a, t, share) * a.seq.max(1))
 }
 
 /// Score-sized elements a materialised attention holds while it runs, beyond what it keeps for
@@ -672,11 +676,7 @@ pub fn after_workspace_elems(
     p_kept: bool,
 ) -> usize {
     let share = in_width as f64 / after_input_width(layer).max(1) as f64;
-    let arrays = match (backward, p_kept) {
-        (false, _) => 2,
-        (true, true) => 2,
-        (true, false) => 3,
-    };
+    let arrays = if backward && !p_kept { 3 } else { 2 };
     arrays * after_residual_elems(layer, t, share)
 }
 
