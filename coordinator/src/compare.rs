@@ -26,7 +26,7 @@ use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::protocol::Program;
 use podsim_worker::run_program;
-use podsim_worker::train::{ChipTrainReport, TrainSpec};
+use podsim_worker::train::{AttentionKind, ChipTrainReport, TrainSpec};
 use serde::Serialize;
 
 use crate::config;
@@ -199,10 +199,12 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         Some(w @ ("f32" | "bf16")) => model.push_str(&format!("weight_dtype = {w:?}\n")),
         Some(_) => return Err(row.bad("weight_dtype", "expected f32 or bf16")),
     }
-    match row.optional("attention") {
-        None => {}
-        Some(a @ ("flash" | "dot_product")) => model.push_str(&format!("attention = {a:?}\n")),
-        Some(_) => return Err(row.bad("attention", "expected flash or dot_product")),
+    if let Some(a) = row.optional("attention") {
+        let names = AttentionKind::ALL.map(AttentionKind::name);
+        if !names.contains(&a) {
+            return Err(row.bad("attention", &format!("expected {}", names.join(" or "))));
+        }
+        model.push_str(&format!("attention = {a:?}\n"));
     }
     Ok(format!(
         r#"name = "compare-{id}"

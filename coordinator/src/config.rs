@@ -603,10 +603,11 @@ fn transformer_attention(p: &mut Problems<'_>, m: &RawModel) -> AttentionKind {
         .into_iter()
         .find(|k| k.name() == name)
         .unwrap_or_else(|| {
+            let names = AttentionKind::ALL.map(AttentionKind::name);
             p.add(
                 "job.model",
                 Some("attention"),
-                format!("{name:?} is not flash or dot_product"),
+                format!("{name:?} is not {}", names.join(" or ")),
             );
             AttentionKind::Flash
         })

@@ -1048,9 +1048,10 @@ async fn write_batch(
     // (one registration with tokio's reactor) however many times the socket fills.
     out.when_writable(|| {
         write_now(out, &mut rest)?;
-        match rest.is_empty() {
-            true => Ok(()),
-            false => Err(io::ErrorKind::WouldBlock.into()),
+        if rest.is_empty() {
+            Ok(())
+        } else {
+            Err(io::ErrorKind::WouldBlock.into())
         }
     })
     .await?;

@@ -7,8 +7,9 @@
 //! The hello runs on tokio's sockets ([`LinkStream`]). Once linked, the socket leaves tokio's
 //! reactor ([`LinkStream::into_split`]): its writing half is watched by tokio only while a
 //! write waits for room ([`LinkWrite`]), and its reading half ([`RawLink`]) is read by
-//! whoever waits for the link's input ([`crate::intake`]). A socket tokio watched for input too would wake a tokio thread for
-//! every message that arrives, even while the chip executor's own thread reads the link.
+//! whoever waits for the link's input ([`crate::intake`]). A socket tokio watched for input
+//! too would wake a tokio thread for every message that arrives, even while the chip
+//! executor's own thread reads the link.
 //!
 //! A TLS link leaves tokio the same way once its handshake and hello are done: its rustls
 //! state, shared by both halves under a lock, is then driven without blocking on the

@@ -326,7 +326,9 @@ fn dot_product_attention_materialises_the_whole_score_square() {
     // forward core) does.
     let policy = "custom:qkv_proj=device+context=device";
     let (fc, dc) = (remat_step(&flash, policy), remat_step(&dot, policy));
-    let rope = 6.0 * 128.0 * (64.0 + 64.0);
+    // RoPE: 6 flops per element of q and k (64 wide each) on the chip's 128 tokens.
+    let (tokens, q_width, k_width) = (128.0, 64.0, 64.0);
+    let rope = 6.0 * tokens * (q_width + k_width);
     let recomputed = (dc.flops - fc.flops) - (d.flops - f.flops);
     let want = layers * (2.0 * product + 5.0 * square + rope);
     assert!(
@@ -381,10 +383,21 @@ fn offloaded_tensors_cross_the_host_link_twice() {
 #[test]
 fn the_mirrored_chip_holds_with_sharded_activations_remat_and_replicas() {
     // What `podsim compare` runs: fsdp x tp within the pod, sharded activations, a remat
-    // policy with an offloaded tensor, data parallelism over the outermost axis.
-    let m = model(64, 128, 128);
-    for remat in ["full", "save_dot_except_mlpwi", "custom:query_proj=offload"] {
-        let mut s = spec(Strategy::FsdpTp, &m, 2);
+    // policy with an offloaded tensor, data parallelism over the outermost axis; and
+    // materialised attention, kept (no remat) or recomputed.
+    let flash = model(64, 128, 128);
+    let dot = TransformerSpec {
+        attention: AttentionKind::DotProduct,
+        ..flash.clone()
+    };
+    for (m, remat) in [
+        (&flash, "full"),
+        (&flash, "save_dot_except_mlpwi"),
+        (&flash, "custom:query_proj=offload"),
+        (&dot, "none"),
+        (&dot, "save_dot_except_mlpwi"),
+    ] {
+        let mut s = spec(Strategy::FsdpTp, m, 2);
         s.algo = Algo::Torus;
         s.tp = 4;
         s.replicas = 2;

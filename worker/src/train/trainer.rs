@@ -941,7 +941,8 @@ impl<'a> Trainer<'a> {
                     After::ResidualNorm => dz.shape()[1],
                     _ => self.compute_shape(chip, l, 0)[0],
                 };
-                let p_kept = self.spec.remat.everything || self.layers[l].block.is_none();
+                // What forward kept decides it: an op run again held its probabilities anew.
+                let p_kept = !self.keeps[l].recompute_after;
                 let scratch = model::after_workspace_elems(
                     &self.layers[l],
                     dz.shape()[0],
