@@ -27,7 +27,7 @@
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
@@ -158,13 +158,17 @@ struct Shared {
     /// A chip woken now runs before the end of the thread's next pass, so `now - this` bounds
     /// how long a runnable chip can have waited to run.
     previous_pass_ns: Box<[AtomicU64]>,
+    /// Per thread: its id in the kernel, 0 until it runs or where the kernel does not tell
+    /// (for [`crate::CpuWaitMeter`]).
+    os_threads: Box<[AtomicU32]>,
     /// Per chip, the flight recorder told where the executor has it (empty: none told).
     observers: Vec<Arc<FlightRecorder>>,
     /// What the only thread does instead of parking, when it was given one that began.
     idle: Option<IdleHook>,
 }
 
-/// Every executor running in this process, for [`scheduling_lag`].
+/// Every executor running in this process, for [`scheduling_lag`] and the threads'
+/// run-queue delays ([`crate::CpuWaitMeter`]).
 static EXECUTORS: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
 
 /// The longest a runnable chip of this process may have waited for its thread, now: how far
@@ -173,22 +177,30 @@ static EXECUTORS: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
 /// did not get a turn. Zero when no chips run.
 pub fn scheduling_lag() -> Duration {
     let now = crate::wall_ns();
-    let mut executors = EXECUTORS.lock().unwrap_or_else(|e| e.into_inner());
-    executors.retain(|w| w.strong_count() > 0);
-    let lag = executors
+    let lag = live_executors()
         .iter()
-        .filter_map(Weak::upgrade)
-        .flat_map(|s| {
-            s.previous_pass_ns
-                .iter()
-                .map(|p| p.load(Ordering::Relaxed))
-                .filter(|&p| p > 0)
-                .map(|p| now.saturating_sub(p))
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|s| s.previous_pass_ns.iter().map(|p| p.load(Ordering::Relaxed)))
+        .filter(|&p| p > 0)
+        .map(|p| now.saturating_sub(p))
         .max()
         .unwrap_or(0);
     Duration::from_nanos(lag)
+}
+
+/// Every executor running in this process now.
+fn live_executors() -> Vec<Arc<Shared>> {
+    let mut executors = EXECUTORS.lock().unwrap_or_else(|e| e.into_inner());
+    executors.retain(|w| w.strong_count() > 0);
+    executors.iter().filter_map(Weak::upgrade).collect()
+}
+
+/// The kernel's ids of the threads of every executor running in this process.
+pub(crate) fn executor_thread_ids() -> Vec<u32> {
+    live_executors()
+        .iter()
+        .flat_map(|s| s.os_threads.iter().map(|t| t.load(Ordering::Relaxed)))
+        .filter(|&t| t > 0)
+        .collect()
 }
 
 impl Shared {
@@ -291,6 +303,7 @@ where
         threads: (0..threads).map(|_| OnceLock::new()).collect(),
         stop: AtomicBool::new(false),
         previous_pass_ns: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+        os_threads: (0..threads).map(|_| AtomicU32::new(0)).collect(),
         observers: if observers.len() == n {
             observers
         } else {
@@ -367,6 +380,7 @@ where
     E: From<CollectiveError>,
 {
     let _ = shared.threads[t].set(std::thread::current());
+    shared.os_threads[t].store(crate::run_queue::os_thread_id(), Ordering::Relaxed);
     let (start, end) = (shared.words[t], shared.words[t + 1]);
     let first_chip = start * WORD;
     let wakers: Vec<Waker> = (0..chips.len())

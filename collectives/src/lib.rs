@@ -12,6 +12,7 @@
 //! - `fabric`: messages, tags, [`Router`] and [`Inbox`]; `local`: all chips in one process and
 //!   [`run_chips`]; `mirror`: a few chips standing for a symmetric pod;
 //! - `executor`: runs chips as futures on a few threads, id order (see [`scheduling_lag`]);
+//!   `run_queue`: how long its threads waited for a CPU ([`CpuWaitMeter`]);
 //! - `payload` and `buffer`: data (shared f32 slices) and meta (sizes only) payloads; `reduce`:
 //!   reduce ops; `bits`: f32 and byte conversions;
 //! - `fingerprint`: op kinds, dtypes and a collective's identity; `recorder`: the flight
@@ -53,6 +54,7 @@ mod payload;
 mod recorder;
 mod reduce;
 pub mod reference;
+mod run_queue;
 pub mod trace;
 
 pub use algo::Algo;
@@ -70,3 +72,4 @@ pub use recorder::{
     Blocked, ChipStatus, FlightRecorder, Glance, OpState, RecordEntry, RunState, link_slot, wall_ns,
 };
 pub use reduce::ReduceOp;
+pub use run_queue::CpuWaitMeter;

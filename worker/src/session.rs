@@ -411,6 +411,7 @@ impl Heartbeats {
             Duration::from_millis(fabric.spec.watchdog_ms),
             std::time::Instant::now(),
         );
+        let mut cpu_wait = podsim_collectives::CpuWaitMeter::new(std::time::Instant::now());
         let beats = async move {
             let mut tick = tokio::time::interval(every);
             let list_waits = recorders.len() <= crate::job::STRAGGLER_WAITS_CHIPS;
@@ -427,6 +428,7 @@ impl Heartbeats {
                     |i| recorders[i].status(),
                 );
                 summary.transport = transport.transport_counts();
+                summary.cpu_wait_share = cpu_wait.share(std::time::Instant::now());
                 let waits = if list_waits {
                     recorders
                         .iter()

@@ -186,6 +186,11 @@ pub struct Summary {
     pub step: u64,
     /// The executor's scheduling lag at this heartbeat, ms.
     pub lag_ms: u64,
+    /// The share (0 to 1) of the time since the previous heartbeat that the executor's
+    /// busiest thread spent ready to run without a CPU (filled in by the session;
+    /// [`podsim_collectives::CpuWaitMeter`]): how much the host held its chips up.
+    #[serde(default)]
+    pub cpu_wait_share: f64,
     /// Lost messages and roots suspected, to be confirmed at the next heartbeat.
     pub suspected: u32,
     /// Per neighbouring worker: messages this worker handed to the transport for it, and
@@ -555,6 +560,7 @@ impl Summariser {
             oldest,
             step: if step == u64::MAX { 0 } else { step },
             lag_ms: lag.as_millis() as u64,
+            cpu_wait_share: 0.0,
             suspected,
             transport: Vec::new(),
         }
