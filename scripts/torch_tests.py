@@ -22,9 +22,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples", "torch")
 # Every command is bounded: a hang here fails the case instead of the suite.
 DEADLINE_S = 600
-# How much later than a rank's own clock its worker may see the rank's last progress, on a
-# machine whose cores the ranks share with podsim (see case_fault).
-SCHEDULING_SLACK_MS = 4000
 # torchrun's results, kept between runs outside the working tree (beside the torch
 # environment): the same scripts under the same torch on the same machine give the same
 # values, and rerunning them took a third of these tests' time.
@@ -169,14 +166,13 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
         problems.append(f"kind {hang.get('kind')}, want {want_kind}")
     if culprit.get("chip") != rank and fault != "skip":
         problems.append(f"culprit chip {culprit.get('chip')}, want {rank}")
-    # From the fault to the diagnosis, two ways. The watchdog's own (the report's
-    # detected_after_ms: from the culprit's last progress as its worker saw it, or the fault
-    # event) must keep the budget. From the rank's own clock (it prints when it goes wrong)
-    # a stall's diagnosis also holds however late the worker, sharing two cores with eight
-    # Python ranks, got to see the rank's last progress: 1.4 and 2.5 s late in 2 of about 20
-    # runs here (2026-11-26), the watchdog's own figure 2.1 s both times. That lag is
-    # scheduling, so a stall gets a slack; a desync or an exit is an event and gets none.
-    slack = SCHEDULING_SLACK_MS if want_kind == "stalled_chip" else 0
+    # From the fault to the diagnosis, two ways, each within the budget: the watchdog's own
+    # (the report's detected_after_ms: from the culprit's last progress as its worker saw
+    # it, or the fault event) and the user's, from the rank's own clock (it prints when it
+    # goes wrong). The second took 3.6-4.6 s in 3 of about 40 runs while the first said
+    # 2.1 s: the worker took the rank's stack sampler, waiting for a core, for the rank at
+    # work, and restarted the stall's quiet time (mended 2026-11-26: the sampler names its
+    # thread, which the worker leaves out).
     at = re.search(r"fault \w+ at ([0-9.]+)", p.stdout)
     detected = None
     if at and hang.get("detected_at_unix_ms"):
@@ -184,9 +180,8 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
     own = hang.get("detected_after_ms")
     if own is None or own > budget_ms:
         problems.append(f"the watchdog took {own} ms from the fault's effect, budget {budget_ms}")
-    if detected is None or detected > budget_ms + slack:
-        problems.append(f"detected {detected} ms after the rank's fault, budget {budget_ms} "
-                        f"+ {slack} of scheduling slack")
+    if detected is None or detected > budget_ms:
+        problems.append(f"detected {detected} ms after the rank's fault, budget {budget_ms}")
     exit_ms = round((ended - float(at.group(1))) * 1e3) if at else None
     if fault == "sleep":
         with open(os.path.join(EXAMPLES, "faults.py")) as f:

@@ -87,6 +87,13 @@ class _Rank:
 
     def _sample(self):
         main = threading.main_thread().ident
+        # The chip asks the kernel whether any thread of the rank is running to tell a rank
+        # that works from one that sleeps; this thread, waking to sample, is not the rank's
+        # work (on a busy host it waits for a core at every wake).
+        try:
+            self.conn.send({"op": "sampler", "thread": threading.get_native_id()})
+        except Exception:
+            return
         last = None
         while not self.done:
             time.sleep(_STACK_EVERY_S)

@@ -6,6 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -53,6 +54,8 @@ impl std::fmt::Display for RankExit {
 pub struct RankLink {
     pub requests: mpsc::Receiver<Result<(Frame, Vec<f32>), String>>,
     pub replies: mpsc::Sender<(Reply, Option<Payload>)>,
+    /// The kernel's id of the rank's stack-sampling thread, once it said (0 until then).
+    pub sampler_thread: Arc<AtomicU32>,
 }
 
 /// One rank process, for the chip that serves it.
@@ -280,7 +283,12 @@ async fn admit(stream: UnixStream, token: &str, pending: &Pending) -> Result<(),
         .map_err(|e| e.to_string())?;
     let (req_tx, requests) = mpsc::channel(REQUEST_QUEUE);
     let (replies, mut reply_rx) = mpsc::channel::<(Reply, Option<Payload>)>(REQUEST_QUEUE);
-    let _ = link_tx.send(RankLink { requests, replies });
+    let sampler_thread = Arc::new(AtomicU32::new(0));
+    let _ = link_tx.send(RankLink {
+        requests,
+        replies,
+        sampler_thread: sampler_thread.clone(),
+    });
     tokio::spawn(async move {
         while let Some((reply, payload)) = reply_rx.recv().await {
             if write_frame(&mut write, &reply, payload.as_ref())
@@ -300,6 +308,13 @@ async fn admit(stream: UnixStream, token: &str, pending: &Pending) -> Result<(),
                 },
                 _,
             ))) => recorder.set_host_stack(frames),
+            Ok(Some((
+                Frame {
+                    request: Request::Sampler { thread },
+                    ..
+                },
+                _,
+            ))) => sampler_thread.store(thread, Ordering::Relaxed),
             Ok(Some(frame)) => {
                 // The rank is in a podsim call now: the line that made it is where its
                 // program is (a stall inside the call must not show an old sample).

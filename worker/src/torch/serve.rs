@@ -4,6 +4,8 @@
 //! priced by the kernel model.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
@@ -31,6 +33,10 @@ const BUSY_TICKS: u64 = 2;
 /// not take a rank that is slow to arrive for one that stopped.
 struct BusyWatch {
     pid: u32,
+    /// The rank's stack-sampling thread (0: not known yet), left out of "running": it wakes
+    /// every 200 ms, and on a busy host it waits for a core each time, which made a rank
+    /// asleep in `time.sleep` look at work now and then and put off its stall's diagnosis.
+    sampler_thread: Arc<AtomicU32>,
     /// CPU ticks at the last few looks, oldest first.
     seen: std::collections::VecDeque<u64>,
     busy: bool,
@@ -40,13 +46,15 @@ impl BusyWatch {
     fn new(pid: u32) -> BusyWatch {
         BusyWatch {
             pid,
+            sampler_thread: Arc::new(AtomicU32::new(0)),
             seen: std::collections::VecDeque::new(),
             busy: false,
         }
     }
 
     fn update(&mut self, chip: &Chip) {
-        let Some((now, running)) = cpu_ticks(self.pid) else {
+        let sampler = self.sampler_thread.load(Ordering::Relaxed);
+        let Some((now, running)) = cpu_ticks(self.pid, sampler) else {
             return;
         };
         if self.seen.len() == BUSY_WINDOW {
@@ -77,31 +85,36 @@ impl BusyWatch {
     }
 }
 
-/// User plus system CPU time of process `pid`, in clock ticks, and whether it is running or
-/// runnable now (`/proc/PID/stat`).
-fn cpu_ticks(pid: u32) -> Option<(u64, bool)> {
+/// User plus system CPU time of process `pid`, in clock ticks, and whether a thread of it
+/// other than `sampler` is running or runnable now (`/proc/PID/stat`).
+fn cpu_ticks(pid: u32, sampler: u32) -> Option<(u64, bool)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces: count fields after its closing paren.
     let rest = &stat[stat.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime, any_thread_running(pid)))
+    Some((utime + stime, any_thread_running(pid, sampler)))
 }
 
-/// Whether a thread of process `pid` is running or waiting for a core (the work of a rank
-/// may be on a thread other than its first: autograd, a data loader thread).
-fn any_thread_running(pid: u32) -> bool {
+/// Whether a thread of process `pid` other than `sampler` is running or waiting for a core
+/// (the work of a rank may be on a thread other than its first: autograd, a data loader
+/// thread).
+fn any_thread_running(pid: u32, sampler: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
     };
-    tasks.flatten().any(|task| {
-        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
-            stat.rfind(')')
-                .and_then(|at| stat[at + 1..].split_whitespace().next())
-                == Some("R")
+    let sampler = sampler.to_string();
+    tasks
+        .flatten()
+        .filter(|task| task.file_name() != sampler.as_str())
+        .any(|task| {
+            std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                stat.rfind(')')
+                    .and_then(|at| stat[at + 1..].split_whitespace().next())
+                    == Some("R")
+            })
         })
-    })
 }
 
 /// Virtual ns of the work in `compute` on `hw`.
@@ -171,6 +184,7 @@ pub async fn serve(
         let exit = wait_exit(&mut rank).await;
         return finish(chip, rank, served, exit);
     };
+    cpu.sampler_thread = link.sampler_thread.clone();
     loop {
         let next = tokio::select! {
             r = link.requests.recv() => r,
@@ -281,7 +295,7 @@ async fn handle(
             served.said_bye = true;
             (reply(chip, None), None)
         }
-        Request::Hello { .. } | Request::Stack { .. } => {
+        Request::Hello { .. } | Request::Stack { .. } | Request::Sampler { .. } => {
             return Err(WorkerError::Invalid(format!(
                 "rank {}: an unexpected {:?} request",
                 served.report.rank, frame.request
@@ -460,5 +474,42 @@ mod tests {
         let got = compute_ns(&c, &hw);
         assert!((got - (3.0 * matmul + passes)).abs() < 1e-6 * got, "{got}");
         assert_eq!(compute_ns(&Compute::default(), &hw), 0.0);
+    }
+
+    /// Kills the child when dropped (a failed assertion must not leave it spinning).
+    struct Killed(std::process::Child);
+
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_spinning_thread_is_running_unless_it_is_the_sampler() {
+        let spin = |script: &str| {
+            Killed(
+                std::process::Command::new("sh")
+                    .args(["-c", script])
+                    .spawn()
+                    .expect("sh"),
+            )
+        };
+        // One thread that never blocks: running or waiting for a core at every look.
+        let busy = spin("while :; do :; done");
+        let pid = busy.0.id();
+        assert!(any_thread_running(pid, 0));
+        // The same thread named as the rank's sampler (a one-thread process: its id is the
+        // pid) is left out, and nothing else runs.
+        assert!(!any_thread_running(pid, pid));
+        let asleep = spin("sleep 30");
+        // `sh -c` may exec sleep or wait on it: either way nothing of it runs for long.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while any_thread_running(asleep.0.id(), 0) {
+            assert!(std::time::Instant::now() < deadline, "sleep keeps running");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 }

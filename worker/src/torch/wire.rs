@@ -85,6 +85,11 @@ pub enum Request {
     Stack {
         frames: Vec<String>,
     },
+    /// The rank's stack sampler names its own thread (the kernel's id), which the chip leaves
+    /// out when it asks whether the rank is working (no reply).
+    Sampler {
+        thread: u32,
+    },
     /// The rank is done (`destroy_process_group`, or the interpreter exits).
     Bye,
 }
@@ -309,6 +314,10 @@ mod tests {
         assert_eq!(f.site.as_deref(), Some("t.py:3 f"));
         assert_eq!(values, vec![1.0, 2.0]);
         assert_eq!(read(&[]).expect("ok"), None);
+        let (f, _) = read(&frame(r#"{"op":"sampler","thread":4242}"#, &[]))
+            .expect("ok")
+            .expect("a frame");
+        assert_eq!(f.request, Request::Sampler { thread: 4242 });
     }
 
     #[test]
