@@ -497,19 +497,24 @@ mod tests {
                     .expect("sh"),
             )
         };
-        // One thread that never blocks: running or waiting for a core at every look.
+        let within_5s = |what: &str, cond: &dyn Fn() -> bool| {
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !cond() {
+                assert!(std::time::Instant::now() < deadline, "{what}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        // One thread that never blocks, once it has started: running or waiting for a core.
         let busy = spin("while :; do :; done");
         let pid = busy.0.id();
-        assert!(any_thread_running(pid, 0));
+        within_5s("the loop never runs", &|| any_thread_running(pid, 0));
         // The same thread named as the rank's sampler (a one-thread process: its id is the
         // pid) is left out, and nothing else runs.
         assert!(!any_thread_running(pid, pid));
-        let asleep = spin("sleep 30");
         // `sh -c` may exec sleep or wait on it: either way nothing of it runs for long.
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while any_thread_running(asleep.0.id(), 0) {
-            assert!(std::time::Instant::now() < deadline, "sleep keeps running");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let asleep = spin("sleep 30");
+        within_5s("sleep keeps running", &|| {
+            !any_thread_running(asleep.0.id(), 0)
+        });
     }
 }

@@ -31,11 +31,13 @@ pub enum Kernel {
     /// `(m, k) x (k, n)`.
     Matmul { m: usize, k: usize, n: usize },
     /// A pass over `elems` elements doing `flops_per` flops each, reading `reads` arrays of
-    /// that many elements and writing one.
+    /// that many elements and writing `writes` (arrays of the compute type; a wider type
+    /// counts as a fraction more).
     Elementwise {
         elems: usize,
         flops_per: f64,
         reads: f64,
+        writes: f64,
     },
     /// Flash attention over `seqs` sequences of `seq` tokens with `heads` query heads of
     /// `head_dim` (fractional when tensor parallelism splits fewer heads than chips).
@@ -122,9 +124,12 @@ impl Kernel {
                     elem_bytes * (m * k * (n / block).ceil() + k * n * (m / block).ceil() + m * n);
                 mxu.max(traffic / hbm)
             }
-            Kernel::Elementwise { elems, reads, .. } => {
-                hbm_stream_s(hw, elem_bytes * (reads + 1.0) * elems as f64)
-            }
+            Kernel::Elementwise {
+                elems,
+                reads,
+                writes,
+                ..
+            } => hbm_stream_s(hw, elem_bytes * (reads + writes) * elems as f64),
             Kernel::Attention { head_dim, .. } => {
                 let (blocks, edge) = self.attention_blocks(hw.attention_block);
                 let padded = self.attention_matmuls()
@@ -160,10 +165,16 @@ impl Cost {
 
     /// An element-wise pass over `n` elements reading `reads` arrays and writing one.
     pub fn elementwise(n: usize, flops_per: f64, reads: f64) -> Cost {
+        Cost::elementwise_rw(n, flops_per, reads, 1.0)
+    }
+
+    /// An element-wise pass over `n` elements reading `reads` arrays and writing `writes`.
+    pub fn elementwise_rw(n: usize, flops_per: f64, reads: f64, writes: f64) -> Cost {
         Kernel::Elementwise {
             elems: n,
             flops_per,
             reads,
+            writes,
         }
         .into()
     }

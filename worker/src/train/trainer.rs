@@ -442,6 +442,18 @@ fn named_bytes(
     (device, offload, lost_fraction)
 }
 
+/// What an optimizer update reads and writes per parameter, in arrays of the compute type
+/// (`elem` bytes an element), for weights and optimizer state of `weight` bytes and `state`
+/// state tensors: it reads the gradient (reduced in the compute type), the weight and the
+/// state, and writes the weight and the state back; weights wider than the compute type are
+/// a master copy, and the working copy is written from it too.
+fn update_traffic(elem: u64, weight: u64, state: usize) -> (f64, f64) {
+    let wide = weight as f64 / elem as f64;
+    let held = wide * (1 + state) as f64;
+    let working_copy = if weight > elem { 1.0 } else { 0.0 };
+    (1.0 + held, held + working_copy)
+}
+
 /// `cost` cut to `fraction` of its work (a partial recompute): matmuls to that share of
 /// their output columns, element-wise passes (their bias adds) to that share of elements.
 fn matmul_share(cost: Cost, fraction: f64) -> Cost {
@@ -460,10 +472,12 @@ fn matmul_share(cost: Cost, fraction: f64) -> Cost {
                 elems,
                 flops_per,
                 reads,
+                writes,
             } => Some(Kernel::Elementwise {
                 elems: (elems as f64 * fraction).ceil() as usize,
                 flops_per,
                 reads,
+                writes,
             }),
             other => Some(other),
         })
@@ -1678,6 +1692,8 @@ impl<'a> Trainer<'a> {
 
     fn optimizer_step(&mut self, chip: &mut Chip) -> Result<(), WorkerError> {
         let spec: &OptimizerSpec = &self.spec.optimizer;
+        let weight = self.spec.model.weight_dtype().size() as u64;
+        let (reads, writes) = update_traffic(self.elem, weight, spec.state_per_param());
         for p in &mut self.params {
             let g = p.synced.take().ok_or_else(|| {
                 WorkerError::Internal(format!(
@@ -1694,7 +1710,6 @@ impl<'a> Trainer<'a> {
                     p.name
                 )));
             }
-            let reads = 2.0 + spec.state_per_param() as f64;
             chip.recorder().compute_started();
             if let (Some(param), Some(g)) = (p.stored.local_mut().values_mut(), g.as_rope()) {
                 p.state.step(spec, param, g);
@@ -1702,7 +1717,7 @@ impl<'a> Trainer<'a> {
             let name = &p.name;
             self.tl.compute(
                 chip,
-                Cost::elementwise(n, spec.flops_per_param(), reads),
+                Cost::elementwise_rw(n, spec.flops_per_param(), reads, writes),
                 self.hbm.in_use(),
                 || format!("optimizer {name}"),
             );
@@ -1822,5 +1837,23 @@ impl<'a> Trainer<'a> {
             out.push(p.stored.full_tensor(chip).await?);
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::update_traffic;
+
+    #[test]
+    fn an_optimizer_update_moves_its_weights_and_state_both_ways() {
+        // AdamW, f32 master weights, bf16 compute: the bf16 gradient in; master, m and v in
+        // and out (12 bytes each way); the bf16 working copy out. 28 bytes a parameter.
+        let (reads, writes) = update_traffic(2, 4, 2);
+        assert_eq!((reads, writes), (7.0, 7.0));
+        assert_eq!(2.0 * (reads + writes), 28.0);
+        // AdamW with bf16 weights: 2 + 6 in, 6 out; no separate working copy.
+        assert_eq!(update_traffic(2, 2, 2), (4.0, 3.0));
+        // Plain SGD in f32: gradient and weight in, weight out.
+        assert_eq!(update_traffic(4, 4, 0), (2.0, 1.0));
     }
 }
