@@ -169,7 +169,7 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
     # From the fault to the diagnosis, two ways, each within the budget: the watchdog's own
     # (the report's detected_after_ms: from the culprit's last progress as its worker saw
     # it, or the fault event) and the user's, from the rank's own clock (it prints when it
-    # goes wrong). The second took 3.6-4.6 s in 3 of about 40 runs while the first said
+    # goes wrong). The second took 3.6-4.7 s in 3 of about 40 runs while the first said
     # 2.1 s: the worker took the rank's stack sampler, waiting for a core, for the rank at
     # work, and restarted the stall's quiet time (mended 2026-11-26: the sampler names its
     # thread, which the worker leaves out).

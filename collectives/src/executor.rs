@@ -138,6 +138,15 @@ impl Drop for FinishOnDrop {
     }
 }
 
+/// Clears a thread's kernel id from [`Shared::os_threads`] when its sweep ends.
+struct ForgetOnDrop<'a>(&'a AtomicU32);
+
+impl Drop for ForgetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Relaxed);
+    }
+}
+
 /// How often a busy executor thread with an [`IdleWait`] delivers input without sleeping: a
 /// chip that keeps the thread busy must not keep the others' messages unread for long.
 const BUSY_POLL_NS: u64 = 1_000_000;
@@ -381,6 +390,8 @@ where
 {
     let _ = shared.threads[t].set(std::thread::current());
     shared.os_threads[t].store(crate::run_queue::os_thread_id(), Ordering::Relaxed);
+    // The thread goes back to its pool when the sweep ends: no longer the executor's.
+    let _forget = ForgetOnDrop(&shared.os_threads[t]);
     let (start, end) = (shared.words[t], shared.words[t + 1]);
     let first_chip = start * WORD;
     let wakers: Vec<Waker> = (0..chips.len())

@@ -6,7 +6,7 @@
 //! heartbeats. The kernel counts that time per thread (its run-queue delay, the second field
 //! of Linux's `/proc/self/task/TID/schedstat`), and [`CpuWaitMeter`] turns the counts into the
 //! share of an interval the busiest executor thread spent waiting. On a host four workers
-//! share with two cores, every executor thread waits for about half its time, and a chip
+//! share with two cores, every executor thread waits for a third to almost half of it, and a chip
 //! whose peers wait on it then is held up by the host, not slow itself (the straggler
 //! accounting of the coordinator's watchdog discounts it so).
 //!
@@ -46,6 +46,9 @@ pub struct CpuWaitMeter {
 }
 
 impl CpuWaitMeter {
+    /// A meter whose first interval starts `now`: it takes a first reading of the threads
+    /// there are and reports nothing for it; threads seen only later count from their first
+    /// reading.
     pub fn new(now: Instant) -> CpuWaitMeter {
         let mut meter = CpuWaitMeter {
             last: HashMap::new(),
@@ -132,9 +135,12 @@ mod tests {
 
     #[cfg(target_os = "linux")]
     #[test]
-    fn this_threads_delay_is_readable_on_linux() {
+    fn this_threads_delay_is_read_where_the_kernel_counts_it() {
         let tid = os_thread_id();
         assert!(tid > 0);
-        assert!(run_queue_delay_ns(tid).is_some());
+        // Kernels built without scheduler statistics have no file: the measure is absent.
+        if std::path::Path::new(&format!("/proc/self/task/{tid}/schedstat")).exists() {
+            assert!(run_queue_delay_ns(tid).is_some());
+        }
     }
 }

@@ -266,11 +266,9 @@ impl Watchdog {
             .first_tick
             .zip(self.last_tick)
             .map_or(0.0, |(a, b)| b.duration_since(a).as_secs_f64() * 1e3);
-        let chips = self
-            .workers
-            .values()
-            .map(|v| v.summary.chips.count())
-            .sum::<u64>() as usize;
+        // Every chip of the pod counts toward the median, those never waited on at zero (the
+        // workers' summaries cannot say how many: a finished worker's is cleared).
+        let chips = self.pod.chips() as usize;
         let mut held: Vec<f64> = self
             .waited_on
             .values()
@@ -306,42 +304,49 @@ impl Watchdog {
         // Waiting time, for stragglers: chips waited on that do not wait themselves.
         if let Some(last) = self.last_tick {
             let dt = now.duration_since(last);
-            let waiters: BTreeSet<ChipId> =
-                self.waits.values().flatten().map(|(c, _)| *c).collect();
-            let targets: BTreeSet<ChipId> = self
-                .waits
-                .values()
-                .flatten()
-                .flat_map(|(_, peers)| peers.iter().copied())
-                .filter(|t| !waiters.contains(t))
-                .collect();
-            // How much of the tick counts against a chip its peers wait on. None while its
-            // host is too busy to run it promptly (the executor's scheduling lag is half a
-            // heartbeat or more) or while its worker has not been heard for two heartbeats
-            // (what the chip did then is not known); else the share of the time its
-            // executor had a CPU: a host running more threads than it has cores holds every
-            // chip up part of the time, and that part is the host's, not the chip's.
             let heartbeat = self.heartbeat;
+            // A worker's view is known while it has been heard within two heartbeats.
+            let recent = |v: &WorkerView| now.saturating_duration_since(v.heard) < 2 * heartbeat;
+            // How much of the tick counts against a chip of a worker: none while the worker
+            // is not recent (what its chips did is not known) or its host is too busy to run
+            // them promptly (the executor's scheduling lag is half a heartbeat or more); else
+            // the share of the time its executor had a CPU: a host running more threads than
+            // it has cores holds every chip up part of the time, and that part is the host's.
             let counted = |v: &WorkerView| {
                 let busy = Duration::from_millis(v.summary.lag_ms) >= heartbeat / 2;
-                let unheard = now.saturating_duration_since(v.heard) >= 2 * heartbeat;
-                if busy || unheard {
+                if busy || !recent(v) {
                     0.0
                 } else {
                     1.0 - v.summary.cpu_wait_share.clamp(0.0, 1.0)
                 }
             };
-            // Usually every host keeps up: then no chip's worker is looked up (targets can be
-            // thousands).
-            let all_count = self.workers.values().all(|v| counted(v) == 1.0);
-            for t in targets {
-                let share = if all_count {
-                    1.0
-                } else {
-                    self.worker_of(t)
-                        .and_then(|w| self.workers.get(&w))
-                        .map_or(1.0, counted)
-                };
+            // The waits of workers heard recently (a silent worker's last list is stale).
+            let waits: Vec<&(ChipId, Vec<ChipId>)> = self
+                .waits
+                .iter()
+                .filter(|(w, _)| self.workers.get(w).is_some_and(recent))
+                .flat_map(|(_, list)| list)
+                .collect();
+            let waiters: BTreeSet<ChipId> = waits.iter().map(|(c, _)| *c).collect();
+            // Each chip waited on, and the share of the tick that counts against it: none
+            // until a live worker's summary says it hosts the chip.
+            let mut targets: BTreeMap<ChipId, f64> = waits
+                .iter()
+                .flat_map(|(_, peers)| peers.iter().copied())
+                .filter(|t| !waiters.contains(t))
+                .map(|t| (t, 0.0))
+                .collect();
+            if !targets.is_empty() {
+                for (_, v) in self.live() {
+                    let share = counted(v);
+                    for &(first, last) in &v.summary.chips.0 {
+                        for (_, s) in targets.range_mut(first..=last) {
+                            *s = share;
+                        }
+                    }
+                }
+            }
+            for (t, share) in targets {
                 if share > 0.0 {
                     *self.waited_on.entry(t).or_default() += dt.mul_f64(share);
                 }
@@ -950,6 +955,8 @@ mod tests {
             worker.beat_with_waits(&mut w, &moving, t0 + T * i, lag, waits);
             assert_eq!(check(&mut w, t0 + T * i), None, "tick {i}");
         }
+        // As at the end of a launch: the job is done before its stragglers are named.
+        w.finished(0);
         w.stragglers().iter().map(|s| s.chip).collect()
     }
 
@@ -978,23 +985,21 @@ mod tests {
     #[test]
     fn a_chip_of_a_worker_not_heard_from_is_not_counted() {
         let t0 = Instant::now();
-        // Chip 0 (worker 0) waits on chip 1 (worker 1) at every heartbeat of worker 0, ten
-        // heartbeats `T` apart; worker 1 beats only the first `cut` times.
-        let heard_until = |cut: u32| {
+        // Chip 0 (worker 0) waits on chip 1 (worker 1), ten heartbeats `T` apart; worker 0
+        // beats the first `waiter_beats` times, worker 1 the first `slow_beats` times.
+        let stragglers = |waiter_beats: u32, slow_beats: u32| {
             let mut w = watchdog(&[0, 1], t0);
             let mut waiter = Worker::new(0, &[0], t0);
             let mut slow = Worker::new(1, &[1, 2, 3], t0);
             for i in 0..10u32 {
                 let at = t0 + T * i;
                 let p = 5 + u64::from(i);
-                waiter.beat_with_waits(
-                    &mut w,
-                    &[status(0, p, &[])],
-                    at,
-                    Duration::ZERO,
-                    vec![(0, vec![1])],
-                );
-                if i < cut {
+                if i < waiter_beats {
+                    let waits = vec![(0, vec![1])];
+                    let zero = [status(0, p, &[])];
+                    waiter.beat_with_waits(&mut w, &zero, at, Duration::ZERO, waits);
+                }
+                if i < slow_beats {
                     let three: Vec<ChipStatus> = (1..4).map(|c| status(c, p, &[])).collect();
                     slow.beat(&mut w, &three, at);
                 }
@@ -1005,10 +1010,14 @@ mod tests {
                 .map(|s| s.chip)
                 .collect::<Vec<ChipId>>()
         };
-        assert_eq!(heard_until(10), vec![1]);
+        assert_eq!(stragglers(10, 10), vec![1]);
         // Worker 1 falls silent after its second heartbeat: what chip 1 did after that is
         // not known, so the waits on it are not held against it.
-        assert_eq!(heard_until(2), Vec::<ChipId>::new());
+        assert_eq!(stragglers(10, 2), Vec::<ChipId>::new());
+        // Worker 1 never reports: nothing says chip 1 is its, or what it does.
+        assert_eq!(stragglers(10, 0), Vec::<ChipId>::new());
+        // The waiter's worker falls silent: its last list of waits is stale.
+        assert_eq!(stragglers(2, 10), Vec::<ChipId>::new());
     }
 
     #[test]

@@ -61,7 +61,7 @@ impl BusyWatch {
             self.seen.pop_front();
         }
         self.seen.push_back(now);
-        let used = now - self.seen.front().copied().unwrap_or(now);
+        let used = now.saturating_sub(self.seen.front().copied().unwrap_or(now));
         // Running or waiting for a core (8 ranks share 2 cores while they import torch).
         let busy = used >= BUSY_TICKS || running;
         if busy != self.busy {
@@ -489,12 +489,12 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn a_spinning_thread_is_running_unless_it_is_the_sampler() {
-        let spin = |script: &str| {
+        let spawn = |program: &str, args: &[&str]| {
             Killed(
-                std::process::Command::new("sh")
-                    .args(["-c", script])
+                std::process::Command::new(program)
+                    .args(args)
                     .spawn()
-                    .expect("sh"),
+                    .expect(program),
             )
         };
         let within_5s = |what: &str, cond: &dyn Fn() -> bool| {
@@ -505,14 +505,13 @@ mod tests {
             }
         };
         // One thread that never blocks, once it has started: running or waiting for a core.
-        let busy = spin("while :; do :; done");
+        let busy = spawn("sh", &["-c", "while :; do :; done"]);
         let pid = busy.0.id();
         within_5s("the loop never runs", &|| any_thread_running(pid, 0));
         // The same thread named as the rank's sampler (a one-thread process: its id is the
         // pid) is left out, and nothing else runs.
         assert!(!any_thread_running(pid, pid));
-        // `sh -c` may exec sleep or wait on it: either way nothing of it runs for long.
-        let asleep = spin("sleep 30");
+        let asleep = spawn("sleep", &["30"]);
         within_5s("sleep keeps running", &|| {
             !any_thread_running(asleep.0.id(), 0)
         });

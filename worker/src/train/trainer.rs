@@ -448,10 +448,26 @@ fn named_bytes(
 /// state, and writes the weight and the state back; weights wider than the compute type are
 /// a master copy, and the working copy is written from it too.
 fn update_traffic(elem: u64, weight: u64, state: usize) -> (f64, f64) {
-    let wide = weight as f64 / elem as f64;
-    let held = wide * (1 + state) as f64;
-    let working_copy = if weight > elem { 1.0 } else { 0.0 };
-    (1.0 + held, held + working_copy)
+    let held = optimizer_held_bytes(elem, weight, state);
+    // The weight the update changes: the working copy itself, or the master copy (held) and
+    // the working copy written from it.
+    let (weight_read, weight_written) = if weight > elem {
+        (0, elem)
+    } else {
+        (weight, weight)
+    };
+    let arrays = |bytes: u64| bytes as f64 / elem as f64;
+    (
+        arrays(elem + held + weight_read),
+        arrays(held + weight_written),
+    )
+}
+
+/// Bytes per parameter the optimizer keeps beside the working weights (compute type, `elem`
+/// bytes): `state` tensors in the weights' type (`weight` bytes), and a master copy when the
+/// weights are wider than the compute type (mixed precision).
+fn optimizer_held_bytes(elem: u64, weight: u64, state: usize) -> u64 {
+    weight * state as u64 + if weight > elem { weight } else { 0 }
 }
 
 /// `cost` cut to `fraction` of its work (a partial recompute): matmuls to that share of
@@ -651,8 +667,7 @@ impl<'a> Trainer<'a> {
         // type are mixed precision, with a master copy beside the working one. Gradients are
         // charged at the compute type: they are reduced in it and cast into the update.
         let weight = spec.model.weight_dtype().size() as u64;
-        let state_bytes = weight * spec.optimizer.state_per_param() as u64
-            + if weight > elem { weight } else { 0 };
+        let state_bytes = optimizer_held_bytes(elem, weight, spec.optimizer.state_per_param());
         // DDP: every rank draws its own initial weights and rank 0's are broadcast, as
         // DistributedDataParallel does at construction. Other strategies start from one seed.
         let stream = if spec.strategy == Strategy::Ddp {
