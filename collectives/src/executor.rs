@@ -389,7 +389,7 @@ where
     E: From<CollectiveError>,
 {
     let _ = shared.threads[t].set(std::thread::current());
-    shared.os_threads[t].store(crate::run_queue::os_thread_id(), Ordering::Relaxed);
+    shared.os_threads[t].store(crate::procfs::os_thread_id(), Ordering::Relaxed);
     // The thread goes back to its pool when the sweep ends: no longer the executor's.
     let _forget = ForgetOnDrop(&shared.os_threads[t]);
     let (start, end) = (shared.words[t], shared.words[t + 1]);

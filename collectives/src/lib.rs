@@ -12,7 +12,8 @@
 //! - `fabric`: messages, tags, [`Router`] and [`Inbox`]; `local`: all chips in one process and
 //!   [`run_chips`]; `mirror`: a few chips standing for a symmetric pod;
 //! - `executor`: runs chips as futures on a few threads, id order (see [`scheduling_lag`]);
-//!   `run_queue`: how long its threads waited for a CPU ([`CpuWaitMeter`]);
+//!   `run_queue`: how long its threads waited for a CPU ([`CpuWaitMeter`]); [`procfs`]: what
+//!   Linux's `/proc` tells about threads and processes;
 //! - `payload` and `buffer`: data (shared f32 slices) and meta (sizes only) payloads; `reduce`:
 //!   reduce ops; `bits`: f32 and byte conversions;
 //! - `fingerprint`: op kinds, dtypes and a collective's identity; `recorder`: the flight
@@ -51,6 +52,7 @@ mod local;
 mod mirror;
 mod p2p;
 mod payload;
+pub mod procfs;
 mod recorder;
 mod reduce;
 pub mod reference;

@@ -16,26 +16,6 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-/// This thread's id in the kernel, or 0 where the kernel does not tell.
-pub(crate) fn os_thread_id() -> u32 {
-    std::fs::read_link("/proc/thread-self")
-        .ok()
-        .and_then(|p| p.file_name()?.to_str()?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// The time thread `tid` of this process has spent, in all, ready to run but waiting for a
-/// CPU, ns (`None` where the kernel does not tell).
-fn run_queue_delay_ns(tid: u32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-    parse_schedstat_delay(&text)
-}
-
-/// The run-queue delay of a `schedstat` line: `<on-cpu ns> <run-queue ns> <timeslices>`.
-fn parse_schedstat_delay(text: &str) -> Option<u64> {
-    text.split_whitespace().nth(1)?.parse().ok()
-}
-
 /// The share of wall time, between two readings, that the busiest executor thread of this
 /// process spent waiting for a CPU while ready to run.
 #[derive(Debug)]
@@ -65,7 +45,7 @@ impl CpuWaitMeter {
     pub fn share(&mut self, now: Instant) -> f64 {
         let delays = crate::executor::executor_thread_ids()
             .into_iter()
-            .filter_map(|tid| Some((tid, run_queue_delay_ns(tid)?)));
+            .filter_map(|tid| Some((tid, crate::procfs::run_queue_delay_ns(tid)?)));
         self.share_of(now, delays)
     }
 
@@ -95,16 +75,6 @@ mod tests {
     use std::time::Duration;
 
     #[test]
-    fn the_run_queue_delay_is_the_second_field() {
-        assert_eq!(
-            parse_schedstat_delay("208603983 13944972 383\n"),
-            Some(13944972)
-        );
-        assert_eq!(parse_schedstat_delay("garbage"), None);
-        assert_eq!(parse_schedstat_delay(""), None);
-    }
-
-    #[test]
     fn the_share_is_the_busiest_threads_wait_over_the_interval() {
         let t0 = Instant::now();
         let mut m = CpuWaitMeter {
@@ -131,16 +101,5 @@ mod tests {
             [(3, 300_000_000)].into_iter(),
         );
         assert_eq!(s, 1.0);
-    }
-
-    #[cfg(target_os = "linux")]
-    #[test]
-    fn this_threads_delay_is_read_where_the_kernel_counts_it() {
-        let tid = os_thread_id();
-        assert!(tid > 0);
-        // Kernels built without scheduler statistics have no file: the measure is absent.
-        if std::path::Path::new(&format!("/proc/self/task/{tid}/schedstat")).exists() {
-            assert!(run_queue_delay_ns(tid).is_some());
-        }
     }
 }

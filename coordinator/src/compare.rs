@@ -200,10 +200,7 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         Some(_) => return Err(row.bad("weight_dtype", "expected f32 or bf16")),
     }
     if let Some(a) = row.optional("attention") {
-        let names = AttentionKind::ALL.map(AttentionKind::name);
-        if !names.contains(&a) {
-            return Err(row.bad("attention", &format!("expected {}", names.join(" or "))));
-        }
+        AttentionKind::parse(a).map_err(|why| row.bad("attention", &why))?;
         model.push_str(&format!("attention = {a:?}\n"));
     }
     Ok(format!(

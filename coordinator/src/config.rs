@@ -599,18 +599,10 @@ fn transformer_layers(p: &mut Problems<'_>, m: &RawModel) -> (MlpKind, BlockKind
 /// `[job.model] attention`: flash (the default) or dot_product.
 fn transformer_attention(p: &mut Problems<'_>, m: &RawModel) -> AttentionKind {
     let name = m.attention.as_deref().unwrap_or("flash");
-    AttentionKind::ALL
-        .into_iter()
-        .find(|k| k.name() == name)
-        .unwrap_or_else(|| {
-            let names = AttentionKind::ALL.map(AttentionKind::name);
-            p.add(
-                "job.model",
-                Some("attention"),
-                format!("{name:?} is not {}", names.join(" or ")),
-            );
-            AttentionKind::Flash
-        })
+    AttentionKind::parse(name).unwrap_or_else(|why| {
+        p.add("job.model", Some("attention"), why);
+        AttentionKind::Flash
+    })
 }
 
 /// Default heartbeat interval and hang timeout, ms, for a worker hosting `chips_per_worker`

@@ -296,9 +296,8 @@ impl Children {
     fn stopped(&self, id: u32) -> Option<bool> {
         let (_, child) = self.0.iter().find(|(w, _)| *w == id)?;
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id()?)).ok()?;
-        // `pid (comm) S ...`: the state follows the last parenthesis.
-        let state = stat.rsplit_once(')')?.1.trim_start().chars().next()?;
-        Some(matches!(state, 'T' | 't'))
+        let state = *podsim_collectives::procfs::stat_fields(&stat)?.first()?;
+        Some(matches!(state, "T" | "t"))
     }
 
     /// Every spawned worker that has exited, with how; `abnormal` is true unless it ended

@@ -294,6 +294,60 @@ impl Watchdog {
             .collect()
     }
 
+    /// Straggler accounting at a check: the time since the last check, counted against each
+    /// chip waited on that does not wait itself (the share of it its host let it run).
+    fn count_waits(&mut self, now: Instant) {
+        let Some(last) = self.last_tick else {
+            return;
+        };
+        let dt = now.duration_since(last);
+        let heartbeat = self.heartbeat;
+        // A worker's view is known while it has been heard within two heartbeats.
+        let recent = |v: &WorkerView| now.saturating_duration_since(v.heard) < 2 * heartbeat;
+        // How much of the tick counts against a chip of a worker: none while the worker
+        // is not recent (what its chips did is not known) or its host is too busy to run
+        // them promptly (the executor's scheduling lag is half a heartbeat or more); else
+        // the share of the time its executor had a CPU: a host running more threads than
+        // it has cores holds every chip up part of the time, and that part is the host's.
+        let counted = |v: &WorkerView| {
+            let busy = Duration::from_millis(v.summary.lag_ms) >= heartbeat / 2;
+            if busy || !recent(v) {
+                0.0
+            } else {
+                1.0 - v.summary.cpu_wait_share.clamp(0.0, 1.0)
+            }
+        };
+        // The waits of workers heard recently (a silent worker's last list is stale).
+        let waits: Vec<&(ChipId, Vec<ChipId>)> = self
+            .waits
+            .iter()
+            .filter(|(w, _)| self.workers.get(w).is_some_and(recent))
+            .flat_map(|(_, list)| list)
+            .collect();
+        let waiters: BTreeSet<ChipId> = waits.iter().map(|(c, _)| *c).collect();
+        // Each chip waited on, and the share of the tick that counts against it: none
+        // until a live worker's summary says it hosts the chip.
+        let mut targets: BTreeMap<ChipId, f64> = waits
+            .iter()
+            .flat_map(|(_, peers)| peers.iter().copied())
+            .filter(|t| !waiters.contains(t))
+            .map(|t| (t, 0.0))
+            .collect();
+        for (_, v) in self.live() {
+            let share = counted(v);
+            for &(first, last) in &v.summary.chips.0 {
+                targets
+                    .range_mut(first..=last)
+                    .for_each(|(_, s)| *s = share);
+            }
+        }
+        for (t, share) in targets {
+            if share > 0.0 {
+                *self.waited_on.entry(t).or_default() += dt.mul_f64(share);
+            }
+        }
+    }
+
     /// Looks for a hang now. `stopped(worker)` tells whether a worker's process is stopped
     /// (`None`: cannot tell, as for a worker on another host).
     pub fn check(
@@ -301,57 +355,7 @@ impl Watchdog {
         now: Instant,
         stopped: impl Fn(u32) -> Option<bool>,
     ) -> Option<Finding> {
-        // Waiting time, for stragglers: chips waited on that do not wait themselves.
-        if let Some(last) = self.last_tick {
-            let dt = now.duration_since(last);
-            let heartbeat = self.heartbeat;
-            // A worker's view is known while it has been heard within two heartbeats.
-            let recent = |v: &WorkerView| now.saturating_duration_since(v.heard) < 2 * heartbeat;
-            // How much of the tick counts against a chip of a worker: none while the worker
-            // is not recent (what its chips did is not known) or its host is too busy to run
-            // them promptly (the executor's scheduling lag is half a heartbeat or more); else
-            // the share of the time its executor had a CPU: a host running more threads than
-            // it has cores holds every chip up part of the time, and that part is the host's.
-            let counted = |v: &WorkerView| {
-                let busy = Duration::from_millis(v.summary.lag_ms) >= heartbeat / 2;
-                if busy || !recent(v) {
-                    0.0
-                } else {
-                    1.0 - v.summary.cpu_wait_share.clamp(0.0, 1.0)
-                }
-            };
-            // The waits of workers heard recently (a silent worker's last list is stale).
-            let waits: Vec<&(ChipId, Vec<ChipId>)> = self
-                .waits
-                .iter()
-                .filter(|(w, _)| self.workers.get(w).is_some_and(recent))
-                .flat_map(|(_, list)| list)
-                .collect();
-            let waiters: BTreeSet<ChipId> = waits.iter().map(|(c, _)| *c).collect();
-            // Each chip waited on, and the share of the tick that counts against it: none
-            // until a live worker's summary says it hosts the chip.
-            let mut targets: BTreeMap<ChipId, f64> = waits
-                .iter()
-                .flat_map(|(_, peers)| peers.iter().copied())
-                .filter(|t| !waiters.contains(t))
-                .map(|t| (t, 0.0))
-                .collect();
-            if !targets.is_empty() {
-                for (_, v) in self.live() {
-                    let share = counted(v);
-                    for &(first, last) in &v.summary.chips.0 {
-                        for (_, s) in targets.range_mut(first..=last) {
-                            *s = share;
-                        }
-                    }
-                }
-            }
-            for (t, share) in targets {
-                if share > 0.0 {
-                    *self.waited_on.entry(t).or_default() += dt.mul_f64(share);
-                }
-            }
-        }
+        self.count_waits(now);
         self.first_tick.get_or_insert(now);
         self.last_tick = Some(now);
         // A silent worker: at once if its process is stopped (or nobody can tell); a process

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use podsim_collectives::procfs::stat_fields;
 use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
 use podsim_topology::{Group, Hardware};
 
@@ -89,9 +90,7 @@ impl BusyWatch {
 /// other than `sampler` is running or runnable now (`/proc/PID/stat`).
 fn cpu_ticks(pid: u32, sampler: u32) -> Option<(u64, bool)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces: count fields after its closing paren.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let fields = stat_fields(&stat)?;
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
     Some((utime + stime, any_thread_running(pid, sampler)))
@@ -109,11 +108,8 @@ fn any_thread_running(pid: u32, sampler: u32) -> bool {
         .flatten()
         .filter(|task| task.file_name() != sampler.as_str())
         .any(|task| {
-            std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
-                stat.rfind(')')
-                    .and_then(|at| stat[at + 1..].split_whitespace().next())
-                    == Some("R")
-            })
+            std::fs::read_to_string(task.path().join("stat"))
+                .is_ok_and(|stat| stat_fields(&stat).is_some_and(|f| f.first() == Some(&"R")))
         })
 }
 

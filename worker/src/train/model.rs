@@ -110,6 +110,17 @@ impl AttentionKind {
             AttentionKind::DotProduct => "dot_product",
         }
     }
+
+    /// The kind a config or a calibration file names; else what names there are.
+    pub fn parse(name: &str) -> Result<AttentionKind, String> {
+        AttentionKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .ok_or_else(|| {
+                let names = AttentionKind::ALL.map(AttentionKind::name);
+                format!("{name:?} is not {}", names.join(" or "))
+            })
+    }
 }
 
 /// A decoder-only transformer by its shape (`kv_heads < heads` is grouped-query attention;
