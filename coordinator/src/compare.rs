@@ -192,7 +192,7 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
             "strategy = \"fsdp+tp\"\ntp = {tp}\nreplicas = {dp}\ntp_activations = \"sharded\""
         ),
     };
-    let batch_per_chip = row.positive("batch_per_chip")?;
+    let batch = sequences_per_group(row, tp)?;
     let (mut model, tied) = model_keys(row)?;
     match row.optional("weight_dtype") {
         None => {}
@@ -228,9 +228,29 @@ dtype = "bf16"
 kind = "adamw"
 "#,
         id = row.get("id"),
-        batch = batch_per_chip * tp,
         remat = row.get("remat"),
     ))
+}
+
+/// Sequences a tensor-parallel group works on per step: `batch_per_chip` x `ici_tp`.
+/// `batch_per_chip` may be a fraction (MaxText's `per_device_batch_size = 0.25` with 4-way
+/// tensor parallelism: one sequence a group, the group's chips sharing it), as long as the
+/// group's share is a whole number of sequences.
+fn sequences_per_group(row: &Row<'_>, tp: u64) -> Result<u64, String> {
+    let per_chip: f64 = row.number("batch_per_chip")?;
+    let per_group = per_chip * tp as f64;
+    let whole = per_group.round();
+    // A fraction written in decimal (0.1 x 10) lands within rounding of a whole number.
+    if !per_group.is_finite() || whole < 1.0 || (per_group - whole).abs() > 1e-6 {
+        return Err(row.bad(
+            "batch_per_chip",
+            &format!(
+                "must be positive and make a whole number of sequences per tensor-parallel \
+                 group of {tp} chips"
+            ),
+        ));
+    }
+    Ok(whole as u64)
 }
 
 /// A row's `wraparound`: true, false, or one of them per axis joined by `+`.
@@ -521,5 +541,25 @@ mod tests {
         let s = summarise(&[row("a", -4.0), row("b", 2.0), row("c", 8.0), row("d", 1.0)]);
         assert_eq!(s.median_abs_error_pct, 3.0);
         assert_eq!((s.max_abs_error_pct, s.worst.as_str()), (8.0, "c"));
+    }
+
+    #[test]
+    fn a_fractional_batch_per_chip_is_whole_sequences_per_tensor_parallel_group() {
+        let header: Vec<String> = ["id", "batch_per_chip"].map(String::from).to_vec();
+        let row = |per_chip: &str| Row {
+            line: 2,
+            header: &header,
+            cells: vec!["r".into(), per_chip.into()],
+        };
+        assert_eq!(sequences_per_group(&row("0.25"), 4), Ok(1));
+        assert_eq!(sequences_per_group(&row("0.1"), 10), Ok(1));
+        assert_eq!(sequences_per_group(&row("3"), 16), Ok(48));
+        for bad in ["0.3", "0", "-2", "0.25e-9", "inf", "NaN", "x"] {
+            let err = sequences_per_group(&row(bad), 4).unwrap_err();
+            assert!(
+                err.contains("row 2 (r), column batch_per_chip"),
+                "{bad}: {err}"
+            );
+        }
     }
 }

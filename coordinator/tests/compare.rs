@@ -1,7 +1,7 @@
 //! `podsim compare` end to end: the published TPU step times of
 //! `configs/validation/published.csv` are predicted with a median error within 5% and every
-//! row within 12% (the aim is 10%: A1 misses it by 1.6 points, see docs/PERFORMANCE.md),
-//! nothing out of memory; every row of MaxText's tables runs on at
+//! row within 10% but A1, the one known miss (11.6%, see docs/PERFORMANCE.md), nothing out of
+//! memory; every row of MaxText's tables runs on at
 //! most two simulated chips and fits; the rows of tpu-recipes logs have a median error within
 //! 6%, and bf16 weights fit where f32 ones do not; bad files are exit 2 naming the row and column;
 //! `--max-error` turns a miss into exit 1.
@@ -44,20 +44,28 @@ fn compare_json(path: &Path, args: &[&str]) -> (Vec<serde_json::Value>, serde_js
 }
 
 #[test]
-fn published_rows_are_predicted_within_five_percent_median_twelve_at_most() {
+fn published_rows_are_predicted_within_five_percent_median_and_ten_but_a1() {
     let path = published();
-    // The aims are a median within 5% and every row within 10%; the median is 4.6% and A1
-    // (v5p, tp 4) is predicted 11.6% fast: the bound of 12 guards against regressions until
-    // that aim is met too.
+    // The aims are a median within 5% and every row within 10%. A1 (v5p, tp 4, `minimal`) is
+    // predicted 11.6% fast (docs/PERFORMANCE.md, "Where the misses sit"): it is the one row
+    // allowed past 10%, and only to 12%. A change that brings it in, or pushes another row
+    // out, fails here so that the list of misses and the docs are updated with it.
+    const KNOWN_MISSES: [&str; 1] = ["A1"];
     let (rows, summary) = compare_json(&path, &["--max-error", "12"]);
     let csv_rows = std::fs::read_to_string(&path).unwrap().lines().count() - 1;
     assert_eq!(rows.len(), csv_rows);
+    let mut misses = Vec::new();
     for r in &rows {
-        assert!(r["error_pct"].as_f64().unwrap().abs() <= 12.0, "{r}");
+        let error = r["error_pct"].as_f64().unwrap().abs();
+        assert!(error <= 12.0, "{r}");
+        if error > 10.0 {
+            misses.push(r["id"].as_str().unwrap());
+        }
         assert_eq!(r["fits"], true, "{r}");
         let mfu = r["mfu"].as_f64().unwrap();
         assert!(mfu > 0.2 && mfu < 0.9, "{r}");
     }
+    assert_eq!(misses, KNOWN_MISSES);
     assert!(
         summary["median_abs_error_pct"].as_f64().unwrap() <= 5.0,
         "{summary}"
@@ -140,7 +148,12 @@ fn a_tight_max_error_is_exit_one_and_bad_rows_are_exit_two_naming_row_and_column
     // (an optional column) that podsim does not know.
     let header: Vec<String> = lines[0].split(',').map(String::from).collect();
     let first = lines[1].clone();
-    for (column, value) in [("batch_per_chip", "eight"), ("attention", "sdpa")] {
+    // Row 2 is A1 (4-way tensor parallelism): 0.3 sequences a chip are 1.2 a group.
+    for (column, value) in [
+        ("batch_per_chip", "eight"),
+        ("batch_per_chip", "0.3"),
+        ("attention", "sdpa"),
+    ] {
         let col = header.iter().position(|h| h == column).unwrap();
         let mut cells: Vec<String> = first.split(',').map(String::from).collect();
         cells[col] = value.into();
