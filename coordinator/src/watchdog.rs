@@ -101,6 +101,9 @@ pub struct Watchdog {
     waited_on: BTreeMap<ChipId, Duration>,
     first_tick: Option<Instant>,
     last_tick: Option<Instant>,
+    /// Checks that counted waits (checks come on every heartbeat of every worker as well as
+    /// on a timer, so they may outnumber the heartbeats of a worker).
+    counted_ticks: u32,
 }
 
 /// A chip that was slow but kept making progress.
@@ -112,6 +115,30 @@ pub struct Straggler {
     pub waited_on_ms: f64,
     /// That time over the median chip's (at least 1 ms): how much more it held the job up.
     pub slowdown: f64,
+}
+
+/// Family-wise chance of naming a straggler in a job where no chip is special.
+const STRAGGLER_FALSE_ALARM: f64 = 1e-3;
+
+/// Whether a chip held the others up for a share `q` of the run by more than chance, when the
+/// other chips were held against at a share `p` on average and the waits were sampled `n`
+/// times (heartbeat intervals): in a job where no chip is special each sample falls on a
+/// given chip with chance `p`, and a count of `q n` or more has chance at most
+/// `exp(-n KL(q || p))` (the Chernoff bound on a binomial tail). Tested for every one of `chips` chips, so the bar is that chance under
+/// `STRAGGLER_FALSE_ALARM / chips`. A short run gives few samples: on gRPC links a fault-free
+/// 120-step job on four workers lasts about 16 heartbeats, and one chip in sixteen falls on a
+/// quarter of them now and then by chance alone; a chip slowed tenfold falls on nearly all.
+fn beyond_chance(q: f64, p: f64, n: f64, chips: f64) -> bool {
+    let q = q.clamp(0.0, 1.0);
+    if q <= p {
+        return false;
+    }
+    // Where no other chip was ever waited on, any share is beyond chance (the evidence
+    // floors of `Watchdog::stragglers` still apply).
+    let p = p.max(f64::MIN_POSITIVE);
+    let term = |a: f64, b: f64| if a > 0.0 { a * (a / b).ln() } else { 0.0 };
+    let divergence = term(q, p) + term(1.0 - q, 1.0 - p);
+    n * divergence > (chips.max(1.0) / STRAGGLER_FALSE_ALARM).ln()
 }
 
 /// `12,345`.
@@ -151,6 +178,7 @@ impl Watchdog {
             waited_on: BTreeMap::new(),
             first_tick: None,
             last_tick: None,
+            counted_ticks: 0,
         }
     }
 
@@ -275,8 +303,12 @@ impl Watchdog {
             .map(|d| d.as_secs_f64() * 1e3)
             .collect();
         held.resize(chips.max(held.len()), 0.0);
+        let total: f64 = held.iter().sum();
         held.sort_by(f64::total_cmp);
         let median = held.get(held.len() / 2).copied().unwrap_or(0.0).max(1.0);
+        // What the waits say is new once a heartbeat at most, and once a check at most.
+        let heartbeats = run / (self.heartbeat.as_secs_f64() * 1e3);
+        let samples = f64::from(self.counted_ticks).min(heartbeats);
         self.waited_on
             .iter()
             .map(|(c, d)| (*c, d.as_secs_f64() * 1e3))
@@ -285,6 +317,12 @@ impl Watchdog {
                 *ms > 3.0 * median
                     && *ms > 0.2 * run
                     && *ms >= 3.5 * self.heartbeat.as_secs_f64() * 1e3
+                    && beyond_chance(
+                        *ms / run,
+                        (total - *ms) / ((held.len() - 1).max(1) as f64 * run),
+                        samples,
+                        held.len() as f64,
+                    )
             })
             .map(|(chip, ms)| Straggler {
                 chip,
@@ -301,6 +339,7 @@ impl Watchdog {
             return;
         };
         let dt = now.duration_since(last);
+        self.counted_ticks += 1;
         let heartbeat = self.heartbeat;
         // A worker's view is known while it has been heard within two heartbeats.
         let recent = |v: &WorkerView| now.saturating_duration_since(v.heard) < 2 * heartbeat;
@@ -962,6 +1001,27 @@ mod tests {
         // As at the end of a launch: the job is done before its stragglers are named.
         w.finished(0);
         w.stragglers().iter().map(|s| s.chip).collect()
+    }
+
+    #[test]
+    fn a_share_within_chance_of_a_short_run_is_no_evidence() {
+        // A fault-free job on gRPC links (16 chips, 16 checks): one chip fell on 25% of the
+        // run, the others on 4.8% on average. Chance: exp(-16 KL) = exp(-3.7), against a bar
+        // of 1e-3 / 16.
+        assert!(!beyond_chance(0.248, 0.048, 16.0, 16.0));
+        // The same shares over 160 checks are no chance.
+        assert!(beyond_chance(0.248, 0.048, 160.0, 16.0));
+        // A chip slowed tenfold falls on nearly every check, even of a short run.
+        assert!(beyond_chance(0.9, 0.05, 24.0, 16.0));
+        // But three checks are too few for anything.
+        assert!(!beyond_chance(0.9, 0.05, 3.0, 16.0));
+        // No more than the others, however long the run.
+        assert!(!beyond_chance(0.05, 0.05, 1e6, 16.0));
+        // Nobody else was ever waited on.
+        assert!(beyond_chance(0.3, 0.0, 10.0, 16.0));
+        // The more chips tested, the higher the bar: 32,768 chips need more evidence.
+        assert!(beyond_chance(0.5, 0.05, 12.0, 16.0));
+        assert!(!beyond_chance(0.5, 0.05, 12.0, 32_768.0));
     }
 
     #[test]
