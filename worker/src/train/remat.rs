@@ -14,12 +14,18 @@
 //! | `none` | every activation | nothing |
 //! | `full` | each block's input | the whole block's forward |
 //! | `minimal` | every weight-matmul output | element-wise ops, attention |
+//! | `minimal_with_context` (`minimal_flash`) | `minimal`'s and the attention output | element-wise ops |
 //! | `save_dot_except_mlpwi` | weight-matmul outputs but the MLP input projection | the MLP input projection, element-wise ops, attention |
+//! | `save_dot_except_mlp` | q, k, v and the attention's output projection | the MLP, element-wise ops, attention |
+//! | `save_dot_with_context_except_mlp` | those and the attention output | the MLP, element-wise ops |
 //! | `save_qkv_proj` | q, k, v projections | the rest |
+//! | `save_out_proj` | the attention's output projection | the rest |
 //! | `qkv_proj_offloaded` | q, k, v projections, in host memory | the rest |
+//! | `minimal_offloaded` | every weight-matmul output, in host memory | element-wise ops, attention |
 //! | `custom:NAME=device\|offload+...` | each named tensor where it says | every tensor not named |
 //!
-//! PyTorch's words for the same things map onto these: `checkpoint` (each block wrapped in
+//! The policies and the tensors each keeps are MaxText's (`remat_policy`, its decoder's
+//! checkpoint names). PyTorch's words for the same things map onto these: `checkpoint` (each block wrapped in
 //! `torch.utils.checkpoint` / `checkpoint_wrapper`) is `full`; `selective:OP,...` (selective
 //! activation checkpointing that saves the named ops' outputs) saves `mm` (every matmul, i.e.
 //! `minimal`) or the projections by their usual module names (`q_proj`/`wq`, `k_proj`/`wk`,
@@ -78,6 +84,7 @@ impl Name {
         const QKV: &[Name] = &[Name::QueryProj, Name::KeyProj, Name::ValueProj];
         Some(match text {
             "qkv_proj" => QKV,
+            "kv_proj" => &[Name::KeyProj, Name::ValueProj],
             "query_proj" | "q_proj" | "wq" => &[Name::QueryProj],
             "key_proj" | "k_proj" | "wk" => &[Name::KeyProj],
             "value_proj" | "v_proj" | "wv" => &[Name::ValueProj],
@@ -173,8 +180,25 @@ impl FromStr for Remat {
             "save_dot_except_mlpwi" => {
                 Remat::on_device(t, |n| n.is_weight_matmul() && n != Name::MlpWi)
             }
+            "minimal_with_context" | "minimal_flash" => {
+                Remat::on_device(t, |n| n.is_weight_matmul() || n == Name::Context)
+            }
+            "save_dot_except_mlp" => {
+                Remat::on_device(t, |n| QKV.contains(&n) || n == Name::OutProj)
+            }
+            "save_dot_with_context_except_mlp" => Remat::on_device(t, |n| {
+                QKV.contains(&n) || matches!(n, Name::OutProj | Name::Context)
+            }),
             "save_qkv_proj" => Remat::on_device(t, |n| QKV.contains(&n)),
+            "save_out_proj" => Remat::on_device(t, |n| n == Name::OutProj),
             "qkv_proj_offloaded" => Remat::of(t, QKV.map(|n| (n, Keep::Offload))),
+            "minimal_offloaded" => Remat::of(
+                t,
+                Name::ALL
+                    .into_iter()
+                    .filter(|n| n.is_weight_matmul())
+                    .map(|n| (n, Keep::Offload)),
+            ),
             _ => {
                 if let Some(list) = t.strip_prefix("custom:") {
                     let mut kept = Vec::new();
@@ -222,8 +246,10 @@ impl FromStr for Remat {
                     Remat::of(t, kept)
                 } else {
                     return Err(format!(
-                        "unknown remat policy {t:?} (none, full, minimal, save_dot_except_mlpwi, \
-                         save_qkv_proj, qkv_proj_offloaded, custom:NAME=device|offload+..., \
+                        "unknown remat policy {t:?} (none, full, minimal, minimal_with_context, \
+                         save_dot_except_mlpwi, save_dot_except_mlp, \
+                         save_dot_with_context_except_mlp, save_qkv_proj, save_out_proj, \
+                         qkv_proj_offloaded, minimal_offloaded, custom:NAME=device|offload+..., \
                          checkpoint, selective:OP,...)"
                     ));
                 }
@@ -234,7 +260,7 @@ impl FromStr for Remat {
 
 fn known_names() -> String {
     let mut names: Vec<&str> = Name::ALL.iter().map(|n| n.as_str()).collect();
-    names.push("qkv_proj");
+    names.extend(["qkv_proj", "kv_proj"]);
     names.join(", ")
 }
 
@@ -261,6 +287,27 @@ mod tests {
         let off = remat("qkv_proj_offloaded");
         assert_eq!(off.keep(Name::KeyProj), Some(Keep::Offload));
         assert_eq!(off.keep(Name::OutProj), None);
+        let with_context = remat("minimal_with_context");
+        assert_eq!(with_context.keep(Name::Context), Some(Keep::Device));
+        assert_eq!(with_context.keep(Name::MlpWi), Some(Keep::Device));
+        assert_eq!(remat("minimal_flash").kept, with_context.kept);
+        let except_mlp = remat("save_dot_except_mlp");
+        assert_eq!(except_mlp.keep(Name::OutProj), Some(Keep::Device));
+        assert_eq!(except_mlp.keep(Name::MlpWo), None);
+        assert_eq!(except_mlp.keep(Name::Context), None);
+        let context_except_mlp = remat("save_dot_with_context_except_mlp");
+        assert_eq!(context_except_mlp.keep(Name::Context), Some(Keep::Device));
+        assert_eq!(context_except_mlp.keep(Name::MlpWi), None);
+        let out = remat("save_out_proj");
+        assert_eq!(out.keep(Name::OutProj), Some(Keep::Device));
+        assert_eq!(out.keep(Name::QueryProj), None);
+        let offloaded = remat("minimal_offloaded");
+        assert_eq!(offloaded.keep(Name::MlpWo), Some(Keep::Offload));
+        assert_eq!(offloaded.keep(Name::Context), None);
+        assert_eq!(offloaded.keep(Name::DecoderLayerInput), Some(Keep::Device));
+        let kv = remat("custom:kv_proj=offload");
+        assert_eq!(kv.keep(Name::ValueProj), Some(Keep::Offload));
+        assert_eq!(kv.keep(Name::QueryProj), None);
         let custom = remat("custom:decoder_layer_input=offload+qkv_proj=device+out_proj=offload");
         assert_eq!(custom.keep(Name::DecoderLayerInput), Some(Keep::Offload));
         assert_eq!(custom.keep(Name::ValueProj), Some(Keep::Device));
