@@ -237,17 +237,22 @@ kind = "adamw"
 /// tensor parallelism: one sequence a group, the group's chips sharing it), as long as the
 /// group's share is a whole number of sequences.
 fn sequences_per_group(row: &Row<'_>, tp: u64) -> Result<u64, String> {
+    // Far above any real batch, and where an f64 still counts whole numbers exactly.
+    const MOST: f64 = (1u64 << 31) as f64;
     let per_chip: f64 = row.number("batch_per_chip")?;
     let per_group = per_chip * tp as f64;
     let whole = per_group.round();
     // A fraction written in decimal (0.1 x 10) lands within rounding of a whole number.
-    if !per_group.is_finite() || whole < 1.0 || (per_group - whole).abs() > 1e-6 {
+    if !per_group.is_finite() || !(1.0..=MOST).contains(&whole) || (per_group - whole).abs() > 1e-6
+    {
+        let group = if tp == 1 {
+            "a chip".to_string()
+        } else {
+            format!("tensor-parallel group of {tp} chips")
+        };
         return Err(row.bad(
             "batch_per_chip",
-            &format!(
-                "must be positive and make a whole number of sequences per tensor-parallel \
-                 group of {tp} chips"
-            ),
+            &format!("must make a whole number of sequences (1 to 2^31) per {group}"),
         ));
     }
     Ok(whole as u64)
@@ -554,7 +559,7 @@ mod tests {
         assert_eq!(sequences_per_group(&row("0.25"), 4), Ok(1));
         assert_eq!(sequences_per_group(&row("0.1"), 10), Ok(1));
         assert_eq!(sequences_per_group(&row("3"), 16), Ok(48));
-        for bad in ["0.3", "0", "-2", "0.25e-9", "inf", "NaN", "x"] {
+        for bad in ["0.3", "0", "-2", "0.25e-9", "inf", "NaN", "x", "1e30"] {
             let err = sequences_per_group(&row(bad), 4).unwrap_err();
             assert!(
                 err.contains("row 2 (r), column batch_per_chip"),

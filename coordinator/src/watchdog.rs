@@ -101,9 +101,13 @@ pub struct Watchdog {
     waited_on: BTreeMap<ChipId, Duration>,
     first_tick: Option<Instant>,
     last_tick: Option<Instant>,
-    /// Checks that counted waits (checks come on every heartbeat of every worker as well as
-    /// on a timer, so they may outnumber the heartbeats of a worker).
-    counted_ticks: u32,
+    /// Checks since the first (they come on every heartbeat of every worker as well as on a
+    /// timer, so they may outnumber the heartbeats of a worker).
+    counted_ticks: u64,
+    /// Of the time since the first check, how much counted at all: the mean over live
+    /// workers of the share of each interval their chips could be held against (see
+    /// `count_waits`).
+    observed: Duration,
 }
 
 /// A chip that was slow but kept making progress.
@@ -117,17 +121,20 @@ pub struct Straggler {
     pub slowdown: f64,
 }
 
-/// Family-wise chance of naming a straggler in a job where no chip is special.
+/// Family-wise chance of naming a straggler in a job where no chip is special, were the
+/// heartbeats' samples independent (they are not quite: a wait can outlast a heartbeat).
 const STRAGGLER_FALSE_ALARM: f64 = 1e-3;
 
 /// Whether a chip held the others up for a share `q` of the run by more than chance, when the
 /// other chips were held against at a share `p` on average and the waits were sampled `n`
 /// times (heartbeat intervals): in a job where no chip is special each sample falls on a
 /// given chip with chance `p`, and a count of `q n` or more has chance at most
-/// `exp(-n KL(q || p))` (the Chernoff bound on a binomial tail). Tested for every one of `chips` chips, so the bar is that chance under
-/// `STRAGGLER_FALSE_ALARM / chips`. A short run gives few samples: on gRPC links a fault-free
-/// 120-step job on four workers lasts about 16 heartbeats, and one chip in sixteen falls on a
-/// quarter of them now and then by chance alone; a chip slowed tenfold falls on nearly all.
+/// `exp(-n KL(q || p))` (the Chernoff bound on a binomial tail). Tested for every one of
+/// `chips` chips, so the bar is that chance under `STRAGGLER_FALSE_ALARM / chips`. A short run gives few samples: on gRPC links a fault-free
+/// 120-step job on four workers lasts about 16 heartbeats, and one chip in sixteen falls on
+/// a quarter of them now and then by chance alone; a chip slowed tenfold falls on nearly
+/// all. The price: over 16 samples, against others at 5%, a chip needs about 42% of the run
+/// to be named (20% used to do); over 160, the fifth of the run the floors ask.
 fn beyond_chance(q: f64, p: f64, n: f64, chips: f64) -> bool {
     let q = q.clamp(0.0, 1.0);
     if q <= p {
@@ -179,6 +186,7 @@ impl Watchdog {
             first_tick: None,
             last_tick: None,
             counted_ticks: 0,
+            observed: Duration::ZERO,
         }
     }
 
@@ -306,23 +314,31 @@ impl Watchdog {
         let total: f64 = held.iter().sum();
         held.sort_by(f64::total_cmp);
         let median = held.get(held.len() / 2).copied().unwrap_or(0.0).max(1.0);
-        // What the waits say is new once a heartbeat at most, and once a check at most.
-        let heartbeats = run / (self.heartbeat.as_secs_f64() * 1e3);
-        let samples = f64::from(self.counted_ticks).min(heartbeats);
-        self.waited_on
+        let heartbeat_ms = self.heartbeat.as_secs_f64() * 1e3;
+        // Sampled at heartbeats: a few samples are noise, not evidence.
+        let candidates: Vec<(ChipId, f64)> = self
+            .waited_on
             .iter()
             .map(|(c, d)| (*c, d.as_secs_f64() * 1e3))
-            // Sampled at heartbeats: a few samples are noise, not evidence.
+            .filter(|(_, ms)| *ms > 3.0 * median && *ms > 0.2 * run && *ms >= 3.5 * heartbeat_ms)
+            .collect();
+        // The evidence is the time that counted (a busy or unheard host's is not its chips'),
+        // new once a heartbeat at most and once a check at most.
+        let observed = self.observed.as_secs_f64() * 1e3;
+        let samples = (self.counted_ticks as f64).min(observed / heartbeat_ms);
+        // Chance is what the chips that are no candidates were held against: several slow
+        // chips (one slow host's) would otherwise raise each other's bar.
+        let others = held.len().saturating_sub(candidates.len());
+        let rest: f64 = total - candidates.iter().map(|(_, ms)| ms).sum::<f64>();
+        let chance = if others == 0 || observed <= 0.0 {
+            0.0
+        } else {
+            rest.max(0.0) / (others as f64 * observed)
+        };
+        candidates
+            .into_iter()
             .filter(|(_, ms)| {
-                *ms > 3.0 * median
-                    && *ms > 0.2 * run
-                    && *ms >= 3.5 * self.heartbeat.as_secs_f64() * 1e3
-                    && beyond_chance(
-                        *ms / run,
-                        (total - *ms) / ((held.len() - 1).max(1) as f64 * run),
-                        samples,
-                        held.len() as f64,
-                    )
+                observed > 0.0 && beyond_chance(*ms / observed, chance, samples, held.len() as f64)
             })
             .map(|(chip, ms)| Straggler {
                 chip,
@@ -339,7 +355,7 @@ impl Watchdog {
             return;
         };
         let dt = now.duration_since(last);
-        self.counted_ticks += 1;
+        self.counted_ticks = self.counted_ticks.saturating_add(1);
         let heartbeat = self.heartbeat;
         // A worker's view is known while it has been heard within two heartbeats.
         let recent = |v: &WorkerView| now.saturating_duration_since(v.heard) < 2 * heartbeat;
@@ -372,13 +388,18 @@ impl Watchdog {
             .filter(|t| !waiters.contains(t))
             .map(|t| (t, 0.0))
             .collect();
+        let (mut shares, mut workers) = (0.0, 0u32);
         for (_, v) in self.live() {
             let share = counted(v);
+            (shares, workers) = (shares + share, workers + 1);
             for &(first, last) in &v.summary.chips.0 {
                 targets
                     .range_mut(first..=last)
                     .for_each(|(_, s)| *s = share);
             }
+        }
+        if workers > 0 {
+            self.observed += dt.mul_f64(shares / f64::from(workers));
         }
         for (t, share) in targets {
             if share > 0.0 {
@@ -1022,6 +1043,55 @@ mod tests {
         // The more chips tested, the higher the bar: 32,768 chips need more evidence.
         assert!(beyond_chance(0.5, 0.05, 12.0, 16.0));
         assert!(!beyond_chance(0.5, 0.05, 12.0, 32_768.0));
+    }
+
+    /// Chip 0 of a 16-chip ring, on one worker, waits at each of `checks` heartbeats `T`
+    /// apart on the chips `waited(i)` names at the i-th. The chips named stragglers.
+    fn stragglers_on_a_ring_of_16(checks: u32, waited: impl Fn(u32) -> Vec<ChipId>) -> Vec<ChipId> {
+        let t0 = Instant::now();
+        let ring = Pod::single("16".parse().unwrap());
+        let mut w = Watchdog::new(ring.clone(), T, Duration::from_millis(10));
+        w.start([(0, Some(100))], t0);
+        let mut worker = Worker {
+            id: 0,
+            summariser: Summariser::new(&ring, (0..16).collect(), T, t0),
+            cpu_wait_share: 0.0,
+        };
+        for i in 0..checks {
+            let moving: Vec<ChipStatus> =
+                (0..16).map(|c| status(c, 5 + u64::from(i), &[])).collect();
+            let waits = vec![(0, waited(i))];
+            worker.beat_with_waits(&mut w, &moving, t0 + T * i, Duration::ZERO, waits);
+            let _ = check(&mut w, t0 + T * i);
+        }
+        w.finished(0);
+        w.stragglers().iter().map(|s| s.chip).collect()
+    }
+
+    #[test]
+    fn what_chance_explains_is_no_straggler_and_slow_chips_do_not_hide_each_other() {
+        // Nine intervals (a heartbeat's waits count for the interval its check closes): chip
+        // 1 is waited on in four, ten other chips in one each. It passes every floor (400 ms,
+        // over three medians of 100 ms and a fifth of the run), but one chip in sixteen falls
+        // on four of nine samples at a chance of 7% too often to count as evidence.
+        let pattern = |i: u32| match (i + 8) % 9 {
+            0..=3 => vec![1],
+            k => vec![2 * k - 6, 2 * k - 5],
+        };
+        assert_eq!(
+            stragglers_on_a_ring_of_16(10, pattern),
+            Vec::<ChipId>::new()
+        );
+        // The same shares over 90 samples are not chance.
+        assert_eq!(stragglers_on_a_ring_of_16(91, pattern), vec![1]);
+        // Six chips (one slow host's) waited on throughout three intervals: chance is what
+        // the other ten were held against (nothing), not the mean with the other five slow
+        // ones (a third), under which none of them would be named.
+        let six = |_| (1..=6).collect();
+        assert_eq!(
+            stragglers_on_a_ring_of_16(4, six),
+            (1..=6).collect::<Vec<_>>()
+        );
     }
 
     #[test]

@@ -285,6 +285,40 @@ fn minimal_remat_keeps_exactly_the_matmul_outputs_backward_reads() {
 }
 
 #[test]
+fn maxtexts_other_policies_keep_what_they_name() {
+    let m = model(64, 128, 128);
+    let (t, d, f, q, qkv) = (128u64, 64u64, 128u64, 64u64, 192u64);
+    let (bf16, blocks) = (2, 2);
+    let minimal = remat_step(&m, "minimal");
+    // `minimal_offloaded`: the same matmul outputs (qkv, the attention projection, the MLP's
+    // input projection) in host memory instead, out in forward and back before backward;
+    // the same recomputation.
+    let offloaded = remat_step(&m, "minimal_offloaded");
+    let per_block = t * (qkv + d + f) * bf16;
+    assert_eq!(offloaded.host_activations_bytes, blocks * per_block);
+    assert_eq!(offloaded.host_transfer_bytes, 2 * blocks * per_block);
+    assert_eq!(
+        offloaded.activations_bytes,
+        minimal.activations_bytes - blocks * per_block
+    );
+    assert_eq!(offloaded.flops, minimal.flops);
+    // `minimal_with_context`: also the attention output, so attention is not run again.
+    let context = remat_step(&m, "minimal_with_context");
+    assert_eq!(
+        context.activations_bytes,
+        minimal.activations_bytes + blocks * t * q * bf16
+    );
+    assert!(context.flops < minimal.flops);
+    // Keeping less recomputes more: the attention projection alone, then q, k, v with it,
+    // then `minimal`.
+    let out = remat_step(&m, "save_out_proj");
+    let except_mlp = remat_step(&m, "save_dot_except_mlp");
+    assert!(out.flops > except_mlp.flops && except_mlp.flops > minimal.flops);
+    assert!(out.activations_bytes < except_mlp.activations_bytes);
+    assert!(except_mlp.activations_bytes < minimal.activations_bytes);
+}
+
+#[test]
 fn dot_product_attention_materialises_the_whole_score_square() {
     let flash = model(64, 128, 128);
     let dot = TransformerSpec {
