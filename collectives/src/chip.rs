@@ -654,8 +654,16 @@ impl<'a> Call<'a> {
         }
         add_own(&self.chip.stats.messages_sent, 1);
         add_own(&self.chip.stats.bytes_sent, bytes as u64);
-        self.chip.recorder.sent(msg.link);
+        if self.counts_on_link(msg.link, msg.hops, msg.dst) {
+            self.chip.recorder.sent(msg.link);
+        }
         arrive
+    }
+
+    /// [`crate::counted_on_link`] for a message between this chip and `other` on `link`.
+    fn counts_on_link(&self, link: Link, hops: u32, other: ChipId) -> bool {
+        // Only a one-hop route asks for the neighbour (an array lookup on ICI).
+        hops != 1 || crate::counted_on_link(hops, self.peer(Route::neighbour(link)).ok(), other)
     }
 
     /// Books the message and gives it to the router.
@@ -705,7 +713,8 @@ impl<'a> Call<'a> {
             chips_per_slice: core.chips_per_slice,
         };
         let (msg, blocked_since) = core.inbox.receive(want).await?;
-        core.recorder.received(link, blocked_since);
+        let counted = self.counts_on_link(link, msg.hops, src);
+        core.recorder.received(link, counted, blocked_since);
         if let Some(sum) = msg.checksum
             && msg.payload.checksum() != Some(sum)
         {

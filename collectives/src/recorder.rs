@@ -15,11 +15,11 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use podsim_topology::{ChipId, Link, MAX_AXES};
+use podsim_topology::{ChipId, Link, MAX_AXES, Pod};
 use serde::{Deserialize, Serialize};
 
 use crate::fabric::{Inbox, Tag};
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, OpKind};
 
 /// Adds `n` to a counter that only its chip's task writes (readers only load it): a load and
 /// a store instead of a locked read-modify-write, which at ten million messages a second is
@@ -98,6 +98,29 @@ pub struct Blocked {
 /// Messages over each link of a chip: slots are ICI (axis, direction) then DCN.
 pub const LINK_SLOTS: usize = 2 * MAX_AXES + 1;
 
+/// Whether a message between a chip and `other` on one of its links, routed `hops` chips
+/// along it, counts in that link's `sent` and `received` (`neighbour`: the chip at the link's
+/// far end). Every message of a collective does (its peer is `hops` along the link); a
+/// point-to-point message forwarded further than the neighbour (a one-hop route to a chip
+/// that is not the neighbour) does not, so the watchdog can set what a chip sent on a link
+/// against what the chip at its far end got.
+pub fn counted_on_link(hops: u32, neighbour: Option<ChipId>, other: ChipId) -> bool {
+    hops != 1 || neighbour == Some(other)
+}
+
+/// Whether the counters of `waiter`'s `link` can tell if the message it waits for from
+/// `peer` in a collective of kind `op` was sent: not for a point-to-point message from a chip
+/// that is not the link's neighbour, which [`counted_on_link`] leaves out.
+pub fn counters_judge_wait(
+    pod: &Pod,
+    waiter: ChipId,
+    link: Link,
+    peer: ChipId,
+    op: OpKind,
+) -> bool {
+    op != OpKind::SendRecv || pod.peer(waiter, link) == Some(peer)
+}
+
 /// The counter slot of `link`.
 pub fn link_slot(link: Link) -> usize {
     match link {
@@ -140,7 +163,8 @@ pub struct ChipStatus {
     pub computing_since_ns: Option<u64>,
     /// Training step or script iteration the chip is in.
     pub step: u64,
-    /// Messages sent and received (taken by a receive) per link slot.
+    /// Messages sent and received (taken by a receive) per link slot: those between the
+    /// chips the link joins (see [`counted_on_link`]).
     pub sent: Vec<u64>,
     pub received: Vec<u64>,
     /// Messages arrived per link slot and not taken yet: a sender's count ahead of
@@ -291,10 +315,12 @@ impl FlightRecorder {
         self.bump();
     }
 
-    /// A message arrived on `link`; `blocked_since` is when the receive started waiting for it
-    /// (wall ns), if it had to.
-    pub fn received(&self, link: Link, blocked_since: Option<u64>) {
-        add_own(&self.received[link_slot(link)], 1);
+    /// A message arrived on `link` (counted there when `counted`: see [`counted_on_link`]);
+    /// `blocked_since` is when the receive started waiting for it (wall ns), if it had to.
+    pub fn received(&self, link: Link, counted: bool, blocked_since: Option<u64>) {
+        if counted {
+            add_own(&self.received[link_slot(link)], 1);
+        }
         if let Some(since) = blocked_since {
             add_own(&self.waited_ns, coarse_wall_ns().saturating_sub(since));
         }
@@ -474,10 +500,28 @@ mod tests {
         };
         assert_eq!(msg.src, 3);
         assert!(since.is_some(), "it had to wait");
-        r.received(link, since);
+        r.received(link, true, since);
         let s = r.status();
         assert!(s.blocked.is_empty());
         assert_eq!(s.received[link_slot(link)], 1);
+    }
+
+    #[test]
+    fn counters_judge_waits_between_a_links_two_ends_and_collectives() {
+        let pod = Pod::single("4x4".parse().unwrap());
+        let plus_x = Link::Ici {
+            axis: 0,
+            dir: podsim_topology::Dir::Plus,
+        };
+        // Chip 0's +x neighbour is 1; 2 is two along, 5 across two axes.
+        assert!(counted_on_link(1, pod.peer(0, plus_x), 1));
+        assert!(!counted_on_link(1, pod.peer(0, plus_x), 5));
+        // A collective's strided route: its peer is `hops` along the link.
+        assert!(counted_on_link(2, pod.peer(0, plus_x), 2));
+        let minus_x = plus_x.reverse(0);
+        assert!(counters_judge_wait(&pod, 1, minus_x, 0, OpKind::SendRecv));
+        assert!(!counters_judge_wait(&pod, 5, minus_x, 0, OpKind::SendRecv));
+        assert!(counters_judge_wait(&pod, 2, minus_x, 0, OpKind::AllReduce));
     }
 
     #[test]

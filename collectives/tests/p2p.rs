@@ -178,3 +178,40 @@ fn point_to_point_is_not_run_on_the_mirror_fabric() {
             .is_empty()
     );
 }
+
+#[test]
+fn only_messages_between_a_links_two_ends_count_on_it() {
+    // 4x4: chip 0 sends to its +x neighbour (1), along x past it (2) and across two axes
+    // (5, whose path leaves on +x too). Only the message to chip 1 counts on chip 0's +x and
+    // chip 1's -x: the watchdog sets one against the other to find a lost message, and a
+    // message forwarded past the neighbour (counted at its sender's link, but received at
+    // another chip) made a pipeline whose stage waited two seconds look like one that lost
+    // a message.
+    let fabric = fabric("4x4", true, 1);
+    let plus_x = podsim_topology::Link::Ici {
+        axis: 0,
+        dir: podsim_topology::Dir::Plus,
+    };
+    let slot = podsim_collectives::link_slot(plus_x);
+    let back = podsim_collectives::link_slot(plus_x.reverse(0));
+    let counts = on_chips(&fabric, move |mut chip: Chip| async move {
+        let me = chip.id();
+        match me {
+            0 => {
+                for dst in [1, 2, 5] {
+                    chip.send_to(dst, &Payload::Meta(4), 0).await?;
+                }
+            }
+            1 | 2 | 5 => {
+                chip.recv_from(0, 4, 0).await?;
+            }
+            _ => {}
+        }
+        let s = chip.recorder().status();
+        Ok::<_, CollectiveError>((s.sent[slot], s.received[back]))
+    })
+    .unwrap();
+    assert_eq!(counts[0].0, 1, "chip 0 sent on +x");
+    assert_eq!(counts[1].1, 1, "chip 1 received on -x");
+    assert_eq!((counts[2].1, counts[5].1), (0, 0), "forwarded messages");
+}

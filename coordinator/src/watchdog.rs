@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use podsim_collectives::{Fingerprint, link_slot, wall_ns};
+use podsim_collectives::{Fingerprint, counters_judge_wait, link_slot, wall_ns};
 use podsim_topology::{ChipId, Link, Pod};
 use podsim_worker::protocol::FaultEvent;
 use podsim_worker::protocol::HeartbeatStatus;
@@ -579,7 +579,10 @@ impl Watchdog {
                 let link = w.link.reverse(self.pod.slice_of(w.waiter));
                 lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
             }
-            for w in v.summary.remote.iter().filter(|w| w.stuck) {
+            let judged = |w: &&Wait| {
+                counters_judge_wait(&self.pod, w.waiter, w.link, w.peer, w.fingerprint.op)
+            };
+            for w in v.summary.remote.iter().filter(|w| w.stuck).filter(judged) {
                 // Only while nothing is in flight between the two workers: on a loaded host a
                 // message can sit in the transport for seconds.
                 if !self.transport_idle(self.worker_of(w.peer), waiter_worker) {

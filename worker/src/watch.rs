@@ -37,7 +37,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use podsim_collectives::{ChipStatus, Fingerprint, Glance, link_slot};
+use podsim_collectives::{ChipStatus, Fingerprint, Glance, counters_judge_wait, link_slot};
 use podsim_topology::{ChipId, Link, Pod};
 use serde::{Deserialize, Serialize};
 
@@ -500,7 +500,16 @@ impl Summariser {
                         }
                     }
                     Some(&p) => {
-                        if !wait.stuck || lost.len() >= MAX_WAITS {
+                        if !wait.stuck
+                            || lost.len() >= MAX_WAITS
+                            || !counters_judge_wait(
+                                &self.pod,
+                                s.chip,
+                                b.link,
+                                b.peer,
+                                b.fingerprint.op,
+                            )
+                        {
                             continue;
                         }
                         // Suspected from what was read before, confirmed on both chips as
