@@ -160,9 +160,9 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
     let topology = row.get("topology");
     let dims: Vec<u64> = topology
         .split('x')
-        .map(|d| {
-            d.parse()
-                .map_err(|_| row.bad("topology", "not a torus like 4x4x4"))
+        .map(|d| match d.parse() {
+            Ok(0) | Err(_) => Err(row.bad("topology", "not a torus like 4x4x4")),
+            Ok(n) => Ok(n),
         })
         .collect::<Result<_, _>>()?;
     let per_slice: u64 = dims.iter().product();

@@ -152,6 +152,7 @@ fn a_tight_max_error_is_exit_one_and_bad_rows_are_exit_two_naming_row_and_column
     for (column, value) in [
         ("batch_per_chip", "eight"),
         ("batch_per_chip", "0.3"),
+        ("topology", "4x0x4"),
         ("attention", "sdpa"),
     ] {
         let col = header.iter().position(|h| h == column).unwrap();
