@@ -144,11 +144,11 @@ fn a_tight_max_error_is_exit_one_and_bad_rows_are_exit_two_naming_row_and_column
     let dir = temp_dir("compare-bad");
     let text = std::fs::read_to_string(&path).unwrap();
     let mut lines: Vec<String> = text.lines().map(String::from).collect();
-    // Row 2 (the first data row) with a batch that is no number, then with an attention
+    // Row 2 (the first data row, A1: 4-way tensor parallelism) with, in turn, a batch that
+    // is no number, 0.3 sequences a chip (1.2 a group), a torus axis of 0, and an attention
     // (an optional column) that podsim does not know.
     let header: Vec<String> = lines[0].split(',').map(String::from).collect();
     let first = lines[1].clone();
-    // Row 2 is A1 (4-way tensor parallelism): 0.3 sequences a chip are 1.2 a group.
     for (column, value) in [
         ("batch_per_chip", "eight"),
         ("batch_per_chip", "0.3"),
