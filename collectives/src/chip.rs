@@ -486,6 +486,11 @@ pub(crate) struct Call<'a> {
     pub fingerprint: Fingerprint,
     pub elem_bytes: f64,
     pub verify: bool,
+    /// Its messages count in their link's `sent` and `received` (the watchdog sets what a
+    /// chip sent on a link against what the chip at its far end got). Every collective's
+    /// do; a point-to-point call's only between the link's two ends (see
+    /// [`crate::counters_judge_wait`]).
+    pub counted: bool,
 }
 
 impl<'a> Call<'a> {
@@ -495,6 +500,7 @@ impl<'a> Call<'a> {
             fingerprint,
             elem_bytes: fingerprint.dtype.size() as f64,
             verify: chip.verify,
+            counted: true,
         }
     }
 
@@ -654,16 +660,10 @@ impl<'a> Call<'a> {
         }
         add_own(&self.chip.stats.messages_sent, 1);
         add_own(&self.chip.stats.bytes_sent, bytes as u64);
-        if self.counts_on_link(msg.link, msg.hops, msg.dst) {
+        if self.counted {
             self.chip.recorder.sent(msg.link);
         }
         arrive
-    }
-
-    /// [`crate::counted_on_link`] for a message between this chip and `other` on `link`.
-    fn counts_on_link(&self, link: Link, hops: u32, other: ChipId) -> bool {
-        // Only a one-hop route asks for the neighbour (an array lookup on ICI).
-        hops != 1 || crate::counted_on_link(hops, self.peer(Route::neighbour(link)).ok(), other)
     }
 
     /// Books the message and gives it to the router.
@@ -713,8 +713,7 @@ impl<'a> Call<'a> {
             chips_per_slice: core.chips_per_slice,
         };
         let (msg, blocked_since) = core.inbox.receive(want).await?;
-        let counted = self.counts_on_link(link, msg.hops, src);
-        core.recorder.received(link, counted, blocked_since);
+        core.recorder.received(link, self.counted, blocked_since);
         if let Some(sum) = msg.checksum
             && msg.payload.checksum() != Some(sum)
         {

@@ -71,7 +71,7 @@ pub use mirror::{MirrorRouter, Symmetry, mirror_chips, symmetry_obstacles};
 pub use payload::{Payload, Rope, Run};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{
-    Blocked, ChipStatus, FlightRecorder, Glance, OpState, RecordEntry, RunState, counted_on_link,
+    Blocked, ChipStatus, FlightRecorder, Glance, OpState, RecordEntry, RunState,
     counters_judge_wait, link_slot, wall_ns,
 };
 pub use reduce::ReduceOp;

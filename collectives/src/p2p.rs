@@ -65,7 +65,10 @@ impl Chip {
             path.ici_hops - 1
         };
         let extra_latency_ns = f64::from(further_hops) * hw.ici_latency_ns;
-        let call = Call::new(self, fp);
+        let call = Call {
+            counted: self.pod().peer(me, path.link) == Some(dst),
+            ..Call::new(self, fp)
+        };
         let route = Route::neighbour(path.link);
         call.send_to(
             self.clock(),
@@ -97,9 +100,12 @@ impl Chip {
         let fp = self
             .begin_on(key, label, OpKind::SendRecv, DType::F32, count, None)
             .await;
-        let call = Call::new(self, fp);
         // The message is filed under the link it left `src` on, named from this side.
         let my_link = path.link.reverse(self.pod().slice_of(src));
+        let call = Call {
+            counted: self.pod().peer(me, my_link) == Some(src),
+            ..Call::new(self, fp)
+        };
         let mut t = self.clock();
         let got = call.recv_from(&mut t, src, my_link, MESSAGE).await?;
         self.set_clock(t);

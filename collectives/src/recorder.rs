@@ -98,19 +98,12 @@ pub struct Blocked {
 /// Messages over each link of a chip: slots are ICI (axis, direction) then DCN.
 pub const LINK_SLOTS: usize = 2 * MAX_AXES + 1;
 
-/// Whether a message between a chip and `other` on one of its links, routed `hops` chips
-/// along it, counts in that link's `sent` and `received` (`neighbour`: the chip at the link's
-/// far end). Every message of a collective does (its peer is `hops` along the link); a
-/// point-to-point message forwarded further than the neighbour (a one-hop route to a chip
-/// that is not the neighbour) does not, so the watchdog can set what a chip sent on a link
-/// against what the chip at its far end got.
-pub fn counted_on_link(hops: u32, neighbour: Option<ChipId>, other: ChipId) -> bool {
-    hops != 1 || neighbour == Some(other)
-}
-
 /// Whether the counters of `waiter`'s `link` can tell if the message it waits for from
-/// `peer` in a collective of kind `op` was sent: not for a point-to-point message from a chip
-/// that is not the link's neighbour, which [`counted_on_link`] leaves out.
+/// `peer` in a collective of kind `op` was sent. A link's counters hold every collective's
+/// messages (a collective's peer is its route's hops along the link) but a point-to-point
+/// message only between the link's two ends: one forwarded further (a pipeline stage's send
+/// two axes away leaves on the same link) is counted nowhere, so a point-to-point wait on a
+/// chip that is not the neighbour cannot be judged by them.
 pub fn counters_judge_wait(
     pod: &Pod,
     waiter: ChipId,
@@ -163,8 +156,8 @@ pub struct ChipStatus {
     pub computing_since_ns: Option<u64>,
     /// Training step or script iteration the chip is in.
     pub step: u64,
-    /// Messages sent and received (taken by a receive) per link slot: those between the
-    /// chips the link joins (see [`counted_on_link`]).
+    /// Messages sent and received (taken by a receive) per link slot (which: see
+    /// [`counters_judge_wait`]).
     pub sent: Vec<u64>,
     pub received: Vec<u64>,
     /// Messages arrived per link slot and not taken yet: a sender's count ahead of
@@ -315,7 +308,7 @@ impl FlightRecorder {
         self.bump();
     }
 
-    /// A message arrived on `link` (counted there when `counted`: see [`counted_on_link`]);
+    /// A message arrived on `link` (counted there when `counted`: see [`counters_judge_wait`]);
     /// `blocked_since` is when the receive started waiting for it (wall ns), if it had to.
     pub fn received(&self, link: Link, counted: bool, blocked_since: Option<u64>) {
         if counted {
@@ -513,11 +506,8 @@ mod tests {
             axis: 0,
             dir: podsim_topology::Dir::Plus,
         };
-        // Chip 0's +x neighbour is 1; 2 is two along, 5 across two axes.
-        assert!(counted_on_link(1, pod.peer(0, plus_x), 1));
-        assert!(!counted_on_link(1, pod.peer(0, plus_x), 5));
-        // A collective's strided route: its peer is `hops` along the link.
-        assert!(counted_on_link(2, pod.peer(0, plus_x), 2));
+        // Chip 0's +x neighbour is 1; 5 is across two axes, 2 two along x (a collective's
+        // strided route reaches it).
         let minus_x = plus_x.reverse(0);
         assert!(counters_judge_wait(&pod, 1, minus_x, 0, OpKind::SendRecv));
         assert!(!counters_judge_wait(&pod, 5, minus_x, 0, OpKind::SendRecv));
