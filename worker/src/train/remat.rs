@@ -24,9 +24,9 @@
 //! | `minimal_offloaded` | every weight-matmul output, in host memory | element-wise ops, attention |
 //! | `custom:NAME=device\|offload+...` | each named tensor where it says | every tensor not named |
 //!
-//! The named policies, and the tensors each keeps, are MaxText's (`remat_policy` and its
-//! decoder's checkpoint names). Dot-product attention recomputes its scores under every
-//! policy: none names them. PyTorch's words for the same things map onto these: `checkpoint` (each block wrapped in
+//! The named policies, and the tensors each keeps, are MaxText's (`remat_policy` and its decoder's
+//! checkpoint names). Dot-product attention recomputes its scores under every policy: none names
+//! them. PyTorch's words for the same things map onto these: `checkpoint` (each block wrapped in
 //! `torch.utils.checkpoint` / `checkpoint_wrapper`) is `full`; `selective:OP,...` (selective
 //! activation checkpointing that saves the named ops' outputs) saves `mm` (every matmul, i.e.
 //! `minimal`) or the projections by their usual module names (`q_proj`/`wq`, `k_proj`/`wk`,
