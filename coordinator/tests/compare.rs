@@ -1,7 +1,6 @@
 //! `podsim compare` end to end: the published TPU step times of
 //! `configs/validation/published.csv` are predicted with a median error within 5% and every
-//! row within 10% but A1, the one known miss (11.6%, see docs/PERFORMANCE.md), nothing out of
-//! memory; every row of MaxText's tables runs on at
+//! row within 10%, nothing out of memory; every row of MaxText's tables runs on at
 //! most two simulated chips and fits; the rows of tpu-recipes logs have a median error within
 //! 6%, and bf16 weights fit where f32 ones do not; bad files are exit 2 naming the row and column;
 //! `--max-error` turns a miss into exit 1.
@@ -44,28 +43,21 @@ fn compare_json(path: &Path, args: &[&str]) -> (Vec<serde_json::Value>, serde_js
 }
 
 #[test]
-fn published_rows_are_predicted_within_five_percent_median_and_ten_but_a1() {
+fn published_rows_are_predicted_within_five_percent_median_and_ten_each() {
+    // The calibration's aims, as `--max-error 10` holds them: exit 1 if any row misses by
+    // more than 10%. The two kernel constants set against these rows (topology/src/hardware.rs,
+    // scripts/calibrate.py) are chosen to meet them, so this is the regression guard on
+    // everything else in the model that moves a prediction.
     let path = published();
-    // The aims are a median within 5% and every row within 10%. A1 (v5p, tp 4, `minimal`) is
-    // predicted 11.6% fast (docs/PERFORMANCE.md, "Where the misses sit"): it is the one row
-    // allowed past 10%, and only to 12%. A change that brings it in, or pushes another row
-    // out, fails here so that the list of misses and the docs are updated with it.
-    const KNOWN_MISSES: [&str; 1] = ["A1"];
-    let (rows, summary) = compare_json(&path, &["--max-error", "12"]);
+    let (rows, summary) = compare_json(&path, &["--max-error", "10"]);
     let csv_rows = std::fs::read_to_string(&path).unwrap().lines().count() - 1;
     assert_eq!(rows.len(), csv_rows);
-    let mut misses = Vec::new();
     for r in &rows {
-        let error = r["error_pct"].as_f64().unwrap().abs();
-        assert!(error <= 12.0, "{r}");
-        if error > 10.0 {
-            misses.push(r["id"].as_str().unwrap());
-        }
+        assert!(r["error_pct"].as_f64().unwrap().abs() <= 10.0, "{r}");
         assert_eq!(r["fits"], true, "{r}");
         let mfu = r["mfu"].as_f64().unwrap();
         assert!(mfu > 0.2 && mfu < 0.9, "{r}");
     }
-    assert_eq!(misses, KNOWN_MISSES);
     assert!(
         summary["median_abs_error_pct"].as_f64().unwrap() <= 5.0,
         "{summary}"

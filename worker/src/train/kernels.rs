@@ -223,7 +223,8 @@ mod tests {
         assert_eq!(t(129), t(256));
         assert!(t(128) < t(129));
         // The padded flops at the matmul efficiency, plus the kernel's fixed cost.
-        let expected = 2.0 * 256.0 * 8192.0 * 8192.0 / (459e12 * 0.9) * 1e9 + 1000.0;
+        let expected =
+            2.0 * 256.0 * 8192.0 * 8192.0 / (459e12 * hw.matmul_efficiency) * 1e9 + 1000.0;
         assert!((t(256) - expected).abs() < 1e-6 * expected, "{}", t(256));
     }
 
@@ -241,7 +242,9 @@ mod tests {
         // A matrix-vector-like product streams the weight and barely uses the MXU.
         assert!(fraction(8) < 0.05, "{}", fraction(8));
         assert!(fraction(256) < fraction(1024));
-        assert!(fraction(16384) > 0.85 && fraction(16384) <= 0.9);
+        // A large one comes within a few percent of the matmul efficiency, never above it.
+        let large = fraction(16384);
+        assert!(large > 0.94 * hw.matmul_efficiency && large <= hw.matmul_efficiency);
     }
 
     #[test]

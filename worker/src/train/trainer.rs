@@ -1044,7 +1044,7 @@ impl<'a> Trainer<'a> {
                 ..LayerKeep::default()
             };
         }
-        let (mut d1, mut o1, recompute_matmul) =
+        let (mut d1, mut o1, mut recompute_matmul) =
             named_bytes(remat, &layer.out_names, rows, share, self.elem);
         if layer
             .after_names
@@ -1052,8 +1052,9 @@ impl<'a> Trainer<'a> {
             .any(|(n, _)| *n == Name::DecoderLayerInput)
         {
             // The block's last matmul only feeds the residual sum that leaves the block (kept
-            // as the next block's input): backward never reads it, so nothing keeps it.
-            (d1, o1) = (0, 0);
+            // as the next block's input): backward never reads it, so nothing keeps it and
+            // nothing runs it again (XLA drops a recomputation whose result nothing reads).
+            (d1, o1, recompute_matmul) = (0, 0, 0.0);
         }
         let after_share = z.shape()[1] as f64 / model::after_output_width(layer).max(1) as f64;
         let (d2, o2, lost_after) =
