@@ -7,12 +7,15 @@
 //! and unnamed element-wise results (norms, activations). A policy says where each named tensor
 //! lives between forward and backward: on the device, offloaded to host memory (copied over the
 //! host link in forward and back before the block's backward), or nowhere, in which case
-//! backward runs the forward again from the block's input to get it back.
+//! backward runs the forward again from the block's input to get it back. The block's last
+//! matmul (`mlpwo`, or a parallel block's fused `[out | wo]`) is never run again: its output
+//! only makes the block's output, which the next block keeps as its input, and its backward
+//! reads its input, not its output (XLA drops such a recomputation as dead code).
 //!
 //! | policy | kept | recomputed in backward |
 //! |---|---|---|
 //! | `none` | every activation | nothing |
-//! | `full` | each block's input | the whole block's forward |
+//! | `full` | each block's input | the block's forward but its last matmul |
 //! | `minimal` | every weight-matmul output | element-wise ops, attention |
 //! | `minimal_with_context` (`minimal_flash`) | `minimal`'s and the attention output | element-wise ops |
 //! | `save_dot_except_mlpwi` | weight-matmul outputs but the MLP input projection | the MLP input projection, element-wise ops, attention |
