@@ -27,13 +27,18 @@ MATMUL = [round(0.74 + 0.01 * i, 2) for i in range(9)]
 ATTENTION = [round(0.45 + 0.05 * i, 2) for i in range(5)]
 
 
+def resolve(path):
+    """`path` as given when it exists from here, else from the repository's root."""
+    return os.path.abspath(path if os.path.exists(path) else os.path.join(ROOT, path))
+
+
 def errors(podsim, path, matmul, attention):
     """|error| in percent of every row of `path` at the two constants."""
     out = subprocess.run(
         [podsim, "compare", path, "--json",
          "--set", f"hardware.matmul_efficiency={matmul}",
          "--set", f"hardware.attention_efficiency={attention}"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
+        capture_output=True, text=True, check=True,
     ).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.strip()]
     return [abs(r["error_pct"]) for r in rows if "id" in r]
@@ -48,6 +53,8 @@ def main():
     ap.add_argument("--row-aim", type=float, default=10.0)
     ap.add_argument("--median-aim", type=float, default=5.0)
     a = ap.parse_args()
+    a.podsim, a.file = resolve(a.podsim), resolve(a.file)
+    a.check = [resolve(c) for c in a.check]
 
     print(f"{'matmul':>6} {'attn':>5} {'mean':>6} {'median':>7} {'largest':>8}  meets aims")
     candidates = []
