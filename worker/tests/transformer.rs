@@ -263,6 +263,33 @@ fn full_remat_recomputes_one_forward_of_every_block() {
 }
 
 #[test]
+fn no_policy_runs_a_blocks_last_matmul_again() {
+    // The block's last matmul (`wo`; the fused `[out | wo]` of a parallel block) only makes
+    // the block's output, which is kept as the next block's input: keeping its output or not
+    // must change nothing, for either kind of block and under swiglu as under gelu. Before,
+    // `full` ran it again and cost more than the policy that names it.
+    for (block, mlp, last) in [
+        (BlockKind::Sequential, MlpKind::Gelu, "mlpwo=device"),
+        (BlockKind::Sequential, MlpKind::Swiglu, "mlpwo=device"),
+        (
+            BlockKind::Parallel,
+            MlpKind::Relu,
+            "out_proj=device+mlpwo=device",
+        ),
+    ] {
+        let mut m = model(64, 128, 128);
+        (m.block, m.mlp) = (block, mlp);
+        let full = remat_step(&m, "full");
+        let named = remat_step(&m, &format!("custom:{last}"));
+        let what = format!("{block:?} {mlp:?}");
+        assert_eq!(full.flops, named.flops, "{what}");
+        assert_eq!(full.virtual_ns, named.virtual_ns, "{what}");
+        assert_eq!(full.activations_bytes, named.activations_bytes, "{what}");
+        assert!(full.flops > remat_step(&m, "none").flops, "{what}");
+    }
+}
+
+#[test]
 fn minimal_remat_keeps_exactly_the_matmul_outputs_backward_reads() {
     let m = model(64, 128, 128);
     let (t, d, f, qkv, vocab) = (128u64, 64u64, 128u64, 192u64, 128u64);
