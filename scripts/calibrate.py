@@ -6,9 +6,9 @@ the flash-attention kernel sustain inside a training step; no data sheet rates t
 are set against the published step times of the calibration file, one value each for every
 chip and model. This script runs `podsim compare FILE --json --set hardware.K=V` over a grid
 of the two and picks, among the points that meet the calibration's aims on the file (every
-row within --row-aim, the median within --median-aim), the one with the smallest mean error:
-the aims are the constraints, and the mean weighs every row where the median reads the middle
-ones and the largest only one. It prints the grid, the choice, and at the choice the error on
+row within --row-aim, the median within --median-aim, none out of memory), the one with the
+smallest mean error: the aims are the constraints, and the mean weighs every row where the
+median reads the middle ones and the largest only one. It prints the grid, the choice, and at the choice the error on
 the check files, which take no part in it.
 
     python3 scripts/calibrate.py [--podsim target/release/podsim]
@@ -18,6 +18,7 @@ the check files, which take no part in it.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,21 +28,39 @@ MATMUL = [round(0.74 + 0.01 * i, 2) for i in range(9)]
 ATTENTION = [round(0.45 + 0.05 * i, 2) for i in range(5)]
 
 
+class CompareFailed(Exception):
+    pass
+
+
 def resolve(path):
     """`path` as given when it exists from here, else from the repository's root."""
     return os.path.abspath(path if os.path.exists(path) else os.path.join(ROOT, path))
 
 
+def resolve_program(program):
+    """A program named without a directory is looked up on PATH, as a shell would."""
+    if os.sep not in program:
+        found = shutil.which(program)
+        if found:
+            return found
+    return resolve(program)
+
+
 def errors(podsim, path, matmul, attention):
-    """|error| in percent of every row of `path` at the two constants."""
-    out = subprocess.run(
-        [podsim, "compare", path, "--json",
-         "--set", f"hardware.matmul_efficiency={matmul}",
-         "--set", f"hardware.attention_efficiency={attention}"],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    rows = [json.loads(line) for line in out.splitlines() if line.strip()]
-    return [abs(r["error_pct"]) for r in rows if "id" in r]
+    """|error| in percent of every row of `path` at the two constants, and whether every row
+    fits in HBM."""
+    cmd = [podsim, "compare", path, "--json",
+           "--set", f"hardware.matmul_efficiency={matmul}",
+           "--set", f"hardware.attention_efficiency={attention}"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise CompareFailed(f"cannot run {podsim}: {e} (build it: cargo build --release)")
+    if done.returncode != 0:
+        raise CompareFailed(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()}")
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    rows = [r for r in rows if "id" in r]
+    return [abs(r["error_pct"]) for r in rows], all(r["fits"] for r in rows)
 
 
 def main():
@@ -53,16 +72,16 @@ def main():
     ap.add_argument("--row-aim", type=float, default=10.0)
     ap.add_argument("--median-aim", type=float, default=5.0)
     a = ap.parse_args()
-    a.podsim, a.file = resolve(a.podsim), resolve(a.file)
+    a.podsim, a.file = resolve_program(a.podsim), resolve(a.file)
     a.check = [resolve(c) for c in a.check]
 
     print(f"{'matmul':>6} {'attn':>5} {'mean':>6} {'median':>7} {'largest':>8}  meets aims")
     candidates = []
     for m in MATMUL:
         for att in ATTENTION:
-            e = errors(a.podsim, a.file, m, att)
+            e, fits = errors(a.podsim, a.file, m, att)
             mean, median, largest = statistics.mean(e), statistics.median(e), max(e)
-            meets = largest <= a.row_aim and median <= a.median_aim
+            meets = largest <= a.row_aim and median <= a.median_aim and fits
             print(f"{m:>6} {att:>5} {mean:>5.2f}% {median:>6.1f}% {largest:>7.1f}%  "
                   f"{'yes' if meets else ''}")
             if meets:
@@ -74,7 +93,7 @@ def main():
     print(f"\nchosen: matmul_efficiency {m}, attention_efficiency {att} (mean {mean:.2f}%, "
           f"median {median:.1f}%, largest {largest:.1f}% on {a.file})")
     for path in a.check:
-        e = errors(a.podsim, path, m, att)
+        e, _ = errors(a.podsim, path, m, att)
         within = sum(x <= a.row_aim for x in e)
         print(f"check {path}: median {statistics.median(e):.1f}%, largest {max(e):.1f}%, "
               f"{within} of {len(e)} rows within {a.row_aim:g}%")
@@ -82,4 +101,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except CompareFailed as e:
+        print(f"calibrate.py: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -70,7 +70,7 @@ pub struct CompareArgs {
     /// Exit 1 when a row's |error| exceeds this many percent.
     #[arg(long, value_name = "PCT")]
     pub max_error: Option<f64>,
-    /// Override a field of every row's job, e.g. `--set hardware.attention_efficiency=0.6`
+    /// Override a field of every row's job, e.g. `--set hardware.attention_efficiency=0.5`
     /// (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,

@@ -142,7 +142,7 @@ impl Hardware {
     ///   set against the published step times of `configs/validation/published.csv`, one value
     ///   each for every chip and model: of a grid (0.74-0.82 by 0.01, 0.45-0.65 by 0.05), the
     ///   points that meet the calibration's aims on those rows (each within 10%, the median
-    ///   within 5%) and, among them, the one with the smallest mean error
+    ///   within 5%, none out of memory) and, among them, the one with the smallest mean error
     ///   (`scripts/calibrate.py` runs the grid). The other files of `configs/validation/`
     ///   stay out of the choice, to check it (docs/PERFORMANCE.md has both).
     pub fn preset(name: &str) -> Result<Hardware, TopologyError> {
