@@ -5,7 +5,7 @@
 the flash-attention kernel sustain inside a training step; no data sheet rates them, so they
 are set against the published step times of the calibration file, one value each for every
 chip and model. This script runs `podsim compare FILE --json --set hardware.K=V` over a grid
-of the two and picks, among the points that meet the calibration's aims on the file (every
+of the two (through `compare_residuals.predictions`) and picks, among the points that meet the calibration's aims on the file (every
 row within --row-aim, the median within --median-aim, none out of memory), the one with the
 smallest mean error: the aims are the constraints, and the mean weighs every row where the
 median reads the middle ones and the largest only one. It prints the grid, the choice, and at the choice the error on
@@ -16,64 +16,36 @@ the check files, which take no part in it.
 """
 
 import argparse
-import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from compare_residuals import DEFAULT_FILES, ROOT, predictions
+
 MATMUL = [round(0.74 + 0.01 * i, 2) for i in range(9)]
 ATTENTION = [round(0.45 + 0.05 * i, 2) for i in range(5)]
-
-
-class CompareFailed(Exception):
-    pass
-
-
-def resolve(path):
-    """`path` as given when it exists from here, else from the repository's root."""
-    return os.path.abspath(path if os.path.exists(path) else os.path.join(ROOT, path))
-
-
-def resolve_program(program):
-    """A program named without a directory is looked up on PATH, as a shell would."""
-    if os.sep not in program:
-        found = shutil.which(program)
-        if found:
-            return found
-    return resolve(program)
 
 
 def errors(podsim, path, matmul, attention):
     """|error| in percent of every row of `path` at the two constants, and whether every row
     fits in HBM."""
-    cmd = [podsim, "compare", path, "--json",
-           "--set", f"hardware.matmul_efficiency={matmul}",
-           "--set", f"hardware.attention_efficiency={attention}"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        raise CompareFailed(f"cannot run {podsim}: {e} (build it: cargo build --release)")
-    if done.returncode != 0:
-        raise CompareFailed(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()}")
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    rows = [r for r in rows if "id" in r]
+    sets = [f"hardware.matmul_efficiency={matmul}", f"hardware.attention_efficiency={attention}"]
+    rows = predictions(podsim, path, sets).values()
     return [abs(r["error_pct"]) for r in rows], all(r["fits"] for r in rows)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--podsim", default="target/release/podsim")
-    ap.add_argument("--file", default="configs/validation/published.csv")
-    ap.add_argument("--check", nargs="*", default=[
-        "configs/validation/maxtext_tables.csv", "configs/validation/tpu_recipes.csv"])
+    ap.add_argument("--podsim", default=os.path.join(ROOT, "target/release/podsim"))
+    # The validation files: the calibration rows first, then the two that check the choice.
+    calibration, *checks = [os.path.join(ROOT, f) for f in DEFAULT_FILES]
+    ap.add_argument("--file", default=calibration)
+    ap.add_argument("--check", nargs="*", default=checks)
     ap.add_argument("--row-aim", type=float, default=10.0)
     ap.add_argument("--median-aim", type=float, default=5.0)
     a = ap.parse_args()
-    a.podsim, a.file = resolve_program(a.podsim), resolve(a.file)
-    a.check = [resolve(c) for c in a.check]
+    if not os.access(a.podsim, os.X_OK):
+        sys.exit(f"no podsim at {a.podsim} (cargo build --release, or pass --podsim)")
 
     print(f"{'matmul':>6} {'attn':>5} {'mean':>6} {'median':>7} {'largest':>8}  meets aims")
     candidates = []
@@ -101,8 +73,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except CompareFailed as e:
-        print(f"calibrate.py: {e}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(main())
