@@ -266,6 +266,14 @@ impl LayerSpec {
             Tensor::Meta(vec![self.outputs]),
         ]
     }
+
+    /// Whether the layer's op-after makes its rematerialisation block's output (the next
+    /// block's input): the block's last layer, whose matmul output nothing but that reads.
+    pub fn ends_block(&self) -> bool {
+        self.after_names
+            .iter()
+            .any(|(n, _)| *n == Name::DecoderLayerInput)
+    }
 }
 
 impl TransformerSpec {

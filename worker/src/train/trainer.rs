@@ -1044,18 +1044,15 @@ impl<'a> Trainer<'a> {
                 ..LayerKeep::default()
             };
         }
-        let (mut d1, mut o1, mut recompute_matmul) =
-            named_bytes(remat, &layer.out_names, rows, share, self.elem);
-        if layer
-            .after_names
-            .iter()
-            .any(|(n, _)| *n == Name::DecoderLayerInput)
-        {
-            // The block's last matmul only feeds the residual sum that leaves the block (kept
-            // as the next block's input): backward never reads it, so nothing keeps it and
-            // nothing runs it again (XLA drops a recomputation whose result nothing reads).
-            (d1, o1, recompute_matmul) = (0, 0, 0.0);
-        }
+        // The block's last matmul only feeds the residual sum that leaves the block (kept as
+        // the next block's input): backward never reads it, so whatever the policy names,
+        // nothing keeps it and nothing runs it again (XLA drops a recomputation whose result
+        // nothing reads).
+        let (d1, o1, recompute_matmul) = if layer.ends_block() {
+            (0, 0, 0.0)
+        } else {
+            named_bytes(remat, &layer.out_names, rows, share, self.elem)
+        };
         let after_share = z.shape()[1] as f64 / model::after_output_width(layer).max(1) as f64;
         let (d2, o2, lost_after) =
             named_bytes(remat, &layer.after_names, rows, after_share, self.elem);
