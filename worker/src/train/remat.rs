@@ -150,14 +150,19 @@ impl Remat {
         }
     }
 
-    fn on_device(text: &str, names: impl Fn(Name) -> bool) -> Remat {
+    /// The policy keeping every tensor `names` selects, all in the one place `keep`.
+    fn all_in(text: &str, keep: Keep, names: impl Fn(Name) -> bool) -> Remat {
         Remat::of(
             text,
             Name::ALL
                 .into_iter()
                 .filter(|n| names(*n))
-                .map(|n| (n, Keep::Device)),
+                .map(|n| (n, keep)),
         )
+    }
+
+    fn on_device(text: &str, names: impl Fn(Name) -> bool) -> Remat {
+        Remat::all_in(text, Keep::Device, names)
     }
 }
 
@@ -195,14 +200,8 @@ impl FromStr for Remat {
             }),
             "save_qkv_proj" => Remat::on_device(t, |n| QKV.contains(&n)),
             "save_out_proj" => Remat::on_device(t, |n| n == Name::OutProj),
-            "qkv_proj_offloaded" => Remat::of(t, QKV.map(|n| (n, Keep::Offload))),
-            "minimal_offloaded" => Remat::of(
-                t,
-                Name::ALL
-                    .into_iter()
-                    .filter(|n| n.is_weight_matmul())
-                    .map(|n| (n, Keep::Offload)),
-            ),
+            "qkv_proj_offloaded" => Remat::all_in(t, Keep::Offload, |n| QKV.contains(&n)),
+            "minimal_offloaded" => Remat::all_in(t, Keep::Offload, Name::is_weight_matmul),
             _ => {
                 if let Some(list) = t.strip_prefix("custom:") {
                     let mut kept = Vec::new();
