@@ -504,6 +504,20 @@ impl<'a> Call<'a> {
         }
     }
 
+    /// A point-to-point call between this chip and `other` over its `link`: its message
+    /// counts on the link only between the link's two ends.
+    pub fn point_to_point(
+        chip: &'a Chip,
+        fingerprint: Fingerprint,
+        link: Link,
+        other: ChipId,
+    ) -> Call<'a> {
+        Call {
+            counted: crate::recorder::point_to_point_counted(chip.pod(), chip.id(), link, other),
+            ..Call::new(chip, fingerprint)
+        }
+    }
+
     pub fn pod(&self) -> &'a Pod {
         &self.chip.pod
     }

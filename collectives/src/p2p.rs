@@ -65,10 +65,7 @@ impl Chip {
             path.ici_hops - 1
         };
         let extra_latency_ns = f64::from(further_hops) * hw.ici_latency_ns;
-        let call = Call {
-            counted: self.pod().peer(me, path.link) == Some(dst),
-            ..Call::new(self, fp)
-        };
+        let call = Call::point_to_point(self, fp, path.link, dst);
         let route = Route::neighbour(path.link);
         call.send_to(
             self.clock(),
@@ -102,10 +99,7 @@ impl Chip {
             .await;
         // The message is filed under the link it left `src` on, named from this side.
         let my_link = path.link.reverse(self.pod().slice_of(src));
-        let call = Call {
-            counted: self.pod().peer(me, my_link) == Some(src),
-            ..Call::new(self, fp)
-        };
+        let call = Call::point_to_point(self, fp, my_link, src);
         let mut t = self.clock();
         let got = call.recv_from(&mut t, src, my_link, MESSAGE).await?;
         self.set_clock(t);

@@ -111,7 +111,13 @@ pub fn counters_judge_wait(
     peer: ChipId,
     op: OpKind,
 ) -> bool {
-    op != OpKind::SendRecv || pod.peer(waiter, link) == Some(peer)
+    op != OpKind::SendRecv || point_to_point_counted(pod, waiter, link, peer)
+}
+
+/// Whether a point-to-point message between `me` and `other` counts on `me`'s `link`: only
+/// when `other` is the chip at the link's far end (see [`counters_judge_wait`]).
+pub(crate) fn point_to_point_counted(pod: &Pod, me: ChipId, link: Link, other: ChipId) -> bool {
+    pod.peer(me, link) == Some(other)
 }
 
 /// The counter slot of `link`.
