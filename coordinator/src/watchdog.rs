@@ -316,6 +316,13 @@ impl Watchdog {
         held.sort_by(f64::total_cmp);
         let median = held.get(held.len() / 2).copied().unwrap_or(0.0).max(1.0);
         let heartbeat_ms = self.heartbeat.as_secs_f64() * 1e3;
+        // The evidence is the time that counted (a busy or unheard host's is not its chips'),
+        // new once a heartbeat at most and once a check at most.
+        let observed = self.observed.as_secs_f64() * 1e3;
+        if observed <= 0.0 {
+            return Vec::new();
+        }
+        let samples = (self.counted_ticks as f64).min(observed / heartbeat_ms);
         // Sampled at heartbeats: a few samples are noise, not evidence.
         let candidates: Vec<(ChipId, f64)> = self
             .waited_on
@@ -323,24 +330,18 @@ impl Watchdog {
             .map(|(c, d)| (*c, d.as_secs_f64() * 1e3))
             .filter(|(_, ms)| *ms > 3.0 * median && *ms > 0.2 * run && *ms >= 3.5 * heartbeat_ms)
             .collect();
-        // The evidence is the time that counted (a busy or unheard host's is not its chips'),
-        // new once a heartbeat at most and once a check at most.
-        let observed = self.observed.as_secs_f64() * 1e3;
-        let samples = (self.counted_ticks as f64).min(observed / heartbeat_ms);
         // Chance is what the chips that are no candidates were held against: several slow
         // chips (one slow host's) would otherwise raise each other's bar.
         let others = held.len().saturating_sub(candidates.len());
         let rest: f64 = total - candidates.iter().map(|(_, ms)| ms).sum::<f64>();
-        let chance = if others == 0 || observed <= 0.0 {
+        let chance = if others == 0 {
             0.0
         } else {
             rest.max(0.0) / (others as f64 * observed)
         };
         candidates
             .into_iter()
-            .filter(|(_, ms)| {
-                observed > 0.0 && beyond_chance(*ms / observed, chance, samples, held.len() as f64)
-            })
+            .filter(|(_, ms)| beyond_chance(*ms / observed, chance, samples, held.len() as f64))
             .map(|(chip, ms)| Straggler {
                 chip,
                 waited_on_ms: ms,
