@@ -7,6 +7,7 @@
 //! - [`launch`]: the control service, spawning or awaiting workers, running a job, no orphans;
 //!   [`supervisor`]: the launcher's decisions while a job runs (pure, like the watchdog);
 //!   [`recovery`]: relaunching a training job from its last checkpoint after a failure;
+//!   [`outdir`]: one job per output folder (a lock held for the job's life);
 //! - [`watchdog`]: the join of the workers' heartbeat summaries into a hang diagnosis (pure);
 //! - [`report`]: `report.json` and the terminal summary; [`html`]: `report.html` and
 //!   `study.html`; [`trace`]: `--trace` files (Chrome JSON trace format);
@@ -21,6 +22,7 @@ pub mod compare;
 pub mod config;
 pub mod html;
 pub mod launch;
+pub mod outdir;
 pub mod recovery;
 pub mod report;
 pub mod run;

@@ -249,7 +249,9 @@ fn run_attempt(
                 .unwrap_or_default();
             println!(
                 "waiting for {} workers: podsim worker --join {} --token {}{tls}",
-                cfg.workers, control.addr, control.token
+                cfg.workers,
+                control.addr,
+                shown_token(&control.token)
             );
             Workers::External
         } else {
@@ -279,12 +281,28 @@ fn run_attempt(
     })
 }
 
+/// The token as the "waiting for workers" line shows it: a token from `PODSIM_TOKEN` stays
+/// in the environment (the line names the variable), a generated one is printed for the
+/// workers' command lines.
+fn shown_token(token: &str) -> String {
+    match std::env::var("PODSIM_TOKEN") {
+        Ok(env) if env == token => "\"$PODSIM_TOKEN\"".to_string(),
+        _ => token.to_string(),
+    }
+}
+
 fn run_job(
     cfg: &JobConfig,
     listen: Option<(&str, String)>,
     join_timeout: Duration,
     trace: &TraceArgs,
 ) -> Result<JobStatus, CliError> {
+    // Held until the job's report is written; every attempt of the job runs under it.
+    let _lock = podsim_coordinator::outdir::OutputLock::acquire(
+        &cfg.output_dir,
+        &podsim_coordinator::outdir::this_command(),
+    )
+    .map_err(CliError::Usage)?;
     let rt = runtime()?;
     let mut spec = cfg.spec();
     let mut traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
@@ -312,7 +330,12 @@ fn run_job(
             );
         },
     );
-    let (result, roster, restarts) = (attempts.result, attempts.roster, attempts.restarts);
+    let (result, roster, restarts, refused) = (
+        attempts.result,
+        attempts.roster,
+        attempts.restarts,
+        attempts.refused,
+    );
     let mut report = report::build(
         cfg,
         result
@@ -322,14 +345,14 @@ fn run_job(
     if let Err(LaunchError::Hang(h)) = &result {
         report::add_hang(&mut report, cfg, h);
     }
-    report::add_recovery(&mut report, cfg, restarts);
-    let path = report::write(&cfg.output_dir, &report).map_err(CliError::Job)?;
+    report::add_recovery(&mut report, cfg, restarts, refused);
+    // The summary first: a report that cannot be written (a full disk) still leaves the
+    // job's outcome on the terminal, and the command then fails saying why.
     print!("{}", report::summary(&report));
+    let path = report::write(&cfg.output_dir, &report).map_err(CliError::Job)?;
     println!("report: {}", path.display());
-    match report::write_html(&cfg.output_dir, &report) {
-        Ok(page) => println!("page: {}", page.display()),
-        Err(e) => eprintln!("podsim: {e}"),
-    }
+    let page = report::write_html(&cfg.output_dir, &report).map_err(CliError::Job)?;
+    println!("page: {}", page.display());
     if let Some(file) = &trace.trace {
         let input = report::trace_input(cfg, &result, &traced, trace.trace_wall);
         let t0 = std::time::Instant::now();

@@ -20,22 +20,31 @@ use crate::watchdog::HangKind;
 #[derive(Debug)]
 pub struct Recovery {
     checkpoints: Option<PathBuf>,
+    /// The job's [`checkpoint::job_fingerprint`]: only its own checkpoints are resumed from.
+    job: String,
     max_restarts: u32,
     relaunchable: bool,
     chips: u32,
     restarts: Vec<Restart>,
+    /// Why the job was not restarted although it could have been: no checkpoint verified.
+    refused: Option<String>,
 }
 
 impl Recovery {
     /// The policy for `spec` (which checkpoints, if it trains with a checkpoint directory):
     /// at most `max_restarts` relaunches, none when the workers are `external`.
     pub fn new(spec: &JobSpec, max_restarts: u32, external: bool) -> Recovery {
-        let checkpoints = match &spec.program {
-            Program::Train(t) => t.checkpoint_dir.clone().map(PathBuf::from),
-            _ => None,
+        let (checkpoints, job) = match &spec.program {
+            Program::Train(t) => (
+                t.checkpoint_dir.clone().map(PathBuf::from),
+                checkpoint::job_fingerprint(t, &spec.pod),
+            ),
+            _ => (None, String::new()),
         };
         Recovery {
             checkpoints,
+            job,
+            refused: None,
             max_restarts,
             relaunchable: !external,
             chips: spec.pod.chips(),
@@ -60,7 +69,22 @@ impl Recovery {
             return None;
         }
         let dir = self.checkpoints.as_deref()?;
-        let resume = checkpoint::latest_complete(dir, self.chips);
+        let found = checkpoint::latest_verified(dir, self.chips, &self.job);
+        if found.step.is_none()
+            && let Some(newest) = found.skipped.first()
+        {
+            // Checkpoints were written and none can be trusted: starting over would hide
+            // it, resuming would train on damaged state.
+            self.refused = Some(format!(
+                "not restarted: no checkpoint verifies ({} step(s) tried; the newest, after step {}: {}: {})",
+                found.skipped.len(),
+                newest.step,
+                newest.file,
+                newest.reason
+            ));
+            return None;
+        }
+        let resume = found.step;
         let resumed_from = resume.unwrap_or(0);
         self.restarts.push(Restart {
             attempt: self.restarts.len() as u32 + 1,
@@ -69,6 +93,7 @@ impl Recovery {
             failed_at_step: hang.step_reached,
             resumed_from_step: resumed_from,
             steps_lost: hang.step_reached.saturating_sub(u64::from(resumed_from)),
+            checkpoints_skipped: found.skipped,
         });
         if let Program::Train(t) = &mut spec.program {
             t.resume_from = resume;
@@ -81,8 +106,8 @@ impl Recovery {
         self.max_restarts
     }
 
-    pub fn into_restarts(self) -> Vec<Restart> {
-        self.restarts
+    pub fn into_restarts(self) -> (Vec<Restart>, Option<String>) {
+        (self.restarts, self.refused)
     }
 }
 
@@ -93,6 +118,8 @@ pub struct Attempts {
     pub result: Result<Outcome, LaunchError>,
     pub roster: Vec<WorkerInfo>,
     pub restarts: Vec<Restart>,
+    /// Why the last failure was not recovered from although restarts remained.
+    pub refused: Option<String>,
 }
 
 /// Runs `attempt` (one launch: its result and roster) until one ends without a failure
@@ -114,10 +141,12 @@ pub fn run_with_recovery(
         match restart {
             Some(r) => on_restart(r, max),
             None => {
+                let (restarts, refused) = recovery.into_restarts();
                 return Attempts {
                     result,
                     roster,
-                    restarts: recovery.into_restarts(),
+                    restarts,
+                    refused,
                 };
             }
         }
@@ -201,10 +230,14 @@ mod tests {
         }))
     }
 
-    /// Writes a complete checkpoint (every chip) after `step`.
-    fn checkpointed(dir: &std::path::Path, step: u32) {
+    /// Writes a complete checkpoint (every chip) of `spec`'s job after `step`.
+    fn checkpointed(dir: &std::path::Path, spec: &JobSpec, step: u32) {
+        let Program::Train(t) = &spec.program else {
+            panic!("a train job")
+        };
+        let job = checkpoint::job_fingerprint(t, &spec.pod);
         for chip in 0..2 {
-            checkpoint::write(dir, step, chip, &checkpoint::Checkpoint::default())
+            checkpoint::write(dir, step, chip, &job, &checkpoint::Checkpoint::default())
                 .unwrap_or_else(|e| panic!("{e}"));
         }
     }
@@ -229,7 +262,7 @@ mod tests {
                     _ => None,
                 });
                 // The attempt wrote checkpoints after steps 4 (first) and 6 (second).
-                checkpointed(&dir, 4 + 2 * (seen.len() as u32 - 1));
+                checkpointed(&dir, spec, 4 + 2 * (seen.len() as u32 - 1));
                 (
                     results.next().unwrap_or(Err(LaunchError::Interrupted)),
                     Vec::new(),
@@ -243,6 +276,44 @@ mod tests {
         let lost: Vec<u64> = attempts.restarts.iter().map(|r| r.steps_lost).collect();
         assert_eq!(lost, vec![1, 1]);
         assert!(matches!(attempts.result, Err(LaunchError::Hang(_))));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_damaged_checkpoint_is_skipped_for_an_older_one_and_none_verifying_is_no_restart() {
+        let dir = std::env::temp_dir().join(format!("podsim-recovery-ok-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut spec = train_spec(&dir);
+        let mut recovery = Recovery::new(&spec, 3, false);
+        checkpointed(&dir, &spec, 2);
+        checkpointed(&dir, &spec, 4);
+        std::fs::write(checkpoint::path(&dir, 4, 1), b"torn").unwrap_or_else(|e| panic!("{e}"));
+        let LaunchError::Hang(h) = hang(HangKind::DeadWorker, 5) else {
+            return;
+        };
+        let r = recovery
+            .after(&h, &mut spec)
+            .unwrap_or_else(|| panic!("restarted"));
+        assert_eq!(r.resumed_from_step, 2);
+        assert_eq!(r.checkpoints_skipped.len(), 1);
+        assert!(
+            r.checkpoints_skipped[0]
+                .file
+                .ends_with("step-4/chip-1.safetensors")
+        );
+        // Another job's checkpoints (another seed) in the folder: none verifies, no restart.
+        let mut other = train_spec(&dir);
+        if let Program::Train(t) = &mut other.program {
+            t.seed = 9;
+        }
+        let mut recovery = Recovery::new(&other, 3, false);
+        assert!(recovery.after(&h, &mut other).is_none());
+        let (_, refused) = recovery.into_restarts();
+        let refused = refused.unwrap_or_default();
+        assert!(
+            refused.contains("no checkpoint verifies") && refused.contains("written for job"),
+            "{refused}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

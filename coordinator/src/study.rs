@@ -1033,10 +1033,7 @@ impl<'a> Results<'a> {
 }
 
 fn write_atomic(path: &Path, text: &str) -> Result<PathBuf, String> {
-    let tmp = path.with_extension("tmp~");
-    std::fs::write(&tmp, text).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-    Ok(path.to_path_buf())
+    crate::outdir::write_atomic(path, text.as_bytes())
 }
 
 /// A bar on a terminal (stderr), plain lines on stdout otherwise.
@@ -1130,6 +1127,8 @@ pub fn main(args: &StudyArgs) -> Result<JobStatus, CliError> {
         println!("every point's config is valid (dry run: nothing was run)");
         return Ok(JobStatus::Ok);
     }
+    let _lock = crate::outdir::OutputLock::acquire(&study.out, &crate::outdir::this_command())
+        .map_err(CliError::Usage)?;
     run(&study, &points, &expected)
 }
 

@@ -560,7 +560,7 @@ pub fn write(path: &Path, trace: &Value) -> Result<u64, String> {
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
     let text = serde_json::to_vec(trace).map_err(|e| e.to_string())?;
-    std::fs::write(path, &text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    crate::outdir::write_atomic(path, &text)?;
     Ok(text.len() as u64)
 }
 

@@ -55,18 +55,22 @@ pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, Work
     Ok(params)
 }
 
-/// Largest absolute difference, and largest `max |a - b| / max |b|` over the tensors.
+/// Largest absolute difference, and largest `max |a - b| / max |b|` over the tensors. A NaN
+/// on one side only counts as an infinite difference, so it can never pass as agreement.
 pub fn compare(got: &[Tensor], want: &[Tensor]) -> (f64, f64) {
     let mut abs = 0.0f64;
     let mut rel = 0.0f64;
     for (a, b) in got.iter().zip(want) {
         let d = f64::from(a.max_abs_diff(b));
+        let d = if d.is_nan() { f64::INFINITY } else { d };
         let scale = b
             .values()
             .map_or(0.0, |v| v.iter().fold(0.0f32, |m, x| m.max(x.abs())));
         abs = abs.max(d);
         if scale > 0.0 {
             rel = rel.max(d / f64::from(scale));
+        } else if d > 0.0 {
+            rel = f64::INFINITY;
         }
     }
     if got.len() != want.len() {

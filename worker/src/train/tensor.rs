@@ -227,14 +227,28 @@ impl Tensor {
         }
     }
 
-    /// Largest element-wise difference to `other` (0 for meta tensors).
+    /// The largest `|a - b|` over the elements; NaN where one side is NaN and the other is
+    /// not bit-identical to it (`f32::max` would pass over it, and a NaN that crept into
+    /// one run must not compare as equal). 0 for meta tensors.
     pub fn max_abs_diff(&self, other: &Tensor) -> f32 {
         match (self.values(), other.values()) {
             (Some(a), Some(b)) => a
                 .iter()
                 .zip(b.iter())
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f32::max),
+                .map(|(x, y)| {
+                    if x.to_bits() == y.to_bits() {
+                        0.0
+                    } else {
+                        (x - y).abs()
+                    }
+                })
+                .fold(0.0, |m: f32, d| {
+                    if m.is_nan() || d.is_nan() {
+                        f32::NAN
+                    } else {
+                        m.max(d)
+                    }
+                }),
             _ => 0.0,
         }
     }

@@ -186,6 +186,9 @@ pub struct ChipTrainReport {
     /// FNV-1a of every final full parameter's f32 bits (data mode), to compare runs.
     #[serde(default)]
     pub params_hash: Option<String>,
+    /// Checkpoints this chip could not write (each error names the file and why).
+    #[serde(default)]
+    pub checkpoint_failures: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -541,9 +544,11 @@ pub async fn train_chip_with_parameters(
     let mut t = Trainer::new(chip, spec).await?;
     chip.trace_close(setup);
     let dir = spec.checkpoint_dir.as_deref().map(std::path::Path::new);
+    let job = checkpoint::job_fingerprint(spec, chip.pod());
+    let mut checkpoint_failures = Vec::new();
     let first = match (spec.resume_from, dir) {
         (Some(step), Some(dir)) if !spec.meta => {
-            t.restore(&checkpoint::read(dir, step, chip.id())?)?;
+            t.restore(&checkpoint::read(dir, step, chip.id(), &job)?)?;
             done.fetch_add(u64::from(step), Ordering::Relaxed);
             step
         }
@@ -560,7 +565,12 @@ pub async fn train_chip_with_parameters(
             && finished % spec.checkpoint_every == 0
             && !spec.meta
         {
-            checkpoint::write(dir, finished, chip.id(), &t.save())?;
+            // A checkpoint that cannot be written (a full disk) does not end the job: the
+            // older ones still stand to resume from, and the report says which step has none.
+            if let Err(e) = checkpoint::write(dir, finished, chip.id(), &job, &t.save()) {
+                eprintln!("podsim: chip {}: {e}; training goes on", chip.id());
+                checkpoint_failures.push(e.to_string());
+            }
         }
     }
     // Verification below is not part of the modelled job: it costs no virtual time.
@@ -595,6 +605,7 @@ pub async fn train_chip_with_parameters(
         max_abs_diff,
         max_rel_diff,
         params_hash,
+        checkpoint_failures,
     };
     Ok((report, full))
 }

@@ -1,0 +1,177 @@
+//! One owner per output folder: a job (or a study) takes an exclusive lock on
+//! `<dir>/.podsim.lock` for its whole life, so a second job given the same folder is refused
+//! at once, naming the first, instead of overwriting its checkpoints and report.
+//!
+//! The lock is the kernel's (`flock` through [`std::fs::File::try_lock`]): it goes with the
+//! process however that ends, `kill -9` included, so a stale lock never blocks a folder. The
+//! file's text only says who holds it, for the refusal's message.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+/// The lock file's name inside an output folder.
+pub const LOCK_FILE: &str = ".podsim.lock";
+
+/// An output folder held by this process until the value is dropped.
+#[derive(Debug)]
+pub struct OutputLock {
+    path: PathBuf,
+    /// Holding the open file holds the lock.
+    _file: File,
+}
+
+impl OutputLock {
+    /// Takes `dir` (created if missing) for this process; `what` says who holds it
+    /// (`podsim launch configs/ddp.toml`). A folder another live process holds is an error
+    /// naming that process.
+    pub fn acquire(dir: &Path, what: &str) -> Result<OutputLock, String> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let path = dir.join(LOCK_FILE);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = holder.trim();
+                let holder = if holder.is_empty() {
+                    "another podsim process"
+                } else {
+                    holder
+                };
+                return Err(format!(
+                    "the output folder {} is in use by another job ({holder}); give this one its own folder (--out DIR or [output] dir)",
+                    dir.display()
+                ));
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(format!("cannot lock {}: {e}", path.display()));
+            }
+        }
+        // Who holds it, for a refused job's message; a failure to say so is no reason to
+        // refuse the folder.
+        let _ = file
+            .set_len(0)
+            .and_then(|()| file.rewind())
+            .and_then(|()| writeln!(file, "pid {}: {what}", std::process::id()));
+        Ok(OutputLock { path, _file: file })
+    }
+
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Writes `bytes` to `path` whole or not at all: into a temporary file beside it, flushed to
+/// disk, then renamed over `path`. On failure (a full disk) the temporary file is removed
+/// and `path` keeps what it held; the error names the file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<PathBuf, String> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp~");
+    let tmp = PathBuf::from(tmp);
+    let written = File::create(&tmp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        f.sync_all()
+    });
+    let result = written.and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(format!("cannot write {}: {e}", path.display()));
+    }
+    Ok(path.to_path_buf())
+}
+
+/// This process's command line, for the lock file (a `--token`'s value left out).
+pub fn this_command() -> String {
+    redacted(std::env::args())
+}
+
+fn redacted(args: impl IntoIterator<Item = String>) -> String {
+    let mut out = Vec::new();
+    let mut hide_next = false;
+    for a in args {
+        if hide_next {
+            out.push("***".to_string());
+            hide_next = false;
+        } else if a == "--token" {
+            hide_next = true;
+            out.push(a);
+        } else if a.starts_with("--token=") {
+            out.push("--token=***".to_string());
+        } else {
+            out.push(a);
+        }
+    }
+    out.join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_keeps_no_token() {
+        let line = |a: &[&str]| redacted(a.iter().map(|s| s.to_string()));
+        assert_eq!(
+            line(&[
+                "podsim",
+                "coordinator",
+                "--token",
+                "s3cret",
+                "--token=x2",
+                "a.toml"
+            ]),
+            "podsim coordinator --token *** --token=*** a.toml"
+        );
+    }
+
+    #[test]
+    fn an_atomic_write_replaces_whole_and_a_failed_one_leaves_the_old_file() {
+        let dir = std::env::temp_dir().join(format!("podsim-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("report.json");
+        write_atomic(&p, b"old").unwrap();
+        write_atomic(&p, b"new").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"new");
+        // A folder where the file should be: the rename fails, nothing is left behind.
+        let blocked = dir.join("blocked");
+        std::fs::create_dir_all(blocked.join("x")).unwrap();
+        let e = write_atomic(&blocked, b"text").unwrap_err();
+        assert!(e.contains("cannot write") && e.contains("blocked"), "{e}");
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left.len(), 2, "{left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_second_owner_is_refused_naming_the_first_and_the_folder_frees_on_drop() {
+        let dir = std::env::temp_dir().join(format!("podsim-outdir-{}", std::process::id()));
+        let first = OutputLock::acquire(&dir, "podsim launch a.toml").unwrap();
+        // A second open file description conflicts with the first even in one process.
+        let e = OutputLock::acquire(&dir, "podsim launch b.toml").unwrap_err();
+        assert!(e.contains("in use by another job"), "{e}");
+        assert!(
+            e.contains(&format!("pid {}: podsim launch a.toml", std::process::id())),
+            "{e}"
+        );
+        assert!(first.path().ends_with(LOCK_FILE));
+        drop(first);
+        let again = OutputLock::acquire(&dir, "podsim launch b.toml");
+        assert!(again.is_ok(), "{again:?}");
+        drop(again);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
