@@ -252,6 +252,26 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         "--tls-key",
         &other_key,
     ]);
+    // A worker whose trust store holds another authority refuses the coordinator's
+    // certificate itself: at once, with rustls's reason, not after retrying for its patience.
+    let distrustful = worker(&[
+        "--tls-ca",
+        &tls_file("other-ca.pem"),
+        "--tls-cert",
+        &other_cert,
+        "--tls-key",
+        &other_key,
+    ]);
+    let started = std::time::Instant::now();
+    let o = wait_bounded(distrustful, Duration::from_secs(90));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("invalid peer certificate"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "a trust mismatch was retried for {:?}: {err}",
+        started.elapsed()
+    );
     for (refused, hint) in [
         (plain, "--tls-ca"),
         (foreign, "signed by the job's authority"),

@@ -552,7 +552,12 @@ impl NodeFabric {
         tls: Option<&crate::tls::Tls>,
     ) -> Result<(), WorkerError> {
         let endpoint = crate::tls::url(addr, tls);
-        let mut client = connect_with_retry(&endpoint, tls, crate::socket::DIAL_PATIENCE).await?;
+        let mut client = connect_with_retry(&endpoint, tls, crate::socket::DIAL_PATIENCE)
+            .await
+            .map_err(|e| match e {
+                WorkerError::Link(why) => WorkerError::Link(format!("worker {peer}: {why}")),
+                other => other,
+            })?;
         let (tx, rx) = mpsc::channel::<pb::Frame>(4);
         let mut request = Request::new(ReceiverStream::new(rx));
         insert_header(&mut request, TOKEN_HEADER, token)?;
@@ -599,14 +604,30 @@ async fn connect_with_retry(
     patience: Duration,
 ) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
     let endpoint = crate::tls::secure(endpoint(url)?, tls)?;
-    match crate::socket::with_retry(patience, || endpoint.connect()).await {
+    // A handshake refused over a certificate is refused again: said at once, not after the
+    // dial's patience.
+    let lasting = |e: &tonic::transport::Error| crate::tls::handshake_failure(e).is_some();
+    match crate::socket::with_retry(patience, || endpoint.connect(), lasting).await {
         Ok(channel) => Ok(LinkServiceClient::new(channel)
             .max_decoding_message_size(MAX_FRAME_BYTES)
             .max_encoding_message_size(MAX_FRAME_BYTES)),
-        Err(last) => Err(WorkerError::Link(format!(
-            "cannot reach {url}: {}",
-            last.map_or_else(|| "no answer in time".into(), |e| crate::tls::chain(&e))
+        Err(Some(e)) => Err(WorkerError::Link(dial_failure(url, &e, tls))),
+        Err(None) => Err(WorkerError::Link(format!(
+            "cannot reach {url}: no answer in time"
         ))),
+    }
+}
+
+/// Why `url` could not be reached: a failed TLS handshake as such, with rustls's reason and
+/// what it asks of the job's files, or the last error.
+fn dial_failure(url: &str, e: &tonic::transport::Error, tls: Option<&crate::tls::Tls>) -> String {
+    match (crate::tls::handshake_failure(e), tls) {
+        (Some(reason), Some(tls)) => format!(
+            "TLS handshake with {url} failed: {reason} ({})",
+            tls.mismatch_hint()
+        ),
+        (Some(reason), None) => format!("TLS handshake with {url} failed: {reason}"),
+        (None, _) => format!("cannot reach {url}: {}", crate::tls::chain(e)),
     }
 }
 
@@ -848,4 +869,53 @@ pub fn peak_rss_bytes() -> u64 {
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::tests::test_tls;
+
+    /// A gRPC link dialled with the job's authority to a link service whose certificate
+    /// another authority signed: refused at once (not after the dial's patience), naming the
+    /// address and rustls's reason.
+    #[test]
+    fn a_grpc_dial_to_a_stranger_fails_at_once_saying_why() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        runtime.block_on(async {
+            let (job, foreign) = (test_tls("job-node"), test_tls("other-node"));
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+            let (_fabric, rx) = watch::channel(None);
+            let server = server_builder()
+                .tls_config(foreign.server())
+                .unwrap_or_else(|e| panic!("{e}"));
+            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            tokio::spawn(server.serve_with_incoming(link_service("t".into(), rx), incoming));
+            let url = crate::tls::url(&addr.to_string(), Some(&job));
+            let soon = Duration::from_secs(5);
+            let dialled = tokio::time::timeout(
+                soon,
+                connect_with_retry(&url, Some(&job), crate::socket::DIAL_PATIENCE),
+            )
+            .await;
+            let e = match dialled {
+                Ok(Err(e)) => e.to_string(),
+                Ok(Ok(_)) => panic!("connected to a server of another authority"),
+                Err(_) => panic!("no verdict within {soon:?}"),
+            };
+            assert!(
+                e.contains(&addr.to_string())
+                    && e.contains("TLS handshake")
+                    && e.contains("invalid peer certificate"),
+                "{e}"
+            );
+        });
+    }
 }

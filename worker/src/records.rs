@@ -39,6 +39,13 @@
 //! without TLS, or a job without it), and the TLS handshake follows; the hello and every
 //! record then travel inside. A plain record hello on a TLS worker's port is refused the same
 //! way, so no record link of a TLS job is ever in the clear.
+//!
+//! Anyone who can reach a listener can connect to it, so what a connection gets before its
+//! hello proves it is one of the job's workers is bounded ([`crate::socket::Admission`]): the
+//! Unix-socket listener takes only processes of this worker's own user (checked before
+//! anything is read), at most a few dozen connections of either listener wait for their
+//! hello at once, each for a few seconds, and a failing `accept` costs one connection, not
+//! the listener.
 
 use std::io::{self, IoSlice};
 use std::sync::Arc;
@@ -55,7 +62,9 @@ use crate::error::WorkerError;
 use crate::job::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
 use crate::shm::{self, Inbound, Outbound, Place, Region};
-use crate::socket::{DIAL_PATIENCE, LinkStream, LinkWrite, RawLink, with_retry};
+use crate::socket::{
+    Acceptor, Admission, DIAL_PATIENCE, Limits, LinkStream, LinkWrite, Pending, RawLink, with_retry,
+};
 use crate::tls::Tls;
 use crate::wire::MAX_FRAME_BYTES;
 
@@ -157,12 +166,35 @@ pub async fn serve(
     token: String,
     fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
 ) {
+    serve_with(listener, token, fabric, Limits::default()).await
+}
+
+/// [`serve`] with `limits` on the connections that wait for their hello. Each is answered on
+/// a task of its own, so that one that is slow to say hello holds up nobody else.
+pub(crate) async fn serve_with(
+    listener: tokio::net::UnixListener,
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    limits: Limits,
+) {
+    let admission = Admission::new(limits);
+    let mut acceptor = Acceptor::new("the same-host link listener");
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let stream = acceptor.next(|| listener.accept()).await;
+        if let Err(why) = crate::socket::same_user(&stream) {
+            // Told why if it listens (one write that does not wait), and closed unread.
+            let _ = stream.try_write(&refusal(&why));
+            admission.refused(&format!("refused a local link: {why}"));
             continue;
-        };
+        }
+        let pending = admission.admit();
         let (token, fabric) = (token.clone(), fabric.clone());
-        tokio::spawn(answer_bounded(LinkStream::Unix(stream), token, fabric));
+        tokio::spawn(answer_bounded(
+            LinkStream::Unix(stream),
+            token,
+            fabric,
+            pending,
+        ));
     }
 }
 
@@ -172,15 +204,17 @@ async fn answer_bounded(
     stream: LinkStream,
     token: String,
     fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    pending: Pending,
 ) {
     let what = match (stream.is_tls(), stream.is_tcp()) {
         (true, _) => "TLS",
         (false, true) => "TCP",
         (false, false) => "local",
     };
-    match tokio::time::timeout(HANDSHAKE_TIMEOUT, answer(stream, &token, fabric)).await {
+    let admission = pending.admission().clone();
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, answer(stream, &token, fabric, pending)).await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!("refused a {what} link: {e}"),
+        Ok(Err(e)) => admission.refused(&format!("refused a {what} link: {e}")),
         Err(_) => tracing::warn!("a {what} link did not finish its hello"),
     }
 }
@@ -257,24 +291,27 @@ impl Regions {
     }
 }
 
-/// The listening side of a hello: checks it, waits for the job's fabric, settles the shared
-/// regions, attaches the link.
+/// The listening side of a hello: checks it (within `pending`'s deadline, its place given up
+/// once the hello proved the peer one of the job's), waits for the job's fabric, settles the
+/// shared regions, attaches the link.
 async fn answer(
     mut stream: LinkStream,
     token: &str,
     mut fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    mut pending: Pending,
 ) -> Result<(), String> {
-    let hello = match stream.is_tcp() && !RECORDS_OVER_TCP {
-        true => Err(BIG_ENDIAN_REFUSAL.to_string()),
-        false => read_hello(&mut stream, token).await,
-    };
-    let (peer, offered) = match hello {
-        Ok(hello) => hello,
-        Err(e) => {
-            refuse(&mut stream, &e).await;
-            return Err(e);
+    let checked = pending.within(async {
+        let hello = match stream.is_tcp() && !RECORDS_OVER_TCP {
+            true => Err(BIG_ENDIAN_REFUSAL.to_string()),
+            false => read_hello(&mut stream, token).await,
+        };
+        if let Err(e) = &hello {
+            refuse(&mut stream, e).await;
         }
-    };
+        hello
+    });
+    let (peer, offered) = checked.await?;
+    drop(pending);
     let ready = fabric
         .wait_for(Option::is_some)
         .await
@@ -340,15 +377,29 @@ async fn refuse<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     stream: &mut S,
     reason: &str,
 ) {
-    let mut out = b"NO".to_vec();
-    out.extend((reason.len() as u32).to_le_bytes());
-    out.extend(reason.as_bytes());
-    if stream.write_all(&out).await.is_err() || stream.shutdown().await.is_err() {
+    if stream.write_all(&refusal(reason)).await.is_ok() {
+        close_gently(stream).await;
+    }
+}
+
+/// Closes the sending side of `stream`, then reads and drops what the peer still sends until
+/// it closes (a second at most): a connection closed with input unread is reset, and a reset
+/// can discard what was last sent (a refusal, a TLS alert) before the peer reads it.
+async fn close_gently<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(stream: &mut S) {
+    if stream.shutdown().await.is_err() {
         return;
     }
     let mut sink = [0u8; 4096];
     let drain = async { while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {} };
     let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
+}
+
+/// A `NO` answer with `reason`.
+fn refusal(reason: &str) -> Vec<u8> {
+    let mut out = b"NO".to_vec();
+    out.extend((reason.len() as u32).to_le_bytes());
+    out.extend(reason.as_bytes());
+    out
 }
 
 /// Reads a hello whole (its magic, version and token length checked as they come) and checks
@@ -403,9 +454,13 @@ pub async fn dial(
 ) -> Result<(LinkStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at unix:{name}: {e}"));
     let outbound = sharing.own_region(token).map_err(failed)?;
-    let stream = with_retry(DIAL_PATIENCE, || std::future::ready(connect(name)))
-        .await
-        .map_err(|e| failed(unreached(e)))?;
+    let stream = with_retry(
+        DIAL_PATIENCE,
+        || std::future::ready(connect(name)),
+        |_| false,
+    )
+    .await
+    .map_err(|e| failed(unreached(e)))?;
     handshake(LinkStream::Unix(stream), me, token, sharing, outbound)
         .await
         .map_err(failed)
@@ -422,23 +477,41 @@ pub async fn dial_tcp(
     tls: Option<&Tls>,
 ) -> Result<(LinkStream, Regions), WorkerError> {
     let failed = |e: String| WorkerError::Link(format!("worker {peer} at {addr}: {e}"));
-    let stream = with_retry(DIAL_PATIENCE, || async {
-        let s = TcpStream::connect(addr).await?;
-        s.set_nodelay(true)?;
-        Ok(s)
-    })
-    .await
-    .map_err(|e| failed(unreached(e)))?;
+    // Only connecting is tried again: a handshake that fails is refused again, at once.
+    let connected = with_retry(
+        DIAL_PATIENCE,
+        || async {
+            let s = TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            Ok(s)
+        },
+        |_| false,
+    );
+    let stream = connected.await.map_err(|e| failed(unreached(e)))?;
     let stream = match tls {
         None => LinkStream::Tcp(stream),
         Some(tls) => tokio::time::timeout(HANDSHAKE_TIMEOUT, start_tls(stream, tls))
             .await
             .unwrap_or_else(|_| Err("no answer to the TLS preamble or handshake".into()))
-            .map_err(failed)?,
+            .map_err(|e| failed(with_hint(e, tls)))?,
     };
     handshake(stream, me, token, Sharing::Never, None)
         .await
-        .map_err(failed)
+        .map_err(|e| {
+            failed(match tls {
+                Some(tls) => with_hint(e, tls),
+                None => e,
+            })
+        })
+}
+
+/// `why` a TLS link failed, followed by what the job's files must be when it was a
+/// handshake's verdict.
+fn with_hint(why: String, tls: &Tls) -> String {
+    match why.starts_with(TLS_FAILED) {
+        true => format!("{why} ({})", tls.mismatch_hint()),
+        false => why,
+    }
 }
 
 /// The dialling side of a TLS record link on a connected `stream`: the clear preamble, the
@@ -457,13 +530,26 @@ async fn start_tls(mut stream: TcpStream, tls: &Tls) -> Result<LinkStream, Strin
     tls_linked(connector.connect(config.server_name.clone(), stream).await)
 }
 
+/// How the reason of a TLS handshake that failed starts.
+const TLS_FAILED: &str = "TLS handshake failed";
+
 /// The end of either side's TLS handshake as a link stream, or why it failed.
 fn tls_linked(
     handshake: io::Result<impl Into<tokio_rustls::TlsStream<TcpStream>>>,
 ) -> Result<LinkStream, String> {
     match handshake {
         Ok(stream) => Ok(LinkStream::Tls(Box::new(stream.into()))),
-        Err(e) => Err(format!("TLS handshake: {}", crate::tls::chain(&e))),
+        Err(e) => Err(link_error(&e)),
+    }
+}
+
+/// An I/O error of a link, as its reason: a TLS verdict (which, under TLS 1.3, a dialler whose
+/// certificate the listener refuses meets at its first read, after its own side of the
+/// handshake ended) says so, with rustls's reason.
+fn link_error(e: &io::Error) -> String {
+    match crate::tls::handshake_failure(e) {
+        Some(reason) => format!("{TLS_FAILED}: {reason}"),
+        None => crate::tls::chain(e),
     }
 }
 
@@ -517,7 +603,7 @@ async fn handshake(
     let (mapped_mine, offered) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, answered).await {
         Ok(Ok(Ok(settled))) => settled,
         Ok(Ok(Err(reason))) => return Err(format!("refused: {reason}")),
-        Ok(Err(e)) => return Err(e.to_string()),
+        Ok(Err(e)) => return Err(link_error(&e)),
         Err(_) => return Err("no answer to hello".into()),
     };
     let inbound = sharing.map_peers(offered, token);
@@ -544,61 +630,77 @@ pub async fn route_tcp(
     fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
     grpc: mpsc::Sender<io::Result<TcpStream>>,
 ) {
-    let mut failing = false;
+    route_tcp_with(listener, tls, token, fabric, grpc, Limits::default()).await
+}
+
+/// [`route_tcp`] with `limits` on the connections that have neither said a record hello nor
+/// been handed to gRPC. Each is routed on a task of its own.
+pub(crate) async fn route_tcp_with(
+    listener: tokio::net::TcpListener,
+    tls: Option<Tls>,
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    grpc: mpsc::Sender<io::Result<TcpStream>>,
+    limits: Limits,
+) {
+    let admission = Admission::new(limits);
+    let mut acceptor = Acceptor::new("the link service");
     loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => {
-                failing = false;
-                s
-            }
-            Err(e) => {
-                // Out of descriptors and the like: said once, and served again after a pause.
-                if !failing {
-                    tracing::warn!("link service cannot accept: {e}");
-                }
-                failing = true;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
+        let stream = acceptor.next(|| listener.accept()).await;
         let _ = stream.set_nodelay(true);
+        let pending = admission.admit();
         let (token, fabric, grpc, tls) = (token.clone(), fabric.clone(), grpc.clone(), tls.clone());
-        tokio::spawn(async move {
-            let opening = tokio::time::timeout(FIRST_BYTES_TIMEOUT, opens_with(&stream)).await;
-            match opening {
-                Ok(Ok(Opening::Records)) => match tls {
-                    None => answer_bounded(LinkStream::Tcp(stream), token, fabric).await,
-                    Some(_) => refuse_plain(stream).await,
-                },
-                Ok(Ok(Opening::TlsRecords)) => match tls {
-                    Some(tls) => {
-                        let accepted =
-                            tokio::time::timeout(HANDSHAKE_TIMEOUT, accept_tls(stream, &tls)).await;
-                        match accepted {
-                            Ok(Ok(stream)) => answer_bounded(stream, token, fabric).await,
-                            Ok(Err(e)) => tracing::warn!("refused a TLS link: {e}"),
-                            Err(_) => tracing::warn!("a TLS link did not finish its handshake"),
-                        }
-                    }
-                    None => refuse_tls(stream).await,
-                },
-                Ok(Ok(Opening::Other)) => {
-                    if grpc.send(Ok(stream)).await.is_err() {
-                        tracing::debug!("a gRPC connection came after the link service stopped");
-                    }
-                }
-                Ok(Err(e)) => {
-                    tracing::debug!("a link connection closed before its first bytes: {e}")
-                }
-                Err(_) => tracing::debug!("a link connection sent nothing in time"),
-            }
-        });
+        tokio::spawn(route(stream, tls, token, fabric, grpc, pending));
     }
 }
 
-/// How long a connection to the link port may take to send its first bytes (a dialler sends
-/// its hello, gRPC its preface, as soon as it is connected).
-const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+/// Routes one connection to the link port by what it opens with (see [`route_tcp`]), within
+/// `pending`'s deadline until it is a record link's hello or gRPC's.
+async fn route(
+    stream: TcpStream,
+    tls: Option<Tls>,
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    grpc: mpsc::Sender<io::Result<TcpStream>>,
+    mut pending: Pending,
+) {
+    let opening = pending
+        .within(async { opens_with(&stream).await.map_err(|e| e.to_string()) })
+        .await;
+    let admission = pending.admission().clone();
+    let from = stream
+        .peer_addr()
+        .map_or_else(|_| "an unknown address".into(), |a| a.to_string());
+    match (opening, tls) {
+        (Ok(Opening::Records), None) => {
+            answer_bounded(LinkStream::Tcp(stream), token, fabric, pending).await
+        }
+        (Ok(Opening::Records), Some(_)) => {
+            if let Err(e) = pending.within(refuse_plain(stream)).await {
+                admission.refused(&e);
+            }
+        }
+        (Ok(Opening::TlsRecords), Some(tls)) => {
+            match pending.within(accept_tls(stream, &tls)).await {
+                Ok(stream) => answer_bounded(stream, token, fabric, pending).await,
+                Err(e) => admission.refused(&format!("refused a TLS link from {from}: {e}")),
+            }
+        }
+        (Ok(Opening::TlsRecords), None) => {
+            if let Err(e) = pending.within(refuse_tls(stream)).await {
+                admission.refused(&e);
+            }
+        }
+        (Ok(Opening::Other), _) => {
+            // gRPC checks the token of every request itself.
+            drop(pending);
+            if grpc.send(Ok(stream)).await.is_err() {
+                tracing::debug!("a gRPC connection came after the link service stopped");
+            }
+        }
+        (Err(e), _) => tracing::debug!("a link connection sent no opening: {e}"),
+    }
+}
 
 /// Why a TLS worker refuses a plain record hello.
 const PLAIN_REFUSAL: &str = "this job's links between workers use TLS: start the worker with \
@@ -657,24 +759,33 @@ async fn accept_tls(mut stream: TcpStream, tls: &Tls) -> Result<LinkStream, Stri
     stream.read_exact(&mut magic).await.map_err(io)?;
     stream.write_all(b"OK").await.map_err(io)?;
     let acceptor = tokio_rustls::TlsAcceptor::from(tls.records().server.clone());
-    tls_linked(acceptor.accept(stream).await)
+    match acceptor.accept(stream).into_fallible().await {
+        Ok(stream) => tls_linked(Ok(stream)),
+        Err((e, mut stream)) => {
+            // The alert that says why has been sent: let the dialler read it.
+            close_gently(&mut stream).await;
+            tls_linked(Err::<tokio_rustls::server::TlsStream<TcpStream>, _>(e))
+        }
+    }
 }
 
-/// A TLS preamble on the port of a worker without TLS: taken, and refused in the clear.
-async fn refuse_tls(mut stream: TcpStream) {
+/// A TLS preamble on the port of a worker without TLS: taken, and refused in the clear (the
+/// error says why, for the log).
+async fn refuse_tls(mut stream: TcpStream) -> Result<(), String> {
     let mut magic = [0u8; TLS_MAGIC.len()];
     if stream.read_exact(&mut magic).await.is_ok() {
         refuse(&mut stream, NOT_TLS_REFUSAL).await;
     }
-    tracing::warn!("refused a TLS link: {NOT_TLS_REFUSAL}");
+    Err(format!("refused a TLS link: {NOT_TLS_REFUSAL}"))
 }
 
 /// A plain record hello on a TLS worker's port: its hello is taken (so that the refusal is
-/// read before the connection closes) and refused, saying why.
-async fn refuse_plain(mut stream: TcpStream) {
-    let _ = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_hello(&mut stream, "")).await;
+/// read before the connection closes) and refused, saying why (the error says it for the
+/// log).
+async fn refuse_plain(mut stream: TcpStream) -> Result<(), String> {
+    let _ = read_hello(&mut stream, "").await;
     refuse(&mut stream, PLAIN_REFUSAL).await;
-    tracing::warn!("refused a plain link: {PLAIN_REFUSAL}");
+    Err(format!("refused a plain link: {PLAIN_REFUSAL}"))
 }
 
 /// Where a record's payload values are.
@@ -729,6 +840,19 @@ fn encode_header(msg: &Message, lent: Option<Place>, out: &mut Vec<u8>) {
     out.extend(offset.to_le_bytes());
     out.extend(region.encode());
     debug_assert_eq!(out.len() - start, HEADER_BYTES);
+}
+
+/// A message's whole record as a link carries it inline: header, then payload values (for
+/// tests that feed a reader bytes of their own making).
+#[cfg(test)]
+pub(crate) fn encode_record(msg: Message) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES);
+    encode_header(&msg, None, &mut out);
+    let mut slices = Vec::new();
+    let header = out.clone();
+    record_slices(&msg, &header, &mut slices);
+    slices.iter().skip(1).for_each(|s| out.extend_from_slice(s));
+    out
 }
 
 /// What a header says: the envelope's fields (no payload), where the payload is, its length.
@@ -1233,7 +1357,7 @@ fn payload_len(has_values: bool, len: u64) -> Result<usize, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::wire;
     use podsim_collectives::{DType, Fingerprint, OpKind, ReduceOp, Tag};
@@ -1389,7 +1513,7 @@ mod tests {
     /// The job's TLS material of the tests (`coordinator/tests/fixtures/tls`), with the
     /// certificate and key of `node` (`job-node`, or `other-node`: signed by another
     /// authority).
-    fn test_tls(node: &str) -> Tls {
+    pub(crate) fn test_tls(node: &str) -> Tls {
         test_tls_expecting(node, crate::tls::DEFAULT_SERVER_NAME)
     }
 
@@ -1763,5 +1887,209 @@ mod tests {
         assert_eq!(payload_len(true, 1024), Ok(1024));
         // A meta payload is a count, never allocated.
         assert_eq!(payload_len(false, 1 << 40), Ok(1 << 40));
+    }
+
+    /// Worker 0 of a ring of 4 chips on 2 workers: its only neighbour is worker 1.
+    fn two_workers() -> crate::job::JobSpec {
+        let pod = podsim_topology::Pod::single("4".parse().unwrap_or_else(|e| panic!("{e:?}")));
+        crate::job::JobSpec {
+            name: "admission".into(),
+            pod,
+            hardware: podsim_topology::Hardware::preset("v5p").unwrap_or_else(|e| panic!("{e}")),
+            workers: 2,
+            program: crate::job::Program::Collectives {
+                iterations: 1,
+                meta: true,
+                script: Vec::new(),
+                verify: false,
+            },
+            faults: Vec::new(),
+            heartbeat_ms: 100,
+            recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
+            watchdog_ms: 2000,
+            symmetric: false,
+            trace: None,
+            transport: Transport::Uds,
+        }
+    }
+
+    /// A record-link listener of worker 0 of [`two_workers`], its fabric set, on a Unix
+    /// socket or on a TCP port (plain), under `limits`.
+    #[derive(Debug)]
+    enum Port {
+        Unix(String),
+        Tcp(String),
+    }
+
+    async fn listening(tcp: bool, limits: Limits) -> (Port, Arc<NodeFabric>) {
+        let fabric = NodeFabric::new(two_workers(), 0).unwrap_or_else(|e| panic!("{e}"));
+        let (tx, rx) = watch::channel(Some(fabric.clone()));
+        // The fabric stays set for the listener's life.
+        tokio::spawn(async move { tx.closed().await });
+        let port = match tcp {
+            false => {
+                let (listener, name) = bind().unwrap_or_else(|| panic!("no Unix socket"));
+                tokio::spawn(serve_with(listener, "job-token".into(), rx, limits));
+                Port::Unix(name)
+            }
+            true => {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+                let (grpc, mut unused) = mpsc::channel(4);
+                tokio::spawn(async move { while unused.recv().await.is_some() {} });
+                tokio::spawn(route_tcp_with(
+                    listener,
+                    None,
+                    "job-token".into(),
+                    rx,
+                    grpc,
+                    limits,
+                ));
+                Port::Tcp(addr.to_string())
+            }
+        };
+        (port, fabric)
+    }
+
+    /// A connection to `port` that says nothing.
+    async fn silent(port: &Port) -> LinkStream {
+        match port {
+            Port::Unix(name) => LinkStream::Unix(connect(name).unwrap_or_else(|e| panic!("{e}"))),
+            Port::Tcp(addr) => LinkStream::Tcp(
+                TcpStream::connect(addr)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}")),
+            ),
+        }
+    }
+
+    /// Worker 1 dialling `port` with the job's token.
+    async fn worker_dials(port: &Port) -> Result<(LinkStream, Regions), WorkerError> {
+        let dialled = async {
+            match port {
+                Port::Unix(name) => dial(name, 1, 0, "job-token", Sharing::Never).await,
+                Port::Tcp(addr) => dial_tcp(addr, 1, 0, "job-token", None).await,
+            }
+        };
+        tokio::time::timeout(BOUNDED, dialled)
+            .await
+            .unwrap_or_else(|_| panic!("no answer to the worker's hello"))
+    }
+
+    /// Waits (at most `BOUNDED`) until the listener closes `stream`.
+    async fn closed(stream: &mut LinkStream) -> bool {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(BOUNDED, stream.read(&mut byte)).await;
+        matches!(read, Ok(Ok(0) | Err(_)))
+    }
+
+    /// Whether `stream` is still open, as far as can be told without waiting.
+    async fn still_open(stream: &mut LinkStream) -> bool {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_millis(10), stream.read(&mut byte)).await;
+        read.is_err()
+    }
+
+    /// 200 connections that never say hello do not keep a worker out, on either listener:
+    /// the oldest give way as new ones come (closed at once: the deadline here is longer than
+    /// the test), the newest still wait, and the worker's link is made.
+    #[test]
+    fn a_flood_of_silent_connections_leaves_room_for_a_worker() {
+        multi_thread().block_on(async {
+            for tcp in [false, true] {
+                let limits = Limits {
+                    pending: 64,
+                    hello: Duration::from_secs(600),
+                };
+                let (port, fabric) = listening(tcp, limits).await;
+                let mut flood = Vec::new();
+                for _ in 0..200 {
+                    flood.push(silent(&port).await);
+                }
+                let (oldest, newest) = flood.split_at_mut(200 - 64);
+                for (i, s) in oldest.iter_mut().enumerate() {
+                    assert!(
+                        closed(s).await,
+                        "{port:?}: silent connection {i} still open"
+                    );
+                }
+                for s in newest.iter_mut() {
+                    assert!(
+                        still_open(s).await,
+                        "{port:?}: a newer connection was closed"
+                    );
+                }
+                let linked = worker_dials(&port).await;
+                assert!(linked.is_ok(), "{port:?}: {linked:?}");
+                // The worker took the place of the oldest that still waited.
+                assert!(closed(&mut newest[0]).await, "{port:?}");
+                assert!(still_open(&mut newest[1]).await, "{port:?}");
+                let connected = fabric.wait_connected(BOUNDED).await;
+                assert!(connected.is_ok(), "{port:?}: {connected:?}");
+                let links = fabric.links(false);
+                assert!(
+                    links.len() == 1 && links[0].peer == 1,
+                    "{port:?}: {links:?}"
+                );
+            }
+        });
+    }
+
+    /// A connection that says nothing, or part of a hello, is closed at its deadline, and
+    /// not before; the listener then still takes a worker.
+    #[test]
+    fn a_connection_without_a_whole_hello_is_closed_at_its_deadline() {
+        multi_thread().block_on(async {
+            for tcp in [false, true] {
+                let hello = Duration::from_millis(300);
+                let limits = Limits { pending: 64, hello };
+                let (port, _fabric) = listening(tcp, limits).await;
+                let started = tokio::time::Instant::now();
+                let mut quiet = silent(&port).await;
+                let mut partial = silent(&port).await;
+                let _ = partial.write_all(&HELLO_MAGIC[..]).await;
+                assert!(closed(&mut quiet).await, "{port:?}");
+                assert!(closed(&mut partial).await, "{port:?}");
+                // Accepted after `started`, closed at its deadline after that.
+                assert!(started.elapsed() >= hello, "{port:?}");
+                let linked = worker_dials(&port).await;
+                assert!(linked.is_ok(), "{port:?}: {linked:?}");
+            }
+        });
+    }
+
+    /// A TLS dialler and a listener that do not trust each other: the dialler's error comes
+    /// at once (not after the dial's patience), names the peer's address and rustls's reason,
+    /// whichever side refused the other's certificate.
+    #[test]
+    fn a_tls_mismatch_fails_at_once_naming_the_peer_and_the_reason() {
+        multi_thread().block_on(async {
+            let (job, foreign) = (test_tls("job-node"), test_tls("other-node"));
+            for (dialling, listening, reason) in [
+                // The dialler refuses the listener's certificate.
+                (&job, &foreign, "invalid peer certificate"),
+                // The listener refuses the dialler's.
+                (&foreign, &job, "alert"),
+            ] {
+                let (addr, _grpc, _fabric) = link_port(Some(listening.clone())).await;
+                let soon = Duration::from_secs(5);
+                let dialled = tokio::time::timeout(soon, async {
+                    dial_tcp(&addr, 1, 0, "job-token", Some(dialling)).await
+                })
+                .await;
+                let e = match dialled {
+                    Ok(Err(e)) => e.to_string(),
+                    Ok(Ok(_)) => panic!("a link was made between strangers"),
+                    Err(_) => panic!("no verdict within {soon:?}"),
+                };
+                assert!(
+                    e.contains(&addr) && e.contains(TLS_FAILED) && e.contains(reason),
+                    "{e}"
+                );
+                assert!(e.contains("signed by the authority in"), "{e}");
+            }
+        });
     }
 }

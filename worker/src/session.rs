@@ -554,7 +554,12 @@ async fn connect_control(
                 return Ok(ControlClient::new(channel)
                     .max_decoding_message_size(MAX_CONTROL_MESSAGE_BYTES));
             }
-            Err(e) if tokio::time::Instant::now() >= deadline => {
+            // A certificate the other side refuses (or that this side refuses) is refused
+            // again on every try: say so now rather than after the whole patience.
+            Err(e)
+                if tokio::time::Instant::now() >= deadline
+                    || crate::tls::handshake_failure(&e).is_some() =>
+            {
                 return Err(session_error(format!(
                     "cannot reach the coordinator at {endpoint}: {}{}",
                     crate::tls::chain(&e),

@@ -16,17 +16,26 @@
 //! socket ([`TlsLink`]), so the intake reads it like any other. Reading decrypts what the
 //! socket holds; writing encrypts into rustls's buffer and sends what the socket takes, and
 //! what it does not take is sent first by the next write or by [`LinkWrite::flush`].
+//!
+//! And how a link listener admits connections, which anyone who can reach it may open: a
+//! Unix-socket peer must run as this process's user ([`same_user`], before anything is read
+//! from it); at most [`Limits::pending`] connections wait for their hello at once, each for at
+//! most [`Limits::hello`] ([`Admission`]); and a failing `accept` (out of descriptors, say)
+//! costs the one connection it was taking, never the listener ([`Acceptor`]).
 
+use std::collections::BTreeMap;
+use std::future::Future;
 use std::io::{self, IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::oneshot;
 
 /// Forwards a call to whichever socket `$s` (a `$kind`: stream or half) holds.
 macro_rules! either {
@@ -428,19 +437,24 @@ pub(crate) const DIAL_PATIENCE: Duration = Duration::from_secs(20);
 
 /// `connect` tried again every 50 ms until it succeeds or `patience` is spent (an attempt
 /// that hangs, as a connection to an unreachable host does, is cut off at the deadline); the
-/// last error otherwise (`None` when no attempt ended before the deadline).
+/// last error otherwise (`None` when no attempt ended before the deadline). An error that
+/// `lasting` says another attempt cannot change (a certificate the other side refuses) is
+/// returned at once: a peer still starting refuses the connection, it does not fail a
+/// handshake.
 pub(crate) async fn with_retry<T, E, F>(
     patience: Duration,
     mut connect: impl FnMut() -> F,
+    lasting: impl Fn(&E) -> bool,
 ) -> Result<T, Option<E>>
 where
-    F: std::future::Future<Output = Result<T, E>>,
+    F: Future<Output = Result<T, E>>,
 {
     let deadline = tokio::time::Instant::now() + patience;
     let mut last = None;
     loop {
         match tokio::time::timeout_at(deadline, connect()).await {
             Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) if lasting(&e) => return Err(Some(e)),
             Ok(Err(e)) => last = Some(e),
             Err(_) => return Err(last),
         }
@@ -448,5 +462,464 @@ where
             return Err(last);
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Connections a link listener holds at once that have not finished their hello. A worker
+/// has a few neighbours, each of which dials once: this is room for all of them many times
+/// over, and little next to a process's descriptors (1024 by default).
+pub(crate) const MAX_PENDING_HELLOS: usize = 64;
+/// How long a connection to a link listener may take from its acceptance to the end of its
+/// hello (on a TLS port: its first bytes, the handshake and the hello). A worker says hello
+/// as soon as it is connected; this leaves room for a host loaded while a job starts.
+pub(crate) const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a listener rests after `accept` failed for want of resources (descriptors,
+/// memory): long enough not to spin, short enough that a peer dialling meanwhile is taken as
+/// soon as some are freed.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+/// A repeated warning is said once, then again only after this long.
+const QUIET: Duration = Duration::from_secs(10);
+
+/// What a link listener allows connections that have not said hello yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// How many may wait at once.
+    pub(crate) pending: usize,
+    /// How long each may take, from its acceptance.
+    pub(crate) hello: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            pending: MAX_PENDING_HELLOS,
+            hello: HELLO_DEADLINE,
+        }
+    }
+}
+
+/// The connections one listener has accepted that have not finished their hello, oldest
+/// first, each with the means to close it.
+///
+/// When all [`Limits::pending`] places are taken, a new connection takes the place of the one
+/// that has waited longest, which is closed: a peer's hello ends within milliseconds of its
+/// connection, so a connection that has waited long is the one least likely to be a worker.
+/// Refusing the newcomer instead would let anyone who keeps that many connections open, and
+/// renews them as they time out, refuse every worker for as long as they like.
+#[derive(Debug)]
+pub(crate) struct Admission {
+    limits: Limits,
+    waiting: Mutex<Waiting>,
+    refusals: Mutex<Burst>,
+}
+
+#[derive(Debug, Default)]
+struct Waiting {
+    next: u64,
+    /// By arrival: sending (or dropping) a sender closes its connection.
+    by_age: BTreeMap<u64, oneshot::Sender<()>>,
+}
+
+/// One accepted connection's place among those waiting for their hello; given up when
+/// dropped.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    admission: Arc<Admission>,
+    id: u64,
+    deadline: tokio::time::Instant,
+    /// Fires when a newer connection takes this one's place (`None` once it has).
+    evicted: Option<oneshot::Receiver<()>>,
+}
+
+impl Admission {
+    pub(crate) fn new(limits: Limits) -> Arc<Admission> {
+        Arc::new(Admission {
+            limits: Limits {
+                pending: limits.pending.max(1),
+                hello: limits.hello,
+            },
+            waiting: Mutex::new(Waiting::default()),
+            refusals: Mutex::new(Burst::default()),
+        })
+    }
+
+    fn waiting(&self) -> MutexGuard<'_, Waiting> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A place for a connection just accepted, closing the longest-waiting one if every
+    /// place is taken.
+    pub(crate) fn admit(self: &Arc<Self>) -> Pending {
+        let (evict, evicted) = oneshot::channel();
+        let mut waiting = self.waiting();
+        while waiting.by_age.len() >= self.limits.pending {
+            if let Some((_, oldest)) = waiting.by_age.pop_first() {
+                let _ = oldest.send(());
+            }
+        }
+        let id = waiting.next;
+        waiting.next += 1;
+        waiting.by_age.insert(id, evict);
+        Pending {
+            admission: self.clone(),
+            id,
+            deadline: tokio::time::Instant::now() + self.limits.hello,
+            evicted: Some(evicted),
+        }
+    }
+
+    /// How many connections wait for their hello now.
+    #[cfg(test)]
+    pub(crate) fn pending(&self) -> usize {
+        self.waiting().by_age.len()
+    }
+
+    /// Logs why a connection was refused: the first of a burst, then once per [`QUIET`]
+    /// (anyone who can reach the listener can make it refuse connections).
+    pub(crate) fn refused(&self, why: &str) {
+        let said = self
+            .refusals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .say();
+        match said {
+            Some(unsaid) => tracing::warn!("{why}{}", Burst::since(unsaid)),
+            None => tracing::debug!("{why}"),
+        }
+    }
+}
+
+impl Pending {
+    /// The listener's admission this connection waits in.
+    pub(crate) fn admission(&self) -> &Arc<Admission> {
+        &self.admission
+    }
+
+    /// Runs `step` of the hello until it ends, this connection's deadline passes or a newer
+    /// connection takes its place; the connection is to be closed on an error.
+    pub(crate) async fn within<T>(
+        &mut self,
+        step: impl Future<Output = Result<T, String>>,
+    ) -> Result<T, String> {
+        let pending = self.admission.limits.pending;
+        let crowded = || format!("closed: {pending} newer connections wait for their hello");
+        let Some(evicted) = self.evicted.as_mut() else {
+            return Err(crowded());
+        };
+        let (deadline, hello) = (self.deadline, self.admission.limits.hello);
+        let ended = tokio::select! {
+            done = tokio::time::timeout_at(deadline, step) => Some(done),
+            _ = evicted => None,
+        };
+        match ended {
+            Some(Ok(done)) => done,
+            Some(Err(_)) => Err(format!("no hello within {hello:?}")),
+            None => {
+                self.evicted = None;
+                Err(crowded())
+            }
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.admission.waiting().by_age.remove(&self.id);
+    }
+}
+
+/// Says a repeated event once per burst: the first, then nothing until [`QUIET`] has passed
+/// since the last one said.
+#[derive(Debug, Default)]
+struct Burst {
+    said: Option<Instant>,
+    unsaid: u64,
+}
+
+impl Burst {
+    /// `Some(n)` when this one is to be said (`n`: how many were not since the last), `None`
+    /// when it is kept quiet.
+    fn say(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        match self.said {
+            Some(said) if now.duration_since(said) < QUIET => {
+                self.unsaid += 1;
+                None
+            }
+            _ => {
+                self.said = Some(now);
+                Some(std::mem::take(&mut self.unsaid))
+            }
+        }
+    }
+
+    /// How a warning says that `unsaid` more came since the last one said.
+    fn since(unsaid: u64) -> String {
+        match unsaid {
+            0 => String::new(),
+            n => format!(" ({n} more like it since the last said)"),
+        }
+    }
+}
+
+/// How a link listener takes connections: a failed `accept` never ends it and never spins.
+#[derive(Debug)]
+pub(crate) struct Acceptor {
+    /// The listener, as its warnings name it.
+    what: &'static str,
+    failures: Burst,
+    failing: bool,
+}
+
+impl Acceptor {
+    pub(crate) fn new(what: &'static str) -> Acceptor {
+        Acceptor {
+            what,
+            failures: Burst::default(),
+            failing: false,
+        }
+    }
+
+    /// The next connection `accept` takes. A connection that went away before it was taken
+    /// is skipped; any other failure (out of descriptors: the connection stays queued in the
+    /// kernel) is warned of once per burst and tried again after [`ACCEPT_PAUSE`], so that
+    /// the listener neither ends nor spins a core while the process has no descriptor to
+    /// spare.
+    pub(crate) async fn next<S, A, F>(&mut self, mut accept: impl FnMut() -> F) -> S
+    where
+        F: Future<Output = io::Result<(S, A)>>,
+    {
+        loop {
+            match accept().await {
+                Ok((stream, _)) => {
+                    if std::mem::take(&mut self.failing) {
+                        tracing::info!("{} accepts connections again", self.what);
+                    }
+                    return stream;
+                }
+                Err(e) if gone_before_accepted(&e) => {
+                    tracing::debug!("{}: a connection went away: {e}", self.what);
+                }
+                Err(e) => {
+                    self.failing = true;
+                    if let Some(unsaid) = self.failures.say() {
+                        tracing::warn!(
+                            "{} cannot accept: {e} (trying again every {ACCEPT_PAUSE:?}){}",
+                            self.what,
+                            Burst::since(unsaid)
+                        );
+                    }
+                    tokio::time::sleep(ACCEPT_PAUSE).await;
+                }
+            }
+        }
+    }
+}
+
+/// Whether `accept` failed for the connection it was taking only (aborted or reset by its
+/// peer, or a network error Linux reports on the connection): the next is taken at once.
+fn gone_before_accepted(e: &io::Error) -> bool {
+    use io::ErrorKind as K;
+    if matches!(
+        e.kind(),
+        K::ConnectionAborted | K::ConnectionReset | K::Interrupted | K::WouldBlock
+    ) {
+        return true;
+    }
+    // accept(2): "Linux accept() passes already-pending network errors on the new socket as
+    // an error code from accept()", to be treated like EAGAIN.
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::EPROTO
+                | libc::ENOPROTOOPT
+                | libc::EHOSTDOWN
+                | libc::EHOSTUNREACH
+                | libc::ENETDOWN
+                | libc::ENETUNREACH
+                | libc::EOPNOTSUPP
+                | libc::EPERM
+        )
+    )
+}
+
+/// Whether a process running as `peer` may link to this one, running as `own`: only the same
+/// user's. The job token keeps other jobs out, but reading a hello costs a descriptor and
+/// time that another user's process must not be able to take.
+pub(crate) fn admits_uid(peer: u32, own: u32) -> Result<(), String> {
+    match peer == own {
+        true => Ok(()),
+        false => Err(format!(
+            "a process of uid {peer} dialled the link socket of a worker running as uid {own}"
+        )),
+    }
+}
+
+/// Refuses a Unix-socket peer that does not run as this process's (effective) user, as the
+/// kernel saw it when it connected (`SO_PEERCRED`): nothing it sent has been read.
+pub(crate) fn same_user(socket: &impl AsRawFd) -> Result<(), String> {
+    let peer =
+        peer_uid(socket).map_err(|e| format!("cannot tell who dialled the link socket: {e}"))?;
+    admits_uid(peer, own_uid())
+}
+
+/// This process's effective uid.
+#[allow(unsafe_code)]
+pub(crate) fn own_uid() -> u32 {
+    // SAFETY: geteuid takes nothing, touches no memory of ours and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The effective uid of the process at the other end of a Unix socket when it connected.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn peer_uid(socket: &impl AsRawFd) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let size = std::mem::size_of::<libc::ucred>();
+    let mut len = size as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live, writable locals for the call's duration, and `len`
+    // holds the size of `cred`, which the kernel writes no more than.
+    let done = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            std::ptr::addr_of_mut!(cred).cast(),
+            &mut len,
+        )
+    };
+    if done != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if len as usize != size {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("SO_PEERCRED gave {len} bytes, not {size}"),
+        ));
+    }
+    Ok(cred.uid)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn peer_uid(_socket: &impl AsRawFd) -> io::Result<u32> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "peer credentials of a Unix socket need Linux",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn only_the_same_user_may_link() {
+        assert!(admits_uid(1000, 1000).is_ok());
+        assert!(admits_uid(0, 0).is_ok());
+        // Root dialling a user's worker is refused too: it is not the job's user.
+        for (peer, own) in [(65534, 1000), (0, 1000), (1000, 0)] {
+            let why = admits_uid(peer, own).err().unwrap_or_default();
+            assert!(
+                why.contains(&format!("uid {peer}")) && why.contains(&format!("uid {own}")),
+                "{why}"
+            );
+        }
+        // A real connection from this process: its own user.
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(peer_uid(&a).ok(), Some(own_uid()));
+        assert!(same_user(&b).is_ok());
+    }
+
+    #[test]
+    fn a_full_admission_closes_the_oldest_waiting_connection() {
+        runtime().block_on(async {
+            let limits = Limits {
+                pending: 2,
+                hello: Duration::from_secs(30),
+            };
+            let admission = Admission::new(limits);
+            let never = || std::future::pending::<Result<(), String>>();
+            let mut first = admission.admit();
+            let mut second = admission.admit();
+            assert_eq!(admission.pending(), 2);
+            let mut third = admission.admit();
+            assert_eq!(admission.pending(), 2);
+            // The first gave way at once; the others still wait.
+            let bounded = Duration::from_secs(5);
+            let gone = tokio::time::timeout(bounded, first.within(never())).await;
+            assert!(
+                matches!(&gone, Ok(Err(e)) if e.contains("newer")),
+                "{gone:?}"
+            );
+            // And stays gone.
+            assert!(first.within(async { Ok(()) }).await.is_err());
+            let short = Duration::from_millis(20);
+            assert!(
+                tokio::time::timeout(short, second.within(never()))
+                    .await
+                    .is_err()
+            );
+            assert_eq!(third.within(async { Ok(7) }).await, Ok(7));
+            // A place given up is free again.
+            drop((first, second));
+            assert_eq!(admission.pending(), 1);
+            drop(third);
+            assert_eq!(admission.pending(), 0);
+        });
+    }
+
+    #[test]
+    fn a_hello_past_its_deadline_fails_saying_so() {
+        runtime().block_on(async {
+            let admission = Admission::new(Limits {
+                pending: 4,
+                hello: Duration::from_millis(50),
+            });
+            let mut slow = admission.admit();
+            let never = std::future::pending::<Result<(), String>>();
+            let waited = tokio::time::timeout(Duration::from_secs(5), slow.within(never)).await;
+            assert!(
+                matches!(&waited, Ok(Err(e)) if e.contains("no hello")),
+                "{waited:?}"
+            );
+        });
+    }
+
+    #[test]
+    fn a_failing_accept_pauses_and_goes_on() {
+        runtime().block_on(async {
+            let mut acceptor = Acceptor::new("test listener");
+            let mut calls = 0;
+            let start = tokio::time::Instant::now();
+            let accepted = acceptor
+                .next(|| {
+                    calls += 1;
+                    let result = match calls {
+                        1 => Err(io::Error::from_raw_os_error(libc::ECONNABORTED)),
+                        2 | 3 => Err(io::Error::from_raw_os_error(libc::EMFILE)),
+                        _ => Ok((calls, ())),
+                    };
+                    std::future::ready(result)
+                })
+                .await;
+            assert_eq!(accepted, 4);
+            // Two pauses for the two EMFILEs, none for the aborted connection.
+            let waited = start.elapsed();
+            assert!(waited >= ACCEPT_PAUSE * 2, "{waited:?}");
+            assert!(!gone_before_accepted(&io::Error::from_raw_os_error(
+                libc::ENFILE
+            )));
+        });
     }
 }

@@ -14,6 +14,10 @@
 //! The record links between workers over TCP ([`crate::records`]) use the same material
 //! through rustls directly ([`Tls::records_server`], [`Tls::records_client`]): the same
 //! authority, certificate and server name, so one set of files serves both.
+//!
+//! A handshake that fails on a certificate fails the same way every time (both sides' files
+//! decide it), so whoever dials reports it at once, naming the peer and rustls's reason
+//! ([`handshake_failure`]), instead of dialling again until its patience runs out.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -267,6 +271,44 @@ pub fn chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+/// rustls's reason when `e`, or an error it comes from, is a TLS handshake's verdict (a
+/// certificate not signed by a trusted authority or naming another server, no certificate,
+/// the other side's alert refusing ours) rather than the network's. Another attempt cannot
+/// change such a verdict, so it is not one to retry. `None` for any other error.
+pub fn handshake_failure(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if let Some(verdict) = rustls_error(e) {
+            return Some(verdict.to_string());
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// `e` as rustls's error, directly or inside an `io::Error` (whose `source` skips the error
+/// it wraps: tokio-rustls reports handshakes that way).
+fn rustls_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    if let Some(r) = e.downcast_ref::<rustls::Error>() {
+        return Some(r);
+    }
+    e.downcast_ref::<std::io::Error>()
+        .and_then(|io| io.get_ref())
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+}
+
+impl Tls {
+    /// What a handshake's verdict asks of the job's files, to follow its reason.
+    pub fn mismatch_hint(&self) -> String {
+        format!(
+            "every process of the job needs a certificate signed by the authority in {} that \
+             names {:?}",
+            self.files.ca.display(),
+            self.files.server_name
+        )
+    }
 }
 
 /// A client endpoint for `url` with TLS when the job uses it.
