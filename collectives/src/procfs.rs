@@ -18,6 +18,22 @@ pub(crate) fn run_queue_delay_ns(tid: u32) -> Option<u64> {
     parse_schedstat_delay(&text)
 }
 
+/// Each thread of process `pid` with its run-queue delay so far, ns (empty where the kernel
+/// does not tell, or the process is gone).
+pub fn process_run_queue_delays(pid: u32) -> Vec<(u32, u64)> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            let tid: u32 = t.file_name().to_str()?.parse().ok()?;
+            let text = std::fs::read_to_string(t.path().join("schedstat")).ok()?;
+            Some((tid, parse_schedstat_delay(&text)?))
+        })
+        .collect()
+}
+
 /// The run-queue delay of a `schedstat` line: `<on-cpu ns> <run-queue ns> <timeslices>`.
 fn parse_schedstat_delay(text: &str) -> Option<u64> {
     text.split_whitespace().nth(1)?.parse().ok()

@@ -49,6 +49,25 @@ impl CpuWaitMeter {
         self.share_of(now, delays)
     }
 
+    /// A meter of another process's threads (see [`CpuWaitMeter::share_of_process`]), its
+    /// first interval starting `now`.
+    pub fn for_process(now: Instant, pid: u32) -> CpuWaitMeter {
+        let mut meter = CpuWaitMeter {
+            last: HashMap::new(),
+            at: now,
+        };
+        meter.share_of_process(now, pid);
+        meter
+    }
+
+    /// [`CpuWaitMeter::share`] for every thread of another process, `pid` (a worker, as its
+    /// launcher sees it): the share of the interval its busiest-waiting thread spent ready to
+    /// run without a CPU.
+    pub fn share_of_process(&mut self, now: Instant, pid: u32) -> f64 {
+        let delays = crate::procfs::process_run_queue_delays(pid);
+        self.share_of(now, delays.into_iter())
+    }
+
     fn share_of(&mut self, now: Instant, delays: impl Iterator<Item = (u32, u64)>) -> f64 {
         let interval = now.duration_since(self.at).as_nanos() as f64;
         self.at = now;

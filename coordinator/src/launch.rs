@@ -19,7 +19,7 @@ use podsim_worker::protocol::{JobSpec, WorkerReport};
 use podsim_worker::tls::{Tls, TlsFiles};
 
 use crate::supervisor::{Decision, Event, Supervisor};
-use crate::watchdog::{Finding, Watchdog};
+use crate::watchdog::{Finding, Liveness, Watchdog};
 use podsim_worker::transport::check_token;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
@@ -280,7 +280,10 @@ impl ControlPlane {
 
 /// Child processes that are killed if they are still running when this is dropped.
 #[derive(Debug, Default)]
-pub struct Children(Vec<(u32, Child)>);
+pub struct Children(
+    Vec<(u32, Child)>,
+    HashMap<u32, podsim_collectives::CpuWaitMeter>,
+);
 
 impl Children {
     /// Exit status of any worker that has already exited.
@@ -291,13 +294,36 @@ impl Children {
             .map(|(id, how, _)| (id, how))
     }
 
-    /// Whether worker `id`'s process is stopped (SIGSTOP, a debugger), as the kernel tells;
-    /// `None` for a worker this launcher did not spawn, or where `/proc` cannot tell.
-    fn stopped(&self, id: u32) -> Option<bool> {
-        let (_, child) = self.0.iter().find(|(w, _)| *w == id)?;
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", child.id()?)).ok()?;
-        let state = *podsim_collectives::procfs::stat_fields(&stat)?.first()?;
-        Some(matches!(state, "T" | "t"))
+    /// What the kernel says of each spawned worker's process now: stopped (SIGSTOP, a
+    /// debugger), or running with the share of the time since the last call its threads
+    /// waited for a CPU. Workers this launcher did not spawn, or where `/proc` cannot tell,
+    /// are left out (unknown).
+    fn liveness(&mut self, now: std::time::Instant) -> HashMap<u32, Liveness> {
+        let mut out = HashMap::new();
+        for (id, child) in &self.0 {
+            let Some(pid) = child.id() else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let Some(&state) = podsim_collectives::procfs::stat_fields(&stat)
+                .as_ref()
+                .and_then(|f| f.first())
+            else {
+                continue;
+            };
+            let meter = self
+                .1
+                .entry(*id)
+                .or_insert_with(|| podsim_collectives::CpuWaitMeter::for_process(now, pid));
+            let cpu_wait_share = meter.share_of_process(now, pid);
+            let live = if matches!(state, "T" | "t") {
+                Liveness::Stopped
+            } else {
+                Liveness::Running { cpu_wait_share }
+            };
+            out.insert(*id, live);
+        }
+        out
     }
 
     /// Every spawned worker that has exited, with how; `abnormal` is true unless it ended
@@ -636,7 +662,10 @@ async fn join(
     join_timeout: Duration,
 ) -> Result<BTreeMap<u32, Joined>, LaunchError> {
     let mut joined: BTreeMap<u32, Joined> = BTreeMap::new();
-    let deadline = tokio::time::Instant::now() + join_timeout;
+    // A --join-timeout past what the clock can add is as good as none.
+    let deadline = tokio::time::Instant::now()
+        .checked_add(join_timeout)
+        .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400));
     let mut next_free = 0u32;
     while (joined.len() as u32) < n {
         if let Some((id, how)) = children.exited() {
@@ -852,11 +881,13 @@ async fn next_decision(
     let mut decision = Decision::Continue;
     if supervisor.started() {
         let exited = children.all_exited();
-        let stopped = |w: u32| children.stopped(w);
+        let now = std::time::Instant::now();
+        let liveness = children.liveness(now);
+        let process = |w: u32| liveness.get(&w).copied().unwrap_or(Liveness::Unknown);
         decision = supervisor.on(Event::Tick {
-            now: std::time::Instant::now(),
+            now,
             exited,
-            stopped: &stopped,
+            process: &process,
         });
     }
     if decision == Decision::Continue {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use podsim_proto::v1 as pb;
-use podsim_worker::protocol::{FailureReport, HeartbeatStatus, WorkerReport};
+use podsim_worker::protocol::{FailureReport, HeartbeatStatus, TorchSpec, WorkerReport};
 
 use crate::watchdog::{Finding, HangKind, Watchdog};
 
@@ -25,12 +25,12 @@ pub enum Event<'a> {
         external: bool,
     },
     /// Time passed. `exited`: every worker process that has exited (id, how, whether it
-    /// failed); `stopped(w)`: whether worker `w`'s process is stopped (SIGSTOP), where known,
-    /// asked only about the workers the watchdog suspects.
+    /// failed); `process(w)`: what the kernel says of worker `w`'s process (stopped, or
+    /// running and how much of the last interval it waited for a CPU), where known.
     Tick {
         now: Instant,
         exited: Vec<(u32, String, bool)>,
-        stopped: &'a dyn Fn(u32) -> Option<bool>,
+        process: &'a dyn Fn(u32) -> crate::watchdog::Liveness,
     },
 }
 
@@ -130,8 +130,8 @@ impl Supervisor {
             Event::Tick {
                 now,
                 exited,
-                stopped,
-            } => self.on_tick(now, exited, stopped),
+                process,
+            } => self.on_tick(now, exited, process),
         }
     }
 
@@ -213,7 +213,7 @@ impl Supervisor {
         &mut self,
         now: Instant,
         exited: Vec<(u32, String, bool)>,
-        stopped: &dyn Fn(u32) -> Option<bool>,
+        process: &dyn Fn(u32) -> crate::watchdog::Liveness,
     ) -> Decision {
         if !self.started {
             return Decision::Continue;
@@ -225,7 +225,7 @@ impl Supervisor {
         if let Some((id, how, _)) = dead {
             return self.dead_worker(id, &how);
         }
-        match self.watchdog.check(now, stopped) {
+        match self.watchdog.check(now, process) {
             Some(finding) => Decision::Diagnose(Box::new(finding)),
             None => Decision::Continue,
         }
@@ -283,6 +283,24 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
             .map_or(String::new(), |l| {
                 format!(" (its last words: {:?})", l.trim())
             });
+        if exit.how.starts_with(TorchSpec::NOT_CONNECTED) {
+            // Not a death: the rank never reached its first collective, and the job's bound
+            // on that ran out.
+            return Finding {
+                kind: HangKind::StalledChip,
+                chip: Some(d.chip),
+                worker: Some(worker),
+                link: None,
+                seq: None,
+                op: None,
+                waiting: watchdog.waiting_chips(),
+                explanation: format!(
+                    "Rank {} (pid {}) {}{last}. A rank connects when its program creates the podsim process group (dist.init_process_group(\"podsim\") after import podsim.torch): check what it does before that (its [rank {}] lines), or give a slow start more time with [job] connect_timeout_s (podsim run --set job.connect_timeout_s=N).",
+                    d.chip, exit.pid, exit.how, d.chip
+                ),
+                effect_wall_ns: podsim_collectives::wall_ns(),
+            };
+        }
         return Finding {
             kind: HangKind::DeadWorker,
             chip: Some(d.chip),
@@ -390,7 +408,7 @@ mod tests {
         Event::Tick {
             now: Instant::now(),
             exited,
-            stopped: &|_| None,
+            process: &|_| crate::watchdog::Liveness::Unknown,
         }
     }
 
@@ -488,6 +506,38 @@ mod tests {
             kind(&s.on(lost(1, true))),
             Some((HangKind::DeadWorker, Some(1)))
         );
+    }
+
+    #[test]
+    fn a_rank_that_never_connected_is_a_stalled_chip_and_one_that_died_a_dead_worker() {
+        let failure = |how: &str| {
+            // The rank's part of a failure report is read as it travels, from JSON.
+            let report = serde_json::json!({
+                "kind": "rank_exit", "chip": 3, "peer": 3, "mine": null, "theirs": "",
+                "link": null,
+                "rank_exit": {"pid": 4242, "how": how, "stderr_tail": ["", "loading"]},
+            });
+            Body::Failure(pb::WorkerFailure {
+                error: how.into(),
+                error_json: serde_json::to_vec(&report).unwrap_or_default(),
+            })
+        };
+        let mut s = two_workers();
+        s.on(Event::Message(0, ready()));
+        s.on(Event::Message(1, ready()));
+        let late = format!(
+            "{} 300 s (job.connect_timeout_s) of its start: it was alive",
+            TorchSpec::NOT_CONNECTED
+        );
+        let d = s.on(Event::Message(1, failure(&late)));
+        assert_eq!(kind(&d), Some((HangKind::StalledChip, Some(1))));
+        let Decision::Diagnose(f) = d else { return };
+        assert_eq!(f.chip, Some(3));
+        for part in ["Rank 3 (pid 4242)", "connect_timeout_s", "\"loading\""] {
+            assert!(f.explanation.contains(part), "{part}: {}", f.explanation);
+        }
+        let d = s.on(Event::Message(1, failure("exited with code 1")));
+        assert_eq!(kind(&d), Some((HangKind::DeadWorker, Some(1))));
     }
 
     #[test]

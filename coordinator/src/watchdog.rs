@@ -73,6 +73,9 @@ pub struct Finding {
 #[derive(Debug)]
 struct WorkerView {
     heard: Instant,
+    /// Of the silence since `heard`, the time its process spent ready to run without a CPU
+    /// (a starved host's, not the worker's): not counted towards `frozen_worker`.
+    starved_since_heard: Duration,
     heard_wall_ns: u64,
     pid: Option<u32>,
     summary: Summary,
@@ -80,6 +83,18 @@ struct WorkerView {
     last_moving: Instant,
     /// Heartbeats received.
     beats: u64,
+}
+
+/// What the kernel says of a worker's process, where its launcher can ask.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Liveness {
+    /// Not known (a worker on another host, or no `/proc`).
+    Unknown,
+    /// Stopped (SIGSTOP, a debugger).
+    Stopped,
+    /// Running or asleep; `cpu_wait_share` of the last interval its busiest-waiting thread
+    /// spent ready to run without a CPU (0 where the kernel does not tell).
+    Running { cpu_wait_share: f64 },
 }
 
 #[derive(Debug)]
@@ -196,6 +211,7 @@ impl Watchdog {
         for (w, pid) in workers {
             self.workers.entry(w).or_insert(WorkerView {
                 heard: now,
+                starved_since_heard: Duration::ZERO,
                 heard_wall_ns: wall_ns(),
                 pid,
                 summary: Summary::default(),
@@ -226,6 +242,7 @@ impl Watchdog {
         }
         let view = self.workers.entry(worker).or_insert(WorkerView {
             heard: now,
+            starved_since_heard: Duration::ZERO,
             heard_wall_ns: 0,
             pid: None,
             summary: Summary::default(),
@@ -234,6 +251,7 @@ impl Watchdog {
         });
         view.beats += 1;
         view.heard = now;
+        view.starved_since_heard = Duration::ZERO;
         view.heard_wall_ns = wall_ns();
         if hb.summary.moving > 0 {
             view.last_moving = now;
@@ -410,30 +428,13 @@ impl Watchdog {
         }
     }
 
-    /// Looks for a hang now. `stopped(worker)` tells whether a worker's process is stopped
-    /// (`None`: cannot tell, as for a worker on another host).
-    pub fn check(
-        &mut self,
-        now: Instant,
-        stopped: impl Fn(u32) -> Option<bool>,
-    ) -> Option<Finding> {
+    /// Looks for a hang now. `process(worker)` tells what the kernel says of a worker's
+    /// process ([`Liveness::Unknown`] for a worker on another host).
+    pub fn check(&mut self, now: Instant, process: impl Fn(u32) -> Liveness) -> Option<Finding> {
         self.count_waits(now);
         self.first_tick.get_or_insert(now);
-        self.last_tick = Some(now);
-        // A silent worker: at once if its process is stopped (or nobody can tell); a process
-        // that runs but cannot get a heartbeat out for five timeouts is hung all the same, but
-        // until then it may only be starved of CPU by a host running far more than it has.
-        let frozen = self.live().find_map(|(w, v)| {
-            let silent = now.duration_since(v.heard);
-            let state = stopped(w);
-            let limit = if state == Some(false) {
-                5 * self.timeout
-            } else {
-                self.timeout
-            };
-            (silent >= limit).then_some((w, silent, v.heard_wall_ns, state))
-        });
-        if let Some((w, silent, heard, state)) = frozen {
+        let previous_tick = self.last_tick.replace(now);
+        if let Some((w, silent, heard, state)) = self.silent_worker(now, previous_tick, &process) {
             return Some(self.frozen(w, silent, heard, state));
         }
         if let Some(f) = self.stalled() {
@@ -472,7 +473,40 @@ impl Watchdog {
         format!("{} {verb} (ids {waiting})", chips_count(n))
     }
 
-    fn frozen(&self, w: u32, quiet: Duration, last_wall: u64, stopped: Option<bool>) -> Finding {
+    /// A worker silent for too long: at once if its process is stopped (or nobody can
+    /// tell); a process that runs but cannot get a heartbeat out for five timeouts is hung
+    /// all the same, but until then it may only be starved of CPU by a host running far more
+    /// than it has, and the time it spent waiting for a CPU does not count (as the straggler
+    /// accounting discounts it).
+    fn silent_worker(
+        &mut self,
+        now: Instant,
+        previous_tick: Option<Instant>,
+        process: &impl Fn(u32) -> Liveness,
+    ) -> Option<(u32, Duration, u64, Liveness)> {
+        let timeout = self.timeout;
+        let finished = &self.finished;
+        self.workers
+            .iter_mut()
+            .filter(|(w, _)| !finished.contains(w))
+            .find_map(|(&w, v)| {
+                let state = process(w);
+                let silent = now.duration_since(v.heard);
+                let limit = match state {
+                    Liveness::Running { cpu_wait_share } => {
+                        let since = previous_tick.map_or(v.heard, |t| t.max(v.heard));
+                        let interval = now.saturating_duration_since(since);
+                        v.starved_since_heard += interval.mul_f64(cpu_wait_share.clamp(0.0, 1.0));
+                        5 * timeout
+                    }
+                    Liveness::Stopped | Liveness::Unknown => timeout,
+                };
+                let counted = silent.saturating_sub(v.starved_since_heard);
+                (counted >= limit).then_some((w, silent, v.heard_wall_ns, state))
+            })
+    }
+
+    fn frozen(&self, w: u32, quiet: Duration, last_wall: u64, state: Liveness) -> Finding {
         let view = &self.workers[&w];
         let chips = &view.summary.chips;
         let current = self.current_of(w);
@@ -495,12 +529,12 @@ impl Watchdog {
                 quiet.as_secs_f64(),
                 chips_count(chips.count()),
                 Self::describe_waiting(&waiting),
-                match stopped {
-                    Some(true) =>
+                match state {
+                    Liveness::Stopped =>
                         "the process is stopped (SIGSTOP, a debugger); resume it with kill -CONT or kill it.",
-                    Some(false) =>
-                        "the process runs but its heartbeat thread cannot get through (a host far overloaded, or the process hung); look at the host and the process.",
-                    None =>
+                    Liveness::Running { .. } =>
+                        "the process runs but its heartbeat thread cannot get through, though it was not kept waiting for a CPU (the process hung); look at the process.",
+                    Liveness::Unknown =>
                         "the process is stopped or frozen (e.g. SIGSTOP), or its host unreachable; resume it with kill -CONT or kill it.",
                 },
             ),
@@ -886,7 +920,7 @@ mod tests {
 
     /// A check where no process state is known.
     fn check(w: &mut Watchdog, at: Instant) -> Option<Finding> {
-        w.check(at, |_| None)
+        w.check(at, |_| Liveness::Unknown)
     }
 
     fn watchdog(workers: &[u32], t0: Instant) -> Watchdog {
@@ -1283,11 +1317,54 @@ mod tests {
         assert!(f.explanation.contains("pid 101"), "{}", f.explanation);
         // A process known to run is given five timeouts (a starved host), one known stopped
         // none.
-        assert_eq!(w.check(t0 + T + T / 2, |_| Some(false)), None);
-        let f = w.check(t0 + T + T / 2, |w| Some(w == 1)).unwrap();
+        let running = Liveness::Running {
+            cpu_wait_share: 0.0,
+        };
+        assert_eq!(w.check(t0 + T + T / 2, |_| running), None);
+        let stopped_one = |w: u32| if w == 1 { Liveness::Stopped } else { running };
+        let f = w.check(t0 + T + T / 2, stopped_one).unwrap();
         assert!(f.explanation.contains("SIGSTOP"), "{}", f.explanation);
-        assert!(w.check(t0 + T * 6, |_| Some(false)).is_some());
+        assert!(w.check(t0 + T * 6, |_| running).is_some());
         w.finished(1);
+    }
+
+    #[test]
+    fn time_a_silent_process_spent_waiting_for_a_cpu_does_not_count_towards_frozen() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0, 1], t0);
+        let mut worker = Worker::new(0, &[0, 1], t0);
+        let chips = [status(0, 0, &[]), status(1, 0, &[])];
+        worker.beat(&mut w, &chips, t0);
+        // Worker 1 is silent from t0 on; its threads wait for a CPU 90 % of the time (a host
+        // with twenty times more runnable threads than cores). Checked every half timeout.
+        let starved = Liveness::Running {
+            cpu_wait_share: 0.9,
+        };
+        for i in 1..=40u32 {
+            let at = t0 + T * i / 2;
+            worker.beat(&mut w, &chips, at);
+            assert_eq!(
+                w.check(at, |_| starved),
+                None,
+                "silent {} timeouts",
+                f64::from(i) / 2.0
+            );
+        }
+        // Twenty timeouts of silence count as two: still not frozen. Not starved any more,
+        // it owes a heartbeat within the rest of the five.
+        let running = Liveness::Running {
+            cpu_wait_share: 0.0,
+        };
+        worker.beat(&mut w, &chips, t0 + T * 22);
+        assert_eq!(w.check(t0 + T * 22, |_| running), None);
+        worker.beat(&mut w, &chips, t0 + T * 24);
+        let f = w.check(t0 + T * 24, |_| running).unwrap();
+        assert_eq!((f.kind, f.worker), (HangKind::FrozenWorker, Some(1)));
+        assert!(
+            f.explanation.contains("not kept waiting for a CPU"),
+            "{}",
+            f.explanation
+        );
     }
 
     #[test]

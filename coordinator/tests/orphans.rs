@@ -1,5 +1,8 @@
 //! No orphan processes: when the coordinator is killed with SIGKILL, or interrupted with
-//! Ctrl-C (SIGINT) or SIGTERM, every worker exits within a few seconds.
+//! Ctrl-C (SIGINT) or SIGTERM, every worker exits within a few seconds; so does every rank of
+//! a PyTorch job (`podsim run`), with the processes the ranks started, whichever of the
+//! coordinator or the worker is killed; and a rank that never connects ends its job within
+//! the job's bound, named.
 #![allow(clippy::unwrap_used)]
 
 mod support;
@@ -105,4 +108,162 @@ fn a_worker_killed_mid_job_is_diagnosed_as_a_dead_worker() {
         .expect("victim listed");
     assert_eq!(hang["culprit"]["worker"], named["id"]);
     assert_eq!(hang["culprit"]["pid"], u64::from(victim));
+}
+
+/// Every process below `pid`: its children, theirs, and so on.
+fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut next = vec![pid];
+    while let Some(p) = next.pop() {
+        for c in children_of(p) {
+            out.push(c);
+            next.push(c);
+        }
+    }
+    out
+}
+
+/// Kills whatever of `pids` is still running (a failed test must not leave them behind) and
+/// says which were.
+fn survivors(pids: &[u32]) -> Vec<u32> {
+    let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    for p in &left {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &p.to_string()])
+            .status();
+    }
+    left
+}
+
+/// `podsim run` on 2x2 whose ranks never connect, each with a child of its own (a `sleep`):
+/// the coordinator, its worker, and every process below the coordinator once all are up
+/// (the worker, its ranks, their children, the worker's keeper of their process groups).
+fn start_torch_job(name: &str) -> (std::process::Child, u32, Vec<u32>) {
+    let dir = temp_dir(name);
+    let mut c = podsim();
+    c.args(["run", "--topology", "2x2", "--out"])
+        .arg(&dir)
+        .args(["--", "sh", "-c", "sleep 600 & wait"]);
+    let coord = c
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut below = Vec::new();
+    // The worker, 4 ranks, 4 sleeps and the keeper.
+    let up = eventually(Duration::from_secs(30), || {
+        below = descendants(coord.id());
+        below.len() >= 10
+    });
+    if !up {
+        survivors(&below);
+    }
+    assert!(up, "the ranks did not start: {below:?}");
+    let worker = children_of(coord.id())[0];
+    (coord, worker, below)
+}
+
+/// Sends `signal` to the coordinator of a `podsim run` (or to its worker, `at_worker`) and
+/// checks that every process below the coordinator is gone within a few seconds.
+fn torch_job_killed_leaves_nothing(signal: &str, at_worker: bool) {
+    let name = format!(
+        "orphans-torch-{signal}-{}",
+        if at_worker { "worker" } else { "coord" }
+    );
+    let (coord, worker, below) = start_torch_job(&name);
+    let target = if at_worker { worker } else { coord.id() };
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &target.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = wait_bounded(coord, Duration::from_secs(30));
+    assert!(!out.status.success());
+    eventually(Duration::from_secs(5), || below.iter().all(|&p| !alive(p)));
+    let left = survivors(&below);
+    assert!(left.is_empty(), "outlived their job: {left:?} of {below:?}");
+}
+
+#[test]
+fn sigkill_of_the_coordinator_leaves_no_rank_nor_its_children() {
+    torch_job_killed_leaves_nothing("KILL", false);
+}
+
+#[test]
+fn sigterm_of_the_coordinator_leaves_no_rank_nor_its_children() {
+    torch_job_killed_leaves_nothing("TERM", false);
+}
+
+#[test]
+fn ctrl_c_of_the_coordinator_leaves_no_rank_nor_its_children() {
+    torch_job_killed_leaves_nothing("INT", false);
+}
+
+#[test]
+fn sigkill_of_the_worker_leaves_no_rank_nor_its_children() {
+    torch_job_killed_leaves_nothing("KILL", true);
+}
+
+#[test]
+fn sigterm_of_the_worker_leaves_no_rank_nor_its_children() {
+    torch_job_killed_leaves_nothing("TERM", true);
+}
+
+#[test]
+fn a_rank_that_never_connects_ends_the_job_within_its_bound_named() {
+    let dir = temp_dir("orphans-torch-never-connects");
+    let mut cmd = podsim();
+    // Rank 1 announces itself and sleeps; the others exit at once without connecting (a
+    // program that never uses the backend), which is no error.
+    cmd.args(["run", "--topology", "2x2", "--out"])
+        .arg(&dir)
+        .args(["--set", "job.connect_timeout_s=3", "--", "sh", "-c"])
+        .arg(
+            r#"if [ "$RANK" = 1 ]; then echo "pid $$"; echo "loading forever"; exec sleep 600; fi"#,
+        );
+    let out = run_bounded(cmd, Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let pid: u32 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank 1] pid "))
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no pid from rank 1: {stdout}"));
+    let left = survivors(&[pid]);
+    assert!(left.is_empty(), "the rank outlived its job");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&dir);
+    let hang = &r["hang"];
+    assert_eq!(hang["kind"], "stalled_chip", "{hang}");
+    assert_eq!(hang["culprit"]["chip"], 1, "{hang}");
+    let explanation = hang["explanation"].as_str().unwrap();
+    for part in [
+        &format!("Rank 1 (pid {pid}) did not connect"),
+        "3 s (job.connect_timeout_s)",
+        "sleeping",
+        "\"loading forever\"",
+    ] {
+        assert!(explanation.contains(part), "{part:?} not in {explanation}");
+    }
+}
+
+#[test]
+fn a_connect_bound_of_zero_is_refused_naming_the_key() {
+    let mut cmd = podsim();
+    cmd.args([
+        "run",
+        "--topology",
+        "2x2",
+        "--set",
+        "job.connect_timeout_s=0",
+    ])
+    .args(["--", "sh", "-c", "true"]);
+    let out = run_bounded(cmd, Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("job.connect_timeout_s: 0 "), "{stderr}");
 }

@@ -47,7 +47,9 @@ class _Rank:
                 "podsim: PODSIM_SOCKET is not set: start the program with "
                 "`podsim run --topology SHAPE -- python script.py` (or a kind = \"torch\" job)"
             ) from None
-        _die_with_parent()
+        # Nothing to ask the kernel here: the worker gave this process SIGKILL as its
+        # parent-death signal, and a process group of its own, before it ran anything
+        # (worker/src/procs.rs), so the rank and what it starts die with the job.
         self.rank = int(os.environ["RANK"])
         self.conn = Connection(socket_name, self.rank, os.environ.get("PODSIM_TOKEN", ""))
         self.compute = Compute()
@@ -120,22 +122,6 @@ def _connect():
     if _rank is None:
         _rank = _Rank()
     return _rank
-
-
-def _die_with_parent():
-    """Asks the kernel to kill this rank when the worker that started it dies, so that no
-    rank outlives its job, however the worker ended."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() == 1:
-            os._exit(1)
-    except (OSError, AttributeError):
-        pass
 
 
 def _call_site():
@@ -519,6 +505,3 @@ def _create(opts, backend_options):
 
 
 dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
-if "PODSIM_SOCKET" in os.environ:
-    # A rank of a podsim job: die with its worker from the start, not only once it connects.
-    _die_with_parent()

@@ -34,6 +34,7 @@ mod faults;
 mod intake;
 mod job;
 mod net;
+mod procs;
 mod programs;
 pub mod protocol;
 mod records;
@@ -45,6 +46,8 @@ mod torch;
 pub mod train;
 mod watch;
 mod wire;
+#[cfg(test)]
+mod wire_fuzz;
 
 pub use bench::{buffer_bytes, elements_for_buffer};
 pub use error::WorkerError;

@@ -36,6 +36,26 @@ pub struct TorchSpec {
     pub topology: String,
     /// The algorithm of every collective.
     pub algo: Algo,
+    /// How long a rank may take from its start to connecting to its chip (its `hello`, which
+    /// `podsim.torch` sends when the program creates the process group), seconds. A rank
+    /// still not connected then ends the job, named with what it was doing.
+    #[serde(default = "default_connect_timeout_s")]
+    pub connect_timeout_s: u64,
+}
+
+fn default_connect_timeout_s() -> u64 {
+    TorchSpec::DEFAULT_CONNECT_TIMEOUT_S
+}
+
+impl TorchSpec {
+    /// [`TorchSpec::connect_timeout_s`] unless the job says: room for 8 ranks importing torch
+    /// at once on 2 cores (5 to 20 s each alone on a slow machine) and a program's own setup
+    /// before it creates the process group, while a rank that will never connect is still
+    /// reported within minutes.
+    pub const DEFAULT_CONNECT_TIMEOUT_S: u64 = 300;
+    /// How a rank that never connected is described (the start of its failure's `how`), so
+    /// that the coordinator tells it from a rank that died.
+    pub const NOT_CONNECTED: &'static str = "did not connect to its chip within";
 }
 
 /// What one rank did, in virtual time.

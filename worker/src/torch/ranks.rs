@@ -1,14 +1,16 @@
 //! The rank processes of a torch job: one per chip, started with torchrun's environment, their
-//! output prefixed with their rank, their exits watched, and every one killed when the job
-//! ends, however it ends (the guard's drop; a rank whose worker dies gets `SIGKILL` from the
-//! kernel, which `podsim.torch` asks for with `PR_SET_PDEATHSIG`).
+//! output prefixed with their rank, their exits watched, and every one killed with what it
+//! started when the job ends, however it ends: each rank leads a process group of its own,
+//! killed by the guard's drop, after the rank exits, and by the keeper when the worker dies;
+//! the rank itself gets `SIGKILL` from the kernel when its worker dies, asked for before it
+//! runs anything (see `crate::procs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use podsim_collectives::{FlightRecorder, Payload};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
@@ -18,6 +20,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::TorchSpec;
 use super::wire::{Frame, MAX_PAYLOAD_BYTES, Reply, Request, read_frame, write_frame};
 use crate::error::WorkerError;
+use crate::procs::{Group, die_with_parent};
+use crate::socket::{Acceptor, Admission, Limits};
 
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -66,6 +70,12 @@ pub struct Rank {
     pub link: oneshot::Receiver<RankLink>,
     pub exit: watch::Receiver<Option<RankExit>>,
     pub stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    /// The last line it printed on standard output.
+    pub last_output: Arc<Mutex<Option<String>>>,
+    /// When it was started (its time to connect runs from here).
+    pub started: Instant,
+    /// Its process group (the rank and what it started).
+    pub group: Arc<Group>,
 }
 
 /// Waits until a rank's process has exited (`exit` is its [`Rank::exit`]); how it ended
@@ -77,14 +87,19 @@ pub async fn exited(exit: &mut watch::Receiver<Option<RankExit>>) -> Option<Rank
         .and_then(|e| e.clone())
 }
 
-/// Kills every rank still running when dropped.
+/// Kills every rank still running, and what it started, when dropped: at once, whatever
+/// runtime is left to run the tasks that wait for the ranks.
 #[derive(Debug)]
 pub struct RankGuard {
     kill: watch::Sender<bool>,
+    groups: Vec<Arc<Group>>,
 }
 
 impl Drop for RankGuard {
     fn drop(&mut self) {
+        for group in &self.groups {
+            group.kill();
+        }
         let _ = self.kill.send(true);
     }
 }
@@ -100,6 +115,10 @@ pub fn start(
     let token = random_token();
     let master_port = free_port()?;
     let (kill, kill_rx) = watch::channel(false);
+    let mut guard = RankGuard {
+        kill,
+        groups: Vec::new(),
+    };
     let mut pending = HashMap::new();
     let mut ranks = Vec::new();
     let Some((program, args)) = spec.command.split_first() else {
@@ -133,27 +152,38 @@ pub fn start(
         if let Some(dir) = &spec.cwd {
             command.current_dir(dir);
         }
+        die_with_parent(&mut command);
+        // On an error, `guard` is dropped: the ranks started so far go with it.
         let mut child = command.spawn().map_err(|e| {
             WorkerError::Invalid(format!("cannot start rank {rank} ({program}): {e}"))
         })?;
+        let started = Instant::now();
         let pid = child.id().unwrap_or(0);
+        let group = Arc::new(Group::new(pid));
+        guard.groups.push(group.clone());
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
+        let last_output = Arc::new(Mutex::new(None));
         if let Some(out) = child.stdout.take() {
-            tokio::spawn(prefix_lines(out, rank, None));
+            tokio::spawn(prefix_lines(out, rank, Tail::Last(last_output.clone())));
         }
         if let Some(err) = child.stderr.take() {
-            tokio::spawn(prefix_lines(err, rank, Some(stderr_tail.clone())));
+            tokio::spawn(prefix_lines(err, rank, Tail::Lines(stderr_tail.clone())));
         }
         let (exit_tx, exit) = watch::channel(None);
         let mut kill_rx = kill_rx.clone();
+        let waited = group.clone();
         tokio::spawn(async move {
             let status = tokio::select! {
                 s = child.wait() => s,
                 _ = async { let _ = kill_rx.wait_for(|k| *k).await; } => {
-                    let _ = child.kill().await;
+                    waited.kill();
+                    // A rank that left its group on purpose (`setsid`) is not in it.
+                    let _ = child.start_kill();
                     child.wait().await
                 }
             };
+            // What the rank started goes with it.
+            waited.end();
             let _ = exit_tx.send(Some(describe(status)));
         });
         let (link_tx, link) = oneshot::channel();
@@ -164,10 +194,13 @@ pub fn start(
             link,
             exit,
             stderr_tail,
+            last_output,
+            started,
+            group,
         });
     }
     tokio::spawn(accept(listener, token, Arc::new(Mutex::new(pending))));
-    Ok((ranks, RankGuard { kill }))
+    Ok((ranks, guard))
 }
 
 /// A free loopback port for rank 0's `torch.distributed` store (`MASTER_PORT`). Another
@@ -202,13 +235,17 @@ fn random_token() -> String {
     format!("{:016x}", h.finish())
 }
 
+/// What [`prefix_lines`] keeps of a stream.
+enum Tail {
+    /// Its last [`STDERR_TAIL_LINES`] lines.
+    Lines(Arc<Mutex<VecDeque<String>>>),
+    /// Its last line.
+    Last(Arc<Mutex<Option<String>>>),
+}
+
 /// Copies a rank's output to the worker's standard output, each line prefixed with its rank
-/// (`[rank 3] ...`), keeping the last lines of its standard error.
-async fn prefix_lines(
-    stream: impl AsyncRead + Unpin,
-    rank: u32,
-    tail: Option<Arc<Mutex<VecDeque<String>>>>,
-) {
+/// (`[rank 3] ...`), keeping its last lines in `tail`.
+async fn prefix_lines(stream: impl AsyncRead + Unpin, rank: u32, tail: Tail) {
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         {
@@ -216,13 +253,20 @@ async fn prefix_lines(
             let _ = writeln!(out, "[rank {rank}] {line}");
             let _ = out.flush();
         }
-        if let Some(tail) = &tail
-            && let Ok(mut t) = tail.lock()
-        {
-            if t.len() == STDERR_TAIL_LINES {
-                t.pop_front();
+        match &tail {
+            Tail::Lines(tail) => {
+                if let Ok(mut t) = tail.lock() {
+                    if t.len() == STDERR_TAIL_LINES {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
             }
-            t.push_back(line);
+            Tail::Last(last) => {
+                if let Ok(mut l) = last.lock() {
+                    *l = Some(line);
+                }
+            }
         }
     }
 }
@@ -232,22 +276,43 @@ type Pending = Arc<Mutex<HashMap<u32, (oneshot::Sender<RankLink>, Arc<FlightReco
 /// Takes each rank's connection: a hello with the job's token and a rank still expected, then
 /// a reader (requests to the chip; stack reports straight into its flight recorder) and a
 /// writer (the chip's replies).
+/// Takes the ranks' connections as a link listener takes its peers' (the same admission:
+/// only this user's processes, a bounded number waiting for their hello, each for a bounded
+/// time, and a failed `accept` neither ends the listener nor spins a core).
 async fn accept(listener: tokio::net::UnixListener, token: String, pending: Pending) {
-    while let Ok((stream, _)) = listener.accept().await {
+    let admission = Admission::new(Limits {
+        hello: HELLO_TIMEOUT,
+        ..Limits::default()
+    });
+    let mut acceptor = Acceptor::new("the ranks' socket");
+    loop {
+        let stream = acceptor.next(|| listener.accept()).await;
+        if let Err(why) = crate::socket::same_user(&stream) {
+            admission.refused(&format!("refused a rank's connection: {why}"));
+            continue;
+        }
+        let mut waiting = admission.admit();
         let (token, pending) = (token.clone(), pending.clone());
         tokio::spawn(async move {
-            if let Err(e) = admit(stream, &token, &pending).await {
-                tracing::warn!("a rank's connection was refused: {e}");
+            if let Err(e) = admit(stream, &token, &pending, &mut waiting).await {
+                waiting
+                    .admission()
+                    .refused(&format!("a rank's connection was refused: {e}"));
             }
         });
     }
 }
 
-async fn admit(stream: UnixStream, token: &str, pending: &Pending) -> Result<(), String> {
+async fn admit(
+    stream: UnixStream,
+    token: &str,
+    pending: &Pending,
+    waiting: &mut crate::socket::Pending,
+) -> Result<(), String> {
     let (mut read, mut write) = stream.into_split();
-    let hello = tokio::time::timeout(HELLO_TIMEOUT, read_frame(&mut read, 0))
-        .await
-        .map_err(|_| "no hello in time".to_string())??;
+    let hello = waiting
+        .within(async { read_frame(&mut read, 0).await })
+        .await?;
     let refuse = |why: String| Reply {
         error: Some(why),
         clock_ns: 0.0,
@@ -333,4 +398,178 @@ async fn admit(stream: UnixStream, token: &str, pending: &Pending) -> Result<(),
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::{Path, PathBuf};
+    use std::time::Instant;
+
+    use podsim_collectives::{Algo, Inbox};
+
+    use super::*;
+
+    /// A rank that starts no chip work: it says what the kernel holds for it (its parent-death
+    /// signal, whether it leads its process group), starts a child of its own, writes
+    /// `SIG LEADER RANK_PID CHILD_PID` to the file it is given, and sleeps.
+    const RANK: &str = "import ctypes, os, subprocess, sys, time
+sig = ctypes.c_int()
+ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
+child = subprocess.Popen(['sleep', '600'])
+with open(sys.argv[1] + '.tmp', 'w') as f:
+    f.write(f'{sig.value} {os.getpgid(0) == os.getpid()} {os.getpid()} {child.pid}')
+os.rename(sys.argv[1] + '.tmp', sys.argv[1])
+time.sleep(600)
+";
+
+    /// Set to a directory: the test [`launcher`] starts a rank there and waits to be killed.
+    const LAUNCHER_DIR: &str = "PODSIM_TEST_LAUNCHER_DIR";
+
+    fn spec(said: &Path) -> TorchSpec {
+        TorchSpec {
+            command: vec![
+                "python3".into(),
+                "-c".into(),
+                RANK.into(),
+                said.display().to_string(),
+            ],
+            cwd: None,
+            topology: "1".into(),
+            algo: Algo::Ring,
+            connect_timeout_s: TorchSpec::DEFAULT_CONNECT_TIMEOUT_S,
+        }
+    }
+
+    fn recorder() -> Arc<FlightRecorder> {
+        Arc::new(FlightRecorder::new(0, 16, Arc::new(Inbox::new())))
+    }
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("podsim-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    /// Whether `pid` exists and is not a zombie.
+    fn alive(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            podsim_collectives::procfs::stat_fields(&stat).is_some_and(|f| f.first() != Some(&"Z"))
+        })
+    }
+
+    fn within(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        cond()
+    }
+
+    /// What the rank wrote: its parent-death signal, whether it leads its group, its pid and
+    /// its child's.
+    fn said(file: &Path) -> (i32, bool, u32, u32) {
+        assert!(
+            within(Duration::from_secs(30), || file.exists()),
+            "the rank did not start"
+        );
+        let text = std::fs::read_to_string(file).expect("what the rank said");
+        let f: Vec<&str> = text.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|s| s.parse().ok()).expect(&text);
+        (num(0) as i32, f.get(1) == Some(&"True"), num(2), num(3))
+    }
+
+    #[test]
+    fn a_rank_has_its_parent_death_signal_and_group_before_it_runs_and_dies_with_its_guard() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let dir = temp_dir("rank-guard");
+        let file = dir.join("said");
+        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()]) });
+        let (ranks, guard) = started.expect("start");
+        let (sig, leader, pid, child) = said(&file);
+        assert_eq!(sig, libc::SIGKILL);
+        assert!(leader, "the rank does not lead a process group of its own");
+        assert_eq!(pid, ranks[0].pid);
+        assert!(alive(pid) && alive(child));
+        // The job ends: the rank and the process it started go, at once, without the runtime
+        // having to run anything.
+        drop(guard);
+        assert!(
+            within(Duration::from_secs(5), || !alive(pid) && !alive(child)),
+            "rank {} child {} outlived the guard",
+            alive(pid),
+            alive(child)
+        );
+        drop(ranks);
+        drop(rt);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Not a test on its own: with [`LAUNCHER_DIR`] set, the process that starts a rank and
+    /// is killed by [`a_rank_and_its_children_die_with_a_killed_worker`].
+    #[test]
+    fn launcher() {
+        let Some(dir) = std::env::var_os(LAUNCHER_DIR) else {
+            return;
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let file = Path::new(&dir).join("said");
+        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()]) });
+        let _ranks = started.expect("start");
+        // Bounded, should the test that kills it die first.
+        std::thread::sleep(Duration::from_secs(60));
+    }
+
+    fn killed_launcher_leaves_nothing(signal: &str) {
+        let dir = temp_dir(&format!("rank-launcher-{signal}"));
+        let exe = std::env::current_exe().expect("test binary");
+        let mut launcher = std::process::Command::new(exe)
+            .args(["--exact", "torch::ranks::tests::launcher", "--nocapture"])
+            .env(LAUNCHER_DIR, &dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("launcher");
+        let (sig, _, pid, child) = said(&dir.join("said"));
+        assert_eq!(sig, libc::SIGKILL);
+        let status = std::process::Command::new("kill")
+            .args([format!("-{signal}"), launcher.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        let _ = launcher.wait();
+        let gone = within(Duration::from_secs(5), || !alive(pid) && !alive(child));
+        if !gone {
+            // Not left behind by a failing test either.
+            for p in [pid, child] {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &p.to_string()])
+                    .status();
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            gone,
+            "the rank or its child outlived its launcher (SIG{signal})"
+        );
+    }
+
+    #[test]
+    fn a_rank_and_its_children_die_with_a_killed_worker() {
+        killed_launcher_leaves_nothing("KILL");
+    }
+
+    #[test]
+    fn a_rank_and_its_children_die_with_a_terminated_worker() {
+        killed_launcher_leaves_nothing("TERM");
+    }
 }

@@ -167,10 +167,14 @@ pub async fn serve(
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid);
     let mut tick = tokio::time::interval(BUSY_TICK);
+    let bound = Duration::from_secs(spec.connect_timeout_s);
+    let too_late = tokio::time::sleep(bound.saturating_sub(rank.started.elapsed()));
+    tokio::pin!(too_late);
     let link = loop {
         tokio::select! {
             link = &mut rank.link => break link.ok(),
             _ = exited(&mut rank.exit) => break None,
+            () = &mut too_late => return Err(not_connected(chip, &rank, spec, cpu.busy)),
             _ = tick.tick() => cpu.update(chip),
         }
     };
@@ -202,6 +206,47 @@ pub async fn serve(
     finish(chip, rank, served, exit)
 }
 
+/// The error that ends the job when `rank` has not connected within the job's bound: what the
+/// rank was doing, as far as this worker can tell (the kernel's view of the process, its last
+/// output), after killing it and what it started.
+fn not_connected(chip: &Chip, rank: &Rank, spec: &TorchSpec, busy: bool) -> WorkerError {
+    // Looked at before the kill, which changes it.
+    let seen = crate::procs::describe(rank.pid);
+    rank.group.kill();
+    let mut how = format!(
+        "{} {} s (job.connect_timeout_s) of its start",
+        TorchSpec::NOT_CONNECTED,
+        spec.connect_timeout_s
+    );
+    if seen.is_empty() {
+        how.push_str(": its process could not be looked at");
+    } else {
+        let lately = if busy {
+            "using CPU lately"
+        } else {
+            "using no CPU lately"
+        };
+        how.push_str(&format!(": it was alive, {lately}, {seen}"));
+    }
+    if let Some(line) = rank.last_output.lock().ok().and_then(|l| l.clone()) {
+        how.push_str(&format!("; its last output: {:?}", line.trim()));
+    }
+    how.push_str("; podsim killed it and its process group");
+    WorkerError::RankExited {
+        chip: chip.id(),
+        pid: rank.pid,
+        how,
+        stderr_tail: stderr_tail(rank),
+    }
+}
+
+fn stderr_tail(rank: &Rank) -> Vec<String> {
+    rank.stderr_tail
+        .lock()
+        .map(|t| t.iter().cloned().collect())
+        .unwrap_or_default()
+}
+
 async fn wait_exit(rank: &mut Rank) -> Option<RankExit> {
     tokio::time::timeout(EXIT_GRACE, exited(&mut rank.exit))
         .await
@@ -224,16 +269,11 @@ fn finish(
                 .map_or("closed its connection without exiting".to_string(), |e| {
                     e.to_string()
                 });
-            let tail: Vec<String> = rank
-                .stderr_tail
-                .lock()
-                .map(|t| t.iter().cloned().collect())
-                .unwrap_or_default();
             return Err(WorkerError::RankExited {
                 chip: chip.id(),
                 pid: rank.pid,
                 how,
-                stderr_tail: tail,
+                stderr_tail: stderr_tail(&rank),
             });
         }
     }

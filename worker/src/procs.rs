@@ -1,0 +1,287 @@
+//! Processes this one starts that must not outlive it: a PyTorch job's ranks, and whatever
+//! they start themselves (data-loader workers, a shell's children).
+//!
+//! Three things hold a rank to its worker, each covering what the others cannot:
+//! - the kernel: [`die_with_parent`] gives the rank `SIGKILL` as its parent-death signal before
+//!   it runs anything, so the rank dies with its worker however the worker ends (`kill -9`
+//!   included). The signal is not inherited across `fork`: it takes the rank, not its children;
+//! - its process group: each rank leads a group of its own (its pgid is its pid), which its
+//!   children join unless they leave it on purpose. A [`Group`] kills the whole group when the
+//!   job ends, when its rank has exited (what it left behind), and when dropped;
+//! - the keeper: a small shell started once per process (`/bin/sh`, its own process group,
+//!   deaf to `SIGINT`, `SIGHUP` and `SIGTERM`), told each group as it comes and goes over a
+//!   pipe whose write end only this process holds. The pipe reaches end-of-file when this
+//!   process ends, however it ends (`kill -9`, `exit` without destructors, a crash), and the
+//!   keeper then kills every group still listed: the ranks' children, which the parent-death
+//!   signal does not reach, die then too.
+//!
+//! One group per rank rather than one for all: a rank's group exists from its start until its
+//! last member ends, whatever the other ranks do. A shared group would be named after its
+//! first rank, and a later rank could no longer join it once that rank had exited and been
+//! reaped (`setpgid` fails), which a rank refused at once (a wrong token) does within
+//! milliseconds. torchrun does the same (a session per worker process, killed with `killpg`).
+//!
+//! `unsafe` here is what std does not wrap: the `pre_exec` hook between `fork` and `exec`
+//! (`prctl`, `getppid`, `_exit`) and `kill(2)` of a process group.
+#![allow(unsafe_code)]
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Starts `command`'s process in a process group of its own (its pgid is its pid) with
+/// `SIGKILL` as its parent-death signal, set before it runs anything.
+///
+/// Linux sends the parent-death signal when the *thread* that forked the child ends, not the
+/// process: call this and `spawn` on a thread that lives as long as the child should (a
+/// worker's main thread, which polls its job).
+pub(crate) fn die_with_parent(command: &mut tokio::process::Command) {
+    let parent = std::process::id() as libc::pid_t;
+    command.process_group(0);
+    // SAFETY: the hook runs in the child between `fork` and `exec`, where only
+    // async-signal-safe calls are sound: `prctl`, `getppid` and `_exit` are plain system calls
+    // (no lock, no allocation), the closure only reads an integer it captured, and
+    // `Error::last_os_error` builds an error from `errno` without allocating.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died between `fork` and `prctl`: then no signal will come,
+            // and the child has already been handed to another parent. Nobody waits for it.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Sends `SIGKILL` to process group `pgid`. Ids below 2 are refused: `kill(0)` would signal
+/// this process's own group and `kill(-1)` every process it may signal.
+fn kill_group(pgid: u32) {
+    let Ok(pgid) = libc::pid_t::try_from(pgid) else {
+        return;
+    };
+    if pgid < 2 {
+        return;
+    }
+    // SAFETY: kill(2) touches no memory of this process; a group that no longer exists is
+    // ESRCH, ignored.
+    unsafe {
+        libc::kill(-pgid, libc::SIGKILL);
+    }
+}
+
+/// The process group of one rank (its pgid is the rank's pid), listed with the keeper while
+/// it may have members.
+#[derive(Debug)]
+pub(crate) struct Group {
+    pgid: u32,
+    /// The group's leader has been reaped and what it left killed: the id is no longer ours
+    /// to signal (once the group is empty, the kernel may give the number to another).
+    ended: AtomicBool,
+}
+
+impl Group {
+    /// The group that [`die_with_parent`] made for the process `pgid`, just spawned (and not
+    /// yet waited for).
+    pub(crate) fn new(pgid: u32) -> Group {
+        if pgid >= 2 {
+            tell_keeper('+', pgid);
+        }
+        Group {
+            pgid,
+            ended: AtomicBool::new(false),
+        }
+    }
+
+    /// Kills every process of the group (the rank and what it started), unless it ended.
+    pub(crate) fn kill(&self) {
+        if !self.ended.load(Ordering::Acquire) {
+            kill_group(self.pgid);
+        }
+    }
+
+    /// The rank has exited and been reaped: kills what it left in its group, and forgets the
+    /// group.
+    pub(crate) fn end(&self) {
+        if !self.ended.swap(true, Ordering::AcqRel) && self.pgid >= 2 {
+            kill_group(self.pgid);
+            tell_keeper('-', self.pgid);
+        }
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// The keeper's script: reads `+ PGID` and `- PGID` lines while this process lives; at
+/// end-of-file kills every group still listed. `kill -9 -PGID` is the form both dash and
+/// bash take (dash refuses `-s KILL -PGID` and `--`).
+const KEEPER_SCRIPT: &str = r#"trap '' INT HUP TERM
+groups=
+while read -r op g; do
+  case $op in
+    +) groups="$groups $g" ;;
+    -) left=; for x in $groups; do [ "$x" = "$g" ] || left="$left $x"; done; groups=$left ;;
+  esac
+done
+for g in $groups; do kill -9 -"$g" 2>/dev/null; done
+"#;
+
+enum Keeper {
+    NotStarted,
+    Running {
+        stdin: ChildStdin,
+        _child: Child,
+    },
+    /// It could not start, or its pipe broke: the ranks still have their parent-death signal
+    /// and their [`Group`]s.
+    Failed,
+}
+
+static KEEPER: Mutex<Keeper> = Mutex::new(Keeper::NotStarted);
+
+fn start_keeper() -> Keeper {
+    // std makes its pipes close-on-exec: the write end stays in this process alone (a child
+    // forked meanwhile holds it only until its `exec`).
+    let started = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(KEEPER_SCRIPT)
+        .arg("podsim-keeper")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        // Out of this process's group: a Ctrl-C at the terminal, or a kill of the group,
+        // must leave the keeper to do its work.
+        .process_group(0)
+        .spawn();
+    match started {
+        Ok(mut child) => match child.stdin.take() {
+            Some(stdin) => Keeper::Running {
+                stdin,
+                _child: child,
+            },
+            None => Keeper::Failed,
+        },
+        Err(e) => {
+            tracing::warn!(
+                "cannot start the keeper of rank process groups (/bin/sh: {e}): a rank's own \
+                 children may outlive a worker that is killed"
+            );
+            Keeper::Failed
+        }
+    }
+}
+
+fn tell_keeper(op: char, pgid: u32) {
+    let mut keeper = KEEPER.lock().unwrap_or_else(|e| e.into_inner());
+    if matches!(*keeper, Keeper::NotStarted) {
+        *keeper = start_keeper();
+    }
+    if let Keeper::Running { stdin, .. } = &mut *keeper {
+        // One short line: written whole (a pipe takes up to PIPE_BUF bytes at once).
+        if let Err(e) = stdin.write_all(format!("{op} {pgid}\n").as_bytes()) {
+            tracing::warn!("the keeper of rank process groups is gone: {e}");
+            *keeper = Keeper::Failed;
+        }
+    }
+}
+
+/// What the kernel says process `pid` is doing, in words, for a report: its state, where it
+/// sleeps, its CPU time, threads, and the other processes of its group (empty when `/proc`
+/// cannot tell).
+pub(crate) fn describe(pid: u32) -> String {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return String::new();
+    };
+    let Some(fields) = podsim_collectives::procfs::stat_fields(&stat) else {
+        return String::new();
+    };
+    let state = match fields.first().copied().unwrap_or("?") {
+        "R" => "running or waiting for a core (state R)",
+        "S" => "sleeping (state S)",
+        "D" => "in an uninterruptible wait, usually I/O (state D)",
+        "T" => "stopped (state T)",
+        "t" => "stopped by a debugger (state t)",
+        "Z" => "a zombie (state Z)",
+        _ => "in state ?",
+    };
+    let mut parts = vec![state.to_string()];
+    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+    let wchan = wchan.trim();
+    if !wchan.is_empty() && wchan != "0" {
+        parts.push(format!("in {wchan}"));
+    }
+    // SAFETY: sysconf(3) only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+    if let (Some(user), Some(system)) = (ticks(11), ticks(12)) {
+        parts.push(format!("{:.1} s of CPU", (user + system) as f64 / hz));
+    }
+    if let Some(threads) = ticks(17) {
+        parts.push(format!(
+            "{threads} thread{}",
+            if threads == 1 { "" } else { "s" }
+        ));
+    }
+    let others = group_members(pid).len();
+    if others > 0 {
+        parts.push(format!(
+            "{others} more process{} in its group",
+            if others == 1 { "" } else { "es" }
+        ));
+    }
+    parts.join(", ")
+}
+
+/// The processes of process group `pgid` other than its leader.
+fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| p != pgid)
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+                podsim_collectives::procfs::stat_fields(&s)
+                    .and_then(|f| f.get(2).and_then(|g| g.parse::<u32>().ok()))
+                    == Some(pgid)
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_group_below_2_is_ever_signalled() {
+        // Would kill this test's own group (0) or every process it may signal (1).
+        kill_group(0);
+        kill_group(1);
+        kill_group(u32::MAX);
+    }
+
+    #[test]
+    fn this_process_is_described_by_its_state_and_cpu_time() {
+        let me = describe(std::process::id());
+        assert!(me.contains("state") && me.contains("s of CPU"), "{me}");
+        assert_eq!(describe(u32::MAX), "");
+    }
+}
