@@ -4,12 +4,15 @@
 //! the torus lacks...). Nothing is started from a config that has a problem.
 
 use crate::toml_lines;
+use std::cell::OnceCell;
+use std::collections::HashSet;
 use std::fmt;
+use std::ops::{Bound, RangeBounds};
 use std::path::{Path, PathBuf};
 
 use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
 use podsim_topology::{
-    Group, HARDWARE_KEYS, Hardware, HardwareOverrides, Link, Placement, Pod, Torus,
+    Group, HARDWARE_KEYS, Hardware, HardwareOverrides, Link, MAX_CHIPS, Placement, Pod, Torus,
 };
 use podsim_worker::protocol::TorchSpec;
 use podsim_worker::protocol::{CollectiveStep, JobSpec, Program, Transport};
@@ -22,7 +25,7 @@ use podsim_worker::train::{
 };
 use serde::Deserialize;
 
-use crate::units::parse_size;
+use crate::units::{format_size, parse_size};
 
 /// One problem in a config.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,10 +137,13 @@ impl JobConfig {
 
 /// Declares a table of the config file as written and the list of its keys from one field
 /// list: adding a key is adding a field here (the struct deserialises it; `KEYS` lets every
-/// unknown key be reported at once, where serde stops at the first).
+/// unknown key be reported at once, where serde stops at the first). A numeric key declares
+/// the values it takes after its type and kinds, `{1..=1_000_000}` (any `RangeBounds`: `{..}`
+/// for every value, [`above`] for an open lower end); a value outside is reported with the
+/// range and never reaches the code that reads the key (see [`in_range`]).
 macro_rules! table {
     ($(#[$m:meta])* struct $name:ident {
-        $($field:ident: $ty:ty $([$($kind:ident),+])?),* $(,)?
+        $($field:ident: $ty:ty $([$($kind:ident),+])? $({$range:expr})?),* $(,)?
     }) => {
         $(#[$m])*
         #[derive(Debug, Deserialize)]
@@ -161,15 +167,138 @@ macro_rules! table {
                     ),
                 )?)*]
             }
+
+            /// Each field with its declared type and whether it declares a range (for the
+            /// test that every numeric key has one).
+            #[cfg(test)]
+            const FIELDS: &'static [(&'static str, &'static str, bool)] = &[$((
+                stringify!($field),
+                stringify!($ty),
+                false $(|| !stringify!($range).is_empty())?,
+            )),*];
+        }
+
+        impl Ranges for $name {
+            fn check_ranges(&mut self, _p: &mut Problems<'_>, _table: &str) {
+                $($(in_range(_p, _table, stringify!($field), &mut self.$field, $range);)?)*
+            }
         }
     };
+}
+
+/// The tables whose numeric keys are checked against their ranges when they are read.
+trait Ranges {
+    /// Reports every value outside its key's range and forgets it (`table` as for
+    /// [`Problems::add`]).
+    fn check_ranges(&mut self, p: &mut Problems<'_>, table: &str);
+}
+
+/// A numeric key as read: one value or a list of them.
+trait Numeric {
+    type Elem: PartialOrd + Copy + fmt::Debug;
+    fn values(&self) -> Vec<Self::Elem>;
+    /// Drops the value: later checks see the key's default, never a value out of range.
+    fn forget(&mut self);
+}
+
+macro_rules! numeric {
+    ($($t:ty),*) => {$(
+        impl Numeric for Option<$t> {
+            type Elem = $t;
+            fn values(&self) -> Vec<$t> {
+                self.iter().copied().collect()
+            }
+            fn forget(&mut self) {
+                *self = None;
+            }
+        }
+        impl Numeric for Option<Vec<$t>> {
+            type Elem = $t;
+            fn values(&self) -> Vec<$t> {
+                self.iter().flatten().copied().collect()
+            }
+            fn forget(&mut self) {
+                *self = None;
+            }
+        }
+        impl Numeric for Option<Vec<Vec<$t>>> {
+            type Elem = $t;
+            fn values(&self) -> Vec<$t> {
+                self.iter().flatten().flatten().copied().collect()
+            }
+            fn forget(&mut self) {
+                *self = None;
+            }
+        }
+    )*};
+}
+
+numeric!(u32, u64, usize, f32, f64);
+
+/// Values above `lo` up to `hi` (a range with an open lower end).
+fn above<T>(lo: T, hi: T) -> (Bound<T>, Bound<T>) {
+    (Bound::Excluded(lo), Bound::Included(hi))
+}
+
+/// Chips of the largest pod, as the `u32` chip numbers are.
+const CHIPS: u32 = MAX_CHIPS as u32;
+/// Widest layer (and longest sequence, largest vocabulary): 16M.
+const WIDTH: usize = 1 << 24;
+/// Elements of the largest tensor (and parameters of the largest model) a job may describe,
+/// in meta mode too: every product of sizes the trainer forms then fits in a `u64` with room
+/// for bytes and flops, and a count converts to `f64` exactly.
+const MAX_ELEMENTS: u64 = 1 << 53;
+
+/// Checks the value(s) of `table.key` against `range`: NaN and infinities are outside every
+/// range. A value outside is reported with the range allowed, once (later checks of the key,
+/// which see its default, do not report it again).
+fn in_range<V: Numeric>(
+    p: &mut Problems<'_>,
+    table: &str,
+    key: &str,
+    value: &mut V,
+    range: impl RangeBounds<V::Elem>,
+) {
+    let Some(bad) = value.values().into_iter().find(|v| !range.contains(v)) else {
+        return;
+    };
+    let bound = |b: Bound<&V::Elem>| match b {
+        Bound::Included(v) | Bound::Excluded(v) => Some(format!("{v:?}")),
+        Bound::Unbounded => None,
+    };
+    let (lo, hi) = (bound(range.start_bound()), bound(range.end_bound()));
+    let open = |b: Bound<&V::Elem>| matches!(b, Bound::Excluded(_));
+    let allowed = match (lo, hi) {
+        (Some(lo), Some(hi)) => format!(
+            "{} {lo} {} {hi}",
+            if open(range.start_bound()) {
+                "above"
+            } else {
+                "from"
+            },
+            if open(range.end_bound()) {
+                "up to (not including)"
+            } else {
+                "to"
+            },
+        ),
+        (Some(lo), None) => format!("at least {lo}"),
+        (None, Some(hi)) => format!("at most {hi}"),
+        (None, None) => "a number".into(),
+    };
+    p.out_of_range(
+        table,
+        key,
+        format!("{bad:?} is out of range (allowed: {allowed})"),
+    );
+    value.forget();
 }
 
 table! {
     struct RawTopology {
         shape: Shape,
         wraparound: Option<Wrap>,
-        slices: Option<u32>,
+        slices: Option<u32> {1..=CHIPS},
         hardware: Option<String>,
     }
 }
@@ -201,7 +330,7 @@ enum Wrap {
 table! {
     #[derive(Default)]
     struct RawLaunch {
-        workers: Option<u32>,
+        workers: Option<u32> {1..=CHIPS},
         bind: Option<String>,
         external: Option<bool>,
         transport: Option<String>,
@@ -222,19 +351,19 @@ table! {
     struct RawJob {
         kind: String,
         mode: Option<String>,
-        iterations: Option<u32> [collectives],
+        iterations: Option<u32> [collectives] {1..=1_000_000},
         collectives: Option<Vec<RawCollective>> [collectives],
         verify: Option<bool> [collectives],
         strategy: Option<String> [train],
         eager: Option<String> [train],
-        steps: Option<u32> [train],
-        batch: Option<usize> [train],
-        grad_accum: Option<u32> [train],
-        seed: Option<u64> [train],
-        bucket_cap_mb: Option<f64> [train],
+        steps: Option<u32> [train] {1..=1_000_000},
+        batch: Option<usize> [train] {1..=WIDTH},
+        grad_accum: Option<u32> [train] {1..=65_536},
+        seed: Option<u64> [train] {..},
+        bucket_cap_mb: Option<f64> [train] {above(0.0, 1_048_576.0)},
         reshard_after_forward: Option<bool> [train],
-        tp: Option<u32> [train],
-        replicas: Option<u32> [train],
+        tp: Option<u32> [train] {1..=CHIPS},
+        replicas: Option<u32> [train] {1..=CHIPS},
         algo: Option<String> [train, torch],
         check: Option<bool> [train],
         symmetric: Option<bool>,
@@ -244,22 +373,23 @@ table! {
         optimizer: Option<RawOptimizer> [train],
         program: Option<String> [torch],
         args: Option<Vec<String>> [torch],
+        connect_timeout_s: Option<u64> [torch] {1..=3600},
     }
 }
 
 table! {
     struct RawModel {
         kind: Option<String>,
-        widths: Option<Vec<usize>> [mlp],
-        layers: Option<usize> [transformer],
-        d_model: Option<usize> [transformer],
-        heads: Option<usize> [transformer],
-        kv_heads: Option<usize> [transformer],
-        ffn: Option<usize> [transformer],
-        vocab: Option<usize> [transformer],
-        seq: Option<usize> [transformer],
+        widths: Option<Vec<usize>> [mlp] {1..=WIDTH},
+        layers: Option<usize> [transformer] {1..=65_536},
+        d_model: Option<usize> [transformer] {1..=WIDTH},
+        heads: Option<usize> [transformer] {1..=65_536},
+        kv_heads: Option<usize> [transformer] {1..=65_536},
+        ffn: Option<usize> [transformer] {1..=WIDTH},
+        vocab: Option<usize> [transformer] {1..=WIDTH},
+        seq: Option<usize> [transformer] {1..=WIDTH},
         gated: Option<bool> [transformer],
-        head_dim: Option<usize> [transformer],
+        head_dim: Option<usize> [transformer] {1..=WIDTH},
         mlp: Option<String> [transformer],
         block: Option<String> [transformer],
         attention: Option<String> [transformer],
@@ -273,12 +403,12 @@ table! {
     #[derive(Default)]
     struct RawOptimizer {
         kind: Option<String>,
-        lr: Option<f32>,
-        momentum: Option<f32>,
-        weight_decay: Option<f32>,
-        beta1: Option<f32>,
-        beta2: Option<f32>,
-        eps: Option<f32>,
+        lr: Option<f32> {0.0..=100.0},
+        momentum: Option<f32> {0.0..1.0},
+        weight_decay: Option<f32> {0.0..=10.0},
+        beta1: Option<f32> {0.0..1.0},
+        beta2: Option<f32> {0.0..1.0},
+        eps: Option<f32> {above(0.0, 1.0)},
     }
 }
 
@@ -289,7 +419,7 @@ table! {
         algo: Option<String>,
         group: Option<String>,
         reduce: Option<String>,
-        root: Option<u32>,
+        root: Option<u32> {0..CHIPS},
         dtype: Option<String>,
     }
 }
@@ -297,34 +427,38 @@ table! {
 table! {
     struct RawFault {
         kind: String,
-        chip: Option<u32>,
-        worker: Option<u32>,
+        chip: Option<u32> {0..CHIPS},
+        worker: Option<u32> {0..CHIPS},
         link: Option<String>,
-        groups: Option<Vec<Vec<u32>>>,
-        chip_groups: Option<Vec<Vec<u32>>>,
-        at_step: Option<u64>,
-        at_seq: Option<u64>,
-        after_ms: Option<u64>,
+        groups: Option<Vec<Vec<u32>>> {0..CHIPS},
+        chip_groups: Option<Vec<Vec<u32>>> {0..CHIPS},
+        at_step: Option<u64> {0..=u64::from(u32::MAX)},
+        at_seq: Option<u64> {0..=u64::from(u32::MAX)},
+        // A day: a fault later than the job never fires.
+        after_ms: Option<u64> {0..=86_400_000},
         mode: Option<String>,
-        delay_ms: Option<f64>,
-        factor: Option<f64>,
+        // A minute, and below the watchdog's timeout (checked in `fault`).
+        delay_ms: Option<f64> {0.0..=60_000.0},
+        // Each send waits at most a second more however slow the chip (worker/src/faults.rs).
+        factor: Option<f64> {1.0..=1000.0},
     }
 }
 
 table! {
     #[derive(Default)]
     struct RawRecovery {
-        checkpoint_every: Option<u32>,
-        max_restarts: Option<u32>,
+        checkpoint_every: Option<u32> {1..=1_000_000},
+        max_restarts: Option<u32> {0..=100},
     }
 }
 
 table! {
     #[derive(Default)]
     struct RawWatchdog {
-        timeout_ms: Option<u64>,
-        heartbeat_ms: Option<u64>,
-        recorder_entries: Option<usize>,
+        // An hour, a minute.
+        timeout_ms: Option<u64> {1..=3_600_000},
+        heartbeat_ms: Option<u64> {1..=60_000},
+        recorder_entries: Option<usize> {1..=1_000_000},
     }
 }
 
@@ -358,23 +492,89 @@ const SCHEMA: &[(&str, &[&str])] = &[
     ("hardware", HARDWARE_KEYS),
 ];
 
-/// The line of `key` in `table` (`job.collectives#2` for the third entry of an array of
-/// tables), for error messages.
-fn locate(text: &str, table: &str, key: Option<&str>) -> Option<usize> {
-    let (name, entry) = match table.split_once('#') {
-        Some((n, i)) => (n, i.parse::<usize>().ok()),
-        None => (table, None),
-    };
-    toml_lines::line_of(text, name, entry, key)
+/// Each `[hardware]` figure with its range: what a chip could have, with room on either side
+/// of every preset (the topology crate checks that each is finite and positive; a figure
+/// outside these would make virtual times overflow or mean nothing).
+fn hardware_ranges(o: &mut HardwareOverrides) -> [(&'static str, &mut Option<f64>, f64, f64); 15] {
+    [
+        ("ici_bandwidth", &mut o.ici_bandwidth, 1e3, 1e18),
+        ("ici_latency_ns", &mut o.ici_latency_ns, 0.0, 1e12),
+        ("dcn_bandwidth", &mut o.dcn_bandwidth, 1e3, 1e18),
+        ("dcn_latency_ns", &mut o.dcn_latency_ns, 0.0, 1e12),
+        ("peak_flops", &mut o.peak_flops, 1e6, 1e21),
+        (
+            "hbm_bytes",
+            &mut o.hbm_bytes,
+            1024.0,
+            1_125_899_906_842_624.0,
+        ),
+        ("hbm_bandwidth", &mut o.hbm_bandwidth, 1e3, 1e18),
+        ("mxu_tile", &mut o.mxu_tile, 1.0, 65_536.0),
+        ("matmul_efficiency", &mut o.matmul_efficiency, 1e-3, 1.0),
+        ("matmul_block", &mut o.matmul_block, 1.0, 1_048_576.0),
+        ("hbm_efficiency", &mut o.hbm_efficiency, 1e-3, 1.0),
+        (
+            "attention_efficiency",
+            &mut o.attention_efficiency,
+            1e-3,
+            1.0,
+        ),
+        ("attention_block", &mut o.attention_block, 1.0, 1_048_576.0),
+        ("kernel_overhead_ns", &mut o.kernel_overhead_ns, 0.0, 1e12),
+        ("host_bandwidth", &mut o.host_bandwidth, 1e3, 1e18),
+    ]
+}
+
+impl Ranges for HardwareOverrides {
+    fn check_ranges(&mut self, p: &mut Problems<'_>, table: &str) {
+        for (key, value, lo, hi) in hardware_ranges(self) {
+            in_range(p, table, key, value, lo..=hi);
+        }
+    }
 }
 
 struct Problems<'a> {
     file: String,
     text: &'a str,
+    /// Where each table and key of `text` sits, read once at the first problem.
+    lines: OnceCell<toml_lines::LineIndex<'a>>,
     list: Vec<ConfigError>,
+    /// Fields reported out of range: later checks, which see the key's default, do not
+    /// report them again.
+    out_of_range: HashSet<String>,
 }
 
-impl Problems<'_> {
+impl<'a> Problems<'a> {
+    fn new(file: &str, text: &'a str) -> Problems<'a> {
+        Problems {
+            file: file.to_string(),
+            text,
+            lines: OnceCell::new(),
+            list: Vec::new(),
+            out_of_range: HashSet::new(),
+        }
+    }
+
+    /// The line of `key` in `table` (`job.collectives#2` for the third entry of an array of
+    /// tables), for error messages.
+    fn locate(&self, table: &str, key: Option<&str>) -> Option<usize> {
+        let (name, entry) = match table.split_once('#') {
+            Some((n, i)) => (n, i.parse::<usize>().ok()),
+            None => (table, None),
+        };
+        self.lines
+            .get_or_init(|| toml_lines::LineIndex::new(self.text))
+            .line_of(name, entry, key)
+    }
+
+    /// Reports a value outside its key's range (see [`in_range`]).
+    fn out_of_range(&mut self, table: &str, key: &str, reason: String) {
+        self.add(table, Some(key), reason);
+        if let Some(e) = self.list.last() {
+            self.out_of_range.insert(e.field.clone());
+        }
+    }
+
     fn add(&mut self, table: &str, key: Option<&str>, reason: impl Into<String>) {
         let shown_table = table.split('#').next().unwrap_or(table);
         let field = match (shown_table, key) {
@@ -386,9 +586,12 @@ impl Problems<'_> {
             Some((_, i)) => field.replacen(shown_table, &format!("{shown_table}[{i}]"), 1),
             None => field,
         };
+        if key.is_some() && self.out_of_range.contains(&field) {
+            return;
+        }
         self.list.push(ConfigError {
             file: self.file.clone(),
-            line: locate(self.text, table, key),
+            line: self.locate(table, key),
             field,
             reason: reason.into(),
         });
@@ -705,18 +908,17 @@ fn parse(
     path: &Path,
     table: toml::Table,
 ) -> Result<JobConfig, ConfigErrors> {
-    let mut p = Problems {
-        file: file.to_string(),
-        text,
-        list: Vec::new(),
-    };
+    let mut p = Problems::new(file, text);
     // 1. Unknown keys, everywhere, reported and dropped (so that the rest of each section is
     //    still checked). 2. Types, section by section. 3. Meaning.
     let mut table = table;
     drop_unknown_keys(&mut p, &mut table);
     let name = job_name(&mut p, &table);
     let topology: Option<RawTopology> = required(&mut p, &table, "topology");
-    let job: Option<RawJob> = required(&mut p, &table, "job");
+    let mut job: Option<RawJob> = required(&mut p, &table, "job");
+    if let Some(j) = &mut job {
+        job_ranges(&mut p, j);
+    }
     let launch: RawLaunch = section(&mut p, &table, "launch").unwrap_or_default();
     let watchdog: Option<RawWatchdog> = section(&mut p, &table, "watchdog");
     let recovery: Option<RawRecovery> = section(&mut p, &table, "recovery");
@@ -732,7 +934,7 @@ fn parse(
     let mut program = job
         .as_ref()
         .and_then(|j| program(&mut p, j, pod.as_ref(), workers));
-    let faults = faults_of(&mut p, &table, pod.as_ref(), workers);
+    let faults = faults_of(&mut p, &table, pod.as_ref(), workers, &wd);
     let output_dir = output
         .and_then(|o| o.dir)
         .map(PathBuf::from)
@@ -746,6 +948,14 @@ fn parse(
     let symmetric = job.as_ref().and_then(|j| j.symmetric).unwrap_or(false);
     if symmetric {
         symmetric_problems(&mut p, program.as_mut(), workers, &faults);
+    }
+    // Last, on a config right in every other way: this host runs every chip of a job whose
+    // workers it spawns.
+    if p.list.is_empty()
+        && !launch.external.unwrap_or(false)
+        && let (Some(pod), Some(program)) = (&pod, &program)
+    {
+        host_memory(&mut p, pod, program, host_available_memory());
     }
     match (name, pod, hardware, program) {
         (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {
@@ -772,7 +982,7 @@ fn parse(
 }
 
 /// An optional section: its defaults when absent.
-fn section<T: for<'de> Deserialize<'de> + Default>(
+fn section<T: for<'de> Deserialize<'de> + Default + Ranges>(
     p: &mut Problems<'_>,
     table: &toml::Table,
     name: &str,
@@ -784,8 +994,8 @@ fn section<T: for<'de> Deserialize<'de> + Default>(
     }
 }
 
-/// A section that must be present.
-fn required<T: for<'de> Deserialize<'de>>(
+/// A section that must be present (its numeric keys checked against their ranges).
+fn required<T: for<'de> Deserialize<'de> + Ranges>(
     p: &mut Problems<'_>,
     table: &toml::Table,
     name: &str,
@@ -794,10 +1004,32 @@ fn required<T: for<'de> Deserialize<'de>>(
         p.add(name, None, format!("missing [{name}] table"));
         return None;
     };
-    v.clone()
+    let mut section: T = v
+        .clone()
         .try_into()
         .map_err(|e: toml::de::Error| p.add(name, None, e.message().to_string()))
-        .ok()
+        .ok()?;
+    section.check_ranges(p, name);
+    Some(section)
+}
+
+/// The ranges of the tables inside `[job]`: the model, the optimizer, each collective.
+fn job_ranges(p: &mut Problems<'_>, job: &mut RawJob) {
+    if let Some(m) = &mut job.model {
+        m.check_ranges(p, "job.model");
+    }
+    if let Some(o) = &mut job.optimizer {
+        o.check_ranges(p, "job.optimizer");
+    }
+    for (i, c) in job.collectives.iter_mut().flatten().enumerate() {
+        c.check_ranges(p, &format!("job.collectives#{i}"));
+    }
+}
+
+/// Every table of a job config and its keys (`""`: the top level; `job.collectives` and
+/// `faults` are arrays of tables), for tools and tests that generate configs.
+pub fn schema() -> &'static [(&'static str, &'static [&'static str])] {
+    SCHEMA
 }
 
 /// The keys `SCHEMA` declares for the table at `path` (`""` for the top level).
@@ -973,12 +1205,6 @@ fn watchdog_settings(
         heartbeat_ms,
         recorder_entries: watchdog.recorder_entries.unwrap_or(2000),
     };
-    if wd.recorder_entries == 0 {
-        p.add("watchdog", Some("recorder_entries"), "must be at least 1");
-    }
-    if wd.heartbeat_ms == 0 {
-        p.add("watchdog", Some("heartbeat_ms"), "must be at least 1");
-    }
     if wd.timeout_ms < 2 * wd.heartbeat_ms {
         p.add(
             "watchdog",
@@ -1041,15 +1267,22 @@ fn keys_of_other_kinds(p: &mut Problems<'_>, j: &RawJob) {
 /// A `kind = "collectives"` job: its script of collectives.
 fn collectives_program(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Program {
     let iterations = j.iterations.unwrap_or(1);
-    if iterations == 0 {
-        p.add("job", Some("iterations"), "must be at least 1");
-    }
     let list = j.collectives.as_deref().unwrap_or(&[]);
     if list.is_empty() {
         p.add(
             "job",
             Some("collectives"),
             "a collectives job needs at least one [[job.collectives]] entry",
+        );
+    }
+    // Calls per chip, times the chips, is what a job counts its progress in.
+    let chips = pod.map_or(1, Pod::chips);
+    let calls = u64::from(iterations).saturating_mul(wide(list.len()));
+    if calls.saturating_mul(u64::from(chips)) > MAX_ELEMENTS {
+        p.add(
+            "job",
+            Some("iterations"),
+            format!("{iterations} iterations of {} collectives on {chips} chips are more calls than a job can count (2^53)", list.len()),
         );
     }
     let mut script = Vec::new();
@@ -1236,11 +1469,16 @@ fn torch(
     }
     command.push(program.to_string());
     command.extend(j.args.iter().flatten().cloned());
+    // Its range is checked with its declaration.
+    let connect_timeout_s = j
+        .connect_timeout_s
+        .unwrap_or(TorchSpec::DEFAULT_CONNECT_TIMEOUT_S);
     Some(TorchSpec {
         command,
         cwd: None,
         topology: pod.map_or(String::new(), |p| p.torus().to_string()),
         algo,
+        connect_timeout_s,
     })
 }
 
@@ -1265,25 +1503,11 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         });
     let eager: Option<Eager> = job_value(p, "eager", j.eager.as_deref(), "fused");
     let algo: Option<Algo> = job_value(p, "algo", j.algo.as_deref(), "torus");
-    let mut at_least_one = |key: &str, v: u64| {
-        if v == 0 {
-            p.add("job", Some(key), "must be at least 1");
-        }
-    };
+    // In range (their declarations in `RawJob`).
     let steps = j.steps.unwrap_or(20);
-    at_least_one("steps", u64::from(steps));
     let batch = j.batch.unwrap_or(32);
-    at_least_one("batch", batch as u64);
     let grad_accum = j.grad_accum.unwrap_or(1);
-    at_least_one("grad_accum", u64::from(grad_accum));
     let bucket_cap_mb = j.bucket_cap_mb.unwrap_or(25.0);
-    if !(bucket_cap_mb > 0.0 && bucket_cap_mb.is_finite()) {
-        p.add(
-            "job",
-            Some("bucket_cap_mb"),
-            "must be a positive number of MiB",
-        );
-    }
     let model = match &j.model {
         Some(m) => model_spec(p, m, meta),
         None => missing_model(p),
@@ -1292,6 +1516,9 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     let (tp, replicas) = mesh_sizes(p, j, strategy, pod);
     let remat: Option<Remat> = job_value(p, "remat", j.remat.as_deref(), "none");
     let tp_activations = tp_activations(p, j.tp_activations.as_deref());
+    if let (Some(pod), Some(model), true) = (pod, &model, p.list.len() == before) {
+        model_sizes(p, model, batch, grad_accum, pod.chips());
+    }
     if let (Some(pod), Some(strategy), Some(model), Some(algo), true) =
         (pod, strategy, &model, algo, p.list.len() == before)
     {
@@ -1350,6 +1577,138 @@ fn optimizer_spec(p: &mut Problems<'_>, o: Option<&RawOptimizer>) -> Option<Opti
             );
             None
         }
+    }
+}
+
+/// Memory this host has for a job's workers: `PODSIM_MEM_AVAILABLE` (a size such as `4GiB`,
+/// for tests or to leave the host room) or `MemAvailable` of /proc/meminfo; `None` when
+/// neither is known (nothing is then checked).
+pub fn host_available_memory() -> Option<u64> {
+    if let Ok(text) = std::env::var("PODSIM_MEM_AVAILABLE") {
+        return parse_size(&text).ok();
+    }
+    mem_available(&std::fs::read_to_string("/proc/meminfo").ok()?)
+}
+
+/// `MemAvailable` of a /proc/meminfo text, bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    meminfo.lines().find_map(|line| {
+        let kib = line.strip_prefix("MemAvailable:")?.trim();
+        kib.strip_suffix("kB")?
+            .trim()
+            .parse::<u64>()
+            .ok()?
+            .checked_mul(1024)
+    })
+}
+
+/// The bytes a data-mode job holds at the least on this host, the table and key that size
+/// it, and what they are: a collectives job every chip's input and output buffers of its
+/// largest step (`CollectiveStep::count`, the count the worker allocates); a training job
+/// (an MLP: a transformer runs in meta mode only) each replica's parameters, gradients and
+/// optimizer state (`OptimizerSpec::state_per_param`), over the replicas of its strategy's
+/// mesh (`Plan`), the activations of one micro-batch of every data-parallel rank, and the
+/// single-chip check's copy of the parameters. Buffers in flight and the process itself come
+/// on top: a job refused by this estimate could never have run.
+fn data_mode_bytes(pod: &Pod, program: &Program) -> Option<(u128, String, &'static str, String)> {
+    let chips = u128::from(pod.chips());
+    match program {
+        Program::Collectives {
+            meta: false,
+            script,
+            ..
+        } => {
+            let per_chip = |s: &CollectiveStep| {
+                let input = wide(s.count(pod));
+                let n = u64::from(s.group.size(pod).max(1));
+                let output = match s.op {
+                    OpKind::AllGather => input.saturating_mul(n),
+                    OpKind::ReduceScatter => input / n,
+                    _ => input,
+                };
+                u128::from(input.saturating_add(output)) * s.dtype.size() as u128
+            };
+            let (i, step) = script.iter().enumerate().max_by_key(|(_, s)| per_chip(s))?;
+            let bytes = per_chip(step);
+            Some((
+                chips * bytes,
+                format!("job.collectives#{i}"),
+                "size",
+                format!(
+                    "{chips} chips x {} of input and output buffers",
+                    format_size(u64::try_from(bytes).unwrap_or(u64::MAX))
+                ),
+            ))
+        }
+        Program::Train(spec) if !spec.meta => {
+            let ModelSpec::Mlp(mlp) = &spec.model else {
+                return None;
+            };
+            let plan = Plan::new(
+                pod,
+                spec.strategy,
+                &spec.model.tp_styles(),
+                spec.tp,
+                spec.replicas,
+                spec.algo,
+                false,
+            )
+            .ok()?;
+            let (mut replicas, mut data_parallel) = (1u128, 1u128);
+            for (role, dim) in plan.roles.iter().zip(plan.mesh.dims()) {
+                let size = dim.size as u128;
+                if *role != podsim_worker::train::strategy::Role::Tensor {
+                    data_parallel *= size;
+                }
+                if *role == podsim_worker::train::strategy::Role::Replicate {
+                    replicas *= size;
+                }
+            }
+            let elem = spec.model.dtype().size() as u128;
+            let params = spec.model.parameters() as u128;
+            // Weights, gradients and optimizer state.
+            let state = params * (2 + spec.optimizer.state_per_param() as u128) * elem;
+            let widths: u128 = mlp.widths.iter().map(|&w| w as u128).sum();
+            let activations = data_parallel * spec.batch as u128 * widths * elem;
+            let check = if spec.check { state } else { 0 };
+            Some((
+                replicas * state + activations + check,
+                "job.model".into(),
+                "widths",
+                format!(
+                    "{} of parameters, gradients and optimizer state in {replicas} {}, {} of activations{}",
+                    format_size(u64::try_from(state).unwrap_or(u64::MAX)),
+                    if replicas == 1 { "copy" } else { "copies" },
+                    format_size(u64::try_from(activations).unwrap_or(u64::MAX)),
+                    if spec.check {
+                        " and the single-chip check's copy (job.check)"
+                    } else {
+                        ""
+                    }
+                ),
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// Refuses a data-mode job that cannot fit in the memory `available` on this host.
+fn host_memory(p: &mut Problems<'_>, pod: &Pod, program: &Program, available: Option<u64>) {
+    let (Some(available), Some((bytes, table, key, what))) =
+        (available, data_mode_bytes(pod, program))
+    else {
+        return;
+    };
+    if bytes > u128::from(available) {
+        p.add(
+            &table,
+            Some(key),
+            format!(
+                "in data mode this job holds at least {} on this host ({what}), more than the {} it has available: set mode = \"meta\" to run it with shapes only (times and memory are still computed)",
+                format_size(u64::try_from(bytes).unwrap_or(u64::MAX)),
+                format_size(available),
+            ),
+        );
     }
 }
 
@@ -1427,7 +1786,94 @@ fn mesh_sizes(
         Some(Strategy::FsdpTp) => j.replicas.unwrap_or(1),
         _ => j.replicas.unwrap_or(outermost),
     };
+    // The mesh multiplies them (in `u32`): more than the chips never lays out anyway.
+    if strategy == Some(Strategy::FsdpTp) && u64::from(tp) * u64::from(replicas) > u64::from(chips)
+    {
+        p.add(
+            "job",
+            Some("replicas"),
+            format!("tp x replicas = {tp} x {replicas} is more than the pod's {chips} chips"),
+        );
+    }
     (tp, replicas)
+}
+
+/// `n` as a `u64` (lossless where `usize` is at most 64 bits; saturating elsewhere).
+fn wide(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+/// The sizes a model and its batch multiply out to (each layer's weights and activations,
+/// attention's scores, the samples or tokens of a step, the model's parameters and the terms
+/// of its flops count), each formed with checked arithmetic and held to [`MAX_ELEMENTS`]
+/// before the trainer forms them with plain arithmetic; the first too large is reported.
+fn model_sizes(p: &mut Problems<'_>, model: &ModelSpec, batch: usize, grad_accum: u32, chips: u32) {
+    let product = |factors: &[u64]| -> Option<u64> {
+        factors
+            .iter()
+            .try_fold(1u64, |acc, &f| acc.checked_mul(f))
+            .filter(|&n| n <= MAX_ELEMENTS)
+    };
+    let rows = match model {
+        ModelSpec::Transformer(t) => wide(t.seq),
+        ModelSpec::Mlp(_) => 1,
+    };
+    let (batch, accum, chips) = (wide(batch), u64::from(grad_accum), u64::from(chips));
+    let mut checks: Vec<(String, Vec<u64>)> = vec![(
+        "a step's samples x tokens (batch x grad_accum x chips x seq)".into(),
+        vec![batch, accum, chips, rows],
+    )];
+    if let ModelSpec::Transformer(t) = model {
+        let (heads, seq) = (wide(t.heads), wide(t.seq));
+        checks.push((
+            "attention scores (batch x heads x seq x seq)".into(),
+            vec![batch, heads, seq, seq],
+        ));
+        checks.push((
+            "attention's flops term (layers x seq x heads x head_dim)".into(),
+            vec![wide(t.layers), seq, heads, wide(t.head_dim)],
+        ));
+    }
+    let mut total = Some(0u64);
+    for layer in model.lower() {
+        let (inputs, outputs) = (wide(layer.inputs), wide(layer.outputs));
+        let weights = product(&[outputs, inputs.saturating_add(1)]);
+        total = total
+            .zip(weights)
+            .and_then(|(t, w)| t.checked_add(w))
+            .filter(|&t| t <= MAX_ELEMENTS);
+        checks.push((
+            format!("layer {}'s weights (outputs x (inputs + 1))", layer.name),
+            vec![outputs, inputs.saturating_add(1)],
+        ));
+        checks.push((
+            format!("layer {}'s activations (batch x seq x width)", layer.name),
+            vec![batch, rows, inputs.max(outputs)],
+        ));
+        if weights.is_none() || total.is_none() {
+            break;
+        }
+    }
+    let too_large = checks
+        .into_iter()
+        .find(|(_, factors)| product(factors).is_none());
+    if let Some((what, factors)) = too_large {
+        let shown: Vec<String> = factors.iter().map(u64::to_string).collect();
+        p.add(
+            "job.model",
+            None,
+            format!(
+                "{what} = {} is more than 2^53 elements, the most a job may describe",
+                shown.join(" x ")
+            ),
+        );
+    } else if total.is_none() {
+        p.add(
+            "job.model",
+            None,
+            "the layers' weights add up to more than 2^53 parameters, the most a job may describe",
+        );
+    }
 }
 
 /// Whether the strategy's device mesh can be laid on the pod (names the key at fault).
@@ -1459,8 +1905,9 @@ fn faults_of(
     table: &toml::Table,
     pod: Option<&Pod>,
     workers: u32,
+    watchdog: &Watchdog,
 ) -> Vec<FaultSpec> {
-    let raw: Vec<RawFault> = match table.get("faults") {
+    let mut raw: Vec<RawFault> = match table.get("faults") {
         None => Vec::new(),
         Some(v) => v
             .clone()
@@ -1468,9 +1915,12 @@ fn faults_of(
             .map_err(|e: toml::de::Error| p.add("faults", None, e.message().to_string()))
             .unwrap_or_default(),
     };
+    for (i, f) in raw.iter_mut().enumerate() {
+        f.check_ranges(p, &format!("faults#{i}"));
+    }
     raw.iter()
         .enumerate()
-        .filter_map(|(i, f)| fault(p, &format!("faults#{i}"), f, pod, workers))
+        .filter_map(|(i, f)| fault(p, &format!("faults#{i}"), f, pod, workers, watchdog))
         .collect()
 }
 
@@ -1481,6 +1931,7 @@ fn fault(
     f: &RawFault,
     pod: Option<&Pod>,
     workers: u32,
+    watchdog: &Watchdog,
 ) -> Option<FaultSpec> {
     let before = p.list.len();
     let kind = FaultKind::ALL.into_iter().find(|k| k.name() == f.kind);
@@ -1514,16 +1965,19 @@ fn fault(
     // `link = "5:+x"`: chip 5's link +x.
     let (chip, link) = fault_link(p, table, f, pod);
     required_keys(p, table, f, kind, workers, chips);
+    // Both in range (their declarations); a delay also below the watchdog's timeout.
     let factor = f.factor.unwrap_or(10.0);
-    if kind == Some(FaultKind::Slow) && !(factor >= 1.0 && factor.is_finite()) {
-        p.add(table, Some("factor"), "must be at least 1");
-    }
     let delay_ms = f.delay_ms.unwrap_or(50.0);
-    if !(delay_ms >= 0.0 && delay_ms.is_finite()) {
+    let timeout_ms = watchdog.timeout_ms as f64;
+    if kind == Some(FaultKind::Delay) && delay_ms >= timeout_ms {
+        // A delayed send keeps its chip busy, and the watchdog excuses a busy chip: a delay
+        // as long as the timeout would stall the job on every message with no diagnosis.
         p.add(
             table,
             Some("delay_ms"),
-            "must be a non-negative number of ms",
+            format!(
+                "{delay_ms} ms is not below the watchdog's timeout ({timeout_ms} ms): every message on the link would wait that long with its chip busy, a stall the watchdog cannot diagnose; to model a hang use kind = \"stall\" or \"drop\", or raise watchdog.timeout_ms"
+            ),
         );
     }
     let (once, desync) = fault_mode(p, table, kind, f.mode.as_deref());
@@ -1781,5 +2235,244 @@ mod tests {
                 .any(|e| e.field == "job.model.attention" && e.reason.contains("\"sdpa\"")),
             "{errors:?}"
         );
+    }
+
+    /// A table's `FIELDS`: each key, its type and whether it declares a range.
+    type Declared = &'static [(&'static str, &'static str, bool)];
+
+    /// The keys of every table, their declared types and whether each declares a range.
+    fn declared_fields() -> Vec<(&'static str, &'static str, &'static str, bool)> {
+        let tables: [(&str, Declared); 11] = [
+            ("topology", RawTopology::FIELDS),
+            ("launch", RawLaunch::FIELDS),
+            ("launch.tls", RawTls::FIELDS),
+            ("job", RawJob::FIELDS),
+            ("job.model", RawModel::FIELDS),
+            ("job.optimizer", RawOptimizer::FIELDS),
+            ("job.collectives", RawCollective::FIELDS),
+            ("faults", RawFault::FIELDS),
+            ("recovery", RawRecovery::FIELDS),
+            ("watchdog", RawWatchdog::FIELDS),
+            ("output", RawOutput::FIELDS),
+        ];
+        tables
+            .into_iter()
+            .flat_map(|(t, fields)| fields.iter().map(move |&(k, ty, r)| (t, k, ty, r)))
+            .collect()
+    }
+
+    #[test]
+    fn every_numeric_key_declares_its_range() {
+        const NUMBERS: [&str; 10] = [
+            "u8", "u16", "u32", "u64", "usize", "i32", "i64", "isize", "f32", "f64",
+        ];
+        for (table, key, ty, ranged) in declared_fields() {
+            let numeric = ty
+                .split(|c: char| !c.is_alphanumeric())
+                .any(|word| NUMBERS.contains(&word));
+            assert!(
+                ranged || !numeric,
+                "{table}.{key}: {ty} declares no range: add `{{lo..=hi}}` after its type in the table! declaration"
+            );
+        }
+        // `[hardware]` is the topology crate's: its ranges are listed here, one per figure.
+        let mut o = HardwareOverrides::default();
+        let ranged: Vec<&str> = hardware_ranges(&mut o).iter().map(|r| r.0).collect();
+        assert_eq!(ranged, HARDWARE_KEYS);
+    }
+
+    #[test]
+    fn a_value_out_of_range_is_named_with_its_line_and_range_once() {
+        let text = BASE.replace("iterations = 2", "iterations = 0")
+            + "[watchdog]\nheartbeat_ms = 0\n[hardware]\nmxu_tile = 1e300\nici_bandwidth = nan\n";
+        let errors = load(&text, &[]).expect_err("out of range").0;
+        let found: Vec<(Option<usize>, &str, &str)> = errors
+            .iter()
+            .map(|e| (e.line, e.field.as_str(), e.reason.as_str()))
+            .collect();
+        assert!(
+            found.contains(&(
+                Some(10),
+                "job.iterations",
+                "0 is out of range (allowed: from 1 to 1000000)"
+            )),
+            "{found:?}"
+        );
+        assert!(
+            found.contains(&(
+                Some(15),
+                "watchdog.heartbeat_ms",
+                "0 is out of range (allowed: from 1 to 60000)"
+            )),
+            "{found:?}"
+        );
+        assert!(
+            found.contains(&(
+                Some(17),
+                "hardware.mxu_tile",
+                "1e300 is out of range (allowed: from 1.0 to 65536.0)"
+            )),
+            "{found:?}"
+        );
+        assert!(
+            found.contains(&(
+                Some(18),
+                "hardware.ici_bandwidth",
+                "NaN is out of range (allowed: from 1000.0 to 1e18)"
+            )),
+            "{found:?}"
+        );
+        // One problem per key: the checks after the range's see the default.
+        let mut fields: Vec<&str> = found.iter().map(|f| f.1).collect();
+        fields.dedup();
+        assert_eq!(fields.len(), found.len(), "{found:?}");
+    }
+
+    #[test]
+    fn nonsense_numbers_are_refused_before_anything_uses_them() {
+        let train = "name = \"t\"\n[topology]\nshape = \"2x2\"\n[job]\nkind = \"train\"\nmode = \"meta\"\nstrategy = \"ddp\"\n[job.model]\nwidths = [8, 16, 4]\n[job.optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+        load(train, &[]).expect("a good train job");
+        // Each layer in range, their weights together not.
+        let wide_mlp = format!("job.model.widths=[{}]", ["16777216"; 40].join(", "));
+        let cases: [(&str, &[&str], &str, &str); 9] = [
+            ("lr = nan", &[], "job.optimizer.lr", "NaN is out of range"),
+            ("lr = inf", &[], "job.optimizer.lr", "inf is out of range"),
+            ("lr = -inf", &[], "job.optimizer.lr", "-inf is out of range"),
+            ("lr = 1e300", &[], "job.optimizer.lr", "inf is out of range"),
+            (
+                "lr = 0.1",
+                &["job.optimizer.momentum=1.0"],
+                "job.optimizer.momentum",
+                "up to (not including) 1.0",
+            ),
+            (
+                "lr = 0.1",
+                &["job.model.widths=[8, 9223372036854775807, 4]"],
+                "job.model.widths",
+                "9223372036854775807 is out of range (allowed: from 1 to 16777216)",
+            ),
+            (
+                "lr = 0.1",
+                &["job.batch=9223372036854775807"],
+                "job.batch",
+                "is out of range",
+            ),
+            (
+                "lr = 0.1",
+                &["job.bucket_cap_mb=0"],
+                "job.bucket_cap_mb",
+                "allowed: above 0.0 to 1048576.0",
+            ),
+            ("lr = 0.1", &[&wide_mlp], "job.model", "more than 2^53"),
+        ];
+        for (lr, sets, field, reason) in cases {
+            let errors = load(&train.replace("lr = 0.1", lr), sets).expect_err(lr).0;
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.field == field && e.reason.contains(reason)),
+                "{lr} {sets:?}: {errors:?}"
+            );
+        }
+        // A transformer whose products overflow: refused, not lowered into a panic.
+        let huge = "name = \"t\"\n[topology]\nshape = \"2x2\"\n[job]\nkind = \"train\"\nmode = \"meta\"\nstrategy = \"fsdp\"\n[job.model]\nkind = \"transformer\"\nlayers = 65536\nd_model = 16777216\nheads = 65536\nffn = 16777216\nvocab = 16777216\nseq = 16777216\nhead_dim = 16777216\n";
+        let errors = load(huge, &[]).expect_err("too large").0;
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.field == "job.model" && e.reason.contains("2^53")),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn faults_are_bounded_and_a_delay_stays_below_the_watchdog() {
+        let fault = |body: &str| format!("{BASE}[[faults]]\n{body}\n");
+        let slow = fault("kind = \"slow\"\nchip = 1\nfactor = 1e300");
+        let errors = load(&slow, &[]).expect_err("slow 1e300").0;
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(
+            errors[0].to_string(),
+            "test.toml:17: faults[0].factor: 1e300 is out of range (allowed: from 1.0 to 1000.0)"
+        );
+        for delay in ["30000", "1e11", "2000"] {
+            let text = fault(&format!(
+                "kind = \"delay\"\nlink = \"1:+x\"\ndelay_ms = {delay}"
+            ));
+            let errors = load(&text, &[]).expect_err(delay).0;
+            assert!(
+                errors.iter().any(|e| e.field == "faults[0].delay_ms"
+                    && e.line == Some(17)
+                    && (e.reason.contains("out of range")
+                        || e.reason
+                            .contains("not below the watchdog's timeout (2000 ms)"))),
+                "{delay}: {errors:?}"
+            );
+        }
+        // Below the timeout, or the timeout raised above it: a straggler, not a hang.
+        let delayed = fault("kind = \"delay\"\nlink = \"1:+x\"\ndelay_ms = 30000");
+        load(&delayed, &["watchdog.timeout_ms=60000"]).expect("below a longer timeout");
+        load(&delayed.replace("30000", "1999"), &[]).expect("below the timeout");
+    }
+
+    #[test]
+    fn data_mode_sizes_are_held_to_the_host_memory() {
+        let cfg = load(BASE, &[]).expect("a good config");
+        let check = |available: u64| {
+            let mut p = Problems::new("test.toml", BASE);
+            host_memory(&mut p, &cfg.pod, &cfg.program, Some(available));
+            p.list
+        };
+        // 8 chips x (1 MiB in + 1 MiB out) = 16 MiB.
+        assert!(check(16 << 20).is_empty());
+        let errors = check((16 << 20) - 1);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].line, Some(13));
+        assert_eq!(errors[0].field, "job.collectives[0].size");
+        assert!(
+            errors[0].reason.contains("at least 16 MiB")
+                && errors[0].reason.contains("8 chips x 2 MiB")
+                && errors[0].reason.contains("mode = \"meta\""),
+            "{errors:?}"
+        );
+        assert_eq!(
+            mem_available("MemTotal: 8 kB\nMemAvailable:    2048 kB\n"),
+            Some(2 << 20)
+        );
+        assert_eq!(mem_available("MemTotal: 8 kB\n"), None);
+        // A training job: replicas of the state, activations, the check's copy.
+        let train = "name = \"t\"\n[topology]\nshape = \"2x2\"\n[job]\nkind = \"train\"\nstrategy = \"ddp\"\nbatch = 1\n[job.model]\nwidths = [1024, 1024, 1024]\n[job.optimizer]\nkind = \"adamw\"\n";
+        let cfg = load(train, &[]).expect("a small train job");
+        let mut p = Problems::new("test.toml", train);
+        host_memory(&mut p, &cfg.pod, &cfg.program, Some(1 << 20));
+        assert_eq!(p.list.len(), 1, "{:?}", p.list);
+        assert_eq!(p.list[0].field, "job.model.widths");
+        assert!(p.list[0].reason.contains("in 4 copies"), "{:?}", p.list);
+        let meta = load(train, &["job.mode=\"meta\""]).expect("meta");
+        let mut p = Problems::new("test.toml", train);
+        host_memory(&mut p, &meta.pod, &meta.program, Some(1));
+        assert!(
+            p.list.is_empty(),
+            "meta mode holds no payloads: {:?}",
+            p.list
+        );
+    }
+
+    #[test]
+    fn problems_are_located_from_one_reading_of_the_text() {
+        let scans = |unknown: usize| {
+            let extra: String = (0..unknown).map(|i| format!("k{i} = {i}\n")).collect();
+            let text = BASE.replace("[launch]\n", &format!("[launch]\n{extra}"));
+            let before = toml_lines::SCANS.with(|n| n.get());
+            let errors = load(&text, &[]).expect_err("unknown keys").0;
+            let mut lines: Vec<Option<usize>> = errors.iter().map(|e| e.line).collect();
+            lines.sort();
+            lines.dedup();
+            assert_eq!(lines.len(), unknown, "each on its own line");
+            assert_eq!((lines[0], lines[unknown - 1]), (Some(6), Some(5 + unknown)));
+            toml_lines::SCANS.with(|n| n.get()) - before
+        };
+        assert_eq!(scans(1), 1);
+        assert_eq!(scans(3000), 1);
     }
 }

@@ -313,6 +313,7 @@ struct Entry {
 /// A study file's text and where each of its keys is written.
 struct Written<'a> {
     text: &'a str,
+    lines: toml_lines::Lines,
     /// Byte offsets, as `key_positions` keys them.
     order: BTreeMap<String, usize>,
 }
@@ -321,15 +322,14 @@ impl<'a> Written<'a> {
     fn new(text: &'a str) -> Self {
         Written {
             text,
+            lines: toml_lines::Lines::new(text),
             order: key_positions(text),
         }
     }
 
     /// The line of `key` (as `key_positions` names it).
     fn line(&self, key: &str) -> Option<usize> {
-        self.order
-            .get(key)
-            .map(|&pos| toml_lines::line_at(self.text, pos))
+        self.order.get(key).map(|&pos| self.lines.line_at(pos))
     }
 
     /// A table's keys in the order written (`scope` as `key_positions` keys them), each
@@ -341,7 +341,7 @@ impl<'a> Written<'a> {
                 let position = self.order.get(&format!("{scope}\u{0}{key}")).copied();
                 let entry = Entry {
                     field: format!("{shown}.{}", quote_key(&key)),
-                    line: position.map(|pos| toml_lines::line_at(self.text, pos)),
+                    line: position.map(|pos| self.lines.line_at(pos)),
                     key,
                     value,
                 };

@@ -9,12 +9,19 @@ use std::time::Duration;
 use support::*;
 
 fn validate(name: &str, text: &str) -> (i32, String) {
+    validate_with(name, text, &[])
+}
+
+/// `podsim validate` with environment variables set (`PODSIM_MEM_AVAILABLE`: the memory the
+/// host is taken to have).
+fn validate_with(name: &str, text: &str, env: &[(&str, &str)]) -> (i32, String) {
     let dir = temp_dir(&format!("cfg-{name}"));
     let path = write(&dir, "job.toml", text);
     let out = run_bounded(
         {
             let mut c = podsim();
             c.arg("validate").arg(&path);
+            c.envs(env.iter().copied());
             c
         },
         Duration::from_secs(30),
@@ -318,5 +325,93 @@ fn verify_needs_payloads() {
         "verify-meta",
         &meta,
         &["job.verify: checksums need payloads: verify applies to mode = \"data\" only"],
+    );
+}
+
+#[test]
+fn nonsense_numbers_are_refused_with_their_range() {
+    // A chip slowed 1e300 times (a panic converting the wait before).
+    let slow = format!(
+        "{}\n[[faults]]\nkind = \"slow\"\nchip = 3\nfactor = 1e300\n",
+        base()
+    );
+    expect_error(
+        "slow-1e300",
+        &slow,
+        &["job.toml:35: faults[0].factor: 1e300 is out of range (allowed: from 1.0 to 1000.0)"],
+    );
+    // A layer 2^63 - 1 wide (capacity overflow before).
+    expect_error(
+        "width-2-63",
+        &train_config("", "widths = [8, 9223372036854775807, 4]"),
+        &["job.model.widths: 9223372036854775807 is out of range (allowed: from 1 to 16777216)"],
+    );
+    // A learning rate that is not a number (an h2 protocol error at the end of the run before).
+    for (name, lr, shown) in [("lr-nan", "nan", "NaN"), ("lr-inf", "inf", "inf")] {
+        let text =
+            train_config("", "widths = [8, 16, 4]").replace("lr = 0.1", &format!("lr = {lr}"));
+        expect_error(
+            name,
+            &text,
+            &[&format!(
+                "job.toml:18: job.optimizer.lr: {shown} is out of range (allowed: from 0.0 to 100.0)"
+            )],
+        );
+    }
+}
+
+#[test]
+fn a_delay_the_watchdog_could_not_diagnose_is_refused() {
+    let delay = |ms: &str| {
+        format!(
+            "{}\n[[faults]]\nkind = \"delay\"\nlink = \"1:+x\"\ndelay_ms = {ms}\n",
+            base()
+        )
+    };
+    expect_error(
+        "delay-30s",
+        &delay("30000"),
+        &[
+            "job.toml:35: faults[0].delay_ms: 30000 ms is not below the watchdog's timeout (2000 ms)",
+            "kind = \"stall\"",
+        ],
+    );
+    expect_error(
+        "delay-1e11",
+        &delay("1e11"),
+        &[
+            "job.toml:35: faults[0].delay_ms: 100000000000.0 is out of range (allowed: from 0.0 to 60000.0)",
+        ],
+    );
+    let (code, err) = validate("delay-short", &delay("20"));
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn data_mode_beyond_the_host_memory_is_refused_with_meta_suggested() {
+    let env = [("PODSIM_MEM_AVAILABLE", "1GiB")];
+    let big = base().replace("size = \"256KiB\"", "size = \"1GiB\"");
+    let (code, err) = validate_with("mem-collectives", &big, &env);
+    assert_eq!(code, 2, "{err}");
+    for needle in [
+        "job.toml:17: job.collectives[0].size: in data mode this job holds at least 16 GiB on this host (8 chips x 2 GiB of input and output buffers), more than the 1 GiB it has available",
+        "mode = \"meta\"",
+    ] {
+        assert!(err.contains(needle), "expected {needle:?} in:\n{err}");
+    }
+    let meta = big.replace("mode = \"data\"", "mode = \"meta\"");
+    let (code, err) = validate_with("mem-collectives-meta", &meta, &env);
+    assert_eq!(code, 0, "meta mode holds no payloads: {err}");
+    // A training job: each replica's parameters, gradients and optimizer state.
+    let (code, err) = validate_with(
+        "mem-train",
+        &train_config("", "widths = [65536, 65536, 10]"),
+        &env,
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("job.model.widths: in data mode this job holds at least")
+            && err.contains("mode = \"meta\""),
+        "{err}"
     );
 }

@@ -2,10 +2,13 @@
 //! torus, or whole slices), chosen to minimise the links whose ends sit on different workers,
 //! because those links leave the process and cost real network traffic.
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::TopologyError;
-use crate::pod::{ChipId, Pod};
+use crate::pod::{ChipId, Link, Pod};
+use crate::torus::Dir;
 
 /// Which worker hosts each chip.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -46,13 +49,7 @@ impl Placement {
     }
 
     fn from_owner(pod: &Pod, workers: u32, owner: Vec<u32>) -> Placement {
-        let crossing_links = (0..pod.chips())
-            .flat_map(|c| pod.links(c).into_iter().map(move |l| (c, l)))
-            .filter(|&(c, l)| {
-                pod.peer(c, l)
-                    .is_some_and(|p| owner[p as usize] != owner[c as usize])
-            })
-            .count() as u64;
+        let crossing_links = crossing_ici(pod, &owner) + crossing_dcn(pod, &owner);
         Placement {
             workers,
             owner,
@@ -80,6 +77,47 @@ impl Placement {
     pub fn crossing_links(&self) -> u64 {
         self.crossing_links
     }
+}
+
+/// Directed ICI links whose ends `owner` puts on different workers (at most six a chip).
+fn crossing_ici(pod: &Pod, owner: &[u32]) -> u64 {
+    let links: Vec<Link> = (0..pod.torus().ndims())
+        .flat_map(|axis| [Dir::Plus, Dir::Minus].map(|dir| Link::ici(axis, dir)))
+        .collect();
+    let crossing = (0..pod.chips())
+        .flat_map(|c| {
+            links
+                .iter()
+                .filter_map(move |&l| Some((c, pod.peer(c, l)?)))
+        })
+        .filter(|&(c, peer)| owner[peer as usize] != owner[c as usize])
+        .count();
+    u64::try_from(crossing).unwrap_or(u64::MAX)
+}
+
+/// Directed DCN links whose ends `owner` puts on different workers. Every chip has one to
+/// each other slice (the chip of the same rank there): counted one by one that is chips x
+/// slices, so per rank instead: of the `slices` chips of a rank, the `k` on one worker each
+/// have `slices - k` links leaving it.
+fn crossing_dcn(pod: &Pod, owner: &[u32]) -> u64 {
+    let (slices, per_slice) = (pod.slices(), pod.chips_per_slice());
+    if slices < 2 {
+        return 0;
+    }
+    let mut on: HashMap<u32, u64> = HashMap::new();
+    let mut crossing = 0u64;
+    for rank in 0..per_slice {
+        on.clear();
+        for slice in 0..slices {
+            *on.entry(owner[(slice * per_slice + rank) as usize])
+                .or_default() += 1;
+        }
+        crossing += on
+            .values()
+            .map(|&k| k * (u64::from(slices) - k))
+            .sum::<u64>();
+    }
+    crossing
 }
 
 /// Every way to cut the pod into `workers` equal boxes: whole groups of slices, or each slice
@@ -141,6 +179,32 @@ mod tests {
         assert_eq!(p.crossing_links(), 128);
         for w in 0..4 {
             assert_eq!(p.chips_of(w).len(), 16);
+        }
+    }
+
+    /// Every directed link, one by one.
+    fn crossing_by_hand(pod: &Pod, p: &Placement) -> u64 {
+        (0..pod.chips())
+            .flat_map(|c| pod.links(c).into_iter().map(move |l| (c, l)))
+            .filter(|&(c, l)| {
+                pod.peer(c, l)
+                    .is_some_and(|peer| p.worker_of(peer) != p.worker_of(c))
+            })
+            .count() as u64
+    }
+
+    #[test]
+    fn crossing_links_are_counted_as_one_by_one() {
+        for (shape, slices) in [("4x4x4", 1), ("2x2", 6), ("4x2", 5), ("3", 4), ("2x1x3", 3)] {
+            let pod = Pod::new(shape.parse::<Torus>().unwrap(), slices).unwrap();
+            for workers in 1..=pod.chips().min(12) {
+                let p = Placement::new(&pod, workers).unwrap();
+                assert_eq!(
+                    p.crossing_links(),
+                    crossing_by_hand(&pod, &p),
+                    "{shape} x {slices} slices on {workers} workers"
+                );
+            }
         }
     }
 

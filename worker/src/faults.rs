@@ -210,6 +210,22 @@ impl FaultPlan {
     }
 }
 
+/// The longest a fault holds a message (a `delay`'s, a `slow` chip's extra time): the
+/// coordinator refuses longer delays (and any as long as the watchdog's timeout).
+pub const MAX_FAULT_WAIT: Duration = Duration::from_secs(60);
+
+/// `secs` of a fault's wait as a `Duration`, whatever the number (a fault arrives from the
+/// coordinator: never trusted to be in range): NaN or negative waits nothing, and a wait is
+/// at most [`MAX_FAULT_WAIT`].
+fn fault_wait(secs: f64) -> Duration {
+    if secs.is_nan() || secs <= 0.0 {
+        return Duration::ZERO;
+    }
+    Duration::try_from_secs_f64(secs)
+        .unwrap_or(MAX_FAULT_WAIT)
+        .min(MAX_FAULT_WAIT)
+}
+
 fn other_op(op: OpKind) -> OpKind {
     if op == OpKind::AllGather {
         OpKind::AllReduce
@@ -318,9 +334,10 @@ impl FaultHook for FaultPlan {
                             msg.src, msg.link, f.delay_ms
                         ),
                     );
+                    let wall = fault_wait(f.delay_ms / 1e3);
                     action = OnSend::Delay {
-                        wall: Duration::from_secs_f64(f.delay_ms / 1e3),
-                        virtual_ns: f.delay_ms * 1e6,
+                        wall,
+                        virtual_ns: wall.as_secs_f64() * 1e9,
                     };
                 }
                 FaultKind::Corrupt if on_link && self.triggered(f, msg.src) => {
@@ -336,7 +353,8 @@ impl FaultHook for FaultPlan {
                     // The chip's own work since its last send takes `factor` times as long.
                     self.fire(i, format!("chip {} runs {}x slower", msg.src, f.factor));
                     action = OnSend::Delay {
-                        wall: busy.mul_f64(f.factor - 1.0).min(Duration::from_secs(1)),
+                        wall: fault_wait(busy.as_secs_f64() * (f.factor - 1.0))
+                            .min(Duration::from_secs(1)),
                         virtual_ns: 0.0,
                     };
                 }
@@ -344,5 +362,73 @@ impl FaultHook for FaultPlan {
             }
         }
         action
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use podsim_topology::{Dir, Pod, Torus};
+
+    /// A fault of `kind` on chip 1 and its link +x, on a 2x2 pod in one worker.
+    fn plan(kind: FaultKind, factor: f64, delay_ms: f64) -> FaultPlan {
+        let pod = Pod::single("2x2".parse::<Torus>().unwrap());
+        let spec = FaultSpec {
+            kind,
+            chip: Some(1),
+            worker: None,
+            link: Some(Link::ici(0, Dir::Plus)),
+            groups: Vec::new(),
+            chip_groups: Vec::new(),
+            at_step: None,
+            at_seq: None,
+            after_ms: None,
+            once: false,
+            delay_ms,
+            factor,
+            desync: DesyncMode::Skip,
+        };
+        FaultPlan::new(vec![spec], Placement::new(&pod, 1).unwrap(), 0, 4)
+    }
+
+    #[test]
+    fn a_wait_from_any_number_is_bounded() {
+        assert_eq!(fault_wait(f64::NAN), Duration::ZERO);
+        assert_eq!(fault_wait(-1.0), Duration::ZERO);
+        assert_eq!(fault_wait(f64::INFINITY), MAX_FAULT_WAIT);
+        assert_eq!(fault_wait(1e300), MAX_FAULT_WAIT);
+        assert_eq!(fault_wait(0.25), Duration::from_millis(250));
+    }
+
+    #[test]
+    fn nonsense_slow_factors_and_delays_neither_panic_nor_wait_unbounded() {
+        let cases = [
+            (FaultKind::Slow, 1e300, 50.0),
+            (FaultKind::Slow, f64::INFINITY, 50.0),
+            (FaultKind::Slow, f64::NAN, 50.0),
+            (FaultKind::Slow, -5.0, 50.0),
+            (FaultKind::Delay, 10.0, 1e11),
+            (FaultKind::Delay, 10.0, 30_000.0),
+            (FaultKind::Delay, 10.0, f64::NAN),
+            (FaultKind::Delay, 10.0, f64::INFINITY),
+            (FaultKind::Delay, 10.0, -3.0),
+        ];
+        for (kind, factor, delay_ms) in cases {
+            let mut msg = crate::wire::tests::message(1, 0, Payload::from_vec(vec![1.0]));
+            let action = plan(kind, factor, delay_ms).on_send(&mut msg, Duration::from_secs(2));
+            let OnSend::Delay { wall, virtual_ns } = action else {
+                panic!("{kind:?} {factor} {delay_ms}: a delay, not {action:?}");
+            };
+            let limit = if kind == FaultKind::Slow {
+                Duration::from_secs(1)
+            } else {
+                MAX_FAULT_WAIT
+            };
+            assert!(wall <= limit, "{kind:?} {factor} {delay_ms}: {wall:?}");
+            assert!(
+                virtual_ns.is_finite() && virtual_ns >= 0.0,
+                "{kind:?} {factor} {delay_ms}: {virtual_ns}"
+            );
+        }
     }
 }
