@@ -192,6 +192,44 @@ def case_checkpoint(args, tmp):
     return rows
 
 
+STRATEGIES = {
+    "ddp": "",
+    "fsdp": "",
+    "hsdp": "replicas = 2\n",
+    "tp": "tp = 8\n",
+    "fsdp+tp": "tp = 2\n",
+    "ddp, AdamW, 2 micro-batches": "grad_accum = 2\n",
+}
+FAULTS_AT_7 = {
+    "crash": '[[faults]]\nkind = "crash"\nchip = 6\nat_step = 7\n',
+    "stall": STALL_AT_7,
+    "freeze": '[[faults]]\nkind = "freeze"\nworker = 1\nat_step = 7\n',
+}
+
+
+def case_recovery(args, tmp):
+    """Every strategy recovers from each failure to the bits of a run without it."""
+    rows = []
+    for label, extra in STRATEGIES.items():
+        strategy = label.split(",")[0]
+        hashes = {}
+        for fault in ("none", *FAULTS_AT_7):
+            name = re.sub(r"\W+", "-", f"rec-{label}-{fault}")
+            text = open(train_config(tmp, name, faults=FAULTS_AT_7.get(fault, ""))).read()
+            text = text.replace('strategy = "fsdp"', f'strategy = "{strategy}"\n{extra}')
+            config = write(os.path.join(tmp, name + ".toml"), text)
+            code, out, r = launch(args, config, os.path.join(tmp, name))
+            restarts = len(((r or {}).get("recovery") or {}).get("restarts") or [])
+            hashes[fault] = (r or {}).get("correctness", {}).get("final_params_hash")
+            if fault == "none":
+                continue
+            ok = code == 0 and r["status"] == "ok" and restarts == 1 and hashes[fault] == hashes["none"]
+            rows.append((f"recovery: {label}, {fault} at step 7",
+                         f"exit {code}, {restarts} restart(s), final parameters "
+                         f"{'bit-identical' if hashes[fault] == hashes['none'] else 'DIFFERENT'}", ok))
+    return rows
+
+
 # --- 2. one owner per folder ------------------------------------------------------------
 
 def case_folder(args, tmp):
@@ -455,6 +493,7 @@ def case_token(args, tmp):
 
 CASES = {
     "checkpoint": case_checkpoint,
+    "recovery": case_recovery,
     "folder": case_folder,
     "flood": case_flood,
     "ranks": case_ranks,
