@@ -491,6 +491,32 @@ def case_token(args, tmp):
              not leaked and bool(line))]
 
 
+def case_load(args, tmp):
+    """A healthy torch job on a host running 40 busy processes (load ~40 on 2 cores) once
+    ended as frozen_worker after 10 s: the worker's heartbeat waited for a CPU."""
+    python = os.environ.get("PODSIM_PYTHON", sys.executable)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(40)]
+    try:
+        out = os.path.join(tmp, "loaded")
+        t0 = time.time()
+        p = subprocess.run([args.podsim, "run", "--topology", "2x2", "--out", out, "--",
+                            "python", os.path.join(ROOT, "examples", "torch", "ddp.py"),
+                            "--steps", "10"],
+                           capture_output=True, text=True, timeout=900,
+                           env=dict(os.environ, PODSIM_PYTHON=python))
+        took = time.time() - t0
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    r = report_of(out)
+    hang = (r or {}).get("hang") or {}
+    return [("a torch job beside 40 busy processes",
+             f"exit {p.returncode} after {took:.0f} s, status {r and r['status']}"
+             + (f" ({hang.get('kind')})" if hang else ""),
+             p.returncode == 0 and r is not None and r["status"] == "ok")]
+
+
 CASES = {
     "checkpoint": case_checkpoint,
     "recovery": case_recovery,
@@ -501,6 +527,7 @@ CASES = {
     "disk": case_disk,
     "keys": case_keys,
     "token": case_token,
+    "load": case_load,
 }
 
 

@@ -1644,16 +1644,7 @@ fn data_mode_bytes(pod: &Pod, program: &Program) -> Option<(u128, String, &'stat
             let ModelSpec::Mlp(mlp) = &spec.model else {
                 return None;
             };
-            let plan = Plan::new(
-                pod,
-                spec.strategy,
-                &spec.model.tp_styles(),
-                spec.tp,
-                spec.replicas,
-                spec.algo,
-                false,
-            )
-            .ok()?;
+            let plan = spec.plan(pod, false).ok()?;
             let (mut replicas, mut data_parallel) = (1u128, 1u128);
             for (role, dim) in plan.roles.iter().zip(plan.mesh.dims()) {
                 let size = dim.size as u128;

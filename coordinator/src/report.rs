@@ -717,16 +717,9 @@ fn collectives(
 /// Samples of one training step over the pod: per data-parallel rank, times ranks, times
 /// micro-batches.
 pub fn global_batch(pod: &podsim_topology::Pod, spec: &podsim_worker::train::TrainSpec) -> usize {
-    let data_parallel = podsim_worker::train::strategy::Plan::new(
-        pod,
-        spec.strategy,
-        &spec.model.tp_styles(),
-        spec.tp,
-        spec.replicas,
-        spec.algo,
-        false,
-    )
-    .map_or(1, |plan| plan.data_parallel(&vec![0; plan.mesh.ndim()]).0);
+    let data_parallel = spec
+        .plan(pod, false)
+        .map_or(1, |plan| plan.data_parallel(&vec![0; plan.mesh.ndim()]).0);
     spec.batch * data_parallel * spec.grad_accum as usize
 }
 
@@ -1243,7 +1236,7 @@ mod tests {
     fn adamws_rounding_bound_is_its_largest_step_twice_per_step() {
         let cfg = crate::config::from_text(
             "t",
-            "name = \"t\"\n[topology]\nshape = \"2\"\n[job]\nkind = \"train\"\nsteps = 10\n[job.model]\nwidths = [4, 4]\n[job.optimizer]\nkind = \"adamw\"\nlr = 0.001\n",
+            "name = \"t\"\n[topology]\nshape = \"2\"\n[job]\nkind = \"train\"\nstrategy = \"ddp\"\nsteps = 10\n[job.model]\nwidths = [4, 4]\n[job.optimizer]\nkind = \"adamw\"\nlr = 0.001\n",
             &[],
         )
         .unwrap_or_else(|e| panic!("{e}"));

@@ -283,36 +283,34 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
             .map_or(String::new(), |l| {
                 format!(" (its last words: {:?})", l.trim())
             });
-        if exit.how.starts_with(TorchSpec::NOT_CONNECTED) {
-            // Not a death: the rank never reached its first collective, and the job's bound
-            // on that ran out.
-            return Finding {
-                kind: HangKind::StalledChip,
-                chip: Some(d.chip),
-                worker: Some(worker),
-                link: None,
-                seq: None,
-                op: None,
-                waiting: watchdog.waiting_chips(),
-                explanation: format!(
+        // A rank that never connected is not a death: it never reached its first collective,
+        // and the job's bound on that ran out.
+        let (kind, explanation) = if exit.how.starts_with(TorchSpec::NOT_CONNECTED) {
+            (
+                HangKind::StalledChip,
+                format!(
                     "Rank {} (pid {}) {}{last}. A rank connects when its program creates the podsim process group (dist.init_process_group(\"podsim\") after import podsim.torch): check what it does before that (its [rank {}] lines), or give a slow start more time with [job] connect_timeout_s (podsim run --set job.connect_timeout_s=N).",
                     d.chip, exit.pid, exit.how, d.chip
                 ),
-                effect_wall_ns: podsim_collectives::wall_ns(),
-            };
-        }
+            )
+        } else {
+            (
+                HangKind::DeadWorker,
+                format!(
+                    "Rank {} (pid {}) {}{last} while its job ran, leaving its peers waiting: check its output ([rank {}] lines).",
+                    d.chip, exit.pid, exit.how, d.chip
+                ),
+            )
+        };
         return Finding {
-            kind: HangKind::DeadWorker,
+            kind,
             chip: Some(d.chip),
             worker: Some(worker),
             link: None,
             seq: None,
             op: None,
             waiting: watchdog.waiting_chips(),
-            explanation: format!(
-                "Rank {} (pid {}) {}{last} while its job ran, leaving its peers waiting: check its output ([rank {}] lines).",
-                d.chip, exit.pid, exit.how, d.chip
-            ),
+            explanation,
             effect_wall_ns: podsim_collectives::wall_ns(),
         };
     }

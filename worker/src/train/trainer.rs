@@ -79,19 +79,25 @@ pub struct TrainSpec {
 }
 
 impl TrainSpec {
-    /// The parts of pod axes the job's device mesh lays its dimensions on (whole axes and,
-    /// where the mesh does not factor the pod into whole axes, parts of them).
-    pub fn mesh_parts(&self, pod: &Pod) -> Result<Vec<AxisPart>, WorkerError> {
-        let plan = Plan::new(
+    /// How this job places its parameters on `pod`: the device mesh and each dimension's
+    /// role (`checked`: replicated pieces are compared across their chips, debug mode).
+    pub fn plan(&self, pod: &Pod, checked: bool) -> Result<Plan, WorkerError> {
+        Plan::new(
             pod,
             self.strategy,
             &self.model.tp_styles(),
             self.tp,
             self.replicas,
             self.algo,
-            false,
-        )?;
-        Ok(plan
+            checked,
+        )
+    }
+
+    /// The parts of pod axes the job's device mesh lays its dimensions on (whole axes and,
+    /// where the mesh does not factor the pod into whole axes, parts of them).
+    pub fn mesh_parts(&self, pod: &Pod) -> Result<Vec<AxisPart>, WorkerError> {
+        Ok(self
+            .plan(pod, false)?
             .mesh
             .dims()
             .iter()
@@ -660,15 +666,7 @@ impl<'a> Trainer<'a> {
         let layers = lowered.len();
         let dtype = spec.model.dtype();
         let elem = dtype.size() as u64;
-        let mut plan = Plan::new(
-            chip.pod(),
-            spec.strategy,
-            &spec.model.tp_styles(),
-            spec.tp,
-            spec.replicas,
-            spec.algo,
-            spec.eager == Eager::Debug,
-        )?;
+        let mut plan = spec.plan(chip.pod(), spec.eager == Eager::Debug)?;
         plan.mesh = plan.mesh.with_dtype(dtype);
         let coords = plan.mesh.coords(chip);
         let dp = plan.data_parallel(&coords);
