@@ -408,13 +408,13 @@ def case_ranks(args, tmp):
 
 NONSENSE = {
     "slow factor 1e300": ('[[faults]]\nkind = "slow"\nchip = 1\nfactor = 1e300\n', {}),
-    "a layer 2^63 wide": ("", {"job.model.widths": "[64, 9223372036854775808, 10]"}),
+    "a layer 2^63 - 1 wide": ("", {"job.model.widths": "[64, 9223372036854775807, 10]"}),
     "lr = nan": ("", {"job.optimizer.lr": "nan"}),
     "lr = inf": ("", {"job.optimizer.lr": "inf"}),
     "sizes beyond the host's memory": ("", {"job.model.widths": "[65536, 65536, 65536, 65536]",
                                              "job.batch": "65536"}),
-    "a 30 s delay fault": ('[[faults]]\nkind = "delay"\nchip = 1\nms = 30000\n', {}),
-    "a 1e11 ms delay fault": ('[[faults]]\nkind = "delay"\nchip = 1\nms = 1e11\n', {}),
+    "a 30 s delay fault": ('[[faults]]\nkind = "delay"\nlink = "1:+x"\ndelay_ms = 30000\n', {}),
+    "a 1e11 ms delay fault": ('[[faults]]\nkind = "delay"\nlink = "1:+x"\ndelay_ms = 1e11\n', {}),
 }
 
 
@@ -434,28 +434,61 @@ def case_values(args, tmp):
 
 # --- 6. smaller ------------------------------------------------------------------------
 
+def tree_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def on_tmpfs(mnt, size, run):
+    """`run(mnt)` with a tmpfs of `size` bytes mounted at `mnt`; None if none can be had."""
+    os.makedirs(mnt, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt]).returncode != 0:
+        return None
+    try:
+        return run(mnt)
+    finally:
+        subprocess.run(["umount", "-l", mnt])
+
+
 def case_disk(args, tmp):
     if os.geteuid() != 0:
         return [("a full disk", "skipped: mounting a small tmpfs needs root", True)]
-    mnt = os.path.join(tmp, "tiny")
-    os.makedirs(mnt, exist_ok=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", mnt]).returncode != 0:
-        return [("a full disk", "skipped: could not mount a tmpfs here", True)]
-    try:
-        out = os.path.join(mnt, "run")
-        code, text, _ = launch(args, train_config(tmp, "disk", steps=10, every=1), out)
+    rows = []
+    config = train_config(tmp, "disk", steps=10, every=2)
+    # The checkpoints folder on a tmpfs where two steps' files fit and the third's do not (the
+    # size of a step measured on a disk with room); the report beside it has room.
+    free = os.path.join(tmp, "disk-free")
+    launch(args, config, free)
+    step = tree_bytes(os.path.join(free, "checkpoints", "step-2"))
+    size = (2 * step + step // 2) // 4096 * 4096
+    out = os.path.join(tmp, "disk-ckpt")
+
+    def checkpoints_do_not_fit(mnt):
+        code, _, r = launch(args, config, out)
+        leftovers = [f for _, _, fs in os.walk(mnt) for f in fs if f.endswith(("tmp", "tmp~"))]
+        failures = ((r or {}).get("recovery") or {}).get("write_failures") or []
+        ok = code == 0 and r is not None and r["status"] == "ok" and failures and not leftovers
+        return ("checkpoints on a full disk",
+                f"exit {code}, status {r and r['status']}, {len(failures)} checkpoint writes failed "
+                f"and training went on ({(failures or [''])[0][-60:]}); {len(leftovers)} temporary files left",
+                ok)
+
+    def report_does_not_fit(mnt):
+        out = mnt
+        code, text, _ = launch(args, config, out, "--set", "recovery.checkpoint_every=1000000")
         report = os.path.join(out, "report.json")
         torn = os.path.exists(report) and report_of(out) is None
         leftovers = [f for _, _, fs in os.walk(mnt) for f in fs if f.endswith(("tmp", "tmp~"))]
-        trained_on = "training goes on" in text
-        ok = code != 0 and not torn and not leftovers and trained_on
-        last = [l for l in text.splitlines() if l.startswith("podsim:")][-1:] or [""]
-        return [("a full disk (300 KiB tmpfs)",
-                 f"exit {code}; checkpoints that did not fit {'skipped, training went on' if trained_on else 'ENDED the job'}; "
-                 f"report.json {'TORN' if torn else 'whole or absent'}; {len(leftovers)} temporary files left; {last[0][:120]}",
-                 ok)]
-    finally:
-        subprocess.run(["umount", "-l", mnt])
+        said = [l for l in text.splitlines() if "cannot write" in l][-1:] or ["(nothing said)"]
+        ok = code != 0 and not torn and not leftovers and "No space left" in said[0]
+        return ("a report on a full disk",
+                f"exit {code}; report.json {'TORN' if torn else 'whole or absent'}; "
+                f"{len(leftovers)} temporary files left; {said[0][:120]}", ok)
+
+    for where, size_, run in ((os.path.join(out, "checkpoints"), size, checkpoints_do_not_fit),
+                              (os.path.join(tmp, "tiny-report"), 8192, report_does_not_fit)):
+        row = on_tmpfs(where, size_, run)
+        rows.append(row or (where, "skipped: could not mount a tmpfs here", True))
+    return rows
 
 
 def case_keys(args, tmp):
@@ -499,9 +532,9 @@ def case_load(args, tmp):
     try:
         out = os.path.join(tmp, "loaded")
         t0 = time.time()
+        # A program ending in .py runs under $PODSIM_PYTHON (torch's environment).
         p = subprocess.run([args.podsim, "run", "--topology", "2x2", "--out", out, "--",
-                            "python", os.path.join(ROOT, "examples", "torch", "ddp.py"),
-                            "--steps", "10"],
+                            os.path.join(ROOT, "examples", "torch", "ddp.py"), "--steps", "10"],
                            capture_output=True, text=True, timeout=900,
                            env=dict(os.environ, PODSIM_PYTHON=python))
         took = time.time() - t0
