@@ -345,7 +345,7 @@ fn run_job(
     if let Err(LaunchError::Hang(h)) = &result {
         report::add_hang(&mut report, cfg, h);
     }
-    report::add_recovery(&mut report, cfg, restarts, refused);
+    report::add_recovery(&mut report, cfg, result.as_ref().ok(), restarts, refused);
     // The summary first: a report that cannot be written (a full disk) still leaves the
     // job's outcome on the terminal, and the command then fails saying why.
     print!("{}", report::summary(&report));

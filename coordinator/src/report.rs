@@ -321,22 +321,24 @@ pub struct Restart {
 }
 
 /// Fills `report.recovery` for train jobs that checkpoint: the restarts made, why the last
-/// failure was not restarted from (`refused`), and the checkpoint writes the chips reported
-/// failing (already in `report.recovery` when the job finished).
+/// failure was not restarted from (`refused`), and the checkpoint writes the chips of the last
+/// attempt reported failing (`outcome`, when it finished).
 pub fn add_recovery(
     report: &mut Report,
     cfg: &JobConfig,
+    outcome: Option<&Outcome>,
     restarts: Vec<Restart>,
     refused: Option<String>,
 ) {
     if let Program::Train(t) = &cfg.program
         && t.checkpoint_every > 0
     {
-        let write_failures = report
-            .recovery
-            .take()
-            .map(|r| r.write_failures)
-            .unwrap_or_default();
+        let write_failures = outcome
+            .into_iter()
+            .flat_map(|o| &o.reports)
+            .flat_map(|r| &r.train)
+            .flat_map(|c| c.checkpoint_failures.iter().cloned())
+            .collect();
         if let (Some(why), Some(error)) = (&refused, &mut report.error) {
             error.push_str("; ");
             error.push_str(why);
@@ -738,20 +740,6 @@ fn training(
     let median_wall_ms = median(&walls);
     report.virtual_s = steps.iter().map(|s| s.virtual_ms).sum::<f64>() / 1e3;
     training_correctness(report, &chips, adaptive_rounding_bound(spec));
-    let write_failures: Vec<String> = chips
-        .iter()
-        .flat_map(|c| c.checkpoint_failures.iter().cloned())
-        .collect();
-    if !write_failures.is_empty() {
-        report.recovery = Some(Recovery {
-            checkpoint_every: spec.checkpoint_every,
-            max_restarts: 0,
-            restarts: Vec::new(),
-            steps_lost: 0,
-            refused: None,
-            write_failures,
-        });
-    }
     let global_batch = global_batch(pod, spec);
     let flops_per_step = spec.model.step_flops(global_batch as f64);
     let mut by_time: Vec<&TrainStep> = steps.iter().collect();
