@@ -119,6 +119,7 @@ impl JobConfig {
         match &self.program {
             Program::Collectives { meta: true, .. } => "meta",
             Program::Train(spec) if spec.meta => "meta",
+            Program::Torch(spec) if spec.meta => "meta",
             _ => "data",
         }
     }
@@ -374,6 +375,7 @@ table! {
         program: Option<String> [torch],
         args: Option<Vec<String>> [torch],
         connect_timeout_s: Option<u64> [torch] {1..=3600},
+        intercept: Option<bool> [torch],
     }
 }
 
@@ -945,7 +947,9 @@ fn parse(
         Some(r) => recovery_settings(&mut p, r, program.as_mut(), &output_dir),
         None => 0,
     };
-    let symmetric = job.as_ref().and_then(|j| j.symmetric).unwrap_or(false);
+    // A PyTorch program in meta mode runs one representative rank unless told otherwise.
+    let torch_meta = matches!(&program, Some(Program::Torch(t)) if t.meta);
+    let symmetric = job.as_ref().and_then(|j| j.symmetric).unwrap_or(torch_meta);
     if symmetric {
         symmetric_problems(&mut p, program.as_mut(), workers, &faults);
     }
@@ -1438,13 +1442,6 @@ fn torch(
     meta: bool,
     workers: u32,
 ) -> Option<TorchSpec> {
-    if meta {
-        p.add(
-            "job",
-            Some("mode"),
-            "a PyTorch program moves real tensors: mode = \"data\" only",
-        );
-    }
     if workers != 1 {
         p.add(
             "launch",
@@ -1479,6 +1476,8 @@ fn torch(
         topology: pod.map_or(String::new(), |p| p.torus().to_string()),
         algo,
         connect_timeout_s,
+        meta,
+        intercept: j.intercept.unwrap_or(true),
     })
 }
 

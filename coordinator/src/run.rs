@@ -26,6 +26,14 @@ pub struct RunArgs {
     /// The watchdog's hang timeout, ms.
     #[arg(long)]
     pub timeout_ms: Option<u64>,
+    /// `data`: every rank runs with real tensors; `meta`: tensors have shapes but no storage,
+    /// collectives move sizes, and one process stands for every rank the torus makes alike.
+    #[arg(long, default_value = "data")]
+    pub mode: String,
+    /// Run the program as it is: no interception of its backend or its `cuda` devices (it
+    /// must `import podsim.torch` and call `init_process_group("podsim")` itself).
+    #[arg(long)]
+    pub no_intercept: bool,
     /// Any other config field, e.g. `--set job.algo="ring"` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
@@ -53,11 +61,13 @@ pub fn config(args: &RunArgs) -> Result<JobConfig, CliError> {
         .unwrap_or_else(|| PathBuf::from("runs").join("run"));
     let mut text = format!(
         "name = \"run\"\n[topology]\nshape = {}\nhardware = {}\nslices = {}\n\
-         [launch]\nworkers = 1\n[job]\nkind = \"torch\"\nprogram = {}\nargs = [{}]\n\
-         [output]\ndir = {}\n",
+         [launch]\nworkers = 1\n[job]\nkind = \"torch\"\nmode = {}\nintercept = {}\n\
+         program = {}\nargs = [{}]\n[output]\ndir = {}\n",
         quoted(&args.topology),
         quoted(&args.hardware),
         args.slices,
+        quoted(&args.mode),
+        !args.no_intercept,
         quoted(program),
         list.join(", "),
         quoted(&out.display().to_string()),

@@ -58,6 +58,10 @@ class _Rank:
         self.in_call = 0
         self.next_group = 0
         self.done = False
+        # Meta mode: tensors have no values; collectives move sizes (`podsim._meta`).
+        self.meta = os.environ.get("PODSIM_MODE") == "meta"
+        # Whether the program marks its own steps (then `optimizer.step()` does not).
+        self.explicit_steps = False
         self.clock_ns = 0.0
         threading.Thread(target=self._sample, name="podsim-stack", daemon=True).start()
         atexit.register(self.bye)
@@ -81,7 +85,7 @@ class _Rank:
     def bye(self):
         if not self.done:
             try:
-                self.call({"op": "bye"})
+                self.call({"op": "bye", "stand_ins": _stand_ins()})
             except Exception:
                 pass
             self.done = True
@@ -124,23 +128,40 @@ def _connect():
     return _rank
 
 
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+def is_library_file(path):
+    """Whether `path` is torch's or podsim's own code, not the program's."""
+    return path.startswith(_LIBRARY_DIRS) or path.startswith("<frozen")
+
+
 def _call_site():
     """`file:line function` of the innermost frame outside torch and podsim."""
     frame = sys._getframe(2)
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(torch_dir) and not path.startswith(here):
+        if not is_library_file(path):
             return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return None
 
 
+def _stand_ins():
+    """Meta mode's stand-in values given so far: `[what, where, count]`."""
+    meta = sys.modules.get("podsim._meta")
+    if meta is None:
+        return []
+    return [[what, where, n] for (what, where), n in meta.stand_ins.items()]
+
+
 def step():
     """Marks the end of a training step: the report gives each step's compute, communication
-    and exposed communication in virtual time (and step-based faults fire here)."""
-    _connect().call({"op": "step"})
+    and exposed communication in virtual time (and step-based faults fire here). A program
+    that never calls it has a step at each `optimizer.step()` (under `podsim run`)."""
+    rank = _connect()
+    rank.explicit_steps = True
+    rank.call({"op": "step"})
 
 
 def torus_mesh(names=None):
@@ -267,6 +288,8 @@ class _Recv(dist._Work):
                 words = self._node.call(
                     {"op": "recv", "peer": self._peer, "tag": self._tag, "count": count}
                 )
+                if t.is_meta:
+                    continue  # a size moved; there are no values to copy
                 t.copy_(_from_words(words, t))
             self._future.set_result(self._tensors)
         return True
@@ -304,6 +327,12 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     def getBackendName(self):
         return BACKEND
 
+    @property
+    def supports_splitting(self):
+        # `init_process_group(device_id=...)` and device meshes ask; podsim's groups are made
+        # whole by `new_group` (each one declared to the chip), never split from a parent.
+        return False
+
     def _get_backend(self, device):
         # This group is its own backend for every device (`batch_isend_irecv` asks for it).
         return self
@@ -323,7 +352,18 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     # -- the chip's collectives on one flat float32 buffer --
 
     def _chip(self, op, values, **fields):
+        if values.is_meta:
+            return self._chip_sizes(op, values.numel(), **fields)
         return self._node.call({"op": op, "group": self._id, **fields}, values)
+
+    def _chip_sizes(self, op, words, **fields):
+        """Meta mode: the collective runs on the chip on its size alone (`words` float32 words
+        of this rank's input); its result is a meta tensor of the size the data would have, so
+        that the data path's reshapes and copies run unchanged, as shape rules."""
+        self._node.call({"op": op, "group": self._id, "meta": words, **fields})
+        n = self.size()
+        out = {"all_gather": words * n, "reduce_scatter": words // n}.get(op, words)
+        return torch.empty(out, dtype=torch.float32, device="meta")
 
     def _all_gather_words(self, t):
         words = _as_words(t)
@@ -463,10 +503,10 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         are padded to the largest any rank sends (agreed with one small all-reduce)."""
         words = [_as_words(b) for b in ins]
         longest = max((w.numel() for w in words), default=0)
-        if not equal:
+        if not equal and not self._node.meta:  # meta mode: every rank's own sizes
             agreed = torch.tensor([float(longest)])
             longest = int(self._chip("all_reduce", agreed, reduce="max", dtype="f32").item())
-        padded = torch.zeros(self.size() * longest, dtype=torch.float32)
+        padded = torch.zeros(self.size() * longest, dtype=torch.float32, device=words[0].device if words else "cpu")
         for j, w in enumerate(words):
             padded[j * longest : j * longest + w.numel()] = w
         got = self._chip("all_to_all", padded, dtype="f32").view(self.size(), longest)
@@ -481,7 +521,11 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         # call returns), so a send's work is done at once.
         peer = self._ranks[dst]
         for t in tensors:
-            self._node.call({"op": "send", "peer": peer, "tag": tag}, _as_words(t))
+            words = _as_words(t)
+            if words.is_meta:
+                self._node.call({"op": "send", "peer": peer, "tag": tag, "meta": words.numel()})
+            else:
+                self._node.call({"op": "send", "peer": peer, "tag": tag}, words)
         return _Done(tensors)
 
     def recv(self, tensors, src, tag):
@@ -504,4 +548,5 @@ def _create(opts, backend_options):
     return ProcessGroupPodsim(opts.group_rank, opts.group_size, ranks, opts.group_id)
 
 
-dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+# The CPU in data mode, the meta device in meta mode (`podsim._meta`).
+dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "meta"])

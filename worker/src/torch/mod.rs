@@ -9,9 +9,11 @@
 //! collective is a desync, a rank that dies is reported with its exit code or signal.
 //!
 //! - [`wire`]: the frames between a rank and its chip;
+//! - [`boot`]: what a rank's interpreter loads before the program (`podsim._intercept`);
 //! - [`ranks`]: starting the rank processes, their output and exits, their connections;
 //! - [`serve`]: a chip serving its rank's requests.
 
+pub mod boot;
 pub mod ranks;
 pub mod serve;
 pub mod wire;
@@ -41,6 +43,18 @@ pub struct TorchSpec {
     /// still not connected then ends the job, named with what it was doing.
     #[serde(default = "default_connect_timeout_s")]
     pub connect_timeout_s: u64,
+    /// Meta mode: the ranks' tensors have no storage (`python/podsim/_meta.py`) and their
+    /// collectives move sizes.
+    #[serde(default)]
+    pub meta: bool,
+    /// Whether the ranks' interpreters load `podsim._intercept` before the program (any
+    /// backend and any `cuda` device land on podsim); `podsim run --no-intercept` turns it off.
+    #[serde(default = "intercept_by_default")]
+    pub intercept: bool,
+}
+
+fn intercept_by_default() -> bool {
+    true
 }
 
 fn default_connect_timeout_s() -> u64 {
@@ -73,8 +87,14 @@ pub struct RankReport {
     pub comm_ns: f64,
     /// Per collective kind: calls, bytes of this rank's inputs, virtual time.
     pub collectives: Vec<OpTotals>,
-    /// Per step the program marked (`podsim.torch.step()`).
+    /// Per step the program marked (`podsim.torch.step()`, or each `optimizer.step()`).
     pub steps: Vec<RankStep>,
+    /// Whether the rank connected to its chip (created a podsim process group).
+    #[serde(default)]
+    pub connected: bool,
+    /// Meta mode: the values made up for the program, by what and where.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stand_ins: Vec<wire::StandIn>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -151,7 +171,7 @@ pub async fn run(
         ranks.into_iter().map(|r| (r.rank, r)).collect();
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
-    run_chips(chips, |mut chip| {
+    let reports = run_chips(chips, |mut chip| {
         let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
         let sites = sites.clone();
         async move {
@@ -165,5 +185,18 @@ pub async fn run(
             Ok::<_, WorkerError>(report)
         }
     })
-    .await
+    .await?;
+    if !reports.is_empty() && reports.iter().all(|r| !r.connected) {
+        return Err(WorkerError::Invalid(format!(
+            "no rank used podsim: every rank ended without creating a podsim process group, so \
+             its collectives (if any) went around the emulated pod{}",
+            if spec.intercept {
+                " - does the program call torch.distributed.init_process_group?"
+            } else {
+                " - with --no-intercept the program must `import podsim.torch` and call \
+                 init_process_group(\"podsim\")"
+            }
+        )));
+    }
+    Ok(reports)
 }

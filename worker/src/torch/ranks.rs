@@ -93,6 +93,8 @@ pub async fn exited(exit: &mut watch::Receiver<Option<RankExit>>) -> Option<Rank
 pub struct RankGuard {
     kill: watch::Sender<bool>,
     groups: Vec<Arc<Group>>,
+    /// The ranks' `sitecustomize.py`, removed with the guard.
+    _boot: Option<super::boot::BootDir>,
 }
 
 impl Drop for RankGuard {
@@ -115,9 +117,16 @@ pub fn start(
     let token = random_token();
     let master_port = free_port()?;
     let (kill, kill_rx) = watch::channel(false);
+    let boot = if spec.intercept {
+        Some(super::boot::BootDir::write()?)
+    } else {
+        None
+    };
+    let python_path = boot.as_ref().map(super::boot::BootDir::python_path);
     let mut guard = RankGuard {
         kill,
         groups: Vec::new(),
+        _boot: boot,
     };
     let mut pending = HashMap::new();
     let mut ranks = Vec::new();
@@ -139,6 +148,7 @@ pub fn start(
             .env("PODSIM_SOCKET", &socket)
             .env("PODSIM_TOKEN", &token)
             .env("PODSIM_TOPOLOGY", &spec.topology)
+            .env("PODSIM_MODE", if spec.meta { "meta" } else { "data" })
             .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -149,6 +159,10 @@ pub fn start(
         if std::env::var_os("OMP_NUM_THREADS").is_none() && recorders.len() > 1 {
             command.env("OMP_NUM_THREADS", "1");
         }
+        if let Some(path) = &python_path {
+            command.env("PYTHONPATH", path);
+        }
+        command.env_remove("PODSIM_BOOTED");
         if let Some(dir) = &spec.cwd {
             command.current_dir(dir);
         }
@@ -437,6 +451,8 @@ time.sleep(600)
             topology: "1".into(),
             algo: Algo::Ring,
             connect_timeout_s: TorchSpec::DEFAULT_CONNECT_TIMEOUT_S,
+            meta: false,
+            intercept: false,
         }
     }
 

@@ -142,6 +142,8 @@ struct Served {
     step_comm_ns: f64,
     step_start_ns: f64,
     said_bye: bool,
+    /// The exception the rank said is ending its program, with its line.
+    raised: Option<String>,
 }
 
 /// Serves `rank` on `chip` until the rank exits: its result is the rank's report, or the
@@ -163,6 +165,7 @@ pub async fn serve(
         step_comm_ns: 0.0,
         step_start_ns: 0.0,
         said_bye: false,
+        raised: None,
     };
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid);
@@ -185,6 +188,7 @@ pub async fn serve(
         return finish(chip, rank, served, exit);
     };
     cpu.sampler_thread = link.sampler_thread.clone();
+    served.report.connected = true;
     loop {
         let next = tokio::select! {
             r = link.requests.recv() => r,
@@ -264,11 +268,14 @@ fn finish(
         Some(e) if e.success() => {}
         None if served.said_bye => {}
         other => {
-            let how = other
+            let mut how = other
                 .as_ref()
                 .map_or("closed its connection without exiting".to_string(), |e| {
                     e.to_string()
                 });
+            if let Some(raised) = &served.raised {
+                how = format!("raised {raised}, and {how}");
+            }
             return Err(WorkerError::RankExited {
                 chip: chip.id(),
                 pid: rank.pid,
@@ -327,9 +334,15 @@ async fn handle(
             chip.enter_step(served.report.steps.len() as u64).await;
             (reply(chip, None), None)
         }
-        Request::Bye => {
+        Request::Bye { stand_ins } => {
             served.said_bye = true;
+            served.report.stand_ins = stand_ins;
             (reply(chip, None), None)
+        }
+        Request::Raised { error } => {
+            let at = frame.site.as_deref().unwrap_or("an unknown line");
+            served.raised = Some(format!("{error} at {at}"));
+            return Ok(()); // no reply: the rank is on its way out
         }
         Request::Hello { .. } | Request::Stack { .. } | Request::Sampler { .. } => {
             return Err(WorkerError::Invalid(format!(
@@ -340,12 +353,22 @@ async fn handle(
         request => {
             sites.set(chip.id(), frame.site);
             let before = chip.clock();
-            let words = match request {
-                Request::Recv { count, .. } => count,
+            let words = match (&request, frame.meta) {
+                (Request::Recv { count, .. }, _) => *count,
+                (_, Some(meta)) => meta,
                 _ => values.len() as u64,
             };
             let bytes = 4 * words;
-            let (op, result) = match collective(chip, served, request, values).await {
+            let input = match frame.meta {
+                None => Ok(Payload::from_vec(values)),
+                Some(n) if values.is_empty() => Ok(Payload::Meta(n as usize)),
+                Some(_) => Err(Refused("a meta-mode request carried values".into())),
+            };
+            let done = match input {
+                Ok(input) => collective(chip, served, request, input).await,
+                Err(refused) => Err(refused),
+            };
+            let (op, result) = match done {
                 Ok(done) => done,
                 Err(Refused(why)) => {
                     let _ = link.replies.send((reply(chip, Some(why)), None)).await;
@@ -378,7 +401,7 @@ async fn collective(
     chip: &mut Chip,
     served: &Served,
     request: Request,
-    values: Vec<f32>,
+    input: Payload,
 ) -> Result<Done, Refused> {
     let comm_of = |group: u32| {
         served
@@ -394,7 +417,6 @@ async fn collective(
             ..c
         })
     };
-    let input = Payload::from_vec(values);
     // The ops that cut their input into one block per rank need it to divide.
     let divided = |what: &str, comm: Comm| {
         let n = comm.group.size(&pod) as usize;

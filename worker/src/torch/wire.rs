@@ -90,9 +90,23 @@ pub enum Request {
     Sampler {
         thread: u32,
     },
-    /// The rank is done (`destroy_process_group`, or the interpreter exits).
-    Bye,
+    /// An exception is ending the rank's program (no reply): what it was; its line is the
+    /// frame's `site`.
+    Raised {
+        error: String,
+    },
+    /// The rank is done (`destroy_process_group`, or the interpreter exits), with the
+    /// stand-in values meta mode gave its program.
+    Bye {
+        #[serde(default)]
+        stand_ins: Vec<StandIn>,
+    },
 }
+
+/// A value meta mode made up because the program asked for one (`.item()` of a tensor that
+/// has no values): what was asked, at which line, how many times.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StandIn(pub String, pub String, pub u64);
 
 /// A request with what every request carries: the compute the rank ran since its previous
 /// request and the line of the user's program that made the call.
@@ -105,6 +119,9 @@ pub struct Frame {
     /// `file:line function` of the call in the user's program.
     #[serde(default)]
     pub site: Option<String>,
+    /// Meta mode: the request's tensor as a count of f32 words, with no payload.
+    #[serde(default)]
+    pub meta: Option<u64>,
 }
 
 /// Torch ops a rank ran, counted at the dispatcher: matrix products by shape, everything else
@@ -247,7 +264,11 @@ pub async fn write_frame(
     payload: Option<&Payload>,
 ) -> std::io::Result<()> {
     let json = serde_json::to_vec(reply).map_err(std::io::Error::other)?;
-    let values = payload.map_or(0, Payload::len);
+    // A meta-mode result is a size the rank already knows: no values follow.
+    let values = match payload {
+        None | Some(Payload::Meta(_)) => 0,
+        Some(p) => p.len(),
+    };
     let mut head = Vec::with_capacity(HEADER_BYTES + json.len());
     head.extend_from_slice(&MAGIC.to_le_bytes());
     head.extend_from_slice(&(json.len() as u32).to_le_bytes());

@@ -1,0 +1,241 @@
+"""Runs a PyTorch program on podsim unedited: loaded before the program by the rank's
+interpreter (``podsim run`` puts a ``sitecustomize`` on its ``PYTHONPATH``), it
+
+- makes every process group podsim's, whatever backend the program names (``"nccl"``,
+  ``"gloo"``, none, ``"cpu:gloo,cuda:nccl"``), so that no collective goes around the pod;
+- puts what the program asks of a GPU on podsim's device: ``cuda`` devices, ``.cuda()``,
+  ``torch.cuda.set_device`` and device meshes of ``"cuda"`` land on the CPU in data mode and on
+  the meta device in meta mode;
+- in meta mode (:mod:`podsim._meta`) gives every large tensor shape, dtype and device but no
+  storage, and a defined stand-in to whatever needs a value;
+- ends a step at every ``optimizer.step()`` unless the program marks its own steps;
+- tells the chip about an exception that ends the program, with its line.
+
+``podsim run --no-intercept`` leaves the program as it is.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from . import torch as backend
+
+_installed = False
+
+
+def mode():
+    """`data` or `meta`: the job's mode, as the worker set it."""
+    return os.environ.get("PODSIM_MODE", "data")
+
+
+def device():
+    """Where the program's device tensors live: the CPU, or the meta device in meta mode."""
+    return torch.device("meta" if mode() == "meta" else "cpu")
+
+
+def install():
+    """Installs every interception (once)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _every_group_is_podsims()
+    _devices_are_podsims()
+    _steps_at_optimizer_steps()
+    _exceptions_reach_the_chip()
+    if mode() == "meta":
+        from . import _meta
+
+        _meta.install()
+
+
+# ---- process groups ------------------------------------------------------------------------
+
+
+def _every_group_is_podsims():
+    """Every process group is made by podsim's backend: the one place torch makes a group's
+    backend (`_new_process_group_helper`) serves `init_process_group`, `new_group`,
+    `new_subgroups`, `split_group` and device meshes alike."""
+    make = c10d._new_process_group_helper
+
+    def podsim_group(group_size, group_rank, global_ranks_in_group, backend_name, *args, **kw):
+        return make(group_size, group_rank, global_ranks_in_group, backend.BACKEND, *args, **kw)
+
+    c10d._new_process_group_helper = podsim_group
+
+    start = c10d.init_process_group
+
+    def init_process_group(backend_name=None, *args, **kwargs):
+        # podsim's ranks meet on their chips, not at a TCP store: a store in each process
+        # serves torch's own bookkeeping, and no rank waits at a rendezvous for ranks that a
+        # representative stands for (meta mode runs one process for many ranks).
+        kwargs.pop("init_method", None)
+        if not args and "store" not in kwargs:
+            kwargs["store"] = dist.HashStore()
+            kwargs.setdefault("rank", int(os.environ["RANK"]))
+            kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
+        return start(backend.BACKEND, *args, **kwargs)
+
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+
+# ---- devices -------------------------------------------------------------------------------
+
+
+def _maps_to_podsim(d):
+    """Whether device argument `d` names an accelerator (`"cuda"`, `"cuda:1"`, an index)."""
+    if isinstance(d, bool):
+        return False
+    if isinstance(d, int):
+        return True
+    if isinstance(d, str):
+        return d.split(":")[0] in ("cuda", "xla", "tpu")
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    return False
+
+
+class DeviceMap(torch.overrides.TorchFunctionMode):
+    """Turns an accelerator named in a torch call into podsim's device (data mode: the CPU).
+
+    Meta mode's own rules (where tensors without a device go) are :class:`podsim._meta.Fake`,
+    a subclass."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def map_device(self, d):
+        return self.target if _maps_to_podsim(d) else d
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = self.map_device(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
+            return self.moved(func, args, kwargs)
+        if name == "pin_memory":
+            return args[0]
+        return func(*args, **kwargs)
+
+    def moved(self, func, args, kwargs):
+        """`Tensor.to(...)` / `Tensor.cuda(...)` with any accelerator mapped."""
+        if func.__name__ == "cuda":
+            return args[0].to(self.target, non_blocking=kwargs.get("non_blocking", False))
+        if len(args) > 1 and _maps_to_podsim(args[1]):
+            args = (args[0], self.target, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _devices_are_podsims():
+    target = device()
+    if mode() != "meta":  # meta mode enters its own map (`podsim._meta.Fake`)
+        DeviceMap(target).__enter__()
+    cuda = torch.cuda
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda.set_device = lambda d: None
+    cuda.current_device = lambda: local_rank
+    cuda.device_count = lambda: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.manual_seed = lambda seed: None
+    cuda.manual_seed_all = lambda seed: None
+    cuda.is_bf16_supported = lambda including_emulation=True: True
+    cuda.get_device_name = lambda device=None: os.environ.get("PODSIM_HARDWARE", "podsim")
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    torch.Tensor.pin_memory = lambda self, device=None: self
+    torch.Tensor.cuda = lambda self, device=None, non_blocking=False, memory_format=None: self.to(
+        target
+    )
+    # Autocast for an accelerator runs as the CPU's (which has bf16): the same casts.
+    amp_init = torch.amp.autocast_mode.autocast.__init__
+
+    def autocast_init(self, device_type, *args, **kwargs):
+        if _maps_to_podsim(device_type):
+            device_type = "cpu"
+        amp_init(self, device_type, *args, **kwargs)
+
+    torch.amp.autocast_mode.autocast.__init__ = autocast_init
+    _meshes_on(target.type)
+    _ddp_without_device_ids()
+
+
+def _ddp_without_device_ids():
+    """DDP's `device_ids` name GPUs; its modules are on podsim's device, for which torch
+    wants none."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    ddp_init = ddp.__init__
+
+    def init(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        ddp_init(self, module, None, None, *args, **kwargs)
+
+    ddp.__init__ = init
+
+
+def _meshes_on(device_type):
+    """Device meshes of an accelerator are meshes of podsim's device."""
+    import torch.distributed.device_mesh as dm
+
+    mesh_init = dm.DeviceMesh.__init__
+
+    def init(self, device_type_, *args, **kwargs):
+        if _maps_to_podsim(device_type_) or device_type_ == "cpu":
+            device_type_ = device_type
+        mesh_init(self, device_type_, *args, **kwargs)
+
+    dm.DeviceMesh.__init__ = init
+    make_mesh = dm.init_device_mesh
+
+    def init_device_mesh(device_type_, *args, **kwargs):
+        if _maps_to_podsim(device_type_) or device_type_ == "cpu":
+            device_type_ = device_type
+        return make_mesh(device_type_, *args, **kwargs)
+
+    dm.init_device_mesh = init_device_mesh
+
+
+# ---- steps and failures --------------------------------------------------------------------
+
+
+def _steps_at_optimizer_steps():
+    """A step ends at each `optimizer.step()`, unless the program calls `podsim.torch.step()`
+    itself (then its marks are the steps)."""
+
+    def after_optimizer_step(optimizer, args, kwargs):
+        rank = backend._rank
+        if rank is not None and not rank.explicit_steps and not rank.done:
+            rank.call({"op": "step"})
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(after_optimizer_step)
+
+
+def _exceptions_reach_the_chip():
+    """An exception that ends the program is sent to the chip before the rank exits, so the
+    report names it and its line instead of only an exit code."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        rank = backend._rank
+        if rank is not None and not rank.done:
+            import traceback
+
+            frames = traceback.extract_tb(tb)
+            user = [f for f in frames if not backend.is_library_file(f.filename)]
+            where = (user or frames or [None])[-1]
+            site = f"{where.filename}:{where.lineno} {where.name}" if where else None
+            try:
+                rank.conn.send(
+                    {"op": "raised", "error": f"{kind.__name__}: {value}", "site": site}
+                )
+            except Exception:
+                pass
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

@@ -1,0 +1,56 @@
+//! What a rank's interpreter loads before the user's program: a `sitecustomize.py` in a
+//! folder of its own, put first on the rank's `PYTHONPATH`, that imports `podsim._intercept`
+//! (any backend, any `cuda` device lands on podsim; meta mode's fake tensors). The folder
+//! lives as long as the job's ranks and is removed after them.
+
+use std::path::PathBuf;
+
+use crate::error::WorkerError;
+
+const SITECUSTOMIZE: &str = include_str!("sitecustomize.py");
+
+/// The folder holding the ranks' `sitecustomize.py`, removed when dropped.
+#[derive(Debug)]
+pub struct BootDir(PathBuf);
+
+impl BootDir {
+    /// Writes the folder under the system's temporary directory, named for this process.
+    pub fn write() -> Result<BootDir, WorkerError> {
+        let dir = std::env::temp_dir().join(format!(
+            "podsim-boot-{}-{}",
+            std::process::id(),
+            unique()
+        ));
+        let failed = |e: std::io::Error| {
+            WorkerError::Invalid(format!(
+                "cannot write the ranks' sitecustomize.py under {}: {e}",
+                dir.display()
+            ))
+        };
+        std::fs::create_dir_all(&dir).map_err(failed)?;
+        std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE).map_err(failed)?;
+        Ok(BootDir(dir))
+    }
+
+    /// The rank's `PYTHONPATH`: this folder first, then what the worker had.
+    pub fn python_path(&self) -> std::ffi::OsString {
+        let mut paths = vec![self.0.clone()];
+        if let Some(old) = std::env::var_os("PYTHONPATH") {
+            paths.extend(std::env::split_paths(&old));
+        }
+        std::env::join_paths(paths).unwrap_or_else(|_| self.0.clone().into_os_string())
+    }
+}
+
+impl Drop for BootDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A number no other boot folder of this process has.
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
