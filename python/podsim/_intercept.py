@@ -163,6 +163,7 @@ def _devices_are_podsims():
     torch.amp.autocast_mode.autocast.__init__ = autocast_init
     _meshes_on(target.type)
     _ddp_without_device_ids()
+    _ddp_without_device_ids()
 
 
 def _ddp_without_device_ids():
@@ -178,25 +179,50 @@ def _ddp_without_device_ids():
 
 
 def _meshes_on(device_type):
-    """Device meshes of an accelerator are meshes of podsim's device."""
+    """Device meshes of an accelerator (or of the CPU, in meta mode) are meshes of podsim's
+    device."""
     import torch.distributed.device_mesh as dm
+
+    def mapped(args, kwargs):
+        if "device_type" in kwargs:
+            kwargs["device_type"] = _mesh_device(kwargs["device_type"], device_type)
+        elif args:
+            args = (_mesh_device(args[0], device_type), *args[1:])
+        return args, kwargs
 
     mesh_init = dm.DeviceMesh.__init__
 
-    def init(self, device_type_, *args, **kwargs):
-        if _maps_to_podsim(device_type_) or device_type_ == "cpu":
-            device_type_ = device_type
-        mesh_init(self, device_type_, *args, **kwargs)
+    def init(self, *args, **kwargs):
+        args, kwargs = mapped(args, kwargs)
+        # A mesh's table of ranks is bookkeeping: real values, outside meta mode's rules.
+        with torch._C.DisableTorchFunction():
+            mesh_init(self, *args, **kwargs)
 
     dm.DeviceMesh.__init__ = init
     make_mesh = dm.init_device_mesh
 
-    def init_device_mesh(device_type_, *args, **kwargs):
-        if _maps_to_podsim(device_type_) or device_type_ == "cpu":
-            device_type_ = device_type
-        return make_mesh(device_type_, *args, **kwargs)
+    def init_device_mesh(*args, **kwargs):
+        args, kwargs = mapped(args, kwargs)
+        with torch._C.DisableTorchFunction():
+            return make_mesh(*args, **kwargs)
 
     dm.init_device_mesh = init_device_mesh
+
+
+def _mesh_device(asked, device_type):
+    return device_type if _maps_to_podsim(asked) or asked == "cpu" else asked
+
+
+def _ddp_without_device_ids():
+    """DDP's `device_ids` name GPUs; its modules are on podsim's device, for which torch
+    wants none."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    ddp_init = ddp.__init__
+
+    def init(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        ddp_init(self, module, None, None, *args, **kwargs)
+
+    ddp.__init__ = init
 
 
 # ---- steps and failures --------------------------------------------------------------------

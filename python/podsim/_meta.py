@@ -71,43 +71,38 @@ class Fake(DeviceMap):
                 return func(*args, **kwargs)
             return out
         if name in ("to", "cuda", "cpu") and args and isinstance(args[0], torch.Tensor):
-            t = args[0]
-            if t.dim() == 0 and not t.is_meta:
-                return t if name != "to" else _dtype_only(func, args, kwargs)
-            if name == "cpu":
-                return t  # a meta tensor has no bytes to copy to the host
-            return self.moved(func, args, kwargs)
+            return _moved(func, args, kwargs)
         if name == "pin_memory":
             return args[0]
         if "device" in kwargs:
             kwargs["device"] = META
         return func(*args, **kwargs)
 
-    def moved(self, func, args, kwargs):
-        if func.__name__ == "cuda":
-            return args[0].to(META)
-        rest = list(args[1:])
-        if rest and isinstance(rest[0], (str, int, torch.device)) and not isinstance(rest[0], bool):
-            rest[0] = META
-        elif rest and isinstance(rest[0], torch.Tensor):
-            rest[0] = rest[0].dtype  # `.to(other)`: its dtype, on the meta device
-            rest.insert(0, META)
-        elif "device" not in kwargs and "other" not in kwargs:
-            kwargs["device"] = META
-        if "device" in kwargs:
-            kwargs["device"] = META
-        return func(args[0], *rest, **kwargs)
 
-
-def _dtype_only(func, args, kwargs):
-    """`.to(...)` of a 0-d real tensor: its dtype changes, it stays on the CPU."""
-    dtype = kwargs.get("dtype")
-    for a in args[1:]:
-        if isinstance(a, torch.dtype):
-            dtype = a
-        elif isinstance(a, torch.Tensor):
-            dtype = a.dtype
-    return args[0] if dtype is None else args[0].to(dtype)
+def _moved(func, args, kwargs):
+    """`t.to(...)`, `t.cuda()`, `t.cpu()`: a tensor asked onto any device lands on the meta
+    device, unless it is a real 0-d tensor (bookkeeping keeps its value); a dtype alone
+    changes the dtype where the tensor is."""
+    t, rest = args[0], list(args[1:])
+    device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
+    if func.__name__ in ("cuda", "cpu"):
+        device, rest = func.__name__, []
+    elif rest and isinstance(rest[0], torch.Tensor):
+        device, dtype = rest[0].device, rest[0].dtype
+        rest = rest[1:]
+    elif rest and isinstance(rest[0], torch.dtype):
+        dtype, rest = rest[0], rest[1:]
+    elif rest and (rest[0] is None or isinstance(rest[0], (str, int, torch.device))):
+        device, rest = rest[0], rest[1:]
+        if rest and isinstance(rest[0], torch.dtype):
+            dtype, rest = rest[0], rest[1:]
+    for key, value in zip(("non_blocking", "copy"), rest):
+        kwargs[key] = value
+    if device is not None and (t.is_meta or t.dim() > 0):
+        kwargs["device"] = META
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return torch.Tensor.to(t, **kwargs) if kwargs else t
 
 
 def _site():
@@ -124,10 +119,9 @@ def _stand_in(method, value):
     real = getattr(torch.Tensor, method)
 
     def patched(self, *args, **kwargs):
-        if type(self) is torch.Tensor or isinstance(self, torch.nn.Parameter):
-            if self.is_meta:
-                stand_ins[(method, _site())] += 1
-                return value(self, *args, **kwargs)
+        if self.is_meta:  # a DTensor on a meta mesh too
+            stand_ins[(method, _site())] += 1
+            return value(self, *args, **kwargs)
         return real(self, *args, **kwargs)
 
     patched.__name__ = method
@@ -138,16 +132,22 @@ def _number(t, *args, **kwargs):
     return 1 if not t.dtype.is_floating_point else 1.0
 
 
+def _ones(t):
+    """Real ones of `t`'s shape and dtype, on the CPU (made outside meta mode's rules)."""
+    with torch._C.DisableTorchFunction():
+        return torch.ones(t.shape, dtype=t.dtype)
+
+
 def _values_get_stand_ins():
     _stand_in("item", _number)
     _stand_in("__float__", lambda t: 1.0)
     _stand_in("__int__", lambda t: 1)
     _stand_in("__index__", lambda t: 1)
     _stand_in("__bool__", lambda t: False)
-    _stand_in("tolist", lambda t: torch.ones(t.shape, dtype=t.dtype).tolist())
+    _stand_in("tolist", lambda t: _ones(t).tolist())
     _stand_in("__format__", lambda t, spec: format(_number(t), spec) if t.dim() == 0 else "<meta>")
     _stand_in("__repr__", lambda t, **kw: f"tensor(<meta>, size={tuple(t.shape)}, dtype={t.dtype})")
-    _stand_in("numpy", lambda t, **kw: torch.ones(t.shape, dtype=t.dtype).numpy())
+    _stand_in("numpy", lambda t, **kw: _ones(t).numpy())
     save = torch.save
 
     def no_save(obj, f, *args, **kwargs):

@@ -9,11 +9,14 @@ def _podsim_boot():
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     # The environment's own sitecustomize, if it has one, still runs.
-    sys.modules.pop("sitecustomize", None)
+    mine = sys.modules.pop("sitecustomize", None)
     try:
         import sitecustomize  # noqa: F401
     except ImportError:
         pass
+    finally:
+        if mine is not None:
+            sys.modules["sitecustomize"] = mine
     if os.environ.get("PODSIM_BOOTED"):
         return
     os.environ["PODSIM_BOOTED"] = "1"
@@ -25,8 +28,17 @@ def _podsim_boot():
             "Install it into this environment (pip install ./python), or point PODSIM_PYTHON "
             "at a Python that has it.\n"
         )
-        raise SystemExit(2)
-    intercept.install()
+        sys.stderr.flush()
+        os._exit(2)
+    try:
+        intercept.install()
+    except Exception:  # the program must not run around podsim
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.write("podsim: cannot set up podsim's torch backend (above)\n")
+        sys.stderr.flush()
+        os._exit(2)
 
 
 _podsim_boot()
