@@ -75,6 +75,9 @@ class Compute(TorchDispatchMode):
         self._pass_bytes = 0
         self._kernels = 0
         self._kinds = {}
+        # Attention kernels: (batch, seq, heads, head_dim, causal, backward, elem_bytes) ->
+        # calls.
+        self._attention = {}
         # Set while podsim itself moves tensors (a collective's copies are not compute).
         self.paused = False
 
@@ -116,8 +119,78 @@ class Compute(TorchDispatchMode):
             "matmuls": [[m, k, n, calls, eb] for (m, k, n, eb), calls in self._matmuls.items()],
             "pass_bytes": self._pass_bytes,
             "kernels": self._kernels,
+            "attention": [[*key, calls] for key, calls in self._attention.items()],
         }
+        self._attention = {}
         self._matmuls = {}
         self._pass_bytes = 0
         self._kernels = 0
         return c
+
+    def add_attention(self, q, k, causal, backward):
+        """One attention kernel on `q` `(batch, heads, seq, head_dim)` against `k`, priced as
+        flash attention (the chip's kernel), not as the decomposition torch runs here."""
+        if self.paused:
+            return
+        *lead, heads, seq, head_dim = q.shape
+        batch = 1
+        for d in lead:
+            batch *= int(d)
+        key = (batch, int(max(seq, k.shape[-2])), int(heads), int(head_dim), int(bool(causal)),
+               int(bool(backward)), q.element_size())
+        self._attention[key] = self._attention.get(key, 0) + 1
+
+
+def price_attention_as_flash(compute):
+    """`F.scaled_dot_product_attention` counted as one flash-attention kernel forward and one
+    backward, whatever torch decomposes it into on this host (the CPU's kernel, or on the
+    meta device the math path with its full score matrix, which no TPU materialises). The
+    backward recomputes the forward, as flash attention does, so nothing is kept but q, k, v;
+    with dropout the values would differ on recomputation, so such calls are counted as they
+    run."""
+    F = torch.nn.functional
+    sdpa = F.scaled_dot_product_attention
+
+    class FlashAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, kwargs):
+            compute.add_attention(q, k, kwargs.get("is_causal", False), backward=False)
+            ctx.kwargs = kwargs
+            ctx.save_for_backward(q, k, v)
+            was, compute.paused = compute.paused, True
+            try:
+                return sdpa(q, k, v, **kwargs)
+            finally:
+                compute.paused = was
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v = ctx.saved_tensors
+            compute.add_attention(q, k, ctx.kwargs.get("is_causal", False), backward=True)
+            was, compute.paused = compute.paused, True
+            try:
+                with torch.enable_grad():
+                    inputs = [x.detach().requires_grad_(True) for x in (q, k, v)]
+                    out = sdpa(*inputs, **ctx.kwargs)
+                    grads = torch.autograd.grad(out, inputs, grad)
+            finally:
+                compute.paused = was
+            return (*grads, None)
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                     is_causal=False, scale=None, enable_gqa=False):
+        kwargs = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal,
+                  "scale": scale, "enable_gqa": enable_gqa}
+        plain = all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in (query, key, value))
+        if dropout_p or not plain or attn_mask is not None and attn_mask.requires_grad:
+            return sdpa(query, key, value, **kwargs)
+        if not torch.is_grad_enabled() or not any(x.requires_grad for x in (query, key, value)):
+            compute.add_attention(query, key, is_causal, backward=False)
+            was, compute.paused = compute.paused, True
+            try:
+                return sdpa(query, key, value, **kwargs)
+            finally:
+                compute.paused = was
+        return FlashAttention.apply(query, key, value, kwargs)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention

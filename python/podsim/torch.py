@@ -26,7 +26,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ._compute import Compute
+from ._compute import Compute, price_attention_as_flash
 from ._wire import Connection, PodsimError
 
 __all__ = ["step", "torus_mesh", "PodsimError", "ProcessGroupPodsim"]
@@ -55,6 +55,7 @@ class _Rank:
         self.compute = Compute()
         if os.environ.get("PODSIM_COUNT_COMPUTE", "1") != "0":
             self.compute.__enter__()
+            price_attention_as_flash(self.compute)
         self.in_call = 0
         self.next_group = 0
         self.done = False

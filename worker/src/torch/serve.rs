@@ -127,10 +127,27 @@ pub fn compute_ns(compute: &Compute, hw: &Hardware) -> f64 {
             calls as f64 * kernel.time_ns(hw, elem_bytes as f64)
         })
         .sum();
+    let attention: f64 = compute
+        .attention
+        .iter()
+        .map(
+            |&[batch, seq, heads, head_dim, causal, backward, elem_bytes, calls]| {
+                let kernel = Kernel::Attention {
+                    seqs: batch as usize,
+                    seq: seq as usize,
+                    heads: heads as f64,
+                    head_dim: head_dim as usize,
+                    causal: causal != 0,
+                    backward: backward != 0,
+                };
+                calls as f64 * kernel.time_ns(hw, elem_bytes as f64)
+            },
+        )
+        .sum();
     // The other kernels, as element-wise passes over the bytes they read and wrote.
     let passes = hbm_stream_s(hw, compute.pass_bytes as f64) * 1e9
         + compute.kernels as f64 * hw.kernel_overhead_ns;
-    matmuls + passes
+    matmuls + attention + passes
 }
 
 /// What a chip keeps while serving its rank.
@@ -526,11 +543,22 @@ mod tests {
             matmuls: vec![[129, 1024, 1024, 3, 4]],
             pass_bytes: 1 << 30,
             kernels: 10,
+            attention: vec![[4, 2048, 8, 128, 1, 1, 2, 3]],
         };
         let passes = (1u64 << 30) as f64 / (hw.hbm_bandwidth * hw.hbm_efficiency) * 1e9
             + 10.0 * hw.kernel_overhead_ns;
+        let attention = Kernel::Attention {
+            seqs: 4,
+            seq: 2048,
+            heads: 8.0,
+            head_dim: 128,
+            causal: true,
+            backward: true,
+        }
+        .time_ns(&hw, 2.0);
         let got = compute_ns(&c, &hw);
-        assert!((got - (3.0 * matmul + passes)).abs() < 1e-6 * got, "{got}");
+        let want = 3.0 * matmul + 3.0 * attention + passes;
+        assert!((got - want).abs() < 1e-6 * got, "{got} vs {want}");
         assert_eq!(compute_ns(&Compute::default(), &hw), 0.0);
     }
 

@@ -137,11 +137,19 @@ pub struct Compute {
     /// Kernels other than matrix products.
     #[serde(default)]
     pub kernels: u64,
+    /// Flash-attention kernels: `[batch, seq, heads, head_dim, causal, backward, elem_bytes,
+    /// calls]` (`scaled_dot_product_attention`, priced as the chip's kernel, not as the
+    /// decomposition the rank's host ran).
+    #[serde(default)]
+    pub attention: Vec<[u64; 8]>,
 }
 
 impl Compute {
     pub fn is_empty(&self) -> bool {
-        self.matmuls.is_empty() && self.pass_bytes == 0 && self.kernels == 0
+        self.matmuls.is_empty()
+            && self.pass_bytes == 0
+            && self.kernels == 0
+            && self.attention.is_empty()
     }
 }
 
