@@ -235,6 +235,44 @@ def case_config_fault(args, program="ddp.py", chip=2):
                 f"after {hang.get('detected_after_ms')} ms, Python at {culprit.get('python_stack')}")
 
 
+def case_unedited_cuda(args):
+    """A DDP program written for GPUs (nccl, cuda devices, device_ids) runs on podsim as is."""
+    p, wall, report = podsim_run(args, "2x2", "unedited_cuda.py")
+    ranks = ((report or {}).get("torch") or {}).get("ranks", [])
+    steps = len(((report or {}).get("torch") or {}).get("steps", []))
+    reduces = sum(c["calls"] for r in ranks for c in r["collectives"] if c["op"] == "all-reduce")
+    ok = p.returncode == 0 and steps == 3 and reduces >= 4 * 3
+    return ok, (f"exit {p.returncode}, {steps} steps (one per optimizer.step()), {reduces} "
+                f"all-reduces on the chips{'' if ok else ': ' + p.stdout[-800:] + p.stderr[-400:]}")
+
+
+def case_meta_representative(args):
+    """Meta mode: one process standing for the 8 ranks of a 2x2x2 pod gives the virtual step
+    times of 8 processes, one per rank; the report lists the values made up for `.item()`."""
+    flags = ["--mode", "meta"]
+    p1, wall1, one = podsim_run(args, "2x2x2", "llama.py", flags=flags)
+    p8, wall8, every = podsim_run(args, "2x2x2", "llama.py",
+                                  flags=flags + ["--set", "job.symmetric=false"])
+    if p1.returncode or p8.returncode:
+        return False, f"exits {p1.returncode}, {p8.returncode}: {p1.stdout[-600:]}{p8.stdout[-600:]}"
+    a = [s["virtual_ms"] for s in one["torch"]["steps"]]
+    b = [s["virtual_ms"] for s in every["torch"]["steps"]]
+    processes = (len(one["torch"]["ranks"]), len(every["torch"]["ranks"]))
+    stand_ins = sum(x[2] for r in one["torch"]["ranks"] for x in r.get("stand_ins", []))
+    same = len(a) == len(b) == 3 and all(abs(x - y) <= 1e-9 * max(y, 1e-9) for x, y in zip(a, b))
+    ok = same and processes == (1, 8) and stand_ins > 0 and a[0] > 0
+    return ok, (f"step ms {[round(x, 4) for x in a]} with {processes[0]} process vs "
+                f"{[round(x, 4) for x in b]} with {processes[1]}; {stand_ins} stand-in values; "
+                f"wall {wall1:.1f} s vs {wall8:.1f} s")
+
+
+def case_around_podsim(args):
+    """A program whose collectives go around podsim (gloo, no interception) is an error."""
+    p, wall, report = podsim_run(args, "2", "llama.py", flags=["--no-intercept"])
+    said = "no rank used podsim" in p.stdout + p.stderr
+    return p.returncode != 0 and said, f"exit {p.returncode}; said why: {said}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--podsim", default=os.path.join(REPO, "target", "debug", "podsim"))
@@ -250,6 +288,10 @@ def main():
         ("fsdp2 matches gloo", lambda: case_same_as_gloo(args, "fsdp.py", "2x2x2")),
         ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),
         ("pipeline (send/recv) matches gloo", lambda: case_same_as_gloo(args, "pipeline.py", "2x2x2")),
+        ("an unedited llama (gloo, FSDP2, bf16) matches gloo", lambda: case_same_as_gloo(args, "llama.py", "2x2x2", tol=1e-5)),
+        ("an unedited nccl/cuda program runs on podsim", lambda: case_unedited_cuda(args)),
+        ("meta mode: one representative times every rank", lambda: case_meta_representative(args)),
+        ("a program around podsim is an error", lambda: case_around_podsim(args)),
         # Faults at different ranks and steps: an interior rank, the last rank, and rank 0
         # (which also hosts torch's store).
         ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),

@@ -1097,6 +1097,16 @@ fn summarise_torch(s: &mut String, t: &TorchRun) {
             .collect();
         s.push_str(&format!("  rank {}: {}\n", r.rank, ops.join(", ")));
     }
+    let stand_ins: Vec<_> = t.ranks.iter().flat_map(|r| &r.stand_ins).collect();
+    if let Some(first) = stand_ins.first() {
+        let values: u64 = stand_ins.iter().map(|s| s.2).sum();
+        s.push_str(&format!(
+            "  meta mode made up {values} values the program asked for, at {} lines (first: {} at {}); report.json lists them\n",
+            stand_ins.len(),
+            first.0,
+            first.1
+        ));
+    }
 }
 
 /// What `--trace` draws of a finished or hung job: the traced chips among `traced`, pod-wide

@@ -155,6 +155,7 @@ def main():
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--out", default=None, help="save the final parameters here (rank 0)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -190,6 +191,10 @@ def main():
         optimizer.zero_grad()
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f} grad norm {norm.item():.4f}", flush=True)
+    if args.out:
+        full = {name: p.full_tensor().float() for name, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(full, args.out)
     dist.destroy_process_group()
 
 

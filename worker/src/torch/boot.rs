@@ -16,11 +16,8 @@ pub struct BootDir(PathBuf);
 impl BootDir {
     /// Writes the folder under the system's temporary directory, named for this process.
     pub fn write() -> Result<BootDir, WorkerError> {
-        let dir = std::env::temp_dir().join(format!(
-            "podsim-boot-{}-{}",
-            std::process::id(),
-            unique()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("podsim-boot-{}-{}", std::process::id(), unique()));
         let failed = |e: std::io::Error| {
             WorkerError::Invalid(format!(
                 "cannot write the ranks' sitecustomize.py under {}: {e}",

@@ -131,7 +131,16 @@ pub fn compute_ns(compute: &Compute, hw: &Hardware) -> f64 {
         .attention
         .iter()
         .map(
-            |&[batch, seq, heads, head_dim, causal, backward, elem_bytes, calls]| {
+            |&[
+                batch,
+                seq,
+                heads,
+                head_dim,
+                causal,
+                backward,
+                elem_bytes,
+                calls,
+            ]| {
                 let kernel = Kernel::Attention {
                     seqs: batch as usize,
                     seq: seq as usize,
