@@ -336,7 +336,8 @@ async fn handle(
     };
     let answer = match frame.request {
         Request::Group { id, ranks } => {
-            let group = Group::from_members(chip.pod(), chip.id(), &ranks);
+            let group = Group::from_members(chip.pod(), chip.id(), &ranks)
+                .and_then(|g| alike_on_every_chip(chip, g));
             let error = group
                 .map(|g| {
                     served.groups.insert(id, Comm::new(g, spec.algo));
@@ -415,6 +416,30 @@ async fn handle(
     // A rank that went away no longer reads replies; its exit decides what happens next.
     let _ = link.replies.send(answer).await;
     Ok(())
+}
+
+/// `group`, if a representative chip on the mirror fabric can stand for it: each of its parts
+/// must be a whole torus axis or close around one (a ring), so that every translate of the
+/// group is a group of the same kind. A segment of an axis (a tensor-parallel group of 4 on an
+/// axis of 16) is alike only every 4 chips: one representative would time it wrongly.
+fn alike_on_every_chip(chip: &Chip, group: Group) -> Result<Group, String> {
+    let pod = chip.pod();
+    if !chip.mirrored() {
+        return Ok(group);
+    }
+    match group
+        .parts(pod)
+        .into_iter()
+        .find(|p| !p.is_whole(pod) && !p.wraps(pod))
+    {
+        None => Ok(group),
+        Some(part) => Err(format!(
+            "its {part:?} is a segment of a torus axis, alike only every {} chips along it, \
+             and one representative process stands for every rank in meta mode; run every \
+             rank with --set job.symmetric=false",
+            part.stride * part.extent
+        )),
+    }
 }
 
 /// A request the rank made wrongly (an unknown group, a count that does not divide): the rank
