@@ -15,7 +15,8 @@ const FAKE_RANK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fake_rank.py
 fn run_fake(dir_name: &str, what: &str) -> (std::process::Output, serde_json::Value) {
     let dir = temp_dir(dir_name);
     let mut cmd = podsim();
-    cmd.args(["run", "--topology", "2x2", "--out"])
+    // The fake rank speaks the wire itself, under a Python without podsim's package.
+    cmd.args(["run", "--no-intercept", "--topology", "2x2", "--out"])
         .arg(&dir)
         .args(["--", "python3", FAKE_RANK])
         .env("FAKE_RANK_DO", what);
