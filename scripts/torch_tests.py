@@ -266,6 +266,19 @@ def case_meta_representative(args):
                 f"wall {wall1:.1f} s vs {wall8:.1f} s")
 
 
+def case_verify_ranks(args):
+    """Meta mode at 4,096 chips: rank 1234 skips one backward; its shadow beside the
+    representative is a desync naming rank 1234 and both lines."""
+    p, wall, report = podsim_run(args, "16x16x16", "divergent.py", "--skip-rank", "1234",
+                                 flags=["--mode", "meta", "--verify-ranks", "1234"])
+    text = p.stdout + p.stderr
+    status = (report or {}).get("status")
+    named = "1234" in text and "divergent.py" in text
+    ok = p.returncode != 0 and status == "desync" and named
+    line = next((l for l in text.splitlines() if "desync" in l.lower()), text[-400:])
+    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {line[:500]}"
+
+
 def case_around_podsim(args):
     """A program whose collectives go around podsim (gloo, no interception) is an error."""
     p, wall, report = podsim_run(args, "2", "llama.py", flags=["--no-intercept"])
@@ -292,6 +305,7 @@ def main():
         ("an unedited nccl/cuda program runs on podsim", lambda: case_unedited_cuda(args)),
         ("meta mode: one representative times every rank", lambda: case_meta_representative(args)),
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
+        ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         # Faults at different ranks and steps: an interior rank, the last rank, and rank 0
         # (which also hosts torch's store).
         ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),

@@ -356,7 +356,7 @@ table! {
         collectives: Option<Vec<RawCollective>> [collectives],
         verify: Option<bool> [collectives],
         strategy: Option<String> [train],
-        eager: Option<String> [train],
+        eager: Option<String> [train, torch],
         steps: Option<u32> [train] {1..=1_000_000},
         batch: Option<usize> [train] {1..=WIDTH},
         grad_accum: Option<u32> [train] {1..=65_536},
@@ -376,6 +376,8 @@ table! {
         args: Option<Vec<String>> [torch],
         connect_timeout_s: Option<u64> [torch] {1..=3600},
         intercept: Option<bool> [torch],
+        verify_ranks: Option<Vec<u32>> [torch] {0..=CHIPS},
+        verify_count: Option<u32> [torch] {0..=MAX_VERIFY_RANKS},
     }
 }
 
@@ -1452,6 +1454,7 @@ fn torch(
         );
     }
     let algo: Algo = job_value(p, "algo", j.algo.as_deref(), "torus")?;
+    let eager: Option<Eager> = job_value(p, "eager", j.eager.as_deref(), "fused");
     let Some(program) = j.program.as_deref().filter(|s| !s.trim().is_empty()) else {
         p.add(
             "job",
@@ -1478,7 +1481,49 @@ fn torch(
         connect_timeout_s,
         meta,
         intercept: j.intercept.unwrap_or(true),
+        eager: eager?,
+        verify_ranks: verify_ranks(p, j, pod, meta),
     })
+}
+
+/// Most ranks `--verify-ranks` runs beside a representative (each is a process on this host).
+pub const MAX_VERIFY_RANKS: u32 = 64;
+/// Ranks a meta-mode torch job checks its representative against unless told.
+pub const DEFAULT_VERIFY_RANKS: u32 = 2;
+
+/// The ranks that run beside a meta-mode representative to check it stands for them: the
+/// list given, or a count spread evenly over the pod.
+fn verify_ranks(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Vec<u32> {
+    let world = pod.map_or(0, Pod::chips);
+    match (&j.verify_ranks, j.verify_count) {
+        (Some(_), Some(_)) => {
+            p.add(
+                "job",
+                Some("verify_ranks"),
+                "give verify_ranks (which ranks) or verify_count (how many), not both",
+            );
+            Vec::new()
+        }
+        (Some(list), None) => {
+            if let Some(bad) = list.iter().find(|&&r| r >= world) {
+                p.add(
+                    "job",
+                    Some("verify_ranks"),
+                    format!("rank {bad} is outside the pod of {world} chips"),
+                );
+            }
+            list.clone()
+        }
+        (None, count) => {
+            let k = count.unwrap_or(if meta { DEFAULT_VERIFY_RANKS } else { 0 });
+            let mut ranks: Vec<u32> = (1..=u64::from(k))
+                .map(|i| (i * u64::from(world) / (u64::from(k) + 1)) as u32)
+                .filter(|&r| r != 0)
+                .collect();
+            ranks.dedup();
+            ranks
+        }
+    }
 }
 
 /// The training part of a `kind = "train"` job.

@@ -63,7 +63,11 @@ impl Recovery {
     /// After an attempt that hung: the restart to make (and `spec` changed to resume from the
     /// last complete checkpoint, without its injected faults), or `None` to stop here.
     pub fn after(&mut self, hang: &HangReport, spec: &mut JobSpec) -> Option<&Restart> {
-        let recoverable = !matches!(hang.finding.kind, HangKind::Desync | HangKind::Corrupt);
+        // A desync, a corrupt link and a program's exception would come back on a restart.
+        let recoverable = !matches!(
+            hang.finding.kind,
+            HangKind::Desync | HangKind::Corrupt | HangKind::ProgramError
+        );
         let allowed = (self.restarts.len() as u32) < self.max_restarts;
         if !(self.relaunchable && recoverable && allowed) {
             return None;

@@ -91,17 +91,30 @@ pub struct TorchStep {
     pub compute_ms: f64,
     pub comm_ms: f64,
     pub exposed_comm_ms: f64,
+    /// The largest peak of live device bytes any rank had in the step, and its split by kind.
+    #[serde(default)]
+    pub peak_hbm_bytes: u64,
+    #[serde(default)]
+    pub hbm_by_kind: Vec<(String, u64)>,
+    /// Hardware flops utilisation of the slowest rank: the matmul and attention flops it
+    /// executed (recomputation included) over the chip's peak for the step's time.
+    #[serde(default)]
+    pub hfu: f64,
 }
 
 /// Each step marked by every rank, as its slowest rank saw it.
-fn torch_steps(ranks: &[podsim_worker::protocol::RankReport]) -> Vec<TorchStep> {
+fn torch_steps(ranks: &[podsim_worker::protocol::RankReport], peak_flops: f64) -> Vec<TorchStep> {
     let steps = ranks.iter().map(|r| r.steps.len()).min().unwrap_or(0);
     (0..steps)
         .filter_map(|i| {
             let slowest = ranks
                 .iter()
                 .max_by(|a, b| a.steps[i].step_ns.total_cmp(&b.steps[i].step_ns))?;
-            let s = slowest.steps[i];
+            let s = &slowest.steps[i];
+            let fullest = ranks
+                .iter()
+                .map(|r| &r.steps[i])
+                .max_by_key(|s| s.peak_hbm_bytes)?;
             Some(TorchStep {
                 step: i,
                 rank: slowest.rank,
@@ -109,6 +122,13 @@ fn torch_steps(ranks: &[podsim_worker::protocol::RankReport]) -> Vec<TorchStep> 
                 compute_ms: s.compute_ns / 1e6,
                 comm_ms: s.comm_ns / 1e6,
                 exposed_comm_ms: s.exposed_comm_ns / 1e6,
+                peak_hbm_bytes: fullest.peak_hbm_bytes,
+                hbm_by_kind: fullest.hbm_by_kind.clone(),
+                hfu: if s.step_ns > 0.0 {
+                    s.flops / (peak_flops * s.step_ns / 1e9)
+                } else {
+                    0.0
+                },
             })
         })
         .collect()
@@ -539,7 +559,7 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
             script, iterations, ..
         } => collectives(&mut report, &cfg.pod, script, *iterations, &steps),
         Program::Train(spec) => training(&mut report, &cfg.pod, cfg.hardware.peak_flops, spec, out),
-        Program::Torch(spec) => torch(&mut report, spec, out),
+        Program::Torch(spec) => torch(&mut report, spec, cfg.hardware.peak_flops, out),
         Program::Bench { .. } => {}
     }
     if report.correctness.wrong_elements > 0 {
@@ -638,14 +658,19 @@ fn finished_workers(out: &Outcome) -> Vec<WorkerEntry> {
 }
 
 /// A PyTorch program's ranks and steps; the job's virtual time is its latest rank clock.
-fn torch(report: &mut Report, spec: &podsim_worker::protocol::TorchSpec, out: &Outcome) {
+fn torch(
+    report: &mut Report,
+    spec: &podsim_worker::protocol::TorchSpec,
+    peak_flops: f64,
+    out: &Outcome,
+) {
     let mut ranks: Vec<podsim_worker::protocol::RankReport> =
         out.reports.iter().flat_map(|r| r.torch.clone()).collect();
     ranks.sort_by_key(|r| r.rank);
     report.virtual_s = ranks.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
     report.torch = Some(TorchRun {
         command: spec.command.clone(),
-        steps: torch_steps(&ranks),
+        steps: torch_steps(&ranks, peak_flops),
         ranks,
     });
 }
@@ -1088,6 +1113,20 @@ fn summarise_torch(s: &mut String, t: &TorchRun) {
             last.exposed_comm_ms,
             median(&ms)
         ));
+        if last.peak_hbm_bytes > 0 {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            let kinds: Vec<String> = last
+                .hbm_by_kind
+                .iter()
+                .map(|(k, b)| format!("{k} {:.2}", gib(*b)))
+                .collect();
+            s.push_str(&format!(
+                "  peak HBM per chip {:.2} GiB ({}), counted at the dispatcher; HFU {:.1}%\n",
+                gib(last.peak_hbm_bytes),
+                kinds.join(", "),
+                100.0 * last.hfu
+            ));
+        }
     }
     for r in t.ranks.iter().take(1) {
         let ops: Vec<String> = r

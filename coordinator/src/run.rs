@@ -34,6 +34,11 @@ pub struct RunArgs {
     /// must `import podsim.torch` and call `init_process_group("podsim")` itself).
     #[arg(long)]
     pub no_intercept: bool,
+    /// Meta mode: ranks run beside the representative to check that they call what it calls
+    /// (a desync names the first that does not): a count spread over the pod (up to 64), or a
+    /// list of ranks (`7,1234`; one rank up to 64 as `7,`). Default 2; 0 turns it off.
+    #[arg(long, value_name = "COUNT|RANKS")]
+    pub verify_ranks: Option<String>,
     /// Any other config field, e.g. `--set job.algo="ring"` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
@@ -61,13 +66,17 @@ pub fn config(args: &RunArgs) -> Result<JobConfig, CliError> {
         .unwrap_or_else(|| PathBuf::from("runs").join("run"));
     let mut text = format!(
         "name = \"run\"\n[topology]\nshape = {}\nhardware = {}\nslices = {}\n\
-         [launch]\nworkers = 1\n[job]\nkind = \"torch\"\nmode = {}\nintercept = {}\n\
+         [launch]\nworkers = 1\n[job]\nkind = \"torch\"\nmode = {}\nintercept = {}\n{}\
          program = {}\nargs = [{}]\n[output]\ndir = {}\n",
         quoted(&args.topology),
         quoted(&args.hardware),
         args.slices,
         quoted(&args.mode),
         !args.no_intercept,
+        match &args.verify_ranks {
+            Some(v) => verify_ranks_key(v)?,
+            None => String::new(),
+        },
         quoted(program),
         list.join(", "),
         quoted(&out.display().to_string()),
@@ -77,4 +86,29 @@ pub fn config(args: &RunArgs) -> Result<JobConfig, CliError> {
     }
     config::from_text("podsim run", &text, &args.sets)
         .map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
+}
+
+/// `--verify-ranks` as the `[job]` key it sets: a list of ranks when it has a comma or names a
+/// rank past the largest count, else a count.
+fn verify_ranks_key(value: &str) -> Result<String, CliError> {
+    let bad = || {
+        CliError::Usage(format!(
+            "--verify-ranks {value:?}: expected a count or a list of ranks (7,1234)"
+        ))
+    };
+    let ranks: Vec<u32> = value
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().map_err(|_| bad()))
+        .collect::<Result<_, _>>()?;
+    let is_count = !value.contains(',')
+        && ranks.len() == 1
+        && ranks[0] <= config::MAX_VERIFY_RANKS;
+    Ok(if is_count {
+        format!("verify_count = {}\n", ranks[0])
+    } else {
+        let list: Vec<String> = ranks.iter().map(u32::to_string).collect();
+        format!("verify_ranks = [{}]\n", list.join(", "))
+    })
 }

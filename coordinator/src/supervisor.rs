@@ -293,6 +293,14 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
                     d.chip, exit.pid, exit.how, d.chip
                 ),
             )
+        } else if exit.how.starts_with(TorchSpec::RAISED) {
+            (
+                HangKind::ProgramError,
+                format!(
+                    "Rank {} (pid {}) {}{last}: its program failed, the job stopped there. Its traceback is in its [rank {}] lines.",
+                    d.chip, exit.pid, exit.how, d.chip
+                ),
+            )
         } else {
             (
                 HangKind::DeadWorker,

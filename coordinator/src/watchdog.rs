@@ -38,6 +38,9 @@ pub enum HangKind {
     Partition,
     /// Not a hang: a link that flips bits, caught by debug-mode checksums (a job error).
     Corrupt,
+    /// Not a hang: a PyTorch rank's program raised an exception (a job error), named with
+    /// its line.
+    ProgramError,
 }
 
 impl HangKind {
@@ -45,7 +48,7 @@ impl HangKind {
     pub fn status(self) -> crate::JobStatus {
         match self {
             HangKind::Desync => crate::JobStatus::Desync,
-            HangKind::Corrupt => crate::JobStatus::Error,
+            HangKind::Corrupt | HangKind::ProgramError => crate::JobStatus::Error,
             _ => crate::JobStatus::Hang,
         }
     }

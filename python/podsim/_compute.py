@@ -7,6 +7,8 @@ parameters) are left to their own dispatch, so their local ops are counted once,
 shapes that really run on this chip.
 """
 
+import weakref
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -69,7 +71,7 @@ def _kind_of(func):
 class Compute(TorchDispatchMode):
     """A dispatch mode accumulating the compute of every op since the last `take()`."""
 
-    def __init__(self):
+    def __init__(self, eager="fused"):
         super().__init__()
         self._matmuls = {}
         self._pass_bytes = 0
@@ -80,6 +82,11 @@ class Compute(TorchDispatchMode):
         self._attention = {}
         # Set while podsim itself moves tensors (a collective's copies are not compute).
         self.paused = False
+        # The rank's HBM, when counted (`Memory`).
+        self.memory = None
+        # `fused` eager mode: chains of element-wise ops as one pass (`Chain`); None in
+        # `strict` and `debug`, where every op is its own kernel.
+        self.chain = Chain() if eager == "fused" else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
@@ -94,6 +101,8 @@ class Compute(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
+        if self.memory is not None:
+            self.memory.allocated(out, func)
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = _kind_of(func)
@@ -101,9 +110,16 @@ class Compute(TorchDispatchMode):
             return out
         try:
             if kind == _MATMUL_KIND:
+                if self.chain is not None:
+                    self.chain.flush(self)
+                    for a in args:
+                        for t in _tensors(a):
+                            self._pass_bytes += self.chain.read_outside(t)
                 m, k, n, batch = _matmul_shapes(func.overloadpacket, args)
                 key = (int(m), int(k), int(n), args[-1].element_size())
                 self._matmuls[key] = self._matmuls.get(key, 0) + int(batch)
+            elif self.chain is not None:
+                self.chain.add(self, args, out)
             else:
                 self._pass_bytes += _tensor_bytes(out)
                 for a in args:
@@ -115,6 +131,8 @@ class Compute(TorchDispatchMode):
 
     def take(self):
         """The compute since the previous call, as the chip reads it (and reset)."""
+        if self.chain is not None:
+            self.chain.flush(self)
         c = {
             "matmuls": [[m, k, n, calls, eb] for (m, k, n, eb), calls in self._matmuls.items()],
             "pass_bytes": self._pass_bytes,
@@ -126,6 +144,18 @@ class Compute(TorchDispatchMode):
         self._pass_bytes = 0
         self._kernels = 0
         return c
+
+    def unpriced(self, fn, *args, **kwargs):
+        """`fn(...)`'s ops uncounted (their kernel was priced whole), its results still held
+        in HBM (what a flash kernel writes; not its intermediates)."""
+        was, self.paused = self.paused, True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.paused = was
+        if self.memory is not None and not was:
+            self.memory.allocated(out, "scaled_dot_product_attention")
+        return out
 
     def add_attention(self, q, k, causal, backward):
         """One attention kernel on `q` `(batch, heads, seq, head_dim)` against `k`, priced as
@@ -139,6 +169,60 @@ class Compute(TorchDispatchMode):
         key = (batch, int(max(seq, k.shape[-2])), int(heads), int(head_dim), int(bool(causal)),
                int(bool(backward)), q.element_size())
         self._attention[key] = self._attention.get(key, 0) + 1
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (list, tuple)):
+        return tuple(y for y in x if isinstance(y, torch.Tensor))
+    return ()
+
+
+class Chain:
+    """Element-wise ops fused as the eager `fused` mode (and XLA) fuses them: an op that reads
+    what the chain's previous ops wrote joins the chain, and the chain is one kernel reading
+    its inputs from HBM once and writing its results once. A result read only inside the chain
+    is never written, unless an op outside it reads it later (a tensor saved for backward):
+    then its write is charged at that read."""
+
+    def __init__(self):
+        self.written = {}  # storage -> bytes written by the chain, not read back inside it
+        self.consumed = {}  # storage -> bytes the chain wrote and read back itself
+        self.read = 0
+        self.ops = 0
+        # Results of earlier chains never written to HBM (consumed inside them).
+        self.unwritten = {}
+
+    def add(self, compute, args, out):
+        inputs = [t for a in args for t in _tensors(a)]
+        keys = [t.untyped_storage()._cdata for t in inputs]
+        if self.ops and not any(k in self.written or k in self.consumed for k in keys):
+            self.flush(compute)
+        for t, key in zip(inputs, keys):
+            if key in self.written:
+                self.consumed[key] = self.written.pop(key)
+            elif key not in self.consumed:
+                self.read += t.nbytes + self.unwritten.pop(key, 0)
+        for t in _tensors(out):
+            self.written[t.untyped_storage()._cdata] = t.nbytes
+        self.ops += 1
+
+    def flush(self, compute):
+        if not self.ops:
+            return
+        compute._pass_bytes += self.read + sum(self.written.values())
+        compute._kernels += 1
+        self.unwritten.update(self.consumed)
+        self.written, self.consumed, self.read, self.ops = {}, {}, 0, 0
+
+    def read_outside(self, t):
+        """A non-element-wise op read `t`: if a chain never wrote it, it is written now."""
+        return self.unwritten.pop(t.untyped_storage()._cdata, 0)
+
+    def forget(self, key):
+        """Storage `key` was freed (its address may be reused)."""
+        self.unwritten.pop(key, None)
 
 
 def price_attention_as_flash(compute):
@@ -157,25 +241,18 @@ def price_attention_as_flash(compute):
             compute.add_attention(q, k, kwargs.get("is_causal", False), backward=False)
             ctx.kwargs = kwargs
             ctx.save_for_backward(q, k, v)
-            was, compute.paused = compute.paused, True
-            try:
-                return sdpa(q, k, v, **kwargs)
-            finally:
-                compute.paused = was
+            return compute.unpriced(sdpa, q, k, v, **kwargs)
 
         @staticmethod
         def backward(ctx, grad):
             q, k, v = ctx.saved_tensors
             compute.add_attention(q, k, ctx.kwargs.get("is_causal", False), backward=True)
-            was, compute.paused = compute.paused, True
-            try:
+            def grads():
                 with torch.enable_grad():
                     inputs = [x.detach().requires_grad_(True) for x in (q, k, v)]
-                    out = sdpa(*inputs, **ctx.kwargs)
-                    grads = torch.autograd.grad(out, inputs, grad)
-            finally:
-                compute.paused = was
-            return (*grads, None)
+                    return torch.autograd.grad(sdpa(*inputs, **ctx.kwargs), inputs, grad)
+
+            return (*compute.unpriced(grads), None)
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                      is_causal=False, scale=None, enable_gqa=False):
@@ -186,11 +263,93 @@ def price_attention_as_flash(compute):
             return sdpa(query, key, value, **kwargs)
         if not torch.is_grad_enabled() or not any(x.requires_grad for x in (query, key, value)):
             compute.add_attention(query, key, is_causal, backward=False)
-            was, compute.paused = compute.paused, True
-            try:
-                return sdpa(query, key, value, **kwargs)
-            finally:
-                compute.paused = was
+            return compute.unpriced(sdpa, query, key, value, **kwargs)
         return FlashAttention.apply(query, key, value, kwargs)
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+# What a rank's device holds, by kind (the report's names).
+KINDS = ("parameters", "gradients", "optimizer state", "activations and transients")
+_TRANSIENT = KINDS[3]
+
+
+class Memory:
+    """The rank's live device bytes, counted at the dispatcher as the chip's HBM: every
+    storage an op allocates on the rank's device (the CPU in data mode, the meta device in
+    meta mode) is live until torch frees it (a finalizer on the storage; views share it).
+    Storages start as activations and transients and are moved to their kind when the
+    program shows what they are: a module's parameters when it runs, an optimizer's
+    gradients when it steps, its state after. Past the modelled chip's capacity the op
+    raises `torch.OutOfMemoryError`, as a real chip's allocator does."""
+
+    def __init__(self, device_type, capacity, hardware):
+        self.device_type = device_type
+        self.capacity = capacity
+        self.hardware = hardware
+        self.live = {}  # storage id -> [bytes, kind]
+        self.by_kind = dict.fromkeys(KINDS, 0)
+        self.total = 0
+        self.peak = 0
+        self.peak_by_kind = dict(self.by_kind)
+        # Told of every storage freed (the fused chain forgets it).
+        self.on_free = None
+
+    def allocated(self, out, func):
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
+                self._track(t, func)
+
+    def _track(self, t, func):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        n = storage.nbytes()
+        self.live[key] = [n, _TRANSIENT]
+        self.by_kind[_TRANSIENT] += n
+        self.total += n
+        weakref.finalize(storage, self._freed, key)
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_by_kind = dict(self.by_kind)
+        if self.capacity and self.total > self.capacity:
+            self._out_of_memory(func)
+
+    def _freed(self, key):
+        if self.on_free is not None:
+            self.on_free(key)
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.by_kind[entry[1]] -= entry[0]
+            self.total -= entry[0]
+
+    def classify(self, tensor, kind):
+        """`tensor`'s storage is of `kind` (a DTensor's local shard is what the chip holds)."""
+        tensor = getattr(tensor, "_local_tensor", tensor)
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
+            return
+        entry = self.live.get(tensor.untyped_storage()._cdata)
+        if entry is not None and entry[1] != kind:
+            self.by_kind[entry[1]] -= entry[0]
+            self.by_kind[kind] += entry[0]
+            entry[1] = kind
+
+    def take_step(self):
+        """The peak since the previous step and its split by kind (then the next step's peak
+        starts from what is live now)."""
+        step = {"peak_bytes": self.peak, "by_kind": [[k, v] for k, v in self.peak_by_kind.items()]}
+        self.peak = self.total
+        self.peak_by_kind = dict(self.by_kind)
+        return step
+
+    def _out_of_memory(self, func):
+        from .torch import _call_site
+
+        capacity, self.capacity = self.capacity, 0  # raised once; what follows is the program's
+        gib = 1 << 30
+        kinds = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in self.by_kind.items())
+        raise torch.OutOfMemoryError(
+            f"podsim: out of HBM: {self.total / gib:.2f} GiB live on a {self.hardware} chip of "
+            f"{capacity / gib:.2f} GiB, at {func} ({_call_site() or 'an unknown line'}); {kinds}"
+        )

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from . import _streams
 from . import torch as backend
 
 _installed = False
@@ -45,6 +46,7 @@ def install():
     _every_group_is_podsims()
     _devices_are_podsims()
     _steps_at_optimizer_steps()
+    _streams_are_podsims()
     _exceptions_reach_the_chip()
     if mode() == "meta":
         from . import _meta
@@ -141,7 +143,6 @@ def _devices_are_podsims():
     cuda.set_device = lambda d: None
     cuda.current_device = lambda: local_rank
     cuda.device_count = lambda: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cuda.synchronize = lambda device=None: None
     cuda.empty_cache = lambda: None
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None
@@ -232,14 +233,81 @@ def _steps_at_optimizer_steps():
     """A step ends at each `optimizer.step()`, unless the program calls `podsim.torch.step()`
     itself (then its marks are the steps)."""
 
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def memory():
+        rank = backend._rank
+        return rank.compute.memory if rank is not None else None
+
+    def before_optimizer_step(optimizer, args, kwargs):
+        # The update needs every gradient: the compute stream waits for every collective in
+        # flight (DDP's buckets are waited for through futures podsim does not see).
+        _streams.wait_all()
+        hbm = memory()
+        if hbm is not None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    hbm.classify(p, "parameters")
+                    if p.grad is not None:
+                        hbm.classify(p.grad, "gradients")
+
     def after_optimizer_step(optimizer, args, kwargs):
+        hbm = memory()
+        if hbm is not None:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    hbm.classify(value, "optimizer state")
         rank = backend._rank
         if rank is not None and not rank.explicit_steps and not rank.done:
-            rank.call({"op": "step"})
+            _streams.wait_all()
+            rank.call(rank.step_request(auto=True))
 
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    def before_forward(module, args):
+        hbm = memory()
+        if hbm is not None:
+            for p in module._parameters.values():
+                if p is not None:
+                    hbm.classify(p, "parameters")
 
+    register_optimizer_step_pre_hook(before_optimizer_step)
     register_optimizer_step_post_hook(after_optimizer_step)
+    torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+
+
+def _streams_are_podsims():
+    """The program's CUDA streams and FSDP2's are podsim's (`podsim._streams`)."""
+    cuda = torch.cuda
+    cuda.Stream, cuda.Event = _streams.Stream, _streams.Event
+    cuda.current_stream, cuda.default_stream = _streams.current_stream, _streams.default_stream
+    cuda.stream, cuda.set_stream = _streams.stream, _streams.set_stream
+    cuda.synchronize = _streams.synchronize
+    import torch.distributed.device_mesh as dm
+    import torch.distributed.fsdp  # noqa: F401  (loads the modules patched below)
+    import torch.distributed.tensor  # noqa: F401
+
+    handle_of = dm._get_device_handle
+
+    def device_handle(device_type="cuda"):
+        return _streams.HANDLE if device_type == "meta" else handle_of(device_type)
+
+    def fsdp_device_handle(device_type="cuda"):
+        return _streams.HANDLE if device_type in ("meta", "cpu") else handle_of(device_type)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "_get_device_handle", None) is handle_of:
+            fsdp = name.startswith("torch.distributed.fsdp._fully_shard")
+            module._get_device_handle = fsdp_device_handle if fsdp else device_handle
+    # FSDP2 tells the allocator which stream uses a gradient (a CUDA stream's id): nothing to
+    # tell on podsim's device.
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    record = _fsdp_collectives.record_grad_output_stream
+    _fsdp_collectives.record_grad_output_stream = (
+        lambda buffer, stream: None if buffer.device.type in ("meta", "cpu") else record(buffer, stream)
+    )
 
 
 def _exceptions_reach_the_chip():

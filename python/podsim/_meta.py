@@ -158,47 +158,15 @@ def _values_get_stand_ins():
 
 
 def _fsdp_on_the_meta_device():
-    """FSDP2's device handle, meta-parameter check and stream bookkeeping for a meta mesh."""
-    import torch.distributed.device_mesh as dm
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+    """The parameters of a meta-mode program are meta tensors for good: FSDP2's check that
+    they were materialised has nothing to check (its device handle and stream bookkeeping
+    are podsim's streams: `podsim._intercept`)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-    handle_of = dm._get_device_handle
-
-    class MetaHandle:
-        """`torch.cpu`'s streams and events (which do nothing), device index 0."""
-
-        def __getattr__(self, name):
-            return getattr(torch.cpu, name)
-
-        def current_device(self):
-            return 0
-
-        def device_count(self):
-            return 1
-
-    meta_handle = MetaHandle()
-
-    def device_handle(device_type="cuda"):
-        return meta_handle if device_type == "meta" else handle_of(device_type)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and getattr(module, "_get_device_handle", None) is handle_of:
-            module._get_device_handle = device_handle
-    # The parameters of a meta-mode program are meta tensors for good.
     _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
-    record = _fsdp_collectives.record_grad_output_stream
-
-    def record_stream(buffer, stream):
-        if buffer.device.type != "meta":
-            record(buffer, stream)
-
-    _fsdp_collectives.record_grad_output_stream = record_stream
 
 
 def install():
-    import torch.distributed.fsdp  # noqa: F401  (loads the modules patched below)
-    import torch.distributed.tensor  # noqa: F401
-
     _fsdp_on_the_meta_device()
     _values_get_stand_ins()
     Fake().__enter__()

@@ -26,7 +26,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ._compute import Compute, price_attention_as_flash
+from . import _streams
+from ._compute import Compute, Memory, price_attention_as_flash
 from ._wire import Connection, PodsimError
 
 __all__ = ["step", "torus_mesh", "PodsimError", "ProcessGroupPodsim"]
@@ -52,8 +53,15 @@ class _Rank:
         # (worker/src/procs.rs), so the rank and what it starts die with the job.
         self.rank = int(os.environ["RANK"])
         self.conn = Connection(socket_name, self.rank, os.environ.get("PODSIM_TOKEN", ""))
-        self.compute = Compute()
+        self.eager = os.environ.get("PODSIM_EAGER", "fused")
+        self.compute = Compute(self.eager)
         if os.environ.get("PODSIM_COUNT_COMPUTE", "1") != "0":
+            device_type = "meta" if os.environ.get("PODSIM_MODE") == "meta" else "cpu"
+            capacity = float(os.environ.get("PODSIM_HBM_BYTES", "0"))
+            hardware = os.environ.get("PODSIM_HARDWARE", "modelled")
+            self.compute.memory = Memory(device_type, capacity, hardware)
+            if self.compute.chain is not None:
+                self.compute.memory.on_free = self.compute.chain.forget
             self.compute.__enter__()
             price_attention_as_flash(self.compute)
         self.in_call = 0
@@ -63,6 +71,10 @@ class _Rank:
         self.meta = os.environ.get("PODSIM_MODE") == "meta"
         # Whether the program marks its own steps (then `optimizer.step()` does not).
         self.explicit_steps = False
+        # Collectives get ids (their works); the compute stream's waits for them travel with
+        # the next request, each after the compute run before it (`podsim._streams`).
+        self.next_work = 0
+        self.pending_waits = []
         self.clock_ns = 0.0
         threading.Thread(target=self._sample, name="podsim-stack", daemon=True).start()
         atexit.register(self.bye)
@@ -74,6 +86,8 @@ class _Rank:
         self.in_call += 1
         self.compute.paused = True
         try:
+            if self.pending_waits:
+                request["waits"], self.pending_waits = self.pending_waits, []
             request["compute"] = self.compute.take()
             request["site"] = _call_site()
             reply, values = self.conn.call(request, payload, out)
@@ -82,6 +96,19 @@ class _Rank:
         finally:
             self.compute.paused = False
             self.in_call -= 1
+
+    def step_request(self, auto=False):
+        """The end of a step (`auto`: marked by `optimizer.step()`), with the HBM peak since
+        the previous one."""
+        request = {"op": "step", "auto": auto}
+        if self.compute.memory is not None:
+            request["hbm"] = self.compute.memory.take_step()
+        return request
+
+    def wait_for(self, works):
+        """The compute stream waits here for collectives `works` (sent with the next
+        request, after the compute run so far)."""
+        self.pending_waits.append({"compute": self.compute.take(), "works": list(works)})
 
     def bye(self):
         if not self.done:
@@ -162,7 +189,8 @@ def step():
     that never calls it has a step at each `optimizer.step()` (under `podsim run`)."""
     rank = _connect()
     rank.explicit_steps = True
-    rank.call({"op": "step"})
+    _streams.wait_all()
+    rank.call(rank.step_request())
 
 
 def torus_mesh(names=None):
@@ -242,16 +270,20 @@ def _reduce_locally(stacked, op):
 
 
 class _Done(dist._Work):
-    """A finished collective: podsim runs each call to completion before returning, so
-    `async_op=True` work is already done (its virtual time is on the chip's clock)."""
+    """A collective whose values are final when the call returns (podsim moves them at
+    once), while on the chip's clock it runs from its issue on a communication stream: the
+    compute stream waits for it at `wait()` (see `podsim._streams`)."""
 
-    def __init__(self, result=None):
+    def __init__(self, result=None, works=()):
         super().__init__()
         self._result = result if result is not None else []
+        self._works = works
         self._future = torch.futures.Future()
         self._future.set_result(self._result)
 
     def wait(self, timeout=None):
+        for work in self._works:
+            _streams.waited(work)
         return True
 
     def get_future(self):
@@ -320,6 +352,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         self._name = name or ""
         self._desc = ""
         self._node = _connect()
+        self._call_works = []
         self._ranks = sorted(ranks) if ranks else list(range(size))
         self._id = self._node.next_group
         self._node.next_group += 1
@@ -353,9 +386,18 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     # -- the chip's collectives on one flat float32 buffer --
 
     def _chip(self, op, values, **fields):
+        fields["work"] = work = self._node.next_work
+        self._node.next_work += 1
+        self._call_works.append(work)
+        _streams.issued(work)
         if values.is_meta:
             return self._chip_sizes(op, values.numel(), **fields)
         return self._node.call({"op": op, "group": self._id, **fields}, values)
+
+    def _done(self, result=None):
+        """The work of the entry point that ran the collectives since the last one."""
+        works, self._call_works = tuple(self._call_works), []
+        return _Done(result, works)
 
     def _chip_sizes(self, op, words, **fields):
         """Meta mode: the collective runs on the chip on its size alone (`words` float32 words
@@ -410,7 +452,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     def allreduce(self, tensors, opts):
         for t in tensors:
             self._all_reduce_into(t, opts.reduceOp)
-        return _Done(tensors)
+        return self._done(tensors)
 
     def allreduce_coalesced(self, tensors, opts):
         return self.allreduce(tensors, opts)
@@ -420,51 +462,51 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             rows = self._all_gather_words(inp)
             for o, r in zip(outs, rows):
                 o.copy_(_from_words(r, inp).view(o.shape))
-        return _Done(output_tensors)
+        return self._done(output_tensors)
 
     def all_gather_single(self, output, input, opts):
         rows = self._all_gather_words(input)
         parts = [_from_words(r, input).reshape(-1) for r in rows]
         output.copy_(torch.cat(parts).view(output.shape))
-        return _Done([output])
+        return self._done([output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
         for o, i in zip(outputs, inputs):
             self.all_gather_single(o, i, opts)
-        return _Done(outputs)
+        return self._done(outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         for out, ins in zip(output_tensors, input_tensors):
             flat = torch.cat([x.reshape(-1) for x in ins])
             self._reduce_scatter_into(out, flat, opts.reduceOp)
-        return _Done(output_tensors)
+        return self._done(output_tensors)
 
     def reduce_scatter_single(self, output, input, opts):
         self._reduce_scatter_into(output, input.reshape(-1), opts.reduceOp)
-        return _Done([output])
+        return self._done([output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
         for o, i in zip(outputs, inputs):
             self._reduce_scatter_into(o, i.reshape(-1), opts.reduceOp)
-        return _Done(outputs)
+        return self._done(outputs)
 
     def broadcast(self, tensors, opts):
         for t in tensors:
             self._broadcast_into(t, opts.rootRank)
-        return _Done(tensors)
+        return self._done(tensors)
 
     def reduce(self, tensors, opts):
         # Every rank gets the result; torch leaves non-roots' buffers unspecified.
         for t in tensors:
             self._all_reduce_into(t, opts.reduceOp)
-        return _Done(tensors)
+        return self._done(tensors)
 
     def gather(self, output_tensors, input_tensors, opts):
         rows = self._all_gather_words(input_tensors[0])
         if self.rank() == opts.rootRank:
             for o, r in zip(output_tensors[0], rows):
                 o.copy_(_from_words(r, input_tensors[0]).view(o.shape))
-        return _Done(output_tensors)
+        return self._done(output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
         out = output_tensors[0]
@@ -475,11 +517,11 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             whole = out.new_empty(self.size() * out.numel())
         self._broadcast_into(whole, root)
         out.copy_(whole.view(self.size(), -1)[self.rank()].view(out.shape))
-        return _Done(output_tensors)
+        return self._done(output_tensors)
 
     def barrier(self, opts):
         self._node.call({"op": "barrier", "group": self._id})
-        return _Done()
+        return self._done()
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
         n = self.size()
@@ -493,11 +535,11 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             blocks_out = list(torch.split(output.reshape(output.shape[0], -1), outs))
         equal = not input_split_sizes and not output_split_sizes
         self._all_to_all_blocks(blocks_out, blocks_in, equal)
-        return _Done([output])
+        return self._done([output])
 
     def alltoall(self, output_tensors, input_tensors, opts):
         self._all_to_all_blocks(output_tensors, input_tensors)
-        return _Done(output_tensors)
+        return self._done(output_tensors)
 
     def _all_to_all_blocks(self, outs, ins, equal=False):
         """Block j of `ins` to rank j; block i of `outs` from rank i. Blocks of unequal size

@@ -10,12 +10,14 @@
 //!
 //! - [`wire`]: the frames between a rank and its chip;
 //! - [`boot`]: what a rank's interpreter loads before the program (`podsim._intercept`);
+//! - [`verify`]: ranks run beside a representative to check it stands for them;
 //! - [`ranks`]: starting the rank processes, their output and exits, their connections;
 //! - [`serve`]: a chip serving its rank's requests.
 
 pub mod boot;
 pub mod ranks;
 pub mod serve;
+pub mod verify;
 pub mod wire;
 
 use std::sync::Arc;
@@ -51,6 +53,19 @@ pub struct TorchSpec {
     /// backend and any `cuda` device land on podsim); `podsim run --no-intercept` turns it off.
     #[serde(default = "intercept_by_default")]
     pub intercept: bool,
+    /// How the ranks' work is counted: `fused` (chains of element-wise ops one pass over HBM,
+    /// collectives overlapping compute until waited for), `strict` (every op its own kernel,
+    /// every collective waited for at its call), `debug` (as strict).
+    #[serde(default = "fused")]
+    pub eager: crate::train::Eager,
+    /// Ranks that run beside a representative to check that they call what it calls
+    /// (`--verify-ranks`; meta mode on the mirror fabric only).
+    #[serde(default)]
+    pub verify_ranks: Vec<u32>,
+}
+
+fn fused() -> crate::train::Eager {
+    crate::train::Eager::Fused
 }
 
 fn intercept_by_default() -> bool {
@@ -70,6 +85,9 @@ impl TorchSpec {
     /// How a rank that never connected is described (the start of its failure's `how`), so
     /// that the coordinator tells it from a rank that died.
     pub const NOT_CONNECTED: &'static str = "did not connect to its chip within";
+    /// How a rank whose program raised an exception is described (the start of its
+    /// failure's `how`): a job error, not a death.
+    pub const RAISED: &'static str = "raised ";
 }
 
 /// What one rank did, in virtual time.
@@ -105,15 +123,25 @@ pub struct OpTotals {
     pub virtual_ns: f64,
 }
 
-/// One step of a rank, in virtual ns. Collectives run when called (the rank waits for each),
-/// so communication is exposed unless the program overlapped nothing else with it.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+/// One step of a rank, in virtual ns. A collective runs on a communication stream from its
+/// issue and the rank's compute waits for it where the program waits (see
+/// `python/podsim/_streams.py`), so communication overlapped with compute is hidden.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankStep {
     pub step_ns: f64,
     pub compute_ns: f64,
     pub comm_ns: f64,
     /// Step time minus compute.
     pub exposed_comm_ns: f64,
+    /// The rank's peak of live device bytes over the step (0: not counted).
+    #[serde(default)]
+    pub peak_hbm_bytes: u64,
+    /// Those bytes by kind at the peak.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hbm_by_kind: Vec<(String, u64)>,
+    /// Matmul and attention flops the step executed (recomputation included).
+    #[serde(default)]
+    pub flops: f64,
 }
 
 /// Where each rank made its latest call (`file:line function`), so that a desync names the
@@ -156,7 +184,9 @@ impl CallSites {
     }
 }
 
-/// Starts a rank per chip and serves each until it exits; `done` counts marked steps.
+/// Starts a rank per chip and serves each until it exits; `done` counts marked steps. A lone
+/// representative chip on the mirror fabric has the job's `verify_ranks` run beside it as
+/// shadows (see [`verify`]).
 pub async fn run(
     chips: Vec<Chip>,
     spec: &TorchSpec,
@@ -165,27 +195,75 @@ pub async fn run(
     let Some(world) = chips.first().map(|c| c.pod().chips()) else {
         return Ok(Vec::new());
     };
-    let recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
-    let (ranks, _guard) = ranks::start(spec, world, &recorders)?;
-    let ranks: std::collections::HashMap<u32, ranks::Rank> =
+    let representative = (chips.len() == 1 && chips[0].mirrored()).then(|| chips[0].id());
+    let shadows: Vec<u32> = match representative {
+        Some(rep) => spec
+            .verify_ranks
+            .iter()
+            .copied()
+            .filter(|&r| r != rep && r < world)
+            .collect(),
+        None => Vec::new(),
+    };
+    let mut recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
+    for &shadow in &shadows {
+        recorders.push(Arc::new(podsim_collectives::FlightRecorder::new(
+            shadow,
+            16,
+            Arc::new(podsim_collectives::Inbox::new()),
+        )));
+    }
+    let hardware = chips[0].hardware().clone();
+    let (ranks, _guard) = ranks::start(spec, world, &recorders, &hardware)?;
+    let mut ranks: std::collections::HashMap<u32, ranks::Rank> =
         ranks.into_iter().map(|r| (r.rank, r)).collect();
+    let reference = Arc::new(verify::Reference::default());
+    // A shadow's desync ends the job at once, whatever the representative is doing.
+    let (failed, mut failure) = tokio::sync::mpsc::channel(1);
+    let shadow_tasks: Vec<_> = shadows
+        .iter()
+        .filter_map(|s| ranks.remove(s))
+        .map(|rank| {
+            let (spec, reference, failed) = (spec.clone(), reference.clone(), failed.clone());
+            let rep = representative.unwrap_or(0);
+            tokio::spawn(async move {
+                if let Err(e) = verify::serve_shadow(rank, &spec, &reference, rep).await {
+                    let _ = failed.send(e).await;
+                }
+            })
+        })
+        .collect();
+    drop(failed);
+    let checked = (!shadow_tasks.is_empty()).then(|| reference.clone());
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
-    let reports = run_chips(chips, |mut chip| {
+    let served = run_chips(chips, |mut chip| {
         let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
-        let sites = sites.clone();
+        let (sites, checked) = (sites.clone(), checked.clone());
         async move {
             let rank = ranks
                 .lock()
                 .ok()
                 .and_then(|mut r| r.remove(&chip.id()))
                 .ok_or_else(|| WorkerError::Internal(format!("no rank for chip {}", chip.id())))?;
-            let report = serve::serve(&mut chip, rank, &spec, &sites).await?;
+            let report = serve::serve(&mut chip, rank, &spec, &sites, checked.as_deref()).await?;
             done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
             Ok::<_, WorkerError>(report)
         }
-    })
-    .await?;
+    });
+    tokio::pin!(served);
+    let reports = tokio::select! {
+        reports = &mut served => reports,
+        Some(e) = failure.recv() => return Err(e),
+    };
+    // The representative ended: a shadow's desync is still the job's failure.
+    for task in shadow_tasks {
+        let _ = task.await;
+    }
+    if let Ok(e) = failure.try_recv() {
+        return Err(e);
+    }
+    let reports = reports?;
     if !reports.is_empty() && reports.iter().all(|r| !r.connected) {
         return Err(WorkerError::Invalid(format!(
             "no rank used podsim: every rank ended without creating a podsim process group, so \

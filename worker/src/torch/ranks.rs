@@ -111,6 +111,7 @@ pub fn start(
     spec: &TorchSpec,
     world: u32,
     recorders: &[Arc<FlightRecorder>],
+    hardware: &podsim_topology::Hardware,
 ) -> Result<(Vec<Rank>, RankGuard), WorkerError> {
     let (listener, socket) = crate::records::bind_abstract("podsim-ranks")
         .ok_or_else(|| WorkerError::Invalid("cannot open a Unix socket for the ranks".into()))?;
@@ -149,6 +150,10 @@ pub fn start(
             .env("PODSIM_TOKEN", &token)
             .env("PODSIM_TOPOLOGY", &spec.topology)
             .env("PODSIM_MODE", if spec.meta { "meta" } else { "data" })
+            .env("PODSIM_EAGER", spec.eager.name())
+            // The chip's HBM: a rank whose live device bytes pass it fails at that op.
+            .env("PODSIM_HBM_BYTES", format!("{:.0}", hardware.hbm_bytes))
+            .env("PODSIM_HARDWARE", &hardware.name)
             .env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -453,7 +458,13 @@ time.sleep(600)
             connect_timeout_s: TorchSpec::DEFAULT_CONNECT_TIMEOUT_S,
             meta: false,
             intercept: false,
+            eager: crate::train::Eager::Fused,
+            verify_ranks: Vec::new(),
         }
+    }
+
+    fn hardware() -> podsim_topology::Hardware {
+        podsim_topology::Hardware::preset("v5p").expect("the v5p preset")
     }
 
     fn recorder() -> Arc<FlightRecorder> {
@@ -506,7 +517,7 @@ time.sleep(600)
             .expect("runtime");
         let dir = temp_dir("rank-guard");
         let file = dir.join("said");
-        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()]) });
+        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()], &hardware()) });
         let (ranks, guard) = started.expect("start");
         let (sig, leader, pid, child) = said(&file);
         assert_eq!(sig, libc::SIGKILL);
@@ -539,7 +550,7 @@ time.sleep(600)
             .build()
             .expect("runtime");
         let file = Path::new(&dir).join("said");
-        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()]) });
+        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()], &hardware()) });
         let _ranks = started.expect("start");
         // Bounded, should the test that kills it die first.
         std::thread::sleep(Duration::from_secs(60));

@@ -13,7 +13,8 @@ use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
 use podsim_topology::{Group, Hardware};
 
 use super::ranks::{Rank, RankExit, RankLink, exited};
-use super::wire::{Compute, DTypeName, Frame, Reply, Request};
+use super::verify::{Call, Reference};
+use super::wire::{Compute, DTypeName, Frame, Reply, Request, StepHbm};
 use super::{CallSites, OpTotals, RankReport, RankStep, TorchSpec};
 use crate::error::WorkerError;
 use crate::train::kernels::{Kernel, hbm_stream_s};
@@ -113,50 +114,47 @@ fn any_thread_running(pid: u32, sampler: u32) -> bool {
         })
 }
 
+/// The matmul and attention kernels of `compute`: each with its element size and calls.
+fn kernels(compute: &Compute) -> impl Iterator<Item = (Kernel, f64, f64)> + '_ {
+    let matmuls = compute.matmuls.iter().map(|&[m, k, n, calls, elem_bytes]| {
+        let kernel = Kernel::Matmul {
+            m: m as usize,
+            k: k as usize,
+            n: n as usize,
+        };
+        (kernel, elem_bytes as f64, calls as f64)
+    });
+    let attention = compute.attention.iter().map(|a| {
+        let [batch, seq, heads, head_dim, causal, backward, elem_bytes, calls] = *a;
+        let kernel = Kernel::Attention {
+            seqs: batch as usize,
+            seq: seq as usize,
+            heads: heads as f64,
+            head_dim: head_dim as usize,
+            causal: causal != 0,
+            backward: backward != 0,
+        };
+        (kernel, elem_bytes as f64, calls as f64)
+    });
+    matmuls.chain(attention)
+}
+
 /// Virtual ns of the work in `compute` on `hw`.
 pub fn compute_ns(compute: &Compute, hw: &Hardware) -> f64 {
-    let matmuls: f64 = compute
-        .matmuls
-        .iter()
-        .map(|&[m, k, n, calls, elem_bytes]| {
-            let kernel = Kernel::Matmul {
-                m: m as usize,
-                k: k as usize,
-                n: n as usize,
-            };
-            calls as f64 * kernel.time_ns(hw, elem_bytes as f64)
-        })
-        .sum();
-    let attention: f64 = compute
-        .attention
-        .iter()
-        .map(
-            |&[
-                batch,
-                seq,
-                heads,
-                head_dim,
-                causal,
-                backward,
-                elem_bytes,
-                calls,
-            ]| {
-                let kernel = Kernel::Attention {
-                    seqs: batch as usize,
-                    seq: seq as usize,
-                    heads: heads as f64,
-                    head_dim: head_dim as usize,
-                    causal: causal != 0,
-                    backward: backward != 0,
-                };
-                calls as f64 * kernel.time_ns(hw, elem_bytes as f64)
-            },
-        )
+    let kernels: f64 = kernels(compute)
+        .map(|(kernel, elem_bytes, calls)| calls * kernel.time_ns(hw, elem_bytes))
         .sum();
     // The other kernels, as element-wise passes over the bytes they read and wrote.
     let passes = hbm_stream_s(hw, compute.pass_bytes as f64) * 1e9
         + compute.kernels as f64 * hw.kernel_overhead_ns;
-    matmuls + attention + passes
+    kernels + passes
+}
+
+/// Flops of the matmuls and attention in `compute`, as executed (recomputation included).
+pub fn compute_flops(compute: &Compute) -> f64 {
+    kernels(compute)
+        .map(|(kernel, _, calls)| calls * kernel.flops())
+        .sum()
 }
 
 /// What a chip keeps while serving its rank.
@@ -170,6 +168,18 @@ struct Served {
     said_bye: bool,
     /// The exception the rank said is ending its program, with its line.
     raised: Option<String>,
+    /// When each communication stream is next free (gathers, reductions).
+    stream_free: [f64; 2],
+    /// Collectives issued and not yet waited for by the compute stream: when each is done.
+    in_flight: HashMap<u64, f64>,
+    /// Collectives the rank made (the index of its next, for `--verify-ranks`).
+    calls: u64,
+    /// Whether the program marks its own steps (`podsim.torch.step()`).
+    explicit_steps: bool,
+    /// The HBM peak of steps folded into the current one.
+    folded_hbm: StepHbm,
+    /// Matmul and attention flops executed since the last step mark.
+    step_flops: f64,
 }
 
 /// Serves `rank` on `chip` until the rank exits: its result is the rank's report, or the
@@ -179,6 +189,24 @@ pub async fn serve(
     mut rank: Rank,
     spec: &TorchSpec,
     sites: &CallSites,
+    reference: Option<&Reference>,
+) -> Result<RankReport, WorkerError> {
+    let result = serve_rank(chip, &mut rank, spec, sites, reference).await;
+    if let Some(reference) = reference {
+        reference.end(match &result {
+            Ok(_) => "ended its program".to_string(),
+            Err(e) => format!("failed: {e}"),
+        });
+    }
+    result
+}
+
+async fn serve_rank(
+    chip: &mut Chip,
+    rank: &mut Rank,
+    spec: &TorchSpec,
+    sites: &CallSites,
+    reference: Option<&Reference>,
 ) -> Result<RankReport, WorkerError> {
     let mut served = Served {
         groups: HashMap::new(),
@@ -192,6 +220,12 @@ pub async fn serve(
         step_start_ns: 0.0,
         said_bye: false,
         raised: None,
+        stream_free: [0.0; 2],
+        in_flight: HashMap::new(),
+        calls: 0,
+        explicit_steps: false,
+        folded_hbm: StepHbm::default(),
+        step_flops: 0.0,
     };
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid);
@@ -203,14 +237,14 @@ pub async fn serve(
         tokio::select! {
             link = &mut rank.link => break link.ok(),
             _ = exited(&mut rank.exit) => break None,
-            () = &mut too_late => return Err(not_connected(chip, &rank, spec, cpu.busy)),
+            () = &mut too_late => return Err(not_connected(chip, rank, spec, cpu.busy)),
             _ = tick.tick() => cpu.update(chip),
         }
     };
     cpu.end(chip);
     let Some(mut link) = link else {
         // Exited without connecting: a program that never initialised the backend.
-        let exit = wait_exit(&mut rank).await;
+        let exit = wait_exit(rank).await;
         return finish(chip, rank, served, exit);
     };
     cpu.sampler_thread = link.sampler_thread.clone();
@@ -230,9 +264,9 @@ pub async fn serve(
             Some(Err(e)) => return Err(WorkerError::Invalid(e)),
             None => break,
         };
-        handle(chip, &mut served, &mut link, spec, sites, frame, values).await?;
+        handle(chip, &mut served, &mut link, spec, sites, reference, frame, values).await?;
     }
-    let exit = wait_exit(&mut rank).await;
+    let exit = wait_exit(rank).await;
     finish(chip, rank, served, exit)
 }
 
@@ -286,7 +320,7 @@ async fn wait_exit(rank: &mut Rank) -> Option<RankExit> {
 
 fn finish(
     chip: &Chip,
-    rank: Rank,
+    rank: &Rank,
     mut served: Served,
     exit: Option<RankExit>,
 ) -> Result<RankReport, WorkerError> {
@@ -300,13 +334,13 @@ fn finish(
                     e.to_string()
                 });
             if let Some(raised) = &served.raised {
-                how = format!("raised {raised}, and {how}");
+                how = format!("{}{raised}, and {how}", TorchSpec::RAISED);
             }
             return Err(WorkerError::RankExited {
                 chip: chip.id(),
                 pid: rank.pid,
                 how,
-                stderr_tail: stderr_tail(&rank),
+                stderr_tail: stderr_tail(rank),
             });
         }
     }
@@ -321,15 +355,20 @@ async fn handle(
     link: &mut RankLink,
     spec: &TorchSpec,
     sites: &CallSites,
+    reference: Option<&Reference>,
     frame: Frame,
     values: Vec<f32>,
 ) -> Result<(), WorkerError> {
-    if !frame.compute.is_empty() {
-        let ns = compute_ns(&frame.compute, chip.hardware());
-        chip.compute(ns);
-        served.report.compute_ns += ns;
-        served.step_compute_ns += ns;
+    for waited in &frame.waits {
+        served.charge(chip, &waited.compute);
+        let ready = waited
+            .works
+            .iter()
+            .filter_map(|w| served.in_flight.remove(w))
+            .fold(0.0, f64::max);
+        chip.set_clock(chip.clock().max(ready));
     }
+    served.charge(chip, &frame.compute);
     let reply = |chip: &Chip, error: Option<String>| Reply {
         error,
         clock_ns: chip.clock(),
@@ -346,14 +385,28 @@ async fn handle(
                 .map(|e| format!("podsim cannot make a group of ranks {ranks:?}: {e}"));
             (reply(chip, error), None)
         }
-        Request::Step => {
+        Request::Step { hbm, auto } => {
+            served.wait_for_all(chip);
+            if !auto && !served.explicit_steps {
+                served.explicit_steps = true;
+                served.fold_auto_steps();
+            }
             let now = chip.clock();
+            let hbm = match hbm.unwrap_or_default() {
+                h if h.peak_bytes >= served.folded_hbm.peak_bytes => h,
+                _ => std::mem::take(&mut served.folded_hbm),
+            };
+            served.folded_hbm = StepHbm::default();
             let step = RankStep {
                 step_ns: now - served.step_start_ns,
                 compute_ns: served.step_compute_ns,
                 comm_ns: served.step_comm_ns,
                 exposed_comm_ns: (now - served.step_start_ns - served.step_compute_ns).max(0.0),
+                peak_hbm_bytes: hbm.peak_bytes,
+                hbm_by_kind: hbm.by_kind,
+                flops: served.step_flops,
             };
+            served.step_flops = 0.0;
             served.report.steps.push(step);
             served.step_start_ns = now;
             served.step_compute_ns = 0.0;
@@ -362,6 +415,7 @@ async fn handle(
             (reply(chip, None), None)
         }
         Request::Bye { stand_ins } => {
+            served.wait_for_all(chip);
             served.said_bye = true;
             served.report.stand_ins = stand_ins;
             (reply(chip, None), None)
@@ -378,13 +432,19 @@ async fn handle(
             )));
         }
         request => {
+            let words = words_of(&request, frame.meta, &values);
+            let call = reference
+                .and_then(|_| Call::of(&request, frame.site.as_deref(), words, served.calls));
             sites.set(chip.id(), frame.site);
+            // A collective with an id runs on its communication stream from its issue (or
+            // when the stream is free); the compute stream goes on from the issue.
+            let issued_at = chip.clock();
+            let stream = frame.work.and(stream_of(&request));
+            if let Some(s) = stream {
+                chip.set_clock(issued_at.max(served.stream_free[s]));
+            }
             let before = chip.clock();
-            let words = match (&request, frame.meta) {
-                (Request::Recv { count, .. }, _) => *count,
-                (_, Some(meta)) => meta,
-                _ => values.len() as u64,
-            };
+
             let bytes = 4 * words;
             let input = match frame.meta {
                 None => Ok(Payload::from_vec(values)),
@@ -406,7 +466,17 @@ async fn handle(
                 WorkerError::Collective(c) => sites.name(c),
                 other => other,
             })?;
-            let spent = chip.clock() - before;
+            if let (Some(reference), Some(call)) = (reference, call) {
+                reference.push(call);
+            }
+            served.calls += 1;
+            let done = chip.clock();
+            let spent = done - before;
+            if let (Some(s), Some(work)) = (stream, frame.work) {
+                served.stream_free[s] = done;
+                served.in_flight.insert(work, done);
+                chip.set_clock(issued_at);
+            }
             served.step_comm_ns += spent;
             served.report.comm_ns += spent;
             served.report.add(op, bytes, spent);
@@ -439,6 +509,65 @@ fn alike_on_every_chip(chip: &Chip, group: Group) -> Result<Group, String> {
              rank with --set job.symmetric=false",
             part.stride * part.extent
         )),
+    }
+}
+
+/// The f32 words a request moves (a meta-mode request names them; a receive asks for them).
+pub(super) fn words_of(request: &Request, meta: Option<u64>, values: &[f32]) -> u64 {
+    match (request, meta) {
+        (Request::Recv { count, .. }, _) => *count,
+        (_, Some(meta)) => meta,
+        _ => values.len() as u64,
+    }
+}
+
+/// The communication stream a collective runs on: gathers and reductions apart, as on the
+/// chips of podsim's own trainer. Point-to-point and barriers are not streamed: they finish
+/// before the call returns.
+fn stream_of(request: &Request) -> Option<usize> {
+    match request {
+        Request::AllGather { .. } | Request::Broadcast { .. } | Request::AllToAll { .. } => {
+            Some(0)
+        }
+        Request::AllReduce { .. } | Request::ReduceScatter { .. } => Some(1),
+        _ => None,
+    }
+}
+
+impl Served {
+    /// Charges compute the rank ran to the chip's clock.
+    fn charge(&mut self, chip: &mut Chip, compute: &Compute) {
+        if compute.is_empty() {
+            return;
+        }
+        let ns = compute_ns(compute, chip.hardware());
+        chip.compute(ns);
+        self.report.compute_ns += ns;
+        self.step_compute_ns += ns;
+        self.step_flops += compute_flops(compute);
+    }
+
+    /// The program marked its first step itself: the steps `optimizer.step()` marked before
+    /// (a program that steps its optimizer before its own mark) become part of this one.
+    fn fold_auto_steps(&mut self) {
+        for step in self.report.steps.drain(..) {
+            self.step_start_ns -= step.step_ns;
+            self.step_compute_ns += step.compute_ns;
+            self.step_comm_ns += step.comm_ns;
+            self.step_flops += step.flops;
+            if step.peak_hbm_bytes > self.folded_hbm.peak_bytes {
+                self.folded_hbm = StepHbm {
+                    peak_bytes: step.peak_hbm_bytes,
+                    by_kind: step.hbm_by_kind,
+                };
+            }
+        }
+    }
+
+    /// The compute stream waits for every collective in flight (a step's end, the rank's).
+    fn wait_for_all(&mut self, chip: &mut Chip) {
+        let ready = self.in_flight.drain().map(|(_, t)| t).fold(0.0, f64::max);
+        chip.set_clock(chip.clock().max(ready));
     }
 }
 

@@ -80,7 +80,15 @@ pub enum Request {
         count: u64,
     },
     /// The program marks the end of a training step (`podsim.torch.step()`).
-    Step,
+    Step {
+        /// The rank's HBM peak since its previous step (absent when it does not count).
+        #[serde(default)]
+        hbm: Option<StepHbm>,
+        /// Marked by `optimizer.step()`, not by the program: dropped (folded into the next)
+        /// once the program marks steps itself.
+        #[serde(default)]
+        auto: bool,
+    },
     /// The rank's Python stack while it is outside podsim calls (no reply).
     Stack {
         frames: Vec<String>,
@@ -103,6 +111,15 @@ pub enum Request {
     },
 }
 
+/// A rank's HBM over a step, as counted at its dispatcher: the peak of its live device bytes
+/// and their split by kind at that moment.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct StepHbm {
+    pub peak_bytes: u64,
+    #[serde(default)]
+    pub by_kind: Vec<(String, u64)>,
+}
+
 /// A value meta mode made up because the program asked for one (`.item()` of a tensor that
 /// has no values): what was asked, at which line, how many times.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -122,6 +139,23 @@ pub struct Frame {
     /// Meta mode: the request's tensor as a count of f32 words, with no payload.
     #[serde(default)]
     pub meta: Option<u64>,
+    /// A collective's id (its work): it runs on a communication stream from its issue, and
+    /// the compute stream waits for it only at a [`Waited`] naming it.
+    #[serde(default)]
+    pub work: Option<u64>,
+    /// Where the rank's compute stream waited for collectives since its previous request,
+    /// each after the compute it ran before waiting; the frame's own `compute` follows them.
+    #[serde(default)]
+    pub waits: Vec<Waited>,
+}
+
+/// The compute stream waited for collectives `works`, after running `compute`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct Waited {
+    #[serde(default)]
+    pub compute: Compute,
+    #[serde(default)]
+    pub works: Vec<u64>,
 }
 
 /// Torch ops a rank ran, counted at the dispatcher: matrix products by shape, everything else

@@ -1,0 +1,209 @@
+//! Checking that a representative rank stands for the others (`--verify-ranks`).
+//!
+//! In meta mode one process (rank 0, on the mirror fabric) stands for every rank of a pod that
+//! its torus and device mesh make alike; that holds only if every rank's program calls the
+//! same collectives in the same order. A few other ranks, spread over the pod, run too as
+//! *shadows*: their collectives do not run on the fabric (their chips are the
+//! representative's translates); each is compared with the representative's call of the same
+//! index, and the first that differs - a rank-dependent branch, a skipped backward, a
+//! different size - ends the job as a desync naming the rank, both collectives and both
+//! Python lines.
+
+use std::sync::Mutex;
+
+use podsim_collectives::{CollectiveError, DType, Fingerprint, OpKind, ReduceOp};
+use tokio::sync::Notify;
+
+use super::ranks::{Rank, exited};
+use super::wire::{Reply, Request};
+use super::TorchSpec;
+use crate::error::WorkerError;
+
+/// One collective as ranks are compared on it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Call {
+    pub fingerprint: Fingerprint,
+    pub site: String,
+}
+
+impl Call {
+    /// The `seq`-th collective of a rank (`None` for requests that are not collectives).
+    pub fn of(request: &Request, site: Option<&str>, words: u64, seq: u64) -> Option<Call> {
+        let (group, op, dtype, reduce) = match request {
+            Request::AllReduce { group, reduce, dtype } => {
+                (*group, OpKind::AllReduce, (*dtype).into(), Some(ReduceOp::from(*reduce)))
+            }
+            Request::AllGather { group, dtype } => (*group, OpKind::AllGather, (*dtype).into(), None),
+            Request::ReduceScatter { group, reduce, dtype } => (
+                *group,
+                OpKind::ReduceScatter,
+                (*dtype).into(),
+                Some(ReduceOp::from(*reduce)),
+            ),
+            Request::Broadcast { group, dtype, .. } => (*group, OpKind::Broadcast, (*dtype).into(), None),
+            Request::AllToAll { group, dtype } => (*group, OpKind::AllToAll, (*dtype).into(), None),
+            Request::Barrier { group } => (*group, OpKind::Barrier, DType::F32, None),
+            Request::Send { .. } | Request::Recv { .. } => (u32::MAX, OpKind::SendRecv, DType::F32, None),
+            _ => return None,
+        };
+        Some(Call {
+            fingerprint: Fingerprint {
+                // A group by its index in the rank's program: ranks that create their groups
+                // in the same order number them alike.
+                group: u64::from(group),
+                seq,
+                op,
+                dtype,
+                count: words,
+                reduce,
+            },
+            site: site.unwrap_or("an unknown line").to_string(),
+        })
+    }
+}
+
+/// The representative's collectives, in order, as its chip runs them.
+#[derive(Debug, Default)]
+pub struct Reference {
+    calls: Mutex<Vec<Call>>,
+    ended: Mutex<Option<String>>,
+    changed: Notify,
+}
+
+impl Reference {
+    pub fn push(&self, call: Call) {
+        if let Ok(mut calls) = self.calls.lock() {
+            calls.push(call);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The representative's program ended (`how`: its last line or exit).
+    pub fn end(&self, how: String) {
+        if let Ok(mut ended) = self.ended.lock() {
+            ended.get_or_insert(how);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The representative's `seq`-th call, once it made it; `Err` with how it ended if it
+    /// ended before.
+    async fn call(&self, seq: usize) -> Result<Call, String> {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(call) = self.calls.lock().ok().and_then(|c| c.get(seq).cloned()) {
+                return Ok(call);
+            }
+            if let Some(how) = self.ended.lock().ok().and_then(|e| e.clone()) {
+                return Err(how);
+            }
+            notified.await;
+        }
+    }
+
+}
+
+/// Serves shadow rank `rank`: every request is answered at once (meta mode moves no values),
+/// every collective compared with the representative's of the same index. Ends when the rank
+/// exits; an error is the desync, or the rank's failure.
+pub async fn serve_shadow(
+    mut rank: Rank,
+    spec: &TorchSpec,
+    reference: &Reference,
+    representative: u32,
+) -> Result<(), WorkerError> {
+    let bound = std::time::Duration::from_secs(spec.connect_timeout_s);
+    let link = tokio::select! {
+        link = &mut rank.link => link.ok(),
+        _ = exited(&mut rank.exit) => None,
+        () = tokio::time::sleep(bound) => None,
+    };
+    let Some(mut link) = link else {
+        return Err(shadow_exit(&rank, "ended without connecting to podsim"));
+    };
+    let mut seq = 0usize;
+    let mut said_bye = false;
+    while let Some(next) = link.requests.recv().await {
+        let (frame, values) = next.map_err(WorkerError::Invalid)?;
+        let words = super::serve::words_of(&frame.request, frame.meta, &values);
+        match &frame.request {
+            Request::Raised { .. } => continue, // no reply: its exit is reported below
+            Request::Bye { .. } => said_bye = true,
+            _ => {}
+        }
+        if let Some(mine) = Call::of(&frame.request, frame.site.as_deref(), words, seq as u64) {
+            let theirs = reference.call(seq).await.map_err(|how| {
+                ended_early(rank.rank, &mine, representative, &how)
+            })?;
+            if mine.fingerprint != theirs.fingerprint {
+                return Err(desync(rank.rank, mine, representative, theirs));
+            }
+            seq += 1;
+        }
+        let reply = Reply {
+            error: None,
+            clock_ns: 0.0,
+        };
+        let _ = link.replies.send((reply, None)).await;
+    }
+    if said_bye {
+        // Every call the representative makes, the shadow must have made too.
+        if let Ok(theirs) = reference.call(seq).await {
+            return Err(desync_missing(rank.rank, seq, representative, theirs));
+        }
+    }
+    match exited(&mut rank.exit).await {
+        Some(e) if e.success() => Ok(()),
+        other => Err(shadow_exit(
+            &rank,
+            &other.map_or("closed its connection".into(), |e| e.to_string()),
+        )),
+    }
+}
+
+fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> WorkerError {
+    WorkerError::AtCallSites {
+        error: Box::new(CollectiveError::Mismatch {
+            chip: rank,
+            mine: mine.fingerprint,
+            peer: representative,
+            theirs: theirs.fingerprint,
+        }),
+        chip: rank,
+        mine: mine.site,
+        peer: representative,
+        theirs: theirs.site,
+    }
+}
+
+/// The shadow ended its program where the representative went on to `theirs`.
+fn desync_missing(rank: u32, seq: usize, representative: u32, theirs: Call) -> WorkerError {
+    WorkerError::Invalid(format!(
+        "desync: rank {rank} ended its program after {seq} collectives, where its \
+         representative rank {representative} went on to {} at {}",
+        theirs.fingerprint, theirs.site
+    ))
+}
+
+fn ended_early(rank: u32, mine: &Call, representative: u32, how: &str) -> WorkerError {
+    WorkerError::Invalid(format!(
+        "desync: rank {rank} called {} at {}, but its representative rank {representative} \
+         made no such call: it {how}",
+        mine.fingerprint, mine.site
+    ))
+}
+
+fn shadow_exit(rank: &Rank, how: &str) -> WorkerError {
+    WorkerError::RankExited {
+        chip: rank.rank,
+        pid: rank.pid,
+        how: how.to_string(),
+        stderr_tail: rank
+            .stderr_tail
+            .lock()
+            .map(|t| t.iter().cloned().collect())
+            .unwrap_or_default(),
+    }
+}
