@@ -102,9 +102,7 @@ fn verify_ranks_key(value: &str) -> Result<String, CliError> {
         .filter(|s| !s.is_empty())
         .map(|s| s.parse().map_err(|_| bad()))
         .collect::<Result<_, _>>()?;
-    let is_count = !value.contains(',')
-        && ranks.len() == 1
-        && ranks[0] <= config::MAX_VERIFY_RANKS;
+    let is_count = !value.contains(',') && ranks.len() == 1 && ranks[0] <= config::MAX_VERIFY_RANKS;
     Ok(if is_count {
         format!("verify_count = {}\n", ranks[0])
     } else {

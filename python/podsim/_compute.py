@@ -87,6 +87,9 @@ class Compute(TorchDispatchMode):
         # `fused` eager mode: chains of element-wise ops as one pass (`Chain`); None in
         # `strict` and `debug`, where every op is its own kernel.
         self.chain = Chain() if eager == "fused" else None
+        # Meta mode: ops on real (CPU) tensors are the host's bookkeeping (an optimizer's step
+        # count), not the chip's kernels; in data mode every op runs for the chip.
+        self.host_ops_free = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
@@ -99,7 +102,7 @@ class Compute(TorchDispatchMode):
                 # wrappers) run nothing on the chip: not counted.
                 return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        if self.paused:
+        if self.paused or (self.host_ops_free and not _on_meta(args, out)):
             return out
         if self.memory is not None:
             self.memory.allocated(out, func)
@@ -171,6 +174,11 @@ class Compute(TorchDispatchMode):
         self._attention[key] = self._attention.get(key, 0) + 1
 
 
+def _on_meta(args, out):
+    """Whether an op touched a meta tensor (the chip's, in meta mode)."""
+    return any(t.is_meta for a in (*args, out) for t in _tensors(a))
+
+
 def _tensors(x):
     if isinstance(x, torch.Tensor):
         return (x,)
@@ -205,15 +213,20 @@ class Chain:
             elif key not in self.consumed:
                 self.read += t.nbytes + self.unwritten.pop(key, 0)
         for t in _tensors(out):
-            self.written[t.untyped_storage()._cdata] = t.nbytes
+            storage = t.untyped_storage()
+            self.written[storage._cdata] = (t.nbytes, storage)
         self.ops += 1
 
     def flush(self, compute):
         if not self.ops:
             return
-        compute._pass_bytes += self.read + sum(self.written.values())
+        compute._pass_bytes += self.read + sum(n for n, _ in self.written.values())
         compute._kernels += 1
-        self.unwritten.update(self.consumed)
+        for key, (n, storage) in self.consumed.items():
+            if key not in self.unwritten:
+                # Forgotten when freed: another storage may take its address.
+                weakref.finalize(storage, self.forget, key)
+            self.unwritten[key] = n
         self.written, self.consumed, self.read, self.ops = {}, {}, 0, 0
 
     def read_outside(self, t):
@@ -292,18 +305,32 @@ class Memory:
         self.total = 0
         self.peak = 0
         self.peak_by_kind = dict(self.by_kind)
-        # Told of every storage freed (the fused chain forgets it).
-        self.on_free = None
+        # Set while the program makes tensors it asked to have on the meta device itself
+        # (`with torch.device("meta")`): no memory on any device, in meta mode as in a real run.
+        self.untracked = 0
+        self.ignored = set()
 
     def allocated(self, out, func):
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
-                self._track(t, func)
+                if self.untracked:
+                    self._ignore(t)
+                else:
+                    self._track(t, func)
+
+    def _ignore(self, t):
+        """`t`'s storage is the program's own meta tensor: never counted, even when an op
+        writes it in place later (a module's `reset_parameters`)."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key not in self.ignored and key not in self.live:
+            self.ignored.add(key)
+            weakref.finalize(storage, self.ignored.discard, key)
 
     def _track(self, t, func):
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in self.live:
+        if key in self.live or key in self.ignored:
             return
         n = storage.nbytes()
         self.live[key] = [n, _TRANSIENT]
@@ -317,12 +344,26 @@ class Memory:
             self._out_of_memory(func)
 
     def _freed(self, key):
-        if self.on_free is not None:
-            self.on_free(key)
         entry = self.live.pop(key, None)
         if entry is not None:
             self.by_kind[entry[1]] -= entry[0]
             self.total -= entry[0]
+
+    def resized(self, storage):
+        """`storage` changed size in place (FSDP2 frees and refills its unsharded parameters
+        with `untyped_storage().resize_`, keeping the storage)."""
+        entry = self.live.get(storage._cdata)
+        if entry is None:
+            return
+        n = storage.nbytes()
+        self.by_kind[entry[1]] += n - entry[0]
+        self.total += n - entry[0]
+        entry[0] = n
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_by_kind = dict(self.by_kind)
+        if self.capacity and self.total > self.capacity:
+            self._out_of_memory("UntypedStorage.resize_")
 
     def classify(self, tensor, kind):
         """`tensor`'s storage is of `kind` (a DTensor's local shard is what the chip holds)."""

@@ -14,6 +14,7 @@ interpreter (``podsim run`` puts a ``sitecustomize`` on its ``PYTHONPATH``), it
 ``podsim run --no-intercept`` leaves the program as it is.
 """
 
+import importlib
 import os
 import sys
 
@@ -284,11 +285,10 @@ def _streams_are_podsims():
     cuda.current_stream, cuda.default_stream = _streams.current_stream, _streams.default_stream
     cuda.stream, cuda.set_stream = _streams.stream, _streams.set_stream
     cuda.synchronize = _streams.synchronize
-    import torch.distributed.device_mesh as dm
-    import torch.distributed.fsdp  # noqa: F401  (loads the modules patched below)
-    import torch.distributed.tensor  # noqa: F401
-
-    handle_of = dm._get_device_handle
+    # Loaded now, so that every module holding `_get_device_handle` is patched below.
+    for name in ("torch.distributed.fsdp", "torch.distributed.tensor"):
+        importlib.import_module(name)
+    handle_of = importlib.import_module("torch.distributed.device_mesh")._get_device_handle
 
     def device_handle(device_type="cuda"):
         return _streams.HANDLE if device_type == "meta" else handle_of(device_type)

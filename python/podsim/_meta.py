@@ -22,6 +22,7 @@ here, since on the meta device they have nothing to check.
 """
 
 import collections
+import contextlib
 import sys
 
 import torch
@@ -64,8 +65,10 @@ class Fake(DeviceMap):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if _is_factory(func):
+            asked_meta = _is_meta(kwargs.get("device"))
             kwargs["device"] = META
-            out = func(*args, **kwargs)
+            with _untracked(asked_meta):
+                out = func(*args, **kwargs)
             if out.dim() == 0:  # bookkeeping keeps its value
                 kwargs["device"] = "cpu"
                 return func(*args, **kwargs)
@@ -77,6 +80,24 @@ class Fake(DeviceMap):
         if "device" in kwargs:
             kwargs["device"] = META
         return func(*args, **kwargs)
+
+
+def _is_meta(device):
+    return device is not None and torch.device(device).type == "meta"
+
+
+@contextlib.contextmanager
+def _untracked(really):
+    """Tensors made inside are not the chip's memory (the program asked for meta tensors)."""
+    rank = backend._rank
+    memory = rank.compute.memory if really and rank is not None else None
+    if memory is not None:
+        memory.untracked += 1
+    try:
+        yield
+    finally:
+        if memory is not None:
+            memory.untracked -= 1
 
 
 def _moved(func, args, kwargs):

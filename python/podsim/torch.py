@@ -59,9 +59,9 @@ class _Rank:
             device_type = "meta" if os.environ.get("PODSIM_MODE") == "meta" else "cpu"
             capacity = float(os.environ.get("PODSIM_HBM_BYTES", "0"))
             hardware = os.environ.get("PODSIM_HARDWARE", "modelled")
+            self.compute.host_ops_free = device_type == "meta"
             self.compute.memory = Memory(device_type, capacity, hardware)
-            if self.compute.chain is not None:
-                self.compute.memory.on_free = self.compute.chain.forget
+            _storage_resizes_reach(self.compute.memory)
             self.compute.__enter__()
             price_attention_as_flash(self.compute)
         self.in_call = 0
@@ -84,7 +84,7 @@ class _Rank:
         if self.done:
             raise PodsimError("podsim: the process group was shut down")
         self.in_call += 1
-        self.compute.paused = True
+        was, self.compute.paused = self.compute.paused, True
         try:
             if self.pending_waits:
                 request["waits"], self.pending_waits = self.pending_waits, []
@@ -94,7 +94,7 @@ class _Rank:
             self.clock_ns = reply.get("clock_ns", self.clock_ns)
             return values
         finally:
-            self.compute.paused = False
+            self.compute.paused = was
             self.in_call -= 1
 
     def step_request(self, auto=False):
@@ -147,6 +147,19 @@ class _Rank:
 
 
 _rank = None
+
+
+def _storage_resizes_reach(memory):
+    """In-place storage resizes (how FSDP2 frees and refills unsharded parameters) reach the
+    HBM count; they are no tensor op, so the dispatcher does not see them."""
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = resize(storage, size)
+        memory.resized(storage)
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
 
 
 def _connect():
@@ -389,10 +402,13 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         fields["work"] = work = self._node.next_work
         self._node.next_work += 1
         self._call_works.append(work)
-        _streams.issued(work)
-        if values.is_meta:
-            return self._chip_sizes(op, values.numel(), **fields)
-        return self._node.call({"op": op, "group": self._id, **fields}, values)
+        try:
+            if values.is_meta:
+                return self._chip_sizes(op, values.numel(), **fields)
+            return self._node.call({"op": op, "group": self._id, **fields}, values)
+        finally:
+            # In flight from here (a wait for it rides on a later request, never this one).
+            _streams.issued(work)
 
     def _done(self, result=None):
         """The work of the entry point that ran the collectives since the last one."""
@@ -419,6 +435,8 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             t.copy_(out.view(t.shape))
         else:
             rows = self._all_gather_words(t)
+            if t.is_meta:  # sizes only: no rows to reduce (one per rank, 4,096 of them)
+                return
             stacked = torch.stack([_from_words(r, t) for r in rows])
             t.copy_(_reduce_locally(stacked, op))
 
@@ -435,6 +453,8 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             out.copy_(got.view(out.shape))
         else:
             rows = self._all_gather_words(inp)
+            if inp.is_meta:
+                return
             stacked = torch.stack([_from_words(r, inp).reshape(-1) for r in rows])
             mine = _reduce_locally(stacked, op).view(n, -1)[self.rank()]
             out.copy_(mine.view(out.shape))
@@ -460,12 +480,16 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts):
         for outs, inp in zip(output_tensors, input_tensors):
             rows = self._all_gather_words(inp)
+            if inp.is_meta:
+                continue
             for o, r in zip(outs, rows):
                 o.copy_(_from_words(r, inp).view(o.shape))
         return self._done(output_tensors)
 
     def all_gather_single(self, output, input, opts):
         rows = self._all_gather_words(input)
+        if input.is_meta:
+            return self._done([output])
         parts = [_from_words(r, input).reshape(-1) for r in rows]
         output.copy_(torch.cat(parts).view(output.shape))
         return self._done([output])
@@ -503,7 +527,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
 
     def gather(self, output_tensors, input_tensors, opts):
         rows = self._all_gather_words(input_tensors[0])
-        if self.rank() == opts.rootRank:
+        if self.rank() == opts.rootRank and not rows.is_meta:
             for o, r in zip(output_tensors[0], rows):
                 o.copy_(_from_words(r, input_tensors[0]).view(o.shape))
         return self._done(output_tensors)
@@ -584,6 +608,34 @@ class ProcessGroupPodsim(dist.ProcessGroup):
 
     def end_coalescing(self, device):
         return _Done()
+
+
+def _uncounted(method):
+    """`method` with the rank's compute counting paused: moving a collective's values in and
+    out of the chip's buffers is podsim's work, not the program's (on a TPU the collective
+    writes its output in place)."""
+
+    def entry(self, *args, **kwargs):
+        compute = self._node.compute
+        was, compute.paused = compute.paused, True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            compute.paused = was
+
+    entry.__name__ = method.__name__
+    entry.__doc__ = method.__doc__
+    return entry
+
+
+# The entry points torch.distributed calls (named as the C++ trampoline calls them).
+for _name in (
+    "allreduce", "allreduce_coalesced", "allgather", "all_gather_single",
+    "allgather_into_tensor_coalesced", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "gather", "scatter", "barrier",
+    "alltoall_base", "alltoall", "send", "recv",
+):
+    setattr(ProcessGroupPodsim, _name, _uncounted(getattr(ProcessGroupPodsim, _name)))
 
 
 def _create(opts, backend_options):

@@ -125,7 +125,16 @@ fn kernels(compute: &Compute) -> impl Iterator<Item = (Kernel, f64, f64)> + '_ {
         (kernel, elem_bytes as f64, calls as f64)
     });
     let attention = compute.attention.iter().map(|a| {
-        let [batch, seq, heads, head_dim, causal, backward, elem_bytes, calls] = *a;
+        let [
+            batch,
+            seq,
+            heads,
+            head_dim,
+            causal,
+            backward,
+            elem_bytes,
+            calls,
+        ] = *a;
         let kernel = Kernel::Attention {
             seqs: batch as usize,
             seq: seq as usize,
@@ -264,7 +273,12 @@ async fn serve_rank(
             Some(Err(e)) => return Err(WorkerError::Invalid(e)),
             None => break,
         };
-        handle(chip, &mut served, &mut link, spec, sites, reference, frame, values).await?;
+        let context = Context {
+            spec,
+            sites,
+            reference,
+        };
+        handle(chip, &mut served, &mut link, &context, frame, values).await?;
     }
     let exit = wait_exit(rank).await;
     finish(chip, rank, served, exit)
@@ -349,16 +363,27 @@ fn finish(
     Ok(served.report)
 }
 
+/// What every request of a rank is served with: the job, where each rank called from, and
+/// the representative's calls for `--verify-ranks` (when it is one with shadows).
+struct Context<'a> {
+    spec: &'a TorchSpec,
+    sites: &'a CallSites,
+    reference: Option<&'a Reference>,
+}
+
 async fn handle(
     chip: &mut Chip,
     served: &mut Served,
     link: &mut RankLink,
-    spec: &TorchSpec,
-    sites: &CallSites,
-    reference: Option<&Reference>,
+    context: &Context<'_>,
     frame: Frame,
     values: Vec<f32>,
 ) -> Result<(), WorkerError> {
+    let Context {
+        spec,
+        sites,
+        reference,
+    } = *context;
     for waited in &frame.waits {
         served.charge(chip, &waited.compute);
         let ready = waited
@@ -526,9 +551,7 @@ pub(super) fn words_of(request: &Request, meta: Option<u64>, values: &[f32]) -> 
 /// before the call returns.
 fn stream_of(request: &Request) -> Option<usize> {
     match request {
-        Request::AllGather { .. } | Request::Broadcast { .. } | Request::AllToAll { .. } => {
-            Some(0)
-        }
+        Request::AllGather { .. } | Request::Broadcast { .. } | Request::AllToAll { .. } => Some(0),
         Request::AllReduce { .. } | Request::ReduceScatter { .. } => Some(1),
         _ => None,
     }

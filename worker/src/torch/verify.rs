@@ -14,9 +14,9 @@ use std::sync::Mutex;
 use podsim_collectives::{CollectiveError, DType, Fingerprint, OpKind, ReduceOp};
 use tokio::sync::Notify;
 
+use super::TorchSpec;
 use super::ranks::{Rank, exited};
 use super::wire::{Reply, Request};
-use super::TorchSpec;
 use crate::error::WorkerError;
 
 /// One collective as ranks are compared on it.
@@ -30,20 +30,37 @@ impl Call {
     /// The `seq`-th collective of a rank (`None` for requests that are not collectives).
     pub fn of(request: &Request, site: Option<&str>, words: u64, seq: u64) -> Option<Call> {
         let (group, op, dtype, reduce) = match request {
-            Request::AllReduce { group, reduce, dtype } => {
-                (*group, OpKind::AllReduce, (*dtype).into(), Some(ReduceOp::from(*reduce)))
+            Request::AllReduce {
+                group,
+                reduce,
+                dtype,
+            } => (
+                *group,
+                OpKind::AllReduce,
+                (*dtype).into(),
+                Some(ReduceOp::from(*reduce)),
+            ),
+            Request::AllGather { group, dtype } => {
+                (*group, OpKind::AllGather, (*dtype).into(), None)
             }
-            Request::AllGather { group, dtype } => (*group, OpKind::AllGather, (*dtype).into(), None),
-            Request::ReduceScatter { group, reduce, dtype } => (
+            Request::ReduceScatter {
+                group,
+                reduce,
+                dtype,
+            } => (
                 *group,
                 OpKind::ReduceScatter,
                 (*dtype).into(),
                 Some(ReduceOp::from(*reduce)),
             ),
-            Request::Broadcast { group, dtype, .. } => (*group, OpKind::Broadcast, (*dtype).into(), None),
+            Request::Broadcast { group, dtype, .. } => {
+                (*group, OpKind::Broadcast, (*dtype).into(), None)
+            }
             Request::AllToAll { group, dtype } => (*group, OpKind::AllToAll, (*dtype).into(), None),
             Request::Barrier { group } => (*group, OpKind::Barrier, DType::F32, None),
-            Request::Send { .. } | Request::Recv { .. } => (u32::MAX, OpKind::SendRecv, DType::F32, None),
+            Request::Send { .. } | Request::Recv { .. } => {
+                (u32::MAX, OpKind::SendRecv, DType::F32, None)
+            }
             _ => return None,
         };
         Some(Call {
@@ -102,7 +119,6 @@ impl Reference {
             notified.await;
         }
     }
-
 }
 
 /// Serves shadow rank `rank`: every request is answered at once (meta mode moves no values),
@@ -134,9 +150,10 @@ pub async fn serve_shadow(
             _ => {}
         }
         if let Some(mine) = Call::of(&frame.request, frame.site.as_deref(), words, seq as u64) {
-            let theirs = reference.call(seq).await.map_err(|how| {
-                ended_early(rank.rank, &mine, representative, &how)
-            })?;
+            let theirs = reference
+                .call(seq)
+                .await
+                .map_err(|how| ended_early(rank.rank, &mine, representative, &how))?;
             if mine.fingerprint != theirs.fingerprint {
                 return Err(desync(rank.rank, mine, representative, theirs));
             }
@@ -169,7 +186,7 @@ fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> WorkerErr
             chip: rank,
             mine: mine.fingerprint,
             peer: representative,
-            theirs: theirs.fingerprint,
+            theirs: theirs.fingerprint.to_string(),
         }),
         chip: rank,
         mine: mine.site,
