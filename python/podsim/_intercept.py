@@ -14,6 +14,7 @@ interpreter (``podsim run`` puts a ``sitecustomize`` on its ``PYTHONPATH``), it
 ``podsim run --no-intercept`` leaves the program as it is.
 """
 
+import contextlib
 import importlib
 import os
 import sys
@@ -72,6 +73,7 @@ def _every_group_is_podsims():
     start = c10d.init_process_group
 
     def init_process_group(backend_name=None, *args, **kwargs):
+        kwargs.pop("backend", None)  # named as a keyword: replaced all the same
         # podsim's ranks meet on their chips, not at a TCP store: a store in each process
         # serves torch's own bookkeeping, and no rank waits at a rendezvous for ranks that a
         # representative stands for (meta mode runs one process for many ranks).
@@ -150,6 +152,7 @@ def _devices_are_podsims():
     cuda.is_bf16_supported = lambda including_emulation=True: True
     cuda.get_device_name = lambda device=None: os.environ.get("PODSIM_HARDWARE", "podsim")
     cuda.reset_peak_memory_stats = lambda device=None: None
+    _accelerator_is_podsims(local_rank)
     torch.Tensor.pin_memory = lambda self, device=None: self
     torch.Tensor.cuda = lambda self, device=None, non_blocking=False, memory_format=None: self.to(
         target
@@ -178,6 +181,26 @@ def _ddp_without_device_ids():
         ddp_init(self, module, None, None, *args, **kwargs)
 
     ddp.__init__ = init
+
+
+def _accelerator_is_podsims(local_rank):
+    """`torch.accelerator` (torch's device-generic API) reports one accelerator per rank, of
+    type `cuda`, which lands on podsim's device like any `cuda` device: programs that look for
+    one (and exit without it) run as they would on a GPU."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is None:
+        return
+    acc.is_available = lambda *a, **k: True
+    acc.current_accelerator = lambda *a, **k: torch.device("cuda")
+    acc.device_count = lambda: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    acc.current_device_index = lambda: local_rank
+    acc.current_device_idx = acc.current_device_index
+    acc.set_device_index = lambda device: None
+    acc.set_device_idx = acc.set_device_index
+    acc.device_index = lambda device: contextlib.nullcontext()
+    acc.synchronize = lambda device=None: _streams.synchronize()
+    acc.current_stream = _streams.current_stream
+    acc.set_stream = _streams.set_stream
 
 
 def _meshes_on(device_type):
@@ -273,6 +296,17 @@ def _steps_at_optimizer_steps():
                 if p is not None:
                     hbm.classify(p, "parameters")
 
+    optimizer_init = torch.optim.Optimizer.__init__
+
+    def init(optimizer, params, defaults, *args, **kwargs):
+        optimizer_init(optimizer, params, defaults, *args, **kwargs)
+        hbm = memory()
+        if hbm is not None:  # what it updates is the model's parameters, from now on
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    hbm.classify(p, "parameters")
+
+    torch.optim.Optimizer.__init__ = init
     register_optimizer_step_pre_hook(before_optimizer_step)
     register_optimizer_step_post_hook(after_optimizer_step)
     torch.nn.modules.module.register_module_forward_pre_hook(before_forward)

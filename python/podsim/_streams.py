@@ -84,6 +84,9 @@ class Stream:
     def query(self):
         return True
 
+    def is_capturing(self):
+        return False  # no CUDA graphs on podsim's device
+
     def __enter__(self):
         self._previous = current_stream()
         set_stream(self)
