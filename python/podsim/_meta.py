@@ -181,10 +181,43 @@ def _values_get_stand_ins():
 def _fsdp_on_the_meta_device():
     """The parameters of a meta-mode program are meta tensors for good: FSDP2's check that
     they were materialised has nothing to check (its device handle and stream bookkeeping
-    are podsim's streams: `podsim._intercept`)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    are podsim's streams: `podsim._intercept`). FSDP2 cuts each parameter into one piece per
+    rank to keep one: at 110,592 ranks that is 110,592 tensors per parameter, minutes per
+    layer; the pieces are made when asked for instead (the same views)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_param_group
 
     _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    _fsdp_common._chunk_with_empty = _LazyChunks
+    _fsdp_param._chunk_with_empty = _LazyChunks
+
+
+class _LazyChunks:
+    """`torch.chunk(tensor, n, dim)` padded with empty tensors to `n` pieces (FSDP2's
+    `_chunk_with_empty`), each piece made when indexed."""
+
+    def __init__(self, tensor, num_chunks, dim):
+        self.tensor, self.n, self.dim = tensor, num_chunks, dim
+        self.size = -(-tensor.size(dim) // num_chunks) if tensor.dim() else 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        start = i * self.size
+        length = min(self.size, self.tensor.size(self.dim) - start)
+        if length <= 0:
+            # Past the data (as torch.chunk pads them): empty; the first is the empty slice.
+            return self.tensor.narrow(self.dim, 0, 0) if i == 0 else self.tensor.new_empty(0)
+        return self.tensor.narrow(self.dim, start, length)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
 
 
 def install():
