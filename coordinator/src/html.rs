@@ -631,6 +631,33 @@ fn collectives_section(b: &mut String, r: &Value) {
 }
 
 /// A PyTorch program: its steps as the slowest rank saw them, and each rank's collectives.
+/// Each step's peak HBM (the fullest rank's, counted at torch's dispatcher) by kind, and its
+/// hardware flops utilisation.
+fn torch_hbm_table(b: &mut String, steps: &[Value]) {
+    if steps.iter().all(|s| num(&s["peak_hbm_bytes"]) == 0.0) {
+        return;
+    }
+    let gib = |v: &Value| short(num(v) / (1u64 << 30) as f64);
+    b.push_str("<h2>HBM by step</h2>\n<table><tr><th>step</th><th class=\"num\">peak GiB</th><th>at the peak, GiB</th><th class=\"num\">HFU</th></tr>\n");
+    for s in steps {
+        let kinds: Vec<String> = s["hbm_by_kind"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|k| format!("{} {}", text(&k[0]), gib(&k[1])))
+            .collect();
+        let _ = writeln!(
+            b,
+            "<tr><td>{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}%</td></tr>",
+            text(&s["step"]),
+            gib(&s["peak_hbm_bytes"]),
+            esc(&kinds.join(", ")),
+            short(100.0 * num(&s["hfu"]))
+        );
+    }
+    b.push_str("</table>\n");
+}
+
 fn torch_section(b: &mut String, r: &Value) {
     let t = &r["torch"];
     if t.is_null() {
@@ -649,7 +676,7 @@ fn torch_section(b: &mut String, r: &Value) {
         let cats: Vec<String> = steps.iter().map(|s| text(&s["step"])).collect();
         let compute: Vec<f64> = steps.iter().map(|s| num(&s["compute_ms"])).collect();
         let exposed: Vec<f64> = steps.iter().map(|s| num(&s["exposed_comm_ms"])).collect();
-        b.push_str("<h2>Step time by step</h2>\n<p class=\"muted\">Each step marked with <code>podsim.torch.step()</code>, as its slowest rank spent it in virtual time: compute counted at torch's dispatcher, then the collectives it waited for.</p>\n");
+        b.push_str("<h2>Step time by step</h2>\n<p class=\"muted\">Each step (ended by <code>optimizer.step()</code> or <code>podsim.torch.step()</code>), as its slowest rank spent it in virtual time: compute counted at torch's dispatcher, then the collectives it waited for.</p>\n");
         b.push_str(&legend(&[
             (COMPUTE, "compute"),
             (EXPOSED, "exposed communication"),
@@ -662,6 +689,7 @@ fn torch_section(b: &mut String, r: &Value) {
             ],
             "ms",
         ));
+        torch_hbm_table(b, &steps);
     }
     b.push_str("<table><tr><th>rank</th><th>exit</th><th class=\"num\">virtual ms</th><th class=\"num\">compute ms</th><th class=\"num\">communication ms</th><th>collectives (calls)</th></tr>\n");
     for rank in t["ranks"].as_array().into_iter().flatten() {
