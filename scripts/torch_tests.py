@@ -279,6 +279,18 @@ def case_verify_ranks(args):
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {line[:500]}"
 
 
+def case_out_of_hbm(args):
+    """Meta mode: Llama-2-70B shapes on 8 chips do not fit a v5p's HBM: status error, naming
+    the op and the program's line, with the bytes by kind."""
+    p, wall, report = podsim_run(args, "2x2x2", "llama.py", "--model", "70b", "--batch", "4",
+                                 "--seq", "4096", flags=["--mode", "meta", "--verify-ranks", "0"])
+    text = p.stdout + p.stderr
+    said = re.search(r"out of HBM: .* at aten\.\w+.* \(.*llama\.py:\d+ .*parameters [1-9]", text)
+    status = (report or {}).get("status")
+    ok = p.returncode != 0 and status == "error" and said is not None
+    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {said.group(0)[:300] if said else text[-400:]}"
+
+
 def case_around_podsim(args):
     """A program whose collectives go around podsim (gloo, no interception) is an error."""
     p, wall, report = podsim_run(args, "2", "llama.py", flags=["--no-intercept"])
@@ -306,6 +318,7 @@ def main():
         ("meta mode: one representative times every rank", lambda: case_meta_representative(args)),
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
+        ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
         # Faults at different ranks and steps: an interior rank, the last rank, and rank 0
         # (which also hosts torch's store).
         ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),

@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use podsim_topology::{ChipId, Coord, Hardware, Link, Pod};
+use podsim_topology::{AxisPart, ChipId, Coord, Hardware, Link, Pod, PodAxis};
 
 use crate::chip::Chip;
 use crate::error::CollectiveError;
@@ -56,6 +56,20 @@ impl Symmetry {
             *s = lcm(*s, step.max(1));
         }
         self
+    }
+
+    /// This symmetry, keeping only the translations that map each of `parts` (a group's, a
+    /// mesh dimension's) onto a part of the same kind: along an axis that a part takes only a
+    /// segment of (it neither covers the axis nor closes into a ring), multiples of the block
+    /// the part repeats in (`stride x extent` chips).
+    pub fn keeping(self, parts: &[AxisPart], pod: &Pod) -> Symmetry {
+        parts
+            .iter()
+            .filter(|p| !p.is_whole(pod) && !p.wraps(pod))
+            .fold(self, |s, p| match p.axis {
+                PodAxis::Torus(a) => s.with_step(usize::from(a), p.stride * p.extent),
+                PodAxis::Slices => s,
+            })
     }
 
     /// Translation step per torus axis.

@@ -14,10 +14,8 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from llama import MODELS, Transformer
+from llama import MODELS, setup, sharded_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--skip-rank", type=int, default=1)
@@ -25,20 +23,10 @@ parser.add_argument("--skip-step", type=int, default=2)
 parser.add_argument("--steps", type=int, default=3)
 args = parser.parse_args()
 
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-device = "cuda" if torch.cuda.is_available() else "cpu"
-mesh = init_device_mesh(device, (world,))
+device, mesh = setup()
+rank = dist.get_rank()
 margs = MODELS["debug"]
-with torch.device("meta"):
-    model = Transformer(margs)
-policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-for layer in model.layers:
-    fully_shard(layer, mesh=mesh, mp_policy=policy)
-fully_shard(model, mesh=mesh, mp_policy=policy)
-model.to_empty(device=device)
-with torch.no_grad():
-    model.init_weights()
+model = sharded_model(margs, mesh, device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 for step in range(1, args.steps + 1):
     tokens = torch.randint(0, margs.vocab, (2, 65)).to(device)

@@ -148,25 +148,21 @@ class Transformer(nn.Module):
                 )
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=sorted(MODELS), default="debug")
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--out", default=None, help="save the final parameters here (rank 0)")
-    args = parser.parse_args()
-
+def setup():
+    """The process group and a 1-D data-parallel mesh: NCCL and CUDA when there is a GPU,
+    gloo and the CPU otherwise."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    return device, mesh
 
-    margs = MODELS[args.model]
+
+def sharded_model(margs, mesh, device):
+    """The model built on the meta device, FSDP2 per block then the root (bf16 parameters, f32
+    gradient reduction), materialised on `device` and initialised."""
     with torch.device("meta"):
         model = Transformer(margs)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -177,6 +173,23 @@ def main():
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights()
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(MODELS), default="debug")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--out", default=None, help="save the final parameters here (rank 0)")
+    args = parser.parse_args()
+
+    device, mesh = setup()
+    rank = dist.get_rank()
+    margs = MODELS[args.model]
+    model = sharded_model(margs, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=False)
 
     generator = torch.Generator().manual_seed(1234 + rank)

@@ -121,17 +121,14 @@ class DeviceMap(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = self.map_device(kwargs["device"])
-        name = getattr(func, "__name__", "")
-        if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
+        # `Tensor.cuda` and `pin_memory` are replaced outright (`_devices_are_podsims`): of
+        # the moves, only `.to(...)` reaches here.
+        if getattr(func, "__name__", "") == "to" and args and isinstance(args[0], torch.Tensor):
             return self.moved(func, args, kwargs)
-        if name == "pin_memory":
-            return args[0]
         return func(*args, **kwargs)
 
     def moved(self, func, args, kwargs):
-        """`Tensor.to(...)` / `Tensor.cuda(...)` with any accelerator mapped."""
-        if func.__name__ == "cuda":
-            return args[0].to(self.target, non_blocking=kwargs.get("non_blocking", False))
+        """`Tensor.to(...)` with any accelerator mapped."""
         if len(args) > 1 and _maps_to_podsim(args[1]):
             args = (args[0], self.target, *args[2:])
         return func(*args, **kwargs)
@@ -167,7 +164,6 @@ def _devices_are_podsims():
 
     torch.amp.autocast_mode.autocast.__init__ = autocast_init
     _meshes_on(target.type)
-    _ddp_without_device_ids()
     _ddp_without_device_ids()
 
 
@@ -236,18 +232,6 @@ def _meshes_on(device_type):
 
 def _mesh_device(asked, device_type):
     return device_type if _maps_to_podsim(asked) or asked == "cpu" else asked
-
-
-def _ddp_without_device_ids():
-    """DDP's `device_ids` name GPUs; its modules are on podsim's device, for which torch
-    wants none."""
-    ddp = torch.nn.parallel.DistributedDataParallel
-    ddp_init = ddp.__init__
-
-    def init(self, module, device_ids=None, output_device=None, *args, **kwargs):
-        ddp_init(self, module, None, None, *args, **kwargs)
-
-    ddp.__init__ = init
 
 
 # ---- steps and failures --------------------------------------------------------------------

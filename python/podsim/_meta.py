@@ -73,10 +73,9 @@ class Fake(DeviceMap):
                 kwargs["device"] = "cpu"
                 return func(*args, **kwargs)
             return out
-        if name in ("to", "cuda", "cpu") and args and isinstance(args[0], torch.Tensor):
+        # `Tensor.cuda` and `pin_memory` are replaced outright (`podsim._intercept`).
+        if name in ("to", "cpu") and args and isinstance(args[0], torch.Tensor):
             return _moved(func, args, kwargs)
-        if name == "pin_memory":
-            return args[0]
         if "device" in kwargs:
             kwargs["device"] = META
         return func(*args, **kwargs)
@@ -101,13 +100,13 @@ def _untracked(really):
 
 
 def _moved(func, args, kwargs):
-    """`t.to(...)`, `t.cuda()`, `t.cpu()`: a tensor asked onto any device lands on the meta
-    device, unless it is a real 0-d tensor (bookkeeping keeps its value); a dtype alone
-    changes the dtype where the tensor is."""
+    """`t.to(...)`, `t.cpu()`: a tensor asked onto any device lands on the meta device,
+    unless it is a real 0-d tensor (bookkeeping keeps its value); a dtype alone changes the
+    dtype where the tensor is."""
     t, rest = args[0], list(args[1:])
     device, dtype = kwargs.pop("device", None), kwargs.pop("dtype", None)
-    if func.__name__ in ("cuda", "cpu"):
-        device, rest = func.__name__, []
+    if func.__name__ == "cpu":
+        device, rest = "cpu", []
     elif rest and isinstance(rest[0], torch.Tensor):
         device, dtype = rest[0].device, rest[0].dtype
         rest = rest[1:]

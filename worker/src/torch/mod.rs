@@ -196,6 +196,7 @@ pub async fn run(
         return Ok(Vec::new());
     };
     let representative = (chips.len() == 1 && chips[0].mirrored()).then(|| chips[0].id());
+    let pod = chips[0].pod().clone();
     let shadows: Vec<u32> = match representative {
         Some(rep) => spec
             .verify_ranks
@@ -225,9 +226,9 @@ pub async fn run(
         .filter_map(|s| ranks.remove(s))
         .map(|rank| {
             let (spec, reference, failed) = (spec.clone(), reference.clone(), failed.clone());
-            let rep = representative.unwrap_or(0);
+            let (rep, pod) = (representative.unwrap_or(0), pod.clone());
             tokio::spawn(async move {
-                if let Err(e) = verify::serve_shadow(rank, &spec, &reference, rep).await {
+                if let Err(e) = verify::serve_shadow(rank, &spec, &reference, rep, &pod).await {
                     let _ = failed.send(e).await;
                 }
             })

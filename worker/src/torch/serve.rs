@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use podsim_collectives::procfs::stat_fields;
-use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
-use podsim_topology::{Group, Hardware};
+use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload, Symmetry};
+use podsim_topology::{Group, Hardware, Pod};
 
 use super::ranks::{Rank, RankExit, RankLink, exited};
 use super::verify::{Call, Reference};
@@ -513,28 +513,31 @@ async fn handle(
     Ok(())
 }
 
-/// `group`, if a representative chip on the mirror fabric can stand for it: each of its parts
-/// must be a whole torus axis or close around one (a ring), so that every translate of the
-/// group is a group of the same kind. A segment of an axis (a tensor-parallel group of 4 on an
-/// axis of 16) is alike only every 4 chips: one representative would time it wrongly.
+/// `group`, if a representative chip on the mirror fabric can stand for it: every
+/// translation of the torus must map the group onto a group of the same kind (the one
+/// representative's symmetry, `Symmetry::of_torus`). A segment of an axis (a tensor-parallel
+/// group of 4 on an axis of 16) is alike only every 4 chips: one representative would time
+/// it wrongly.
 fn alike_on_every_chip(chip: &Chip, group: Group) -> Result<Group, String> {
-    let pod = chip.pod();
     if !chip.mirrored() {
         return Ok(group);
     }
-    match group
-        .parts(pod)
-        .into_iter()
-        .find(|p| !p.is_whole(pod) && !p.wraps(pod))
-    {
-        None => Ok(group),
-        Some(part) => Err(format!(
-            "its {part:?} is a segment of a torus axis, alike only every {} chips along it, \
-             and one representative process stands for every rank in meta mode; run every \
-             rank with --set job.symmetric=false",
-            part.stride * part.extent
-        )),
+    represented(chip.pod(), group)
+}
+
+/// `group` if one representative (on a mirror fabric of every translation) stands for it.
+pub(super) fn represented(pod: &Pod, group: Group) -> Result<Group, String> {
+    let every = Symmetry::of_torus(pod);
+    let kept = every.clone().keeping(&group.parts(pod), pod);
+    if kept == every {
+        return Ok(group);
     }
+    Err(format!(
+        "it is alike only every {:?} chips along the torus axes, and one representative \
+         process stands for every rank in meta mode; run every rank with \
+         --set job.symmetric=false",
+        kept.steps()
+    ))
 }
 
 /// The f32 words a request moves (a meta-mode request names them; a receive asks for them).

@@ -12,6 +12,7 @@
 use std::sync::Mutex;
 
 use podsim_collectives::{CollectiveError, DType, Fingerprint, OpKind, ReduceOp};
+use podsim_topology::{Group, Pod};
 use tokio::sync::Notify;
 
 use super::TorchSpec;
@@ -129,6 +130,7 @@ pub async fn serve_shadow(
     spec: &TorchSpec,
     reference: &Reference,
     representative: u32,
+    pod: &Pod,
 ) -> Result<(), WorkerError> {
     let bound = std::time::Duration::from_secs(spec.connect_timeout_s);
     let link = tokio::select! {
@@ -159,8 +161,16 @@ pub async fn serve_shadow(
             }
             seq += 1;
         }
+        // A shadow's groups are judged as its representative's are (it sees the translate).
+        let error = match &frame.request {
+            Request::Group { ranks, .. } => Group::from_members(pod, rank.rank, ranks)
+                .and_then(|g| super::serve::represented(pod, g))
+                .err()
+                .map(|e| format!("podsim cannot make a group of ranks {ranks:?}: {e}")),
+            _ => None,
+        };
         let reply = Reply {
-            error: None,
+            error,
             clock_ns: 0.0,
         };
         let _ = link.replies.send((reply, None)).await;

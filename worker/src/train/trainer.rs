@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use podsim_collectives::bits::{fnv1a_f32, word_to_f32s};
 use podsim_collectives::{Algo, Chip, Comm, Nanos, Payload, ReduceOp, Symmetry};
-use podsim_topology::{AxisPart, Group, Pod, PodAxis};
+use podsim_topology::{AxisPart, Group, Pod};
 use serde::{Deserialize, Serialize};
 
 use crate::error::WorkerError;
@@ -105,18 +105,10 @@ impl TrainSpec {
             .collect())
     }
 
-    /// The translations this job's mesh maps onto itself under: those of the torus, and along
-    /// an axis that a mesh dimension takes only a segment of (a part that does not close into
-    /// a ring), multiples of the block the part repeats in (`stride x extent` chips).
+    /// The translations this job's mesh maps onto itself under ([`Symmetry::keeping`] its
+    /// dimensions' parts).
     pub fn symmetry(&self, pod: &Pod) -> Symmetry {
-        self.mesh_parts(pod)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|p| !p.is_whole(pod) && !p.wraps(pod))
-            .fold(Symmetry::of_torus(pod), |s, p| match p.axis {
-                PodAxis::Torus(a) => s.with_step(usize::from(a), p.stride * p.extent),
-                PodAxis::Slices => s,
-            })
+        Symmetry::of_torus(pod).keeping(&self.mesh_parts(pod).unwrap_or_default(), pod)
     }
 }
 
