@@ -291,6 +291,37 @@ def case_out_of_hbm(args):
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {said.group(0)[:300] if said else text[-400:]}"
 
 
+def case_replayed_steps(args, *script_args):
+    """Steps replayed from the steady one have the virtual times, compute and HBM of the same
+    steps counted op by op (`job.count=every`), the steps after rank 0's log lines (a
+    `.item()` the steady step does not make) included; a step whose inputs change shape is
+    caught and counted from that point (`partial`), and the steps after it are exact again."""
+    p1, _, steady = podsim_run(args, "2x2x2", "ddp.py", "--steps", "32", *script_args)
+    p2, _, every = podsim_run(args, "2x2x2", "ddp.py", "--steps", "32", *script_args,
+                              flags=["--set", "job.count=every"])
+    if p1.returncode or p2.returncode:
+        return False, f"exits {p1.returncode}, {p2.returncode}: {p1.stdout[-600:]}{p2.stdout[-600:]}"
+    kinds = [s["counting"] for s in steady["torch"]["ranks"][0]["steps"]]
+    a, b = steady["torch"]["steps"], every["torch"]["steps"]
+    # Times to 1e-6 (the setup step's count can differ by a few bytes between runs of the same
+    # mode); HBM within 5 %: a peak may include a transient the stack sampler's thread held
+    # alive for a moment, in either run.
+    tolerances = {"virtual_ms": 1e-6, "compute_ms": 1e-6, "exposed_comm_ms": 1e-6, "hfu": 1e-6,
+                  "peak_hbm_bytes": 0.05}
+    # The step whose batches change length: caught after its first torch call on them.
+    changed = int(script_args[1].split(":")[0]) if script_args else None
+    differ = [(i, f) for i, (x, y) in enumerate(zip(a, b)) if i != changed
+              for f, tol in tolerances.items() if abs(x[f] - y[f]) > tol * abs(y[f]) + 1e-9]
+    partial = [i for i, k in enumerate(kinds) if k == "partial"]
+    # Rank 0 logs at every fifth step, after its end.
+    logged = [i for i in range(6, 32, 5)]
+    ok = (len(a) == len(b) == 32 and not differ
+          and set(partial) <= set(logged + ([changed] if changed else []))
+          and kinds.count("replayed") >= 15)
+    return ok, (f"{kinds.count('counted')} counted, {kinds.count('replayed')} replayed, partial "
+                f"{partial}; steps that differ from counting every op: {differ}")
+
+
 def case_around_podsim(args):
     """A program whose collectives go around podsim (gloo, no interception) is an error."""
     p, wall, report = podsim_run(args, "2", "llama.py", flags=["--no-intercept"])
@@ -315,6 +346,9 @@ def main():
         ("pipeline (send/recv) matches gloo", lambda: case_same_as_gloo(args, "pipeline.py", "2x2x2")),
         ("an unedited llama (gloo, FSDP2, bf16) matches gloo", lambda: case_same_as_gloo(args, "llama.py", "2x2x2", tol=1e-5)),
         ("an unedited nccl/cuda program runs on podsim", lambda: case_unedited_cuda(args)),
+        ("replayed steps time as counted ones", lambda: case_replayed_steps(args)),
+        ("a batch of another length is caught in replay",
+         lambda: case_replayed_steps(args, "--seq-after", "12:8")),
         ("meta mode: one representative times every rank", lambda: case_meta_representative(args)),
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),

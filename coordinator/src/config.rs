@@ -14,8 +14,8 @@ use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
 use podsim_topology::{
     Group, HARDWARE_KEYS, Hardware, HardwareOverrides, Link, MAX_CHIPS, Placement, Pod, Torus,
 };
-use podsim_worker::protocol::TorchSpec;
 use podsim_worker::protocol::{CollectiveStep, JobSpec, Program, Transport};
+use podsim_worker::protocol::{Count, TorchSpec};
 use podsim_worker::protocol::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::tls::{Tls, TlsFiles};
 use podsim_worker::train::strategy::Plan;
@@ -357,6 +357,7 @@ table! {
         verify: Option<bool> [collectives],
         strategy: Option<String> [train],
         eager: Option<String> [train, torch],
+        count: Option<String> [torch],
         steps: Option<u32> [train] {1..=1_000_000},
         batch: Option<usize> [train] {1..=WIDTH},
         grad_accum: Option<u32> [train] {1..=65_536},
@@ -1455,6 +1456,7 @@ fn torch(
     }
     let algo: Algo = job_value(p, "algo", j.algo.as_deref(), "torus")?;
     let eager: Option<Eager> = job_value(p, "eager", j.eager.as_deref(), "fused");
+    let count: Option<Count> = job_value(p, "count", j.count.as_deref(), "steady");
     let Some(program) = j.program.as_deref().filter(|s| !s.trim().is_empty()) else {
         p.add(
             "job",
@@ -1482,6 +1484,7 @@ fn torch(
         meta,
         intercept: j.intercept.unwrap_or(true),
         eager: eager?,
+        count: count?,
         verify_ranks: verify_ranks(p, j, pod, meta),
     })
 }

@@ -83,14 +83,17 @@ def loss_of(model, inputs, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train(model, steps, rank):
-    """`steps` steps of SGD with momentum on this rank's batches; returns steps/s (wall)."""
+def train(model, steps, rank, seq_after=None):
+    """`steps` steps of SGD with momentum on this rank's batches; returns steps/s (wall).
+    `seq_after` (`(step, seq)`): from that step on the batches are `seq` tokens long, as from
+    a loader of texts of varying length."""
     import time
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = time.perf_counter()
     for step in range(steps):
-        inputs, targets = batch(step, rank)
+        seq = seq_after[1] if seq_after and step >= seq_after[0] else 16
+        inputs, targets = batch(step, rank, seq=seq)
         loss = loss_of(model, inputs, targets)
         opt.zero_grad()
         loss.backward()

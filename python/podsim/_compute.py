@@ -71,6 +71,13 @@ def _kind_of(func):
 class Compute(TorchDispatchMode):
     """A dispatch mode accumulating the compute of every op since the last `take()`."""
 
+    @classmethod
+    def _should_skip_dynamo(cls):
+        # Otherwise torch wraps `__torch_dispatch__` in `torch._dynamo.disable`, whose first
+        # call imports dynamo: about 2 s of CPU per rank, for a guard against tracing that
+        # only a torch.compile'd program (which imports dynamo itself) could need.
+        return False
+
     def __init__(self, eager="fused"):
         super().__init__()
         self._matmuls = {}

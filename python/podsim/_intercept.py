@@ -110,14 +110,25 @@ class DeviceMap(torch.overrides.TorchFunctionMode):
     Meta mode's own rules (where tensors without a device go) are :class:`podsim._meta.Fake`,
     a subclass."""
 
+    # Told of every torch call (`podsim._replay`: one function mode serves both, as each
+    # costs a Python call per torch call); whether a map is on the stack.
+    observer = None
+    active = False
+
     def __init__(self, target):
         super().__init__()
         self.target = target
+
+    def __enter__(self):
+        DeviceMap.active = True
+        return super().__enter__()
 
     def map_device(self, d):
         return self.target if _maps_to_podsim(d) else d
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.observer is not None:
+            self.observer(func, args)
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs["device"] = self.map_device(kwargs["device"])
@@ -247,8 +258,11 @@ def _steps_at_optimizer_steps():
     )
 
     def memory():
+        """The rank's HBM count, while its ops are counted (not in a replayed step)."""
         rank = backend._rank
-        return rank.compute.memory if rank is not None else None
+        if rank is None or (rank.steps is not None and not rank.steps.counting):
+            return None
+        return rank.compute.memory
 
     def before_optimizer_step(optimizer, args, kwargs):
         # The update needs every gradient: the compute stream waits for every collective in

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from . import _streams
 from ._compute import Compute, Memory, price_attention_as_flash
+from ._replay import Steps, signature
 from ._wire import Connection, PodsimError
 
 __all__ = ["step", "torus_mesh", "PodsimError", "ProcessGroupPodsim"]
@@ -55,6 +56,7 @@ class _Rank:
         self.conn = Connection(socket_name, self.rank, os.environ.get("PODSIM_TOKEN", ""))
         self.eager = os.environ.get("PODSIM_EAGER", "fused")
         self.compute = Compute(self.eager)
+        self.steps = None
         if os.environ.get("PODSIM_COUNT_COMPUTE", "1") != "0":
             device_type = "meta" if os.environ.get("PODSIM_MODE") == "meta" else "cpu"
             capacity = float(os.environ.get("PODSIM_HBM_BYTES", "0"))
@@ -64,6 +66,9 @@ class _Rank:
             _storage_resizes_reach(self.compute.memory)
             self.compute.__enter__()
             price_attention_as_flash(self.compute)
+            # Steady steps are counted once and replayed (`podsim._replay`).
+            replay = os.environ.get("PODSIM_COUNT", "steady") == "steady"
+            self.steps = Steps(self.compute, replay)
         self.in_call = 0
         self.next_group = 0
         self.done = False
@@ -88,7 +93,7 @@ class _Rank:
         try:
             if self.pending_waits:
                 request["waits"], self.pending_waits = self.pending_waits, []
-            request["compute"] = self.compute.take()
+            self._add_compute(request, payload)
             request["site"] = _call_site()
             reply, values = self.conn.call(request, payload, out)
             self.clock_ns = reply.get("clock_ns", self.clock_ns)
@@ -97,18 +102,30 @@ class _Rank:
             self.compute.paused = was
             self.in_call -= 1
 
-    def step_request(self, auto=False):
-        """The end of a step (`auto`: marked by `optimizer.step()`), with the HBM peak since
-        the previous one."""
-        request = {"op": "step", "auto": auto}
-        if self.compute.memory is not None:
-            request["hbm"] = self.compute.memory.take_step()
-        return request
+    def _add_compute(self, request, payload):
+        """The compute run since the previous request, counted or replayed; at a step's end
+        also the step's HBM peak and how its compute was known."""
+        if self.steps is None:
+            request["compute"] = self.compute.take()
+            return
+        sig = signature(request, payload)
+        if request["op"] != "step":
+            request["compute"] = self.steps.take(sig)
+            return
+        hbm = self.compute.memory.take_step()
+        request["compute"], request["hbm"], request["counting"] = self.steps.end_step(sig, hbm)
+
+    @staticmethod
+    def step_request(auto=False):
+        """The end of a step (`auto`: marked by `optimizer.step()`)."""
+        return {"op": "step", "auto": auto}
 
     def wait_for(self, works):
         """The compute stream waits here for collectives `works` (sent with the next
         request, after the compute run so far)."""
-        self.pending_waits.append({"compute": self.compute.take(), "works": list(works)})
+        sig = ("wait", len(works))
+        compute = self.steps.take(sig) if self.steps is not None else self.compute.take()
+        self.pending_waits.append({"compute": compute, "works": list(works)})
 
     def bye(self):
         if not self.done:

@@ -11,5 +11,5 @@ pub use crate::job::{
     RecorderDump, TraceRequest, Transport, WorkerReport,
 };
 pub use crate::session::MAX_CONTROL_MESSAGE_BYTES;
-pub use crate::torch::{RankReport, TorchSpec};
+pub use crate::torch::{Count, RankReport, StepCounting, TorchSpec};
 pub use crate::watch::{Ranges, Root, Summary, Wait};

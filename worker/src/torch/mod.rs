@@ -58,6 +58,9 @@ pub struct TorchSpec {
     /// every collective waited for at its call), `debug` (as strict).
     #[serde(default = "fused")]
     pub eager: crate::train::Eager,
+    /// Which steps the ranks count op by op (the others replay their steady step).
+    #[serde(default)]
+    pub count: Count,
     /// Ranks that run beside a representative to check that they call what it calls
     /// (`--verify-ranks`; meta mode on the mirror fabric only).
     #[serde(default)]
@@ -142,6 +145,58 @@ pub struct RankStep {
     /// Matmul and attention flops the step executed (recomputation included).
     #[serde(default)]
     pub flops: f64,
+    /// How the step's compute was known: counted op by op, or replayed from the rank's
+    /// steady step (`python/podsim/_replay.py`).
+    #[serde(default)]
+    pub counting: StepCounting,
+}
+
+/// How a step's compute was known.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepCounting {
+    /// Every op counted at the rank's dispatcher.
+    #[default]
+    Counted,
+    /// The rank's requests were those of its steady step, and each was charged the compute
+    /// counted before it in that step.
+    Replayed,
+    /// Replayed until a request differed from the steady step's, counted from there: the
+    /// ops before that point were not seen.
+    Partial,
+}
+
+/// Which steps a rank counts op by op (`[job] count`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Count {
+    /// Until two steps in a row are alike; then one in `RECOUNT_EVERY` (the others replay
+    /// the steady step's compute).
+    #[default]
+    Steady,
+    /// Every step.
+    Every,
+}
+
+impl Count {
+    pub const ALL: [Count; 2] = [Count::Steady, Count::Every];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Count::Steady => "steady",
+            Count::Every => "every",
+        }
+    }
+}
+
+impl std::str::FromStr for Count {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Count, String> {
+        Count::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| format!("unknown count {s:?} (expected steady or every)"))
+    }
 }
 
 /// Where each rank made its latest call (`file:line function`), so that a desync names the

@@ -151,6 +151,7 @@ pub fn start(
             .env("PODSIM_TOPOLOGY", &spec.topology)
             .env("PODSIM_MODE", if spec.meta { "meta" } else { "data" })
             .env("PODSIM_EAGER", spec.eager.name())
+            .env("PODSIM_COUNT", spec.count.name())
             // The chip's HBM: a rank whose live device bytes pass it fails at that op.
             .env("PODSIM_HBM_BYTES", format!("{:.0}", hardware.hbm_bytes))
             .env("PODSIM_HARDWARE", &hardware.name)
@@ -459,6 +460,7 @@ time.sleep(600)
             meta: false,
             intercept: false,
             eager: crate::train::Eager::Fused,
+            count: super::super::Count::Steady,
             verify_ranks: Vec::new(),
         }
     }

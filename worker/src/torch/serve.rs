@@ -410,7 +410,11 @@ async fn handle(
                 .map(|e| format!("podsim cannot make a group of ranks {ranks:?}: {e}"));
             (reply(chip, error), None)
         }
-        Request::Step { hbm, auto } => {
+        Request::Step {
+            hbm,
+            auto,
+            counting,
+        } => {
             served.wait_for_all(chip);
             if !auto && !served.explicit_steps {
                 served.explicit_steps = true;
@@ -430,6 +434,7 @@ async fn handle(
                 peak_hbm_bytes: hbm.peak_bytes,
                 hbm_by_kind: hbm.by_kind,
                 flops: served.step_flops,
+                counting,
             };
             served.step_flops = 0.0;
             served.report.steps.push(step);

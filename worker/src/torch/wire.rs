@@ -88,6 +88,9 @@ pub enum Request {
         /// once the program marks steps itself.
         #[serde(default)]
         auto: bool,
+        /// How the step's compute was known (counted, or replayed from the steady step).
+        #[serde(default)]
+        counting: super::StepCounting,
     },
     /// The rank's Python stack while it is outside podsim calls (no reply).
     Stack {
