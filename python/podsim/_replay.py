@@ -21,6 +21,9 @@ What keeps this honest:
   autograd's backward, where counting resumes only at the step's end: torch restores its
   thread-local state (the mode stack among it) around every node there, so a mode pushed
   there would not stay.
+- A step that diverged at a request boundary is known whole: it is kept as a variant (up to
+  `VARIANTS`), and a later step that leaves the steady one where it did switches to it and
+  stays replayed (the step that logs every N steps costs nothing after its first time).
 - After a `partial` step one step is counted; if it is the recorded one, replaying goes on,
   otherwise steps are counted until two agree again.
 - Every `RECOUNT_EVERY`-th step is counted again and compared with the recording.
@@ -33,8 +36,11 @@ import sys
 import torch
 
 # A steady program is counted again every this many steps, to catch a change its torch calls
-# do not show. Its cost is one counted step in this many.
-RECOUNT_EVERY = 25
+# do not show (they show batch shapes, log lines, other collectives). Its cost is one counted
+# step, 3 to 5 times a replayed one, in this many.
+RECOUNT_EVERY = 50
+# Variants of the steady step kept besides it (a step that logs, one that evaluates).
+VARIANTS = 4
 
 # What a step's compute was, as the report gives it.
 COUNTED, REPLAYED, PARTIAL = "counted", "replayed", "partial"
@@ -85,8 +91,10 @@ class Steps:
         # Torch calls since the last request; whether counting resumed within this step.
         self.segment_calls = 0
         self.resumed = False
-        # The previous step when it was counted whole, and the steady step being replayed.
+        # The previous step when it was counted whole; the steady step and its variants (the
+        # steady one first); the one this step is replayed from.
         self.last = None
+        self.recordings = []
         self.recording = None
         self.since_count = 0
         intercept = sys.modules.get("podsim._intercept")
@@ -109,6 +117,9 @@ class Steps:
         if i < len(recorded) and recorded[i][0] == sig and self._calls_match():
             self.requests.append(recorded[i])
             return recorded[i][1]
+        if self._switch(sig):
+            self.requests.append(self.recording.requests[i])
+            return self.recording.requests[i][1]
         self._diverged(exact=segment_calls == 0)
         compute = self.compute.take()
         self.requests.append((sig, compute))
@@ -146,7 +157,7 @@ class Steps:
             self.hash = hash((self.hash, func))
         self.calls.append(self.hash)
         self.segment_calls += 1
-        if self.state == REPLAYED and not self._calls_match():
+        if self.state == REPLAYED and not self._calls_match() and not self._switch():
             self._diverged(exact=self.segment_calls == 1)
 
     # -- deciding how steps run --
@@ -155,6 +166,21 @@ class Steps:
         n = len(self.calls)
         recorded = self.recording.calls
         return n == 0 or (n <= len(recorded) and recorded[n - 1] == self.calls[-1])
+
+    def _switch(self, sig=None):
+        """Replays from a variant that made this step's calls and requests so far (and the
+        request of signature `sig`, when given), if one did."""
+        n = len(self.calls)
+        done = [r[0] for r in self.requests] + ([sig] if sig is not None else [])
+        for variant in self.recordings:
+            if variant is self.recording or len(variant.calls) < n:
+                continue
+            if (n == 0 or variant.calls[n - 1] == self.calls[-1]) and [
+                r[0] for r in variant.requests[: len(done)]
+            ] == done:
+                self.recording = variant
+                return True
+        return False
 
     def _diverged(self, exact):
         """This step is not the recorded one: replaying ends here. `exact`: nothing ran since
@@ -171,13 +197,18 @@ class Steps:
         self.requests, self.calls, self.hash = [], [], 0
         fully_counted = state == COUNTED and not self.resumed
         self.since_count = 0 if fully_counted else self.since_count + 1
+        steady = self.recordings[0] if self.recordings else None
         if counted is not None:
-            if self.recording is not None and not counted.same_work(self.recording):
-                if not self.resumed:  # counted from its start (a recount), and different
-                    self.recording = None
-            elif self.recording is None and counted.same_work(self.last):
+            if steady is not None and self.resumed:
+                if not any(counted.same_work(r) for r in self.recordings):
+                    # Known whole: a variant (the steady step stays first).
+                    self.recordings = [steady, counted, *self.recordings[1:VARIANTS]]
+            elif steady is not None and not any(counted.same_work(r) for r in self.recordings):
+                self.recordings = []  # a recount, or the step after a partial, differs
+            elif steady is None and counted.same_work(self.last):
                 counted.hbm = max(counted.hbm, self.last.hbm, key=lambda h: h["peak_bytes"])
-                self.recording = counted
+                self.recordings = [counted]
+        self.recording = self.recordings[0] if self.recordings else None
         self.last = counted
         self.resumed = False
         replay = (
