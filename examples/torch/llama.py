@@ -41,6 +41,9 @@ MODELS = {
     "7b": Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab=32000, ffn=11008),
     "13b": Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab=32000, ffn=13824),
     "70b": Args(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab=32000, ffn=28672),
+    # Llama 3: grouped-query attention at every size, a 128k vocabulary.
+    "llama3-8b": Args(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab=128256, ffn=14336),
+    "llama3-70b": Args(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab=128256, ffn=28672),
 }
 
 
