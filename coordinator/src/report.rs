@@ -1099,6 +1099,28 @@ fn summarise_training(s: &mut String, t: &Training, c: &Correctness) {
     }
 }
 
+/// How the ranks' step compute was known, when any step was not counted op by op.
+fn summarise_counting(s: &mut String, t: &TorchRun) {
+    use podsim_worker::protocol::StepCounting;
+    let states = t
+        .ranks
+        .iter()
+        .flat_map(|r| r.steps.iter().map(|s| s.counting));
+    let (mut counted, mut replayed, mut partial) = (0, 0, 0);
+    for state in states {
+        match state {
+            StepCounting::Counted => counted += 1,
+            StepCounting::Replayed => replayed += 1,
+            StepCounting::Partial => partial += 1,
+        }
+    }
+    if replayed + partial > 0 {
+        s.push_str(&format!(
+            "  rank steps: {counted} counted op by op, {replayed} replayed from the steady step, {partial} partial (--set job.count=every counts every op)\n"
+        ));
+    }
+}
+
 fn summarise_torch(s: &mut String, t: &TorchRun) {
     s.push_str(&format!("  {}\n", t.command.join(" ")));
     if !t.steps.is_empty() {
@@ -1136,6 +1158,7 @@ fn summarise_torch(s: &mut String, t: &TorchRun) {
             .collect();
         s.push_str(&format!("  rank {}: {}\n", r.rank, ops.join(", ")));
     }
+    summarise_counting(s, t);
     let stand_ins: Vec<_> = t.ranks.iter().flat_map(|r| &r.stand_ins).collect();
     if let Some(first) = stand_ins.first() {
         let values: u64 = stand_ins.iter().map(|s| s.2).sum();
