@@ -3,7 +3,6 @@
 //! the one it is in reports a desync naming both, instead of reducing garbage or waiting.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -23,29 +22,17 @@ pub enum OpKind {
     SendRecv,
 }
 
+crate::named_enum!(OpKind, "collective", {
+    AllReduce => "all-reduce",
+    AllGather => "all-gather",
+    ReduceScatter => "reduce-scatter",
+    Broadcast => "broadcast",
+    AllToAll => "all-to-all",
+    Barrier => "barrier",
+    SendRecv => "send-recv",
+});
+
 impl OpKind {
-    pub const ALL: [OpKind; 7] = [
-        OpKind::AllReduce,
-        OpKind::AllGather,
-        OpKind::ReduceScatter,
-        OpKind::Broadcast,
-        OpKind::AllToAll,
-        OpKind::Barrier,
-        OpKind::SendRecv,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            OpKind::AllReduce => "all-reduce",
-            OpKind::AllGather => "all-gather",
-            OpKind::ReduceScatter => "reduce-scatter",
-            OpKind::Broadcast => "broadcast",
-            OpKind::AllToAll => "all-to-all",
-            OpKind::Barrier => "barrier",
-            OpKind::SendRecv => "send-recv",
-        }
-    }
-
     pub fn code(self) -> u32 {
         match self {
             OpKind::AllReduce => 1,
@@ -71,28 +58,6 @@ impl OpKind {
             OpKind::Broadcast | OpKind::SendRecv => 1.0,
             OpKind::Barrier => 0.0,
         }
-    }
-}
-
-impl fmt::Display for OpKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for OpKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<OpKind, String> {
-        OpKind::ALL
-            .into_iter()
-            .find(|op| op.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = OpKind::ALL.iter().map(|o| o.name()).collect();
-                format!(
-                    "unknown collective {s:?} (expected one of {})",
-                    names.join(", ")
-                )
-            })
     }
 }
 

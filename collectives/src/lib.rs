@@ -50,6 +50,7 @@ pub mod faults;
 mod fingerprint;
 mod local;
 mod mirror;
+mod names;
 mod p2p;
 mod payload;
 pub mod procfs;

@@ -1,8 +1,5 @@
 //! Reduction operators of all-reduce and reduce-scatter.
 
-use std::fmt;
-use std::str::FromStr;
-
 use serde::{Deserialize, Serialize};
 
 /// How values from different chips are combined.
@@ -16,9 +13,14 @@ pub enum ReduceOp {
     Min,
 }
 
-impl ReduceOp {
-    pub const ALL: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
+crate::named_enum!(ReduceOp, "reduce op", {
+    Sum => "sum",
+    Avg => "avg",
+    Max => "max",
+    Min => "min",
+});
 
+impl ReduceOp {
     /// The element-wise combination used while reducing (avg sums, then divides once).
     pub fn apply_in_place(self, acc: &mut [f32], other: &[f32]) {
         match self {
@@ -50,30 +52,5 @@ impl ReduceOp {
 
     pub fn from_code(code: u32) -> Option<ReduceOp> {
         ReduceOp::ALL.into_iter().find(|o| o.code() == code)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Avg => "avg",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-        }
-    }
-}
-
-impl fmt::Display for ReduceOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for ReduceOp {
-    type Err = String;
-    fn from_str(s: &str) -> Result<ReduceOp, String> {
-        ReduceOp::ALL
-            .into_iter()
-            .find(|op| op.name() == s)
-            .ok_or_else(|| format!("unknown reduce op {s:?} (expected sum, avg, max or min)"))
     }
 }

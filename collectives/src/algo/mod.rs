@@ -15,9 +15,6 @@ pub(crate) mod lane;
 pub(crate) mod phase;
 pub(crate) mod schedule;
 
-use std::fmt;
-use std::str::FromStr;
-
 use podsim_topology::{Dir, Link, PodAxis, Route};
 use serde::{Deserialize, Serialize};
 
@@ -34,33 +31,11 @@ pub enum Algo {
     Torus,
 }
 
-impl Algo {
-    pub const ALL: [Algo; 3] = [Algo::Ring, Algo::BidirRing, Algo::Torus];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Algo::Ring => "ring",
-            Algo::BidirRing => "bidir-ring",
-            Algo::Torus => "torus",
-        }
-    }
-}
-
-impl fmt::Display for Algo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Algo {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Algo, String> {
-        Algo::ALL
-            .into_iter()
-            .find(|a| a.name() == s)
-            .ok_or_else(|| format!("unknown algorithm {s:?} (expected ring, bidir-ring or torus)"))
-    }
-}
+crate::named_enum!(Algo, "algorithm", {
+    Ring => "ring",
+    BidirRing => "bidir-ring",
+    Torus => "torus",
+});
 
 /// One axis of a collective's group as this chip sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -170,7 +170,7 @@ pub enum StepCounting {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Count {
-    /// Until two steps in a row are alike; then one in `RECOUNT_EVERY` (the others replay
+    /// Until two steps in a row are alike; then one in `RECOUNT_EVERY` of `python/podsim/_replay.py` (the others replay
     /// the steady step's compute).
     #[default]
     Steady,
@@ -178,26 +178,10 @@ pub enum Count {
     Every,
 }
 
-impl Count {
-    pub const ALL: [Count; 2] = [Count::Steady, Count::Every];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Count::Steady => "steady",
-            Count::Every => "every",
-        }
-    }
-}
-
-impl std::str::FromStr for Count {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Count, String> {
-        Count::ALL
-            .into_iter()
-            .find(|x| x.name() == s)
-            .ok_or_else(|| format!("unknown count {s:?} (expected steady or every)"))
-    }
-}
+podsim_collectives::named_enum!(Count, "count", {
+    Steady => "steady",
+    Every => "every",
+});
 
 /// Where each rank made its latest call (`file:line function`), so that a desync names the
 /// line of both programs.

@@ -14,9 +14,6 @@
 //! (weight `Shard(1)`, replicated bias: each chip holds partial sums that an all-reduce
 //! completes). A last unpaired layer is replicated.
 
-use std::fmt;
-use std::str::FromStr;
-
 use podsim_collectives::{Algo, ReduceOp};
 use podsim_topology::{DeviceMesh, Pod};
 use serde::{Deserialize, Serialize};
@@ -39,47 +36,13 @@ pub enum Strategy {
     FsdpTp,
 }
 
-impl Strategy {
-    pub const ALL: [Strategy; 5] = [
-        Strategy::Ddp,
-        Strategy::Fsdp,
-        Strategy::Hsdp,
-        Strategy::Tp,
-        Strategy::FsdpTp,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Strategy::Ddp => "ddp",
-            Strategy::Fsdp => "fsdp",
-            Strategy::Hsdp => "hsdp",
-            Strategy::Tp => "tp",
-            Strategy::FsdpTp => "fsdp+tp",
-        }
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Strategy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Strategy, String> {
-        Strategy::ALL
-            .into_iter()
-            .find(|x| x.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = Strategy::ALL.iter().map(|x| x.name()).collect();
-                format!(
-                    "unknown strategy {s:?} (expected one of {})",
-                    names.join(", ")
-                )
-            })
-    }
-}
+podsim_collectives::named_enum!(Strategy, "strategy", {
+    Ddp => "ddp",
+    Fsdp => "fsdp",
+    Hsdp => "hsdp",
+    Tp => "tp",
+    FsdpTp => "fsdp+tp",
+});
 
 /// How collectives are issued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,27 +57,11 @@ pub enum Eager {
     Fused,
 }
 
-impl Eager {
-    pub const ALL: [Eager; 3] = [Eager::Debug, Eager::Strict, Eager::Fused];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Eager::Debug => "debug",
-            Eager::Strict => "strict",
-            Eager::Fused => "fused",
-        }
-    }
-}
-
-impl FromStr for Eager {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Eager, String> {
-        Eager::ALL
-            .into_iter()
-            .find(|x| x.name() == s)
-            .ok_or_else(|| format!("unknown eager mode {s:?} (expected debug, strict or fused)"))
-    }
-}
+podsim_collectives::named_enum!(Eager, "eager mode", {
+    Debug => "debug",
+    Strict => "strict",
+    Fused => "fused",
+});
 
 /// What a mesh dimension is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
