@@ -129,10 +129,9 @@ class Steps:
         """The step's end, its request of signature `sig`, with the HBM counted over it.
         Returns the compute to send with the request, the step's HBM, and what the step was
         (`counted`, `replayed` or `partial`)."""
+        # A replayed step ends at its recording's end: a step request is only ever the last.
         compute = self.take(sig)
         state = self.state
-        if state == REPLAYED and len(self.requests) != len(self.recording.requests):
-            state = PARTIAL
         counted = _Recording(self.requests, self.calls, hbm) if state == COUNTED else None
         if self.recording is not None and (
             state != COUNTED or self.resumed or counted.same_work(self.recording)

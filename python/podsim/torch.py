@@ -102,15 +102,16 @@ class _Rank:
             self.compute.paused = was
             self.in_call -= 1
 
+    def _take(self, sig):
+        """The compute run since the previous request (of signature `sig` under replay)."""
+        return self.compute.take() if self.steps is None else self.steps.take(sig)
+
     def _add_compute(self, request, payload):
         """The compute run since the previous request, counted or replayed; at a step's end
         also the step's HBM peak and how its compute was known."""
-        if self.steps is None:
-            request["compute"] = self.compute.take()
-            return
-        sig = signature(request, payload)
-        if request["op"] != "step":
-            request["compute"] = self.steps.take(sig)
+        sig = signature(request, payload) if self.steps is not None else None
+        if self.steps is None or request["op"] != "step":
+            request["compute"] = self._take(sig)
             return
         hbm = self.compute.memory.take_step()
         request["compute"], request["hbm"], request["counting"] = self.steps.end_step(sig, hbm)
@@ -123,8 +124,7 @@ class _Rank:
     def wait_for(self, works):
         """The compute stream waits here for collectives `works` (sent with the next
         request, after the compute run so far)."""
-        sig = ("wait", len(works))
-        compute = self.steps.take(sig) if self.steps is not None else self.compute.take()
+        compute = self._take(("wait", len(works)))
         self.pending_waits.append({"compute": compute, "works": list(works)})
 
     def bye(self):
