@@ -266,6 +266,28 @@ def case_meta_representative(args):
                 f"wall {wall1:.1f} s vs {wall8:.1f} s")
 
 
+def case_meta_classes(args):
+    """Meta mode, FSDP x TP (llama.py --tp 2) on a 4x2 torus with wraparound: the
+    tensor-parallel pairs are alike only every second chip along x, so the job runs again with
+    one representative per class (2 processes), and its step times equal those of all 8 ranks
+    run one process each."""
+    flags = ["--mode", "meta", "--hardware", "v5e", "--set", "topology.wraparound=true"]
+    p2, wall2, classes = podsim_run(args, "4x2", "llama.py", "--tp", "2", flags=flags)
+    p8, wall8, every = podsim_run(args, "4x2", "llama.py", "--tp", "2",
+                                  flags=flags + ["--set", "job.symmetric=false"])
+    if p2.returncode or p8.returncode:
+        return False, f"exits {p2.returncode}, {p8.returncode}: {p2.stdout[-600:]}{p8.stdout[-600:]}"
+    a = [s["virtual_ms"] for s in classes["torch"]["steps"]]
+    b = [s["virtual_ms"] for s in every["torch"]["steps"]]
+    processes = (len(classes["torch"]["ranks"]), len(every["torch"]["ranks"]))
+    regrouped = "running again with 2 representative ranks" in p2.stdout
+    same = len(a) == len(b) == 3 and all(abs(x - y) <= 1e-9 * max(y, 1e-9) for x, y in zip(a, b))
+    ok = same and processes == (2, 8) and regrouped and a[-1] > 0
+    return ok, (f"step ms {[round(x, 4) for x in a]} with {processes[0]} processes vs "
+                f"{[round(x, 4) for x in b]} with {processes[1]}; regrouped: {regrouped}; "
+                f"wall {wall2:.1f} s vs {wall8:.1f} s")
+
+
 def case_verify_ranks(args):
     """Meta mode at 4,096 chips: rank 1234 skips one backward; its shadow beside the
     representative is a desync naming rank 1234 and both lines."""
@@ -354,6 +376,8 @@ def main():
         ("a batch of another length is caught in replay",
          lambda: case_replayed_steps(args, "--seq-after", "12:8")),
         ("meta mode: one representative times every rank", lambda: case_meta_representative(args)),
+        ("meta mode: a representative per class times an FSDP x TP mesh",
+         lambda: case_meta_classes(args)),
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),

@@ -81,6 +81,16 @@ impl Symmetry {
     pub fn classes(&self) -> u32 {
         self.steps.iter().product()
     }
+
+    /// The chip that stands for `chip` on a mirror fabric of this symmetry: the one of its
+    /// class in slice 0 whose coordinates lie below the steps.
+    pub fn representative(&self, pod: &Pod, chip: ChipId) -> ChipId {
+        let mut coord = pod.coord(chip);
+        for (a, &step) in self.steps.iter().enumerate() {
+            coord[a] %= step;
+        }
+        pod.chip_at(0, &coord)
+    }
 }
 
 fn gcd(a: u32, b: u32) -> u32 {
@@ -239,9 +249,11 @@ mod tests {
         // (0, 1), the second representative.
         for (slice, at, index, rep) in [(1, [1, 2, 0], 0, [0, 0, 0]), (0, [3, 1, 0], 1, [0, 1, 0])]
         {
-            let got = router.representative(&pod.coord(pod.chip_at(slice, &at)));
+            let chip = pod.chip_at(slice, &at);
+            let got = router.representative(&pod.coord(chip));
             assert_eq!(got, (index, rep));
             assert_eq!(router.chip(index), pod.chip_at(0, &rep));
+            assert_eq!(symmetry.representative(&pod, chip), router.chip(index));
         }
     }
 }

@@ -500,7 +500,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
 /// Each `[hardware]` figure with its range: what a chip could have, with room on either side
 /// of every preset (the topology crate checks that each is finite and positive; a figure
 /// outside these would make virtual times overflow or mean nothing).
-fn hardware_ranges(o: &mut HardwareOverrides) -> [(&'static str, &mut Option<f64>, f64, f64); 15] {
+fn hardware_ranges(o: &mut HardwareOverrides) -> [(&'static str, &mut Option<f64>, f64, f64); 16] {
     [
         ("ici_bandwidth", &mut o.ici_bandwidth, 1e3, 1e18),
         ("ici_latency_ns", &mut o.ici_latency_ns, 0.0, 1e12),
@@ -527,6 +527,7 @@ fn hardware_ranges(o: &mut HardwareOverrides) -> [(&'static str, &mut Option<f64
         ("attention_block", &mut o.attention_block, 1.0, 1_048_576.0),
         ("kernel_overhead_ns", &mut o.kernel_overhead_ns, 0.0, 1e12),
         ("host_bandwidth", &mut o.host_bandwidth, 1e3, 1e18),
+        ("chips_per_host", &mut o.chips_per_host, 1.0, 1024.0),
     ]
 }
 
@@ -1486,6 +1487,7 @@ fn torch(
         eager: eager?,
         count: count?,
         verify_ranks: verify_ranks(p, j, pod, meta),
+        representative_steps: Vec::new(),
     })
 }
 

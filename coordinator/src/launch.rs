@@ -74,6 +74,10 @@ pub enum LaunchError {
     Timeout(String),
     #[error("interrupted")]
     Interrupted,
+    /// A representative rank of a meta-mode torch job needs finer classes (see
+    /// `TorchSpec::representative_steps`): not a failure, the job runs again with them.
+    #[error("{why}")]
+    Regroup { steps: Vec<u32>, why: String },
     /// The watchdog found a hang (or a desync): the diagnosis and the evidence.
     #[error("{} detected: {}", serde_json::to_value(.0.finding.kind).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default(), .0.finding.explanation)]
     Hang(Box<HangReport>),
@@ -851,6 +855,13 @@ async fn supervise(
             Decision::WorkerFailed { id, reason } => {
                 let error = children.blame(id, reason).await;
                 return sessions.fail(format!("worker {id} failed"), error).await;
+            }
+            Decision::Regroup { steps, why } => {
+                let regroup = LaunchError::Regroup {
+                    steps,
+                    why: why.clone(),
+                };
+                return sessions.fail(why, regroup).await;
             }
             Decision::Protocol(why) => {
                 return sessions.fail(why.clone(), LaunchError::Protocol(why)).await;

@@ -329,6 +329,7 @@ fn run_job(
                 r.attempt, r.explanation, r.resumed_from_step
             );
         },
+        |why, classes| println!("{why}: running again with {classes} representative ranks"),
     );
     let (result, roster, restarts, refused) = (
         attempts.result,

@@ -5,7 +5,9 @@
 //! workers were started by hand are not relaunched (nothing could start them again).
 //!
 //! [`Recovery`] is the policy, pure but for reading which checkpoints exist;
-//! [`run_with_recovery`] runs attempts under it.
+//! [`run_with_recovery`] runs attempts under it. It also runs a meta-mode torch job again when
+//! its representative rank found it needs one representative per class of ranks
+//! ([`LaunchError::Regroup`]): no failure, and no restart counted.
 
 use std::path::PathBuf;
 
@@ -124,6 +126,8 @@ pub struct Attempts {
     pub restarts: Vec<Restart>,
     /// Why the last failure was not recovered from although restarts remained.
     pub refused: Option<String>,
+    /// Each time the job ran again with finer classes of representative ranks: why.
+    pub regroups: Vec<String>,
 }
 
 /// Runs `attempt` (one launch: its result and roster) until one ends without a failure
@@ -133,11 +137,25 @@ pub fn run_with_recovery(
     mut recovery: Recovery,
     mut attempt: impl FnMut(&JobSpec) -> (Result<Outcome, LaunchError>, Vec<WorkerInfo>),
     mut on_restart: impl FnMut(&Restart, u32),
+    mut on_regroup: impl FnMut(&str, u32),
 ) -> Attempts {
     recovery.clear_old_checkpoints();
     let max = recovery.max_restarts();
+    let mut regroups = Vec::new();
     loop {
         let (result, roster) = attempt(&spec);
+        if let Err(LaunchError::Regroup { steps, why }) = &result
+            && let Some(finer) = regrouped(&spec, steps)
+        {
+            let classes = match &finer.program {
+                Program::Torch(t) => t.symmetry(&finer.pod).classes(),
+                _ => 1,
+            };
+            on_regroup(why, classes);
+            regroups.push(why.clone());
+            spec = finer;
+            continue;
+        }
         let restart = match &result {
             Err(LaunchError::Hang(h)) => recovery.after(h, &mut spec),
             _ => None,
@@ -151,10 +169,29 @@ pub fn run_with_recovery(
                     roster,
                     restarts,
                     refused,
+                    regroups,
                 };
             }
         }
     }
+}
+
+/// `spec` with its torch representatives standing for the classes of `steps`, if they are
+/// finer than the ones it has (each attempt only refines them, so the job runs again at
+/// most once per factor of the pod's size).
+fn regrouped(spec: &JobSpec, steps: &[u32]) -> Option<JobSpec> {
+    let Program::Torch(torch) = &spec.program else {
+        return None;
+    };
+    let mut finer = torch.clone();
+    finer.representative_steps = steps.to_vec();
+    if finer.symmetry(&spec.pod) == torch.symmetry(&spec.pod) {
+        return None;
+    }
+    Some(JobSpec {
+        program: Program::Torch(finer),
+        ..spec.clone()
+    })
 }
 
 #[cfg(test)]
@@ -273,6 +310,7 @@ mod tests {
                 )
             },
             |_, _| {},
+            |_, _| {},
         );
         // First run from scratch, then resumed after steps 4 and 6; the third failure is
         // past the two restarts allowed.
@@ -319,6 +357,54 @@ mod tests {
             "{refused}"
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_regroup_runs_the_torch_job_again_with_finer_classes_once() {
+        let dir = std::env::temp_dir().join(format!("podsim-regroup-{}", std::process::id()));
+        let mut spec = train_spec(&dir);
+        let torus: podsim_topology::Torus = "4x4".parse().unwrap_or_else(|e| panic!("{e}"));
+        spec.pod = Pod::single(torus.set_wrap_all(true));
+        spec.program = Program::Torch(podsim_worker::protocol::TorchSpec {
+            command: vec!["python".into()],
+            cwd: None,
+            topology: "4x4".into(),
+            algo: podsim_collectives::Algo::Ring,
+            connect_timeout_s: 300,
+            meta: true,
+            intercept: true,
+            eager: Eager::Fused,
+            count: podsim_worker::protocol::Count::Steady,
+            verify_ranks: Vec::new(),
+            representative_steps: Vec::new(),
+        });
+        let regroup = |steps: Vec<u32>| LaunchError::Regroup {
+            steps,
+            why: "a segment".into(),
+        };
+        // Finer classes once; the same classes asked again end the job with that error.
+        let mut results = vec![Err(regroup(vec![2, 1])), Err(regroup(vec![2, 1]))].into_iter();
+        let (mut seen, mut told) = (Vec::new(), Vec::new());
+        let attempts = run_with_recovery(
+            spec.clone(),
+            Recovery::new(&spec, 2, false),
+            |spec| {
+                if let Program::Torch(t) = &spec.program {
+                    seen.push(t.representative_steps.clone());
+                }
+                (
+                    results.next().unwrap_or(Err(LaunchError::Interrupted)),
+                    Vec::new(),
+                )
+            },
+            |_, _| {},
+            |why, classes| told.push((why.to_string(), classes)),
+        );
+        assert_eq!(seen, vec![vec![], vec![2, 1]]);
+        assert_eq!(told, vec![("a segment".to_string(), 2)]);
+        assert_eq!(attempts.regroups, vec!["a segment".to_string()]);
+        assert!(attempts.restarts.is_empty());
+        assert!(matches!(attempts.result, Err(LaunchError::Regroup { .. })));
     }
 
     #[test]

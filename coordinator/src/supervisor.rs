@@ -58,6 +58,9 @@ pub enum Decision {
     /// Worker `id` failed (`reason` is what it said or how its session ended): unless a
     /// dead worker explains it ([`Supervisor::explained_by`]), stop the job with that error.
     WorkerFailed { id: u32, reason: String },
+    /// A representative rank needs finer classes: run the job again with one representative
+    /// per class of `steps` (`why`: the group that asked for it).
+    Regroup { steps: Vec<u32>, why: String },
     /// The workers broke the protocol.
     Protocol(String),
     /// Every worker sent its results.
@@ -176,6 +179,10 @@ impl Supervisor {
                 },
             },
             Body::Failure(f) => match serde_json::from_slice::<FailureReport>(&f.error_json) {
+                Ok(d) if d.kind == FailureReport::REGROUP => Decision::Regroup {
+                    steps: d.representative_steps,
+                    why: d.theirs,
+                },
                 Ok(d) => {
                     self.watchdog.faults_fired(&d.faults);
                     Decision::Diagnose(Box::new(diagnosed_failure(&self.watchdog, &d, id)))
@@ -569,6 +576,7 @@ mod tests {
             faults: Vec::new(),
             rank_exit: None,
             sites: Vec::new(),
+            representative_steps: Vec::new(),
         };
         let failure = Body::Failure(pb::WorkerFailure {
             error: "desync".into(),

@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 
@@ -87,9 +88,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.heads, self.head_dim)
-        k = self.wk(x).view(b, t, self.kv_heads, self.head_dim)
-        v = self.wv(x).view(b, t, self.kv_heads, self.head_dim)
+        # Heads by -1: under tensor parallelism a rank holds its share of them.
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (y.transpose(1, 2) for y in (q, k, v))
         out = F.scaled_dot_product_attention(
@@ -151,32 +153,54 @@ class Transformer(nn.Module):
                 )
 
 
-def setup():
-    """The process group and a 1-D data-parallel mesh: NCCL and CUDA when there is a GPU,
-    gloo and the CPU otherwise."""
+def setup(tp=1):
+    """The process group and a (data-parallel, tensor-parallel) mesh: NCCL and CUDA when
+    there is a GPU, gloo and the CPU otherwise."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp),
+                            mesh_dim_names=("dp", "tp"))
     return device, mesh
 
 
 def sharded_model(margs, mesh, device):
-    """The model built on the meta device, FSDP2 per block then the root (bf16 parameters, f32
-    gradient reduction), materialised on `device` and initialised."""
+    """The model built on the meta device; with a tensor-parallel mesh dimension of more than
+    one rank, attention's and SwiGLU's projections split Megatron-style (column then row);
+    FSDP2 per block then the root over the data-parallel dimension (bf16 parameters, f32
+    gradient reduction); materialised on `device` and initialised."""
     with torch.device("meta"):
         model = Transformer(margs)
+    if mesh["tp"].size() > 1:
+        plan = {f"{part}.{name}": ColwiseParallel() for part, names in
+                (("attention", ("wq", "wk", "wv")), ("feed_forward", ("w1", "w3")))
+                for name in names}
+        plan.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights()
     return model
+
+
+def clip_grad_norm(model, max_norm):
+    """torch's `clip_grad_norm_`, for gradients on meshes of different shapes too (tensor
+    parallel blocks beside data-parallel-only embeddings), as torchtitan clips them: each
+    gradient's norm made whole, then one total."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = [g.norm() for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.stack(norms).norm()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return total
 
 
 def main():
@@ -186,23 +210,26 @@ def main():
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group")
     parser.add_argument("--out", default=None, help="save the final parameters here (rank 0)")
     args = parser.parse_args()
 
-    device, mesh = setup()
+    device, mesh = setup(args.tp)
     rank = dist.get_rank()
+    # The ranks of a tensor-parallel group see the same batch.
+    data_rank = mesh["dp"].get_local_rank()
     margs = MODELS[args.model]
     model = sharded_model(margs, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=False)
 
-    generator = torch.Generator().manual_seed(1234 + rank)
+    generator = torch.Generator().manual_seed(1234 + data_rank)
     for step in range(1, args.steps + 1):
         tokens = torch.randint(0, margs.vocab, (args.batch, args.seq + 1), generator=generator)
         tokens = tokens.to(device)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = clip_grad_norm(model, 1.0)
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0:

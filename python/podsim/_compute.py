@@ -279,6 +279,9 @@ def price_attention_as_flash(compute):
         kwargs = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal,
                   "scale": scale, "enable_gqa": enable_gqa}
         plain = all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in (query, key, value))
+        local = None if plain or attn_mask is not None else _head_parallel(query, key, value)
+        if local is not None:
+            return local(lambda q, k, v: scaled_dot_product_attention(q, k, v, **kwargs))
         if dropout_p or not plain or attn_mask is not None and attn_mask.requires_grad:
             return sdpa(query, key, value, **kwargs)
         if not torch.is_grad_enabled() or not any(x.requires_grad for x in (query, key, value)):
@@ -287,6 +290,34 @@ def price_attention_as_flash(compute):
         return FlashAttention.apply(query, key, value, kwargs)
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def _head_parallel(query, key, value):
+    """Attention of DTensors laid out alike and split only over batch or heads (tensor
+    parallelism's layout) is each rank's attention of its local blocks, as DTensor's own
+    flash-attention rule runs it on an accelerator: a function running `attend` on the local
+    tensors and giving the result as a DTensor of that layout (`None` for other layouts,
+    which torch's own decomposition handles)."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:
+        return None
+    if not all(isinstance(x, DTensor) for x in (query, key, value)):
+        return None
+    placements = query.placements
+    alike = all(x.placements == placements and x.device_mesh == query.device_mesh
+                for x in (key, value))
+    ndim = query.dim()
+    local_dims = all(p.is_replicate() or isinstance(p, Shard) and p.dim % ndim < ndim - 2
+                     for p in placements)
+    if not alike or not local_dims:
+        return None
+
+    def local(attend):
+        out = attend(query.to_local(), key.to_local(), value.to_local())
+        return DTensor.from_local(out, query.device_mesh, placements, run_check=False)
+
+    return local
 
 
 # What a rank's device holds, by kind (the report's names).

@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from . import _functional
 from . import torch as backend
 from ._intercept import DeviceMap
 
@@ -114,7 +115,8 @@ def _moved(func, args, kwargs):
         dtype, rest = rest[0], rest[1:]
     elif rest and (rest[0] is None or isinstance(rest[0], (str, int, torch.device))):
         device, rest = rest[0], rest[1:]
-        if rest and isinstance(rest[0], torch.dtype):
+        # `to(device, dtype, non_blocking)`, the dtype possibly None (`Module.to` passes it).
+        if rest and (rest[0] is None or isinstance(rest[0], torch.dtype)):
             dtype, rest = rest[0], rest[1:]
     for key, value in zip(("non_blocking", "copy"), rest):
         kwargs[key] = value
@@ -222,4 +224,5 @@ class _LazyChunks:
 def install():
     _fsdp_on_the_meta_device()
     _values_get_stand_ins()
+    _functional.install()
     Fake().__enter__()

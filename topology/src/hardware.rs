@@ -53,6 +53,9 @@ pub struct Hardware {
     pub kernel_overhead_ns: f64,
     /// Host link (PCIe) bandwidth per chip, each way, bytes/s: offloaded activations cross it.
     pub host_bandwidth: f64,
+    /// Chips that share one host (a TPU VM): the ranks a launcher starts on one machine,
+    /// whose `LOCAL_RANK` and `LOCAL_WORLD_SIZE` a PyTorch program reads.
+    pub chips_per_host: f64,
 }
 
 /// Defines [`HardwareOverrides`] and its application from one list of field names, so a new
@@ -72,16 +75,18 @@ macro_rules! overridable {
         impl Hardware {
             /// This hardware with the given fields replaced; rejects non-positive or
             /// non-finite values (latencies and the kernel overhead may be zero; fractions of
-            /// peak may not exceed 1).
+            /// peak may not exceed 1; counts of chips are whole).
             pub fn with_overrides(mut self, o: &HardwareOverrides) -> Result<Hardware, TopologyError> {
                 let mut changed = false;
                 $(
                     if let Some(v) = o.$field {
                         let field = stringify!($field);
                         let fraction = field.ends_with("_efficiency");
+                        let count = field.starts_with("chips_");
                         let ok = v.is_finite()
                             && (v > 0.0 || ($zero_ok && v == 0.0))
-                            && (!fraction || v <= 1.0);
+                            && (!fraction || v <= 1.0)
+                            && (!count || v.fract() == 0.0);
                         if !ok {
                             return Err(TopologyError::BadHardwareValue { field, value: v });
                         }
@@ -114,6 +119,7 @@ overridable! {
     attention_block: false,
     kernel_overhead_ns: true,
     host_bandwidth: false,
+    chips_per_host: false,
 }
 
 /// Names of the built-in presets.
@@ -133,6 +139,8 @@ impl Hardware {
     ///   (918 TFLOP/s over 1.64 TB/s: 560 flops per byte) HBM-bound where v4-v5p are not.
     /// - `host_bandwidth`: a PCIe Gen3 x16 link on v4 and Gen4 x16 on the later chips, each
     ///   way (assumption: the vendor publishes no host-link figure).
+    /// - `chips_per_host`: 4, the host of every multi-host slice of these generations (the
+    ///   vendor's machine types: v4 and v5p hosts, `ct5lp-hightpu-4t`, `ct6e-standard-4t`).
     /// - `hbm_efficiency` 0.85, `kernel_overhead_ns` 1 µs: how close streaming kernels get to
     ///   the limits above (DMA, issue overheads), assumptions made before looking at any
     ///   measurement, the same for every chip and model.
@@ -170,6 +178,7 @@ impl Hardware {
             attention_block: 512.0,
             kernel_overhead_ns: 1_000.0,
             host_bandwidth: host * GB,
+            chips_per_host: 4.0,
         })
     }
 }
@@ -210,5 +219,15 @@ mod tests {
                 .is_err()
         );
         assert_eq!(Hardware::preset("v6e").unwrap().mxu_tile, 256.0);
+        let half_a_chip = HardwareOverrides {
+            chips_per_host: Some(2.5),
+            ..Default::default()
+        };
+        assert!(
+            Hardware::preset("v5p")
+                .unwrap()
+                .with_overrides(&half_a_chip)
+                .is_err()
+        );
     }
 }

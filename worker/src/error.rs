@@ -48,6 +48,11 @@ pub enum WorkerError {
         /// Its last lines of standard error.
         stderr_tail: Vec<String>,
     },
+    /// Meta mode: a representative rank made a group its class does not stand for (a
+    /// segment of a torus axis); the job runs again with a representative per class of
+    /// `steps` (see `TorchSpec::representative_steps`).
+    #[error("{why}: the job runs again with one representative rank per class")]
+    Regroup { steps: Vec<u32>, why: String },
     #[error("internal error: {0}")]
     Internal(String),
 }

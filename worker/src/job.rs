@@ -115,6 +115,10 @@ pub struct FailureReport {
     /// PyTorch ranks: where each chip's program made the call (chip, `file:line function`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sites: Vec<(u32, String)>,
+    /// `regroup`: the translation steps the job's representatives must stand for (see
+    /// `TorchSpec::representative_steps`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub representative_steps: Vec<u32>,
 }
 
 /// A PyTorch rank whose process ended before its job did.
@@ -132,6 +136,10 @@ fn desync_kind() -> String {
 }
 
 impl FailureReport {
+    /// The kind of a failure that is no failure of the program: the job runs again with more
+    /// representative ranks (`theirs` says why).
+    pub const REGROUP: &'static str = "regroup";
+
     /// The desync inside `e`, if it is one.
     pub fn from_error(e: &crate::WorkerError) -> Option<FailureReport> {
         match e {
@@ -163,6 +171,7 @@ impl FailureReport {
                 faults: Vec::new(),
                 rank_exit: None,
                 sites: Vec::new(),
+                representative_steps: Vec::new(),
             }),
             crate::WorkerError::Collective(CollectiveError::Mismatch {
                 chip,
@@ -179,6 +188,7 @@ impl FailureReport {
                 faults: Vec::new(),
                 rank_exit: None,
                 sites: Vec::new(),
+                representative_steps: Vec::new(),
             }),
             crate::WorkerError::Collective(CollectiveError::Corrupt {
                 chip,
@@ -195,6 +205,7 @@ impl FailureReport {
                 faults: Vec::new(),
                 rank_exit: None,
                 sites: Vec::new(),
+                representative_steps: Vec::new(),
             }),
             crate::WorkerError::RankExited {
                 chip,
@@ -215,6 +226,19 @@ impl FailureReport {
                     stderr_tail: stderr_tail.clone(),
                 }),
                 sites: Vec::new(),
+                representative_steps: Vec::new(),
+            }),
+            crate::WorkerError::Regroup { steps, why } => Some(FailureReport {
+                kind: FailureReport::REGROUP.into(),
+                chip: 0,
+                peer: 0,
+                mine: None,
+                theirs: why.clone(),
+                link: None,
+                faults: Vec::new(),
+                rank_exit: None,
+                sites: Vec::new(),
+                representative_steps: steps.clone(),
             }),
             _ => None,
         }

@@ -123,6 +123,7 @@ fn local_chips(fabric: &Arc<NodeFabric>, me: u32) -> (Vec<podsim_collectives::Ch
     let mut chips = if spec.symmetric {
         let symmetry = match &spec.program {
             crate::protocol::Program::Train(train) => train.symmetry(&spec.pod),
+            crate::protocol::Program::Torch(torch) => torch.symmetry(&spec.pod),
             _ => podsim_collectives::Symmetry::of_torus(&spec.pod),
         };
         podsim_collectives::mirror_chips(spec.pod.clone(), spec.hardware.clone(), &symmetry)

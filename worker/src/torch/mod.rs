@@ -65,6 +65,13 @@ pub struct TorchSpec {
     /// (`--verify-ranks`; meta mode on the mirror fabric only).
     #[serde(default)]
     pub verify_ranks: Vec<u32>,
+    /// Meta mode on the mirror fabric: along each torus axis, every how many chips the ranks
+    /// are alike (empty: all of them, one representative rank for the pod). An attempt whose
+    /// program made a group alike only every few chips (a tensor-parallel segment of an axis)
+    /// ends in [`WorkerError::Regroup`], and the job runs again with one representative per
+    /// class of these translations.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub representative_steps: Vec<u32>,
 }
 
 fn fused() -> crate::train::Eager {
@@ -80,6 +87,15 @@ fn default_connect_timeout_s() -> u64 {
 }
 
 impl TorchSpec {
+    /// The translations the representative ranks stand for (see
+    /// [`TorchSpec::representative_steps`]).
+    pub fn symmetry(&self, pod: &podsim_topology::Pod) -> podsim_collectives::Symmetry {
+        self.representative_steps.iter().enumerate().fold(
+            podsim_collectives::Symmetry::of_torus(pod),
+            |s, (axis, &step)| s.with_step(axis, step),
+        )
+    }
+
     /// [`TorchSpec::connect_timeout_s`] unless the job says: room for 8 ranks importing torch
     /// at once on 2 cores (5 to 20 s each alone on a slow machine) and a program's own setup
     /// before it creates the process group, while a rank that will never connect is still
@@ -223,9 +239,9 @@ impl CallSites {
     }
 }
 
-/// Starts a rank per chip and serves each until it exits; `done` counts marked steps. A lone
-/// representative chip on the mirror fabric has the job's `verify_ranks` run beside it as
-/// shadows (see [`verify`]).
+/// Starts a rank per chip and serves each until it exits; `done` counts marked steps. The
+/// representative chips of the mirror fabric have the job's `verify_ranks` run beside them
+/// as shadows, each compared with the representative of its class (see [`verify`]).
 pub async fn run(
     chips: Vec<Chip>,
     spec: &TorchSpec,
@@ -234,17 +250,20 @@ pub async fn run(
     let Some(world) = chips.first().map(|c| c.pod().chips()) else {
         return Ok(Vec::new());
     };
-    let representative = (chips.len() == 1 && chips[0].mirrored()).then(|| chips[0].id());
     let pod = chips[0].pod().clone();
-    let shadows: Vec<u32> = match representative {
-        Some(rep) => spec
+    let mirrored = chips.iter().all(Chip::mirrored);
+    let representatives: Vec<u32> = chips.iter().map(Chip::id).collect();
+    let shadows: Vec<u32> = match mirrored {
+        true => spec
             .verify_ranks
             .iter()
             .copied()
-            .filter(|&r| r != rep && r < world)
+            .filter(|r| !representatives.contains(r) && *r < world)
             .collect(),
-        None => Vec::new(),
+        false => Vec::new(),
     };
+    let symmetry = spec.symmetry(&pod);
+    let class_of = |rank: u32| symmetry.representative(&pod, rank);
     let mut recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
     for &shadow in &shadows {
         recorders.push(Arc::new(podsim_collectives::FlightRecorder::new(
@@ -257,29 +276,35 @@ pub async fn run(
     let (ranks, _guard) = ranks::start(spec, world, &recorders, &hardware)?;
     let mut ranks: std::collections::HashMap<u32, ranks::Rank> =
         ranks.into_iter().map(|r| (r.rank, r)).collect();
-    let reference = Arc::new(verify::Reference::default());
-    // A shadow's desync ends the job at once, whatever the representative is doing.
+    // The calls of each representative that a shadow checks.
+    let references: std::collections::HashMap<u32, Arc<verify::Reference>> = shadows
+        .iter()
+        .map(|&s| (class_of(s), Arc::new(verify::Reference::default())))
+        .collect();
+    // A shadow's desync ends the job at once, whatever the representatives are doing.
     let (failed, mut failure) = tokio::sync::mpsc::channel(1);
     let shadow_tasks: Vec<_> = shadows
         .iter()
         .filter_map(|s| ranks.remove(s))
         .map(|rank| {
-            let (spec, reference, failed) = (spec.clone(), reference.clone(), failed.clone());
-            let (rep, pod) = (representative.unwrap_or(0), pod.clone());
+            let rep = class_of(rank.rank);
+            let reference = references[&rep].clone();
+            let (spec, failed, pod) = (spec.clone(), failed.clone(), pod.clone());
             tokio::spawn(async move {
                 if let Err(e) = verify::serve_shadow(rank, &spec, &reference, rep, &pod).await {
-                    let _ = failed.send(e).await;
+                    // The first failure is the job's; a later shadow's must not wait for a
+                    // reader (the job waits for every shadow task at its end).
+                    let _ = failed.try_send(e);
                 }
             })
         })
         .collect();
     drop(failed);
-    let checked = (!shadow_tasks.is_empty()).then(|| reference.clone());
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
     let served = run_chips(chips, |mut chip| {
         let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
-        let (sites, checked) = (sites.clone(), checked.clone());
+        let (sites, checked) = (sites.clone(), references.get(&chip.id()).cloned());
         async move {
             let rank = ranks
                 .lock()
@@ -296,7 +321,7 @@ pub async fn run(
         reports = &mut served => reports,
         Some(e) = failure.recv() => return Err(e),
     };
-    // The representative ended: a shadow's desync is still the job's failure.
+    // The representatives ended: a shadow's desync is still the job's failure.
     for task in shadow_tasks {
         let _ = task.await;
     }

@@ -134,16 +134,19 @@ pub fn start(
     let Some((program, args)) = spec.command.split_first() else {
         return Err(WorkerError::Invalid("a torch job needs a command".into()));
     };
-    for (local, recorder) in recorders.iter().enumerate() {
+    // A rank sees the host its chip sits on in the modelled pod, as a launcher on a TPU VM
+    // would start it, whichever worker process runs it here.
+    let per_host = (hardware.chips_per_host as u32).clamp(1, world.max(1));
+    for recorder in recorders {
         let rank = recorder.chip();
         let mut command = tokio::process::Command::new(program);
         command
             .args(args)
             .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_RANK", (rank % per_host).to_string())
             .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", recorders.len().to_string())
-            .env("GROUP_RANK", "0")
+            .env("LOCAL_WORLD_SIZE", per_host.to_string())
+            .env("GROUP_RANK", (rank / per_host).to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", master_port.to_string())
             .env("PODSIM_SOCKET", &socket)
@@ -462,6 +465,7 @@ time.sleep(600)
             eager: crate::train::Eager::Fused,
             count: super::super::Count::Steady,
             verify_ranks: Vec::new(),
+            representative_steps: Vec::new(),
         }
     }
 

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use podsim_collectives::procfs::stat_fields;
-use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload, Symmetry};
+use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
 use podsim_topology::{Group, Hardware, Pod};
 
 use super::ranks::{Rank, RankExit, RankLink, exited};
@@ -400,14 +400,13 @@ async fn handle(
     };
     let answer = match frame.request {
         Request::Group { id, ranks } => {
-            let group = Group::from_members(chip.pod(), chip.id(), &ranks)
-                .and_then(|g| alike_on_every_chip(chip, g));
+            let site = frame.site.as_deref();
+            let group = declare(chip.pod(), spec, chip.id(), &ranks, site, chip.mirrored())?;
             let error = group
                 .map(|g| {
                     served.groups.insert(id, Comm::new(g, spec.algo));
                 })
-                .err()
-                .map(|e| format!("podsim cannot make a group of ranks {ranks:?}: {e}"));
+                .err();
             (reply(chip, error), None)
         }
         Request::Step {
@@ -451,8 +450,7 @@ async fn handle(
             (reply(chip, None), None)
         }
         Request::Raised { error } => {
-            let at = frame.site.as_deref().unwrap_or("an unknown line");
-            served.raised = Some(format!("{error} at {at}"));
+            served.raised = Some(raised(&error, frame.site.as_deref()));
             return Ok(()); // no reply: the rank is on its way out
         }
         Request::Hello { .. } | Request::Stack { .. } | Request::Sampler { .. } => {
@@ -518,31 +516,69 @@ async fn handle(
     Ok(())
 }
 
-/// `group`, if a representative chip on the mirror fabric can stand for it: every
-/// translation of the torus must map the group onto a group of the same kind (the one
-/// representative's symmetry, `Symmetry::of_torus`). A segment of an axis (a tensor-parallel
-/// group of 4 on an axis of 16) is alike only every 4 chips: one representative would time
-/// it wrongly.
-fn alike_on_every_chip(chip: &Chip, group: Group) -> Result<Group, String> {
-    if !chip.mirrored() {
-        return Ok(group);
-    }
-    represented(chip.pod(), group)
+/// How a rank's exception is told: its first line, at most [`RAISED_CHARS`] characters (torch's
+/// messages can run to pages), and the program's line that raised it.
+pub(super) fn raised(error: &str, site: Option<&str>) -> String {
+    let first = error.lines().next().unwrap_or_default();
+    let shown: String = first.chars().take(RAISED_CHARS).collect();
+    let cut = if shown.len() < error.trim_end().len() {
+        " ..."
+    } else {
+        ""
+    };
+    format!("{shown}{cut} at {}", site.unwrap_or("an unknown line"))
 }
 
-/// `group` if one representative (on a mirror fabric of every translation) stands for it.
-pub(super) fn represented(pod: &Pod, group: Group) -> Result<Group, String> {
-    let every = Symmetry::of_torus(pod);
-    let kept = every.clone().keeping(&group.parts(pod), pod);
-    if kept == every {
-        return Ok(group);
+/// Characters of a rank's exception a report shows (its traceback is in the rank's output).
+const RAISED_CHARS: usize = 300;
+
+/// A group request of a rank: the group, unless the ranks do not make one podsim can run
+/// (a refusal the rank raises), or, on the mirror fabric, the job's representatives do not
+/// stand for it ([`WorkerError::Regroup`]: the job runs again with finer classes).
+pub(super) fn declare(
+    pod: &Pod,
+    spec: &TorchSpec,
+    rank: u32,
+    ranks: &[u32],
+    site: Option<&str>,
+    mirrored: bool,
+) -> Result<Result<Group, String>, WorkerError> {
+    let group = match Group::from_members(pod, rank, ranks) {
+        Ok(group) => group,
+        Err(e) => {
+            return Ok(Err(format!(
+                "podsim cannot make a group of ranks {ranks:?}: {e}"
+            )));
+        }
+    };
+    if !mirrored {
+        return Ok(Ok(group));
     }
-    Err(format!(
-        "it is alike only every {:?} chips along the torus axes, and one representative \
-         process stands for every rank in meta mode; run every rank with \
-         --set job.symmetric=false",
-        kept.steps()
-    ))
+    let symmetry = spec.symmetry(pod);
+    let needed = symmetry.clone().keeping(&group.parts(pod), pod);
+    if needed == symmetry {
+        return Ok(Ok(group));
+    }
+    Err(WorkerError::Regroup {
+        steps: needed.steps().to_vec(),
+        why: format!(
+            "rank {rank} made a group of ranks {} at {}, alike only every {:?} chips along \
+             the torus axes",
+            shown_ranks(ranks),
+            site.unwrap_or("an unknown line"),
+            needed.steps()
+        ),
+    })
+}
+
+/// A rank list as a message shows it: the first few, and how many in all.
+fn shown_ranks(ranks: &[u32]) -> String {
+    const SHOWN: usize = 8;
+    if ranks.len() <= SHOWN {
+        return format!("{ranks:?}");
+    }
+    let head: Vec<String> = ranks[..SHOWN].iter().map(u32::to_string).collect();
+    format!("[{}, ... ({} ranks)]", head.join(", "), ranks.len())
 }
 
 /// The f32 words a request moves (a meta-mode request names them; a receive asks for them).

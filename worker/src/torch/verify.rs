@@ -12,7 +12,7 @@
 use std::sync::Mutex;
 
 use podsim_collectives::{CollectiveError, DType, Fingerprint, OpKind, ReduceOp};
-use podsim_topology::{Group, Pod};
+use podsim_topology::Pod;
 use tokio::sync::Notify;
 
 use super::TorchSpec;
@@ -143,11 +143,15 @@ pub async fn serve_shadow(
     };
     let mut seq = 0usize;
     let mut said_bye = false;
+    let mut raised = None;
     while let Some(next) = link.requests.recv().await {
         let (frame, values) = next.map_err(WorkerError::Invalid)?;
         let words = super::serve::words_of(&frame.request, frame.meta, &values);
         match &frame.request {
-            Request::Raised { .. } => continue, // no reply: its exit is reported below
+            Request::Raised { error } => {
+                raised = Some(super::serve::raised(error, frame.site.as_deref()));
+                continue; // no reply: its exit is reported below
+            }
             Request::Bye { .. } => said_bye = true,
             _ => {}
         }
@@ -163,10 +167,10 @@ pub async fn serve_shadow(
         }
         // A shadow's groups are judged as its representative's are (it sees the translate).
         let error = match &frame.request {
-            Request::Group { ranks, .. } => Group::from_members(pod, rank.rank, ranks)
-                .and_then(|g| super::serve::represented(pod, g))
-                .err()
-                .map(|e| format!("podsim cannot make a group of ranks {ranks:?}: {e}")),
+            Request::Group { ranks, .. } => {
+                let site = frame.site.as_deref();
+                super::serve::declare(pod, spec, rank.rank, ranks, site, true)?.err()
+            }
             _ => None,
         };
         let reply = Reply {
@@ -174,6 +178,15 @@ pub async fn serve_shadow(
             clock_ns: 0.0,
         };
         let _ = link.replies.send((reply, None)).await;
+    }
+    if let Some(raised) = raised {
+        // Its program failed: an error of the program, not a divergence from its class.
+        let exit = exited(&mut rank.exit).await;
+        let how = exit.map_or("closed its connection".into(), |e| e.to_string());
+        return Err(shadow_exit(
+            &rank,
+            &format!("{}{raised}, and {how}", TorchSpec::RAISED),
+        ));
     }
     if said_bye {
         // Every call the representative makes, the shadow must have made too.
