@@ -157,6 +157,7 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
     p, wall, report = podsim_run(args, "2x2x2", "faults.py", "--fault", fault, "--rank", str(rank),
                                  "--at", str(at))
     ended = time.time()
+    fault_step = at
     hang = (report or {}).get("hang") or {}
     culprit = hang.get("culprit") or {}
     problems = []
@@ -191,6 +192,15 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
             problems.append(f"python stack ends {stack[-1:]} not at faults.py:{line}")
     if fault == "skip" and f"Rank {rank} made its call at" not in hang.get("explanation", ""):
         problems.append(f"the desync does not name rank {rank}'s call")
+    if fault == "raise":
+        said = hang.get("explanation", "")
+        if "RuntimeError" not in said or "faults.py:" not in said:
+            problems.append(f"the error does not name the exception and its line: {said[:300]}")
+        # The steps the rank made before it raised stay in the report.
+        ranks = ((report or {}).get("torch") or {}).get("ranks", [])
+        made = [len(r["steps"]) for r in ranks if r["rank"] == rank]
+        if made != [fault_step]:
+            problems.append(f"torch section: rank {rank} with {made} steps, want [{fault_step}]")
     time.sleep(0.5)
     left = leftover("examples/torch/faults.py")
     if left:
@@ -386,6 +396,8 @@ def main():
         ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),
         ("a skipped all-reduce is a desync", lambda: case_fault(args, "skip", 6, 3, "desync", 4, 1000)),
         ("a rank that exits is a dead worker", lambda: case_fault(args, "exit", 0, 8, "dead_worker", 3, 3000)),
+        ("a rank's exception is a program error, its steps kept",
+         lambda: case_fault(args, "raise", 2, 4, "program_error", 1, 3000)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
         ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),
     ]

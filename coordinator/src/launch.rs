@@ -96,6 +96,8 @@ pub struct HangReport {
     pub step_reached: u64,
     /// Pid of each worker that joined.
     pub pids: BTreeMap<u32, u32>,
+    /// PyTorch jobs: what the failing ranks had done until the failure.
+    pub torch: Vec<podsim_worker::protocol::RankReport>,
 }
 
 /// A worker that joined the control session.
@@ -980,5 +982,6 @@ async fn diagnose(
         detected_wall_ns,
         step_reached,
         pids: supervisor.pids().clone(),
+        torch: supervisor.failed_ranks().to_vec(),
     }))
 }

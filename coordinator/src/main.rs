@@ -345,6 +345,7 @@ fn run_job(
     );
     if let Err(LaunchError::Hang(h)) = &result {
         report::add_hang(&mut report, cfg, h);
+        report::add_failed_torch(&mut report, cfg, h);
     }
     report::add_recovery(&mut report, cfg, result.as_ref().ok(), restarts, refused);
     // The summary first: a report that cannot be written (a full disk) still leaves the

@@ -268,6 +268,7 @@ mod tests {
             detected_wall_ns: 0,
             step_reached: step,
             pids: BTreeMap::new(),
+            torch: Vec::new(),
         }))
     }
 

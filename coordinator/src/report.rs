@@ -14,7 +14,7 @@ use crate::watchdog::HangKind;
 use crate::JobStatus;
 use crate::bench::iteration_times;
 use crate::config::JobConfig;
-use crate::launch::{Outcome, WorkerInfo};
+use crate::launch::{HangReport, Outcome, WorkerInfo};
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Report {
@@ -559,7 +559,10 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
             script, iterations, ..
         } => collectives(&mut report, &cfg.pod, script, *iterations, &steps),
         Program::Train(spec) => training(&mut report, &cfg.pod, cfg.hardware.peak_flops, spec, out),
-        Program::Torch(spec) => torch(&mut report, spec, cfg.hardware.peak_flops, out),
+        Program::Torch(spec) => {
+            let ranks = out.reports.iter().flat_map(|r| r.torch.clone()).collect();
+            torch(&mut report, spec, cfg.hardware.peak_flops, ranks);
+        }
         Program::Bench { .. } => {}
     }
     if report.correctness.wrong_elements > 0 {
@@ -657,15 +660,23 @@ fn finished_workers(out: &Outcome) -> Vec<WorkerEntry> {
         .collect()
 }
 
+/// A failed PyTorch job's `torch` section: the steps its failing ranks made before the
+/// failure (`hang.torch`), so that what ran is not lost with the job.
+pub fn add_failed_torch(report: &mut Report, cfg: &JobConfig, hang: &HangReport) {
+    if let (Program::Torch(spec), None) = (&cfg.program, &report.torch)
+        && !hang.torch.is_empty()
+    {
+        torch(report, spec, cfg.hardware.peak_flops, hang.torch.clone());
+    }
+}
+
 /// A PyTorch program's ranks and steps; the job's virtual time is its latest rank clock.
 fn torch(
     report: &mut Report,
     spec: &podsim_worker::protocol::TorchSpec,
     peak_flops: f64,
-    out: &Outcome,
+    mut ranks: Vec<podsim_worker::protocol::RankReport>,
 ) {
-    let mut ranks: Vec<podsim_worker::protocol::RankReport> =
-        out.reports.iter().flat_map(|r| r.torch.clone()).collect();
     ranks.sort_by_key(|r| r.rank);
     report.virtual_s = ranks.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
     report.torch = Some(TorchRun {

@@ -78,6 +78,8 @@ pub struct Supervisor {
     done: BTreeMap<u32, u64>,
     total: BTreeMap<u32, u64>,
     reports: BTreeMap<u32, WorkerReport>,
+    /// PyTorch jobs: what the failing rank had done until its failure.
+    failed_ranks: Vec<podsim_worker::protocol::RankReport>,
 }
 
 impl Supervisor {
@@ -92,6 +94,7 @@ impl Supervisor {
             done: BTreeMap::new(),
             total: BTreeMap::new(),
             reports: BTreeMap::new(),
+            failed_ranks: Vec::new(),
         }
     }
 
@@ -119,6 +122,11 @@ impl Supervisor {
     /// The workers' results, by worker id, once [`Decision::Finished`].
     pub fn into_reports(self) -> (Vec<WorkerReport>, Watchdog) {
         (self.reports.into_values().collect(), self.watchdog)
+    }
+
+    /// PyTorch jobs: what the ranks that failed had done until then.
+    pub fn failed_ranks(&self) -> &[podsim_worker::protocol::RankReport] {
+        &self.failed_ranks
     }
 
     /// Decides what `event` calls for.
@@ -185,6 +193,7 @@ impl Supervisor {
                 },
                 Ok(d) => {
                     self.watchdog.faults_fired(&d.faults);
+                    self.failed_ranks.extend(d.torch.iter().cloned());
                     Decision::Diagnose(Box::new(diagnosed_failure(&self.watchdog, &d, id)))
                 }
                 Err(_) => Decision::WorkerFailed {
@@ -577,6 +586,7 @@ mod tests {
             rank_exit: None,
             sites: Vec::new(),
             representative_steps: Vec::new(),
+            torch: Vec::new(),
         };
         let failure = Body::Failure(pb::WorkerFailure {
             error: "desync".into(),

@@ -1,6 +1,6 @@
 """A training loop that misbehaves on purpose, for podsim's fault tests: rank R, at step S,
-sleeps forever (`--fault sleep`), skips one all-reduce (`--fault skip`) or dies
-(`--fault exit`). Gradients are all-reduced parameter by parameter, so a skipped call meets a
+sleeps forever (`--fault sleep`), skips one all-reduce (`--fault skip`), dies
+(`--fault exit`) or raises an exception (`--fault raise`). Gradients are all-reduced parameter by parameter, so a skipped call meets a
 call of another shape on the other ranks."""
 
 import os
@@ -13,7 +13,7 @@ import common
 
 
 def extra(p):
-    p.add_argument("--fault", choices=["none", "sleep", "skip", "exit"], default="none")
+    p.add_argument("--fault", choices=["none", "sleep", "skip", "exit", "raise"], default="none")
     p.add_argument("--rank", type=int, default=3)
     p.add_argument("--at", type=int, default=5)
 
@@ -31,6 +31,8 @@ for step in range(args.steps):
         print(f"fault {args.fault} at {time.time():.6f}", flush=True)
     if faulty and args.fault == "exit":
         os._exit(1)
+    if faulty and args.fault == "raise":
+        raise RuntimeError(f"rank {rank} gives up at step {step}")
     if faulty and args.fault == "sleep":
         time.sleep(3600)  # the line a stalled_chip diagnosis must name
     inputs, targets = common.batch(step, rank)

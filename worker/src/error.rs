@@ -53,6 +53,13 @@ pub enum WorkerError {
     /// `steps` (see `TorchSpec::representative_steps`).
     #[error("{why}: the job runs again with one representative rank per class")]
     Regroup { steps: Vec<u32>, why: String },
+    /// A PyTorch job's failure, with what its failing rank had done until then (its steps):
+    /// the job's report keeps its `torch` section.
+    #[error("{error}")]
+    TorchFailed {
+        error: Box<WorkerError>,
+        ranks: Vec<crate::torch::RankReport>,
+    },
     #[error("internal error: {0}")]
     Internal(String),
 }

@@ -119,6 +119,9 @@ pub struct FailureReport {
     /// `TorchSpec::representative_steps`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub representative_steps: Vec<u32>,
+    /// PyTorch jobs: what the failing rank had done until the failure.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub torch: Vec<crate::torch::RankReport>,
 }
 
 /// A PyTorch rank whose process ended before its job did.
@@ -172,6 +175,7 @@ impl FailureReport {
                 rank_exit: None,
                 sites: Vec::new(),
                 representative_steps: Vec::new(),
+                torch: Vec::new(),
             }),
             crate::WorkerError::Collective(CollectiveError::Mismatch {
                 chip,
@@ -189,6 +193,7 @@ impl FailureReport {
                 rank_exit: None,
                 sites: Vec::new(),
                 representative_steps: Vec::new(),
+                torch: Vec::new(),
             }),
             crate::WorkerError::Collective(CollectiveError::Corrupt {
                 chip,
@@ -206,6 +211,7 @@ impl FailureReport {
                 rank_exit: None,
                 sites: Vec::new(),
                 representative_steps: Vec::new(),
+                torch: Vec::new(),
             }),
             crate::WorkerError::RankExited {
                 chip,
@@ -227,6 +233,7 @@ impl FailureReport {
                 }),
                 sites: Vec::new(),
                 representative_steps: Vec::new(),
+                torch: Vec::new(),
             }),
             crate::WorkerError::Regroup { steps, why } => Some(FailureReport {
                 kind: FailureReport::REGROUP.into(),
@@ -239,7 +246,13 @@ impl FailureReport {
                 rank_exit: None,
                 sites: Vec::new(),
                 representative_steps: steps.clone(),
+                torch: Vec::new(),
             }),
+            crate::WorkerError::TorchFailed { error, ranks } => FailureReport::from_error(error)
+                .map(|r| FailureReport {
+                    torch: ranks.clone(),
+                    ..r
+                }),
             _ => None,
         }
     }

@@ -278,10 +278,25 @@ async fn serve_rank(
             sites,
             reference,
         };
-        handle(chip, &mut served, &mut link, &context, frame, values).await?;
+        if let Err(e) = handle(chip, &mut served, &mut link, &context, frame, values).await {
+            return Err(with_steps(e, chip, served));
+        }
     }
     let exit = wait_exit(rank).await;
     finish(chip, rank, served, exit)
+}
+
+/// `error`, carrying what the rank had done until it (its steps, its collectives): the
+/// report of a failed job keeps them.
+fn with_steps(error: WorkerError, chip: &Chip, mut served: Served) -> WorkerError {
+    if matches!(error, WorkerError::TorchFailed { .. }) {
+        return error;
+    }
+    served.report.virtual_ns = chip.clock();
+    WorkerError::TorchFailed {
+        error: Box::new(error),
+        ranks: vec![served.report],
+    }
 }
 
 /// The error that ends the job when `rank` has not connected within the job's bound: what the
@@ -350,12 +365,13 @@ fn finish(
             if let Some(raised) = &served.raised {
                 how = format!("{}{raised}, and {how}", TorchSpec::RAISED);
             }
-            return Err(WorkerError::RankExited {
+            let exited = WorkerError::RankExited {
                 chip: chip.id(),
                 pid: rank.pid,
                 how,
                 stderr_tail: stderr_tail(rank),
-            });
+            };
+            return Err(with_steps(exited, chip, served));
         }
     }
     served.report.exit = exit.map(|e| e.to_string());
