@@ -32,6 +32,7 @@ What keeps this honest:
 
 import os
 import sys
+import traceback
 
 import torch
 
@@ -149,6 +150,10 @@ class Steps:
         frame or podsim's, whose bookkeeping runs only while counting and is left out)."""
         if sys._getframe(2).f_code.co_filename.startswith(_PODSIM_DIR):
             return
+        # An aten op reaching a function mode is called from a dispatch mode's handler
+        # (podsim's own, which runs only while counting), through torch's `_ops.py`.
+        if isinstance(func, torch._ops.OpOverload):
+            return
         first = getattr(args[0], "shape", None) if args else None
         try:
             self.hash = hash((self.hash, func, first))
@@ -184,6 +189,9 @@ class Steps:
     def _diverged(self, exact):
         """This step is not the recorded one: replaying ends here. `exact`: nothing ran since
         the last request that matched."""
+        if _DEBUG:
+            print(f"podsim replay: step diverged (exact={exact}, call {len(self.calls)}) at "
+                  f"{''.join(traceback.format_stack(limit=8)[:-2])}", file=sys.stderr)
         if torch._C._current_graph_task_id() != -1:  # inside backward
             self.state = PARTIAL
             return
@@ -246,6 +254,8 @@ class Steps:
 # podsim's own code: its torch calls are bookkeeping that runs only while counting (HBM
 # classes, the dispatch mode's own), not the program's.
 _PODSIM_DIR = os.path.dirname(os.path.abspath(__file__))
+# `PODSIM_REPLAY_DEBUG=1`: where each replayed step stopped being the recorded one.
+_DEBUG = os.environ.get("PODSIM_REPLAY_DEBUG") == "1"
 
 
 class _Calls(torch.overrides.TorchFunctionMode):
