@@ -298,6 +298,33 @@ def case_meta_classes(args):
                 f"wall {wall2:.1f} s vs {wall8:.1f} s")
 
 
+def case_study(args):
+    """`podsim study` sweeps a torch job like any other (scripts/studies/llama_torch.toml, cut
+    to two pod sizes): one row per point with the program's step time."""
+    out = tempfile.mkdtemp(prefix="podsim-torch-study-")
+    study = os.path.join(out, "study.toml")
+    with open(os.path.join(REPO, "scripts", "studies", "llama_torch.toml")) as f:
+        text = f.read()
+    text = text.replace('base = "llama_torch_base.toml"',
+                        f'base = "{os.path.join(REPO, "scripts", "studies", "llama_torch_base.toml")}"')
+    text = re.sub(r'(?m)^"topology.shape" = .*$', '"topology.shape" = ["2x2x2", "4x4x4"]', text)
+    text = re.sub(r'(?m)^"job.eager" = .*$', '"job.eager" = ["fused"]', text)
+    with open(study, "w") as f:
+        f.write(text)
+    env = dict(os.environ, PODSIM_PYTHON=sys.executable)
+    p, wall = run([args.podsim, "study", study, "--out", os.path.join(out, "runs")], env)
+    rows = []
+    path = os.path.join(out, "runs", "results.csv")
+    if os.path.exists(path):
+        import csv
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+    steps = [float(r["step_ms"] or 0) for r in rows if r["status"] == "ok"]
+    ok = p.returncode == 0 and len(steps) == 2 and all(x > 0 for x in steps)
+    return ok, (f"exit {p.returncode}, {len(rows)} rows, step ms {steps}, wall {wall:.1f} s"
+                f"{'' if ok else ': ' + p.stdout[-600:] + p.stderr[-300:]}")
+
+
 def case_verify_ranks(args):
     """Meta mode at 4,096 chips: rank 1234 skips one backward; its shadow beside the
     representative is a desync naming rank 1234 and both lines."""
@@ -386,6 +413,7 @@ def main():
         ("a batch of another length is caught in replay",
          lambda: case_replayed_steps(args, "--seq-after", "12:8")),
         ("meta mode: one representative times every rank", lambda: case_meta_representative(args)),
+        ("podsim study sweeps a torch job", lambda: case_study(args)),
         ("meta mode: a representative per class times an FSDP x TP mesh",
          lambda: case_meta_classes(args)),
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
