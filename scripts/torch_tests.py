@@ -270,10 +270,13 @@ def case_meta_representative(args):
     processes = (len(one["torch"]["ranks"]), len(every["torch"]["ranks"]))
     stand_ins = sum(x[2] for r in one["torch"]["ranks"] for x in r.get("stand_ins", []))
     same = len(a) == len(b) == 3 and all(abs(x - y) <= 1e-9 * max(y, 1e-9) for x, y in zip(a, b))
-    ok = same and processes == (1, 8) and stand_ins > 0 and a[0] > 0
+    # llama.py checkpoints every block: MFU leaves the recomputed forward out, HFU keeps it.
+    last = one["torch"]["steps"][-1]
+    mfu, hfu = last.get("mfu", 0), last.get("hfu", 0)
+    ok = same and processes == (1, 8) and stand_ins > 0 and a[0] > 0 and 0 < mfu < 0.9 * hfu
     return ok, (f"step ms {[round(x, 4) for x in a]} with {processes[0]} process vs "
                 f"{[round(x, 4) for x in b]} with {processes[1]}; {stand_ins} stand-in values; "
-                f"wall {wall1:.1f} s vs {wall8:.1f} s")
+                f"MFU {100 * mfu:.2f}% < HFU {100 * hfu:.2f}%; wall {wall1:.1f} s vs {wall8:.1f} s")
 
 
 def case_meta_classes(args):

@@ -632,13 +632,13 @@ fn collectives_section(b: &mut String, r: &Value) {
 
 /// A PyTorch program: its steps as the slowest rank saw them, and each rank's collectives.
 /// Each step's peak HBM (the fullest rank's, counted at torch's dispatcher) by kind, and its
-/// hardware flops utilisation.
+/// model and hardware flops utilisation.
 fn torch_hbm_table(b: &mut String, steps: &[Value]) {
     if steps.iter().all(|s| num(&s["peak_hbm_bytes"]) == 0.0) {
         return;
     }
     let gib = |v: &Value| short(num(v) / (1u64 << 30) as f64);
-    b.push_str("<h2>HBM by step</h2>\n<table><tr><th>step</th><th class=\"num\">peak GiB</th><th>at the peak, GiB</th><th class=\"num\">HFU</th></tr>\n");
+    b.push_str("<h2>HBM by step</h2>\n<table><tr><th>step</th><th class=\"num\">peak GiB</th><th>at the peak, GiB</th><th class=\"num\">MFU</th><th class=\"num\">HFU</th></tr>\n");
     for s in steps {
         let kinds: Vec<String> = s["hbm_by_kind"]
             .as_array()
@@ -648,10 +648,11 @@ fn torch_hbm_table(b: &mut String, steps: &[Value]) {
             .collect();
         let _ = writeln!(
             b,
-            "<tr><td>{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}%</td></tr>",
+            "<tr><td>{}</td><td class=\"num\">{}</td><td>{}</td><td class=\"num\">{}%</td><td class=\"num\">{}%</td></tr>",
             text(&s["step"]),
             gib(&s["peak_hbm_bytes"]),
             esc(&kinds.join(", ")),
+            short(100.0 * num(&s["mfu"])),
             short(100.0 * num(&s["hfu"]))
         );
     }

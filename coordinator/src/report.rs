@@ -100,6 +100,10 @@ pub struct TorchStep {
     /// executed (recomputation included) over the chip's peak for the step's time.
     #[serde(default)]
     pub hfu: f64,
+    /// Model flops utilisation of the slowest rank: as `hfu`, without the work activation
+    /// checkpointing recomputed.
+    #[serde(default)]
+    pub mfu: f64,
 }
 
 /// Each step marked by every rank, as its slowest rank saw it.
@@ -111,6 +115,10 @@ fn torch_steps(ranks: &[podsim_worker::protocol::RankReport], peak_flops: f64) -
                 .iter()
                 .max_by(|a, b| a.steps[i].step_ns.total_cmp(&b.steps[i].step_ns))?;
             let s = &slowest.steps[i];
+            let utilisation = |flops: f64| match s.step_ns {
+                ns if ns > 0.0 => flops / (peak_flops * ns / 1e9),
+                _ => 0.0,
+            };
             let fullest = ranks
                 .iter()
                 .map(|r| &r.steps[i])
@@ -124,11 +132,8 @@ fn torch_steps(ranks: &[podsim_worker::protocol::RankReport], peak_flops: f64) -
                 exposed_comm_ms: s.exposed_comm_ns / 1e6,
                 peak_hbm_bytes: fullest.peak_hbm_bytes,
                 hbm_by_kind: fullest.hbm_by_kind.clone(),
-                hfu: if s.step_ns > 0.0 {
-                    s.flops / (peak_flops * s.step_ns / 1e9)
-                } else {
-                    0.0
-                },
+                hfu: utilisation(s.flops),
+                mfu: utilisation(s.model_flops),
             })
         })
         .collect()
@@ -1154,9 +1159,10 @@ fn summarise_torch(s: &mut String, t: &TorchRun) {
                 .map(|(k, b)| format!("{k} {:.2}", gib(*b)))
                 .collect();
             s.push_str(&format!(
-                "  peak HBM per chip {:.2} GiB ({}), counted at the dispatcher; HFU {:.1}%\n",
+                "  peak HBM per chip {:.2} GiB ({}), counted at the dispatcher; MFU {:.1}%, HFU {:.1}%\n",
                 gib(last.peak_hbm_bytes),
                 kinds.join(", "),
+                100.0 * last.mfu,
                 100.0 * last.hfu
             ));
         }

@@ -193,12 +193,15 @@ def sharded_model(margs, mesh, device):
 
 def clip_grad_norm(model, max_norm):
     """torch's `clip_grad_norm_`, for gradients on meshes of different shapes too (tensor
-    parallel blocks beside data-parallel-only embeddings), as torchtitan clips them: each
-    gradient's norm made whole, then one total."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norms = [g.norm() for g in grads]
+    parallel blocks beside data-parallel-only embeddings), as torchtitan clips them: the norm
+    of each mesh's gradients made whole, then one total."""
+    by_mesh = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
     norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
-    total = torch.stack(norms).norm()
+    total = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
     return total
 

@@ -7,6 +7,7 @@ parameters) are left to their own dispatch, so their local ops are counted once,
 shapes that really run on this chip.
 """
 
+import sys
 import weakref
 
 import torch
@@ -89,6 +90,11 @@ class Compute(TorchDispatchMode):
         self._attention = {}
         # Set while podsim itself moves tensors (a collective's copies are not compute).
         self.paused = False
+        # Set while `torch.utils.checkpoint` recomputes a forward inside backward: its matmuls
+        # and attention are also counted apart (`_recomputed`), so that MFU leaves them out.
+        self.recomputing = False
+        self._recomputed_matmuls = {}
+        self._recomputed_attention = {}
         # The rank's HBM, when counted (`Memory`).
         self.memory = None
         # `fused` eager mode: chains of element-wise ops as one pass (`Chain`); None in
@@ -128,6 +134,9 @@ class Compute(TorchDispatchMode):
                 m, k, n, batch = _matmul_shapes(func.overloadpacket, args)
                 key = (int(m), int(k), int(n), args[-1].element_size())
                 self._matmuls[key] = self._matmuls.get(key, 0) + int(batch)
+                if self.recomputing:
+                    done = self._recomputed_matmuls
+                    done[key] = done.get(key, 0) + int(batch)
             elif self.chain is not None:
                 self.chain.add(self, args, out)
             else:
@@ -149,6 +158,12 @@ class Compute(TorchDispatchMode):
             "kernels": self._kernels,
             "attention": [[*key, calls] for key, calls in self._attention.items()],
         }
+        if self._recomputed_matmuls or self._recomputed_attention:
+            c["recomputed_matmuls"] = [[m, k, n, calls, eb] for (m, k, n, eb), calls
+                                       in self._recomputed_matmuls.items()]
+            c["recomputed_attention"] = [[*key, calls] for key, calls
+                                         in self._recomputed_attention.items()]
+            self._recomputed_matmuls, self._recomputed_attention = {}, {}
         self._attention = {}
         self._matmuls = {}
         self._pass_bytes = 0
@@ -179,6 +194,9 @@ class Compute(TorchDispatchMode):
         key = (batch, int(max(seq, k.shape[-2])), int(heads), int(head_dim), int(bool(causal)),
                int(bool(backward)), q.element_size())
         self._attention[key] = self._attention.get(key, 0) + 1
+        if self.recomputing:
+            done = self._recomputed_attention
+            done[key] = done.get(key, 0) + 1
 
 
 def _on_meta(args, out):
@@ -243,6 +261,37 @@ class Chain:
     def forget(self, key):
         """Storage `key` was freed (its address may be reused)."""
         self.unwritten.pop(key, None)
+
+
+def recomputation_apart(compute):
+    """Work `torch.utils.checkpoint` recomputes inside backward is counted apart as well
+    (`Compute.recomputing`): the checkpointed function, called again while autograd runs a
+    backward, is the recomputation, whichever checkpoint implementation calls it."""
+    import torch.utils.checkpoint as cp
+
+    original = cp.checkpoint
+
+    def checkpoint(function, *args, **kwargs):
+        def run(*a, **k):
+            if torch._C._current_graph_task_id() == -1:  # the forward itself
+                return function(*a, **k)
+            was, compute.recomputing = compute.recomputing, True
+            try:
+                return function(*a, **k)
+            finally:
+                compute.recomputing = was
+
+        return original(run, *args, **kwargs)
+
+    # Programs import it by name (`from torch.utils.checkpoint import checkpoint`), as does
+    # torch's own checkpoint wrapper, before the rank connects and this runs.
+    for module in list(sys.modules.values()):
+        for name in ("checkpoint", "torch_utils_checkpoint"):
+            try:
+                if getattr(module, name, None) is original:
+                    setattr(module, name, checkpoint)
+            except Exception:  # a lazy or odd module: it cannot hold torch's function
+                continue
 
 
 def price_attention_as_flash(compute):

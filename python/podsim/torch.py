@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _streams
-from ._compute import Compute, Memory, price_attention_as_flash
+from ._compute import Compute, Memory, price_attention_as_flash, recomputation_apart
 from ._replay import Steps, signature
 from ._wire import Connection, PodsimError
 
@@ -66,6 +66,7 @@ class _Rank:
             _storage_resizes_reach(self.compute.memory)
             self.compute.__enter__()
             price_attention_as_flash(self.compute)
+            recomputation_apart(self.compute)
             # Steady steps are counted once and replayed (`podsim._replay`).
             replay = os.environ.get("PODSIM_COUNT", "steady") == "steady"
             self.steps = Steps(self.compute, replay)

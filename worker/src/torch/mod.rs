@@ -161,6 +161,9 @@ pub struct RankStep {
     /// Matmul and attention flops the step executed (recomputation included).
     #[serde(default)]
     pub flops: f64,
+    /// Of `flops`, the model's: what activation checkpointing recomputed left out.
+    #[serde(default)]
+    pub model_flops: f64,
     /// How the step's compute was known: counted op by op, or replayed from the rank's
     /// steady step (`python/podsim/_replay.py`).
     #[serde(default)]

@@ -166,6 +166,16 @@ pub fn compute_flops(compute: &Compute) -> f64 {
         .sum()
 }
 
+/// The flops of `compute` the model needs: all but what activation checkpointing recomputed.
+pub fn model_flops(compute: &Compute) -> f64 {
+    let recomputed = Compute {
+        matmuls: compute.recomputed_matmuls.clone(),
+        attention: compute.recomputed_attention.clone(),
+        ..Compute::default()
+    };
+    compute_flops(compute) - compute_flops(&recomputed)
+}
+
 /// What a chip keeps while serving its rank.
 struct Served {
     groups: HashMap<u32, Comm>,
@@ -189,6 +199,8 @@ struct Served {
     folded_hbm: StepHbm,
     /// Matmul and attention flops executed since the last step mark.
     step_flops: f64,
+    /// Of those, the model's (recomputation left out).
+    step_model_flops: f64,
 }
 
 /// Serves `rank` on `chip` until the rank exits: its result is the rank's report, or the
@@ -235,6 +247,7 @@ async fn serve_rank(
         explicit_steps: false,
         folded_hbm: StepHbm::default(),
         step_flops: 0.0,
+        step_model_flops: 0.0,
     };
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid);
@@ -449,9 +462,11 @@ async fn handle(
                 peak_hbm_bytes: hbm.peak_bytes,
                 hbm_by_kind: hbm.by_kind,
                 flops: served.step_flops,
+                model_flops: served.step_model_flops,
                 counting,
             };
             served.step_flops = 0.0;
+            served.step_model_flops = 0.0;
             served.report.steps.push(step);
             served.step_start_ns = now;
             served.step_compute_ns = 0.0;
@@ -628,6 +643,7 @@ impl Served {
         self.report.compute_ns += ns;
         self.step_compute_ns += ns;
         self.step_flops += compute_flops(compute);
+        self.step_model_flops += model_flops(compute);
     }
 
     /// The program marked its first step itself: the steps `optimizer.step()` marked before
@@ -638,6 +654,7 @@ impl Served {
             self.step_compute_ns += step.compute_ns;
             self.step_comm_ns += step.comm_ns;
             self.step_flops += step.flops;
+            self.step_model_flops += step.model_flops;
             if step.peak_hbm_bytes > self.folded_hbm.peak_bytes {
                 self.folded_hbm = StepHbm {
                     peak_bytes: step.peak_hbm_bytes,
@@ -790,6 +807,9 @@ mod tests {
             pass_bytes: 1 << 30,
             kernels: 10,
             attention: vec![[4, 2048, 8, 128, 1, 1, 2, 3]],
+            // One of the three matmuls was recomputed: model flops leave it out.
+            recomputed_matmuls: vec![[129, 1024, 1024, 1, 4]],
+            recomputed_attention: Vec::new(),
         };
         let passes = (1u64 << 30) as f64 / (hw.hbm_bandwidth * hw.hbm_efficiency) * 1e9
             + 10.0 * hw.kernel_overhead_ns;
@@ -806,6 +826,12 @@ mod tests {
         let want = 3.0 * matmul + 3.0 * attention + passes;
         assert!((got - want).abs() < 1e-6 * got, "{got} vs {want}");
         assert_eq!(compute_ns(&Compute::default(), &hw), 0.0);
+        let matmul_flops = 2.0 * 129.0 * 1024.0 * 1024.0;
+        let gap = compute_flops(&c) - model_flops(&c);
+        assert!(
+            (gap - matmul_flops).abs() < 1e-9 * gap,
+            "{gap} vs {matmul_flops}"
+        );
     }
 
     /// Kills the child when dropped (a failed assertion must not leave it spinning).

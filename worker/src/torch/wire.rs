@@ -179,6 +179,12 @@ pub struct Compute {
     /// decomposition the rank's host ran).
     #[serde(default)]
     pub attention: Vec<[u64; 8]>,
+    /// Of `matmuls` and `attention`, what `torch.utils.checkpoint` recomputed in backward
+    /// (left out of model flops, for MFU).
+    #[serde(default)]
+    pub recomputed_matmuls: Vec<[u64; 5]>,
+    #[serde(default)]
+    pub recomputed_attention: Vec<[u64; 8]>,
 }
 
 impl Compute {
