@@ -217,11 +217,15 @@ def main():
     parser.add_argument("--out", default=None, help="save the final parameters here (rank 0)")
     args = parser.parse_args()
 
+    margs = MODELS[args.model]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or world % args.tp or margs.n_heads % args.tp or margs.n_kv_heads % args.tp:
+        parser.error(f"--tp {args.tp} must divide the world size ({world}) and the model's "
+                     f"heads ({margs.n_heads}) and key/value heads ({margs.n_kv_heads})")
     device, mesh = setup(args.tp)
     rank = dist.get_rank()
     # The ranks of a tensor-parallel group see the same batch.
     data_rank = mesh["dp"].get_local_rank()
-    margs = MODELS[args.model]
     model = sharded_model(margs, mesh, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, fused=False)
 

@@ -62,9 +62,13 @@ _FREE_KIND, _MATMUL_KIND, _PASS_KIND = 0, 1, 2
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 
 
+# Collectives (and their waits) are the chip's communication, timed on the fabric.
+_COMMUNICATION = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
+
+
 def _kind_of(func):
     packet = func.overloadpacket
-    if packet in _FREE or getattr(func, "is_view", False):
+    if packet in _FREE or getattr(func, "is_view", False) or func.namespace in _COMMUNICATION:
         return _FREE_KIND
     return _MATMUL_KIND if packet in _MATMULS else _PASS_KIND
 

@@ -11,6 +11,8 @@ calls before a result is used) waits for it, so the chip overlaps it with comput
 
 import torch
 import torch.distributed as dist
+# Registers torch's own kernels first, which `install` then replaces for the meta device.
+import torch.distributed._functional_collectives  # noqa: F401
 import torch.distributed.distributed_c10d as c10d
 
 _REDUCE_OPS = {

@@ -63,3 +63,14 @@ pub enum WorkerError {
     #[error("internal error: {0}")]
     Internal(String),
 }
+
+impl WorkerError {
+    /// Whether this is a [`WorkerError::Regroup`] (as it is, or inside the steps it carries).
+    pub fn is_regroup(&self) -> bool {
+        match self {
+            WorkerError::Regroup { .. } => true,
+            WorkerError::TorchFailed { error, .. } => error.is_regroup(),
+            _ => false,
+        }
+    }
+}

@@ -242,6 +242,10 @@ impl CallSites {
     }
 }
 
+/// How long a shadow's failure waits for the representatives' own ending, which decides when
+/// it is a regroup (the shadow then failed only because its representative stopped).
+const SECOND_OPINION: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Starts a rank per chip and serves each until it exits; `done` counts marked steps. The
 /// representative chips of the mirror fabric have the job's `verify_ranks` run beside them
 /// as shadows, each compared with the representative of its class (see [`verify`]).
@@ -322,13 +326,22 @@ pub async fn run(
     tokio::pin!(served);
     let reports = tokio::select! {
         reports = &mut served => reports,
-        Some(e) = failure.recv() => return Err(e),
+        Some(e) = failure.recv() => {
+            // A shadow whose representative ended (a regroup) fails second: the
+            // representative's own ending decides.
+            return match tokio::time::timeout(SECOND_OPINION, &mut served).await {
+                Ok(Err(rep)) if rep.is_regroup() => Err(rep),
+                _ => Err(e),
+            };
+        }
     };
     // The representatives ended: a shadow's desync is still the job's failure.
     for task in shadow_tasks {
         let _ = task.await;
     }
-    if let Ok(e) = failure.try_recv() {
+    if let Ok(e) = failure.try_recv()
+        && !matches!(&reports, Err(rep) if rep.is_regroup())
+    {
         return Err(e);
     }
     let reports = reports?;

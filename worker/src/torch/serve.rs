@@ -590,6 +590,22 @@ pub(super) fn declare(
     if needed == symmetry {
         return Ok(Ok(group));
     }
+    // Classes exist only for steps that divide their axes (a 4-chip segment of a 6-chip
+    // ring repeats nowhere), and each is a process of this host.
+    let torus = pod.torus();
+    let divides = (0..torus.ndims()).all(|a| torus.dim(a).is_multiple_of(needed.steps()[a]));
+    if !divides || needed.classes() > MAX_REPRESENTATIVES {
+        return Ok(Err(format!(
+            "podsim cannot make a group of ranks {}: it is alike only every {:?} chips along \
+             the torus axes, {}; run every rank with --set job.symmetric=false",
+            shown_ranks(ranks),
+            needed.steps(),
+            match divides {
+                false => "which do not divide the axes".to_string(),
+                true => format!("more than {MAX_REPRESENTATIVES} representative ranks"),
+            }
+        )));
+    }
     Err(WorkerError::Regroup {
         steps: needed.steps().to_vec(),
         why: format!(
@@ -601,6 +617,10 @@ pub(super) fn declare(
         ),
     })
 }
+
+/// Most representative ranks (processes of this host) a meta-mode job runs: one per class
+/// of ranks alike.
+const MAX_REPRESENTATIVES: u32 = 64;
 
 /// A rank list as a message shows it: the first few, and how many in all.
 fn shown_ranks(ranks: &[u32]) -> String {
