@@ -263,27 +263,45 @@ def case_unedited_cuda(args):
                 f"all-reduces on the chips{'' if ok else ': ' + p.stdout[-800:] + p.stderr[-400:]}")
 
 
+def beside_every_rank(args, topology, *script_args, flags=()):
+    """llama.py in meta mode on its representatives, and again with every rank a process
+    (`job.symmetric=false`): the first run's process and report, each run's step times and
+    process count, whether the step times are equal, and the walls; or the error."""
+    flags = ["--mode", "meta", *flags]
+    p, wall, rep = podsim_run(args, topology, "llama.py", *script_args, flags=flags)
+    pe, wall_every, every = podsim_run(args, topology, "llama.py", *script_args,
+                                       flags=flags + ["--set", "job.symmetric=false"])
+    if p.returncode or pe.returncode:
+        return None, f"exits {p.returncode}, {pe.returncode}: {p.stdout[-600:]}{pe.stdout[-600:]}"
+    a = [s["virtual_ms"] for s in rep["torch"]["steps"]]
+    b = [s["virtual_ms"] for s in every["torch"]["steps"]]
+    run = {
+        "process": p, "report": rep, "steps": (a, b),
+        "processes": (len(rep["torch"]["ranks"]), len(every["torch"]["ranks"])),
+        "same": len(a) == len(b) == 3 and all(abs(x - y) <= 1e-9 * max(y, 1e-9)
+                                              for x, y in zip(a, b)),
+        "said": (f"step ms {[round(x, 4) for x in a]} with {len(rep['torch']['ranks'])} "
+                 f"processes vs {[round(x, 4) for x in b]} with {len(every['torch']['ranks'])}; "
+                 f"wall {wall:.1f} s vs {wall_every:.1f} s"),
+    }
+    return run, None
+
+
 def case_meta_representative(args):
     """Meta mode: one process standing for the 8 ranks of a 2x2x2 pod gives the virtual step
     times of 8 processes, one per rank; the report lists the values made up for `.item()`."""
-    flags = ["--mode", "meta"]
-    p1, wall1, one = podsim_run(args, "2x2x2", "llama.py", flags=flags)
-    p8, wall8, every = podsim_run(args, "2x2x2", "llama.py",
-                                  flags=flags + ["--set", "job.symmetric=false"])
-    if p1.returncode or p8.returncode:
-        return False, f"exits {p1.returncode}, {p8.returncode}: {p1.stdout[-600:]}{p8.stdout[-600:]}"
-    a = [s["virtual_ms"] for s in one["torch"]["steps"]]
-    b = [s["virtual_ms"] for s in every["torch"]["steps"]]
-    processes = (len(one["torch"]["ranks"]), len(every["torch"]["ranks"]))
+    run, error = beside_every_rank(args, "2x2x2")
+    if error:
+        return False, error
+    one = run["report"]
     stand_ins = sum(x[2] for r in one["torch"]["ranks"] for x in r.get("stand_ins", []))
-    same = len(a) == len(b) == 3 and all(abs(x - y) <= 1e-9 * max(y, 1e-9) for x, y in zip(a, b))
     # llama.py checkpoints every block: MFU leaves the recomputed forward out, HFU keeps it.
     last = one["torch"]["steps"][-1]
     mfu, hfu = last.get("mfu", 0), last.get("hfu", 0)
-    ok = same and processes == (1, 8) and stand_ins > 0 and a[0] > 0 and 0 < mfu < 0.9 * hfu
-    return ok, (f"step ms {[round(x, 4) for x in a]} with {processes[0]} process vs "
-                f"{[round(x, 4) for x in b]} with {processes[1]}; {stand_ins} stand-in values; "
-                f"MFU {100 * mfu:.2f}% < HFU {100 * hfu:.2f}%; wall {wall1:.1f} s vs {wall8:.1f} s")
+    ok = (run["same"] and run["processes"] == (1, 8) and stand_ins > 0 and run["steps"][0][0] > 0
+          and 0 < mfu < 0.9 * hfu)
+    return ok, (f"{run['said']}; {stand_ins} stand-in values; "
+                f"MFU {100 * mfu:.2f}% < HFU {100 * hfu:.2f}%")
 
 
 def case_meta_classes(args):
@@ -291,21 +309,13 @@ def case_meta_classes(args):
     tensor-parallel pairs are alike only every second chip along x, so the job runs again with
     one representative per class (2 processes), and its step times equal those of all 8 ranks
     run one process each."""
-    flags = ["--mode", "meta", "--hardware", "v5e", "--set", "topology.wraparound=true"]
-    p2, wall2, classes = podsim_run(args, "4x2", "llama.py", "--tp", "2", flags=flags)
-    p8, wall8, every = podsim_run(args, "4x2", "llama.py", "--tp", "2",
-                                  flags=flags + ["--set", "job.symmetric=false"])
-    if p2.returncode or p8.returncode:
-        return False, f"exits {p2.returncode}, {p8.returncode}: {p2.stdout[-600:]}{p8.stdout[-600:]}"
-    a = [s["virtual_ms"] for s in classes["torch"]["steps"]]
-    b = [s["virtual_ms"] for s in every["torch"]["steps"]]
-    processes = (len(classes["torch"]["ranks"]), len(every["torch"]["ranks"]))
-    regrouped = "running again with 2 representative ranks" in p2.stdout
-    same = len(a) == len(b) == 3 and all(abs(x - y) <= 1e-9 * max(y, 1e-9) for x, y in zip(a, b))
-    ok = same and processes == (2, 8) and regrouped and a[-1] > 0
-    return ok, (f"step ms {[round(x, 4) for x in a]} with {processes[0]} processes vs "
-                f"{[round(x, 4) for x in b]} with {processes[1]}; regrouped: {regrouped}; "
-                f"wall {wall2:.1f} s vs {wall8:.1f} s")
+    run, error = beside_every_rank(args, "4x2", "--tp", "2", flags=[
+        "--hardware", "v5e", "--set", "topology.wraparound=true"])
+    if error:
+        return False, error
+    regrouped = "running again with 2 representative ranks" in run["process"].stdout
+    ok = run["same"] and run["processes"] == (2, 8) and regrouped and run["steps"][0][-1] > 0
+    return ok, f"{run['said']}; regrouped: {regrouped}"
 
 
 def case_study(args):

@@ -7,11 +7,12 @@ parameters) are left to their own dispatch, so their local ops are counted once,
 shapes that really run on this chip.
 """
 
-import sys
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _rebind
 
 aten = torch.ops.aten
 
@@ -289,13 +290,7 @@ def recomputation_apart(compute):
 
     # Programs import it by name (`from torch.utils.checkpoint import checkpoint`), as does
     # torch's own checkpoint wrapper, before the rank connects and this runs.
-    for module in list(sys.modules.values()):
-        for name in ("checkpoint", "torch_utils_checkpoint"):
-            try:
-                if getattr(module, name, None) is original:
-                    setattr(module, name, checkpoint)
-            except Exception:  # a lazy or odd module: it cannot hold torch's function
-                continue
+    _rebind.everywhere(original, checkpoint, ("checkpoint", "torch_utils_checkpoint"))
 
 
 def price_attention_as_flash(compute):

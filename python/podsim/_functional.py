@@ -26,7 +26,7 @@ _REDUCE_OPS = {
 # Collectives in flight, by the id of their output tensor, until `wait_tensor` meets it.
 _in_flight = {}
 
-_library = None
+_installed = False
 
 
 def _group(name):
@@ -85,10 +85,10 @@ def wait_tensor(t):
 
 def install():
     """Registers the meta-device kernels (once per process)."""
-    global _library
-    if _library is not None:
+    global _installed
+    if _installed:
         return
-    _library = torch.library.Library("_c10d_functional", "IMPL")
+    _installed = True
     for kernel in (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, all_to_all_single,
                    wait_tensor):
-        _library.impl(kernel.__name__, kernel, "Meta")
+        torch.library.impl(f"_c10d_functional::{kernel.__name__}", "Meta", kernel)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import _streams
+from . import _rebind, _streams
 from . import torch as backend
 
 _installed = False
@@ -85,19 +85,8 @@ def _every_group_is_podsims():
         return start(backend.BACKEND, *args, **kwargs)
 
     # `DeviceMesh` makes the default group with its own copy of the function.
-    _replace_everywhere("init_process_group", start, init_process_group)
+    _rebind.everywhere(start, init_process_group, ("init_process_group",))
 
-
-def _replace_everywhere(name, original, replacement):
-    """Every loaded module whose `name` is `original` (its home, and modules that imported
-    it by name, such as re-exports) gets `replacement`; modules imported later import the
-    replacement from its home."""
-    for module in list(sys.modules.values()):
-        try:
-            if getattr(module, name, None) is original:
-                setattr(module, name, replacement)
-        except Exception:  # a lazy or odd module: it cannot hold torch's function
-            continue
 
 
 # ---- devices -------------------------------------------------------------------------------
@@ -250,7 +239,7 @@ def _meshes_on(device_type):
         with torch._C.DisableTorchFunction():
             return make_mesh(*args, **kwargs)
 
-    _replace_everywhere("init_device_mesh", make_mesh, init_device_mesh)
+    _rebind.everywhere(make_mesh, init_device_mesh, ("init_device_mesh",))
 
 
 def _mesh_device(asked, device_type):

@@ -208,26 +208,26 @@ mod tests {
             })
         ));
         assert!(Hardware::preset("h100").is_err());
-        let over = HardwareOverrides {
-            matmul_efficiency: Some(1.5),
-            ..Default::default()
-        };
-        assert!(
-            Hardware::preset("v4")
+        let refused = |preset: &str, o: HardwareOverrides| {
+            Hardware::preset(preset)
                 .unwrap()
-                .with_overrides(&over)
+                .with_overrides(&o)
                 .is_err()
-        );
+        };
+        assert!(refused(
+            "v4",
+            HardwareOverrides {
+                matmul_efficiency: Some(1.5),
+                ..Default::default()
+            }
+        ));
         assert_eq!(Hardware::preset("v6e").unwrap().mxu_tile, 256.0);
-        let half_a_chip = HardwareOverrides {
-            chips_per_host: Some(2.5),
-            ..Default::default()
-        };
-        assert!(
-            Hardware::preset("v5p")
-                .unwrap()
-                .with_overrides(&half_a_chip)
-                .is_err()
-        );
+        assert!(refused(
+            "v5p",
+            HardwareOverrides {
+                chips_per_host: Some(2.5),
+                ..Default::default()
+            }
+        ));
     }
 }
