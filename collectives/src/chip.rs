@@ -96,6 +96,11 @@ pub struct ChipCore {
 }
 
 impl ChipCore {
+    /// The modelled hardware, whose figures time this chip's messages and reductions.
+    pub(crate) fn hardware(&self) -> &Hardware {
+        &self.hardware
+    }
+
     /// The trace being recorded, on a traced chip.
     pub(crate) fn trace(&self) -> Option<MutexGuard<'_, TraceLog>> {
         self.trace
@@ -652,17 +657,13 @@ impl<'a> Call<'a> {
     fn account(&self, t: Nanos, msg: &Message, extra_latency_ns: f64) -> Nanos {
         let hw = &self.chip.hardware;
         let bytes = msg.payload.len() as f64 * self.elem_bytes;
-        let (bandwidth, latency) = if msg.link.is_dcn() {
-            (hw.dcn_bandwidth, hw.dcn_latency_ns)
-        } else {
-            (hw.ici_bandwidth, hw.ici_latency_ns)
-        };
+        let (hold, flight) = hw.link_time_ns(msg.link.is_dcn(), bytes);
         let hops = f64::from(msg.hops);
         let slot = link_slot(msg.link);
         let depart = t.max(self.chip.links.get(slot));
-        let busy_until = depart + hops * bytes / bandwidth * 1e9;
+        let busy_until = depart + hops * hold;
         self.chip.links.set(slot, busy_until);
-        let arrive = busy_until + hops * latency + extra_latency_ns;
+        let arrive = busy_until + hops * flight + extra_latency_ns;
         if let Some(mut log) = self.chip.trace() {
             log.link(slot, depart, busy_until);
             log.message(MessageEvent {

@@ -99,6 +99,9 @@ impl Chip {
         let fp = self
             .begin(comm.group, op, comm.dtype, input.len(), reduce)
             .await;
+        // Its launch and the group's synchronisation, before any data moves.
+        let overhead = self.hardware().collective_overhead_ns;
+        self.set_clock(self.clock() + overhead);
         self.set_verify(comm.verify);
         self.trace_note("algo", crate::trace::Arg::from(comm.algo.name()));
         if comm.verify && !input.is_meta() {

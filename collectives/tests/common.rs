@@ -123,3 +123,34 @@ pub fn fabric(shape: &str, wrap: bool, slices: u32) -> LocalFabric {
 pub fn algos() -> [Algo; 3] {
     Algo::ALL
 }
+
+/// The link model's closed-form pieces for a preset, written from docs/DESIGN.md ("The link
+/// model") rather than read from the code that charges them.
+#[derive(Debug)]
+pub struct LinkModel {
+    /// Latency of one ICI hop, ns.
+    pub alpha: f64,
+    /// What an ICI link sustains, bytes per ns.
+    pub w: f64,
+    /// Fixed cost of one collective, ns.
+    pub overhead: f64,
+    /// What a reduction streams through HBM, bytes per ns.
+    pub hbm: f64,
+}
+
+impl LinkModel {
+    pub fn of(hw: &Hardware) -> LinkModel {
+        LinkModel {
+            alpha: hw.ici_latency_ns,
+            w: hw.ici_bandwidth * hw.ici_efficiency / 1e9,
+            overhead: hw.collective_overhead_ns,
+            hbm: hw.hbm_bandwidth * hw.hbm_efficiency / 1e9,
+        }
+    }
+
+    /// One ring step's reduction of `bytes` received, on a lane that shares the chip's HBM
+    /// with `sharing` lanes (both operands read, the sum written).
+    pub fn reduce(&self, bytes: f64, sharing: f64) -> f64 {
+        3.0 * bytes * sharing / self.hbm
+    }
+}

@@ -176,7 +176,8 @@ fn a_strided_part_shares_the_wires_it_crosses() {
         ))
         .unwrap();
     let bytes = 4.0 * count as f64;
-    let want = 4.0 * (bytes / hw.ici_bandwidth * 1e9 + hw.ici_latency_ns);
+    let m = LinkModel::of(&hw);
+    let want = m.overhead + 4.0 * (bytes / m.w + m.alpha);
     for (chip, (_, len, t)) in out.iter().enumerate() {
         assert_eq!(*len, 2 * count);
         assert!(

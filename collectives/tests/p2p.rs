@@ -73,16 +73,20 @@ fn a_message_costs_one_transfer_and_the_latency_of_every_hop() {
     let bytes = 4.0 * count as f64;
     // 8x8: chip 0 to (3, 5) is 3 hops on x, then 3 on y the short way round.
     let (arrive, sent) = one_message("8x8", 1, 5 * 8 + 3, count);
-    let transfer = bytes / hw.ici_bandwidth * 1e9;
+    // A point-to-point message is one transfer: no collective's fixed cost.
+    let transfer = bytes / (hw.ici_bandwidth * hw.ici_efficiency) * 1e9;
     let want = transfer + 6.0 * hw.ici_latency_ns;
     assert!((arrive - want).abs() < 1e-6 * want, "{arrive} vs {want}");
     assert!(
         (sent - transfer).abs() < 1e-6 * transfer,
         "{sent} vs {transfer}"
     );
-    // Across slices: the DCN hop carries the bytes, then 2 ICI hops on the ring of 8.
+    // Across slices: through the hosts (PCIe into the sender's host, its share of the NICs,
+    // the network, PCIe into the receiver), then 2 ICI hops on the ring of 8.
     let (arrive, _) = one_message("8", 2, 8 + 2, count);
-    let want = bytes / hw.dcn_bandwidth * 1e9 + hw.dcn_latency_ns + 2.0 * hw.ici_latency_ns;
+    let pcie = bytes / hw.host_bandwidth * 1e9;
+    let nic = bytes / (hw.dcn_bandwidth * hw.dcn_efficiency) * 1e9;
+    let want = pcie + nic + hw.dcn_latency_ns + pcie + 2.0 * hw.ici_latency_ns;
     assert!((arrive - want).abs() < 1e-6 * want, "{arrive} vs {want}");
 }
 

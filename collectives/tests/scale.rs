@@ -50,31 +50,41 @@ fn close(got: f64, want: f64) {
 }
 
 /// `(n-1) * (alpha + v / (2 n W))` per axis, the volume shrinking `n`-fold after each axis.
-fn dimension_ordered_reduce_scatter(n: f64, axes: i32, v: f64, alpha: f64, w: f64) -> f64 {
+fn dimension_ordered_links(n: f64, axes: i32, v: f64, m: &LinkModel) -> f64 {
     (0..axes)
-        .map(|k| (n - 1.0) * (alpha + v / n.powi(k) / (2.0 * n * w)))
+        .map(|k| (n - 1.0) * (m.alpha + v / n.powi(k) / (2.0 * n * m.w)))
+        .sum()
+}
+
+/// The reductions of those phases: each of `sharing` lanes reduces its `v / (lanes n)` per
+/// step, the lanes sharing HBM.
+fn dimension_ordered_reductions(n: f64, axes: i32, v: f64, lanes: f64, m: &LinkModel) -> f64 {
+    (0..axes)
+        .map(|k| (n - 1.0) * m.reduce(v / n.powi(k) / (2.0 * n), lanes))
         .sum()
 }
 
 #[test]
 fn a_4096_chip_torus_matches_the_dimension_ordered_closed_forms() {
-    let hw = Hardware::preset("v5p").unwrap();
-    let (alpha, w) = (hw.ici_latency_ns, hw.ici_bandwidth / 1e9);
+    let m = LinkModel::of(&Hardware::preset("v5p").unwrap());
     let n = 16.0;
     // Divisible by 16^3 blocks and by the torus algorithm's three parts: no padding.
     let count = 16 * 16 * 16 * 3 * 64;
     let v = (count * 4) as f64;
-    // Bidirectional rings, one axis after another.
-    let rs = dimension_ordered_reduce_scatter(n, 3, v, alpha, w);
+    // Bidirectional rings, one axis after another: two lanes at once.
+    let links = dimension_ordered_links(n, 3, v, &m);
+    let reductions = dimension_ordered_reductions(n, 3, v, 2.0, &m);
     close(
         full("16x16x16", 1, Algo::BidirRing, OpKind::AllReduce, count),
-        2.0 * rs,
+        m.overhead + 2.0 * links + reductions,
     );
-    // Torus: three thirds of the buffer, each on its own axis at every phase, at once.
-    let rs_part = dimension_ordered_reduce_scatter(n, 3, v / 3.0, alpha, w);
+    // Torus: three thirds of the buffer, each on its own axis at every phase, at once: six
+    // lanes share HBM.
+    let links = dimension_ordered_links(n, 3, v / 3.0, &m);
+    let reductions = dimension_ordered_reductions(n, 3, v / 3.0, 6.0, &m);
     close(
         full("16x16x16", 1, Algo::Torus, OpKind::AllReduce, count),
-        2.0 * rs_part,
+        m.overhead + 2.0 * links + reductions,
     );
 }
 

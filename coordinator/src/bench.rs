@@ -36,7 +36,7 @@ pub struct BenchArgs {
     /// Turn off wraparound on every axis (lines instead of rings).
     #[arg(long)]
     pub no_wrap: bool,
-    /// Hardware preset: v4, v5e, v5p, v6e.
+    /// Hardware preset: v4, v5e, v5p, v6e, tpu7x.
     #[arg(long, default_value = "v5p")]
     pub hardware: String,
     /// all-reduce, all-gather, reduce-scatter, broadcast, all-to-all, barrier, or send-recv
@@ -211,6 +211,33 @@ impl BenchPlan {
             }),
             transport: Transport::choose(a.transport.as_deref(), "--transport")?,
         })
+    }
+
+    /// One size of one collective in meta mode, in this process, one iteration on the mirror
+    /// fabric (what `podsim compare` runs for a row of published collective timings).
+    pub fn meta_in_process(
+        pod: Pod,
+        hardware: Hardware,
+        op: OpKind,
+        comm: Comm,
+        reduce: ReduceOp,
+        size: u64,
+    ) -> BenchPlan {
+        BenchPlan {
+            pod,
+            hardware,
+            op,
+            comm,
+            reduce,
+            sizes: vec![size],
+            meta: true,
+            iters: 1,
+            warmup: 0,
+            threads: 1,
+            symmetric: true,
+            trace: None,
+            transport: Transport::Auto,
+        }
     }
 
     /// Elements per chip input buffer for a row of `bytes` (nccl-tests convention).

@@ -1,5 +1,6 @@
 //! `podsim compare FILE.csv`: predicts the step time of measured training runs and says how
-//! far off each prediction is.
+//! far off each prediction is (a file of measured collectives goes to
+//! [`crate::compare_collectives`]).
 //!
 //! Each row describes one run (hardware, slice torus, slices, decoder shape, batch,
 //! parallelism, remat policy) and its measured seconds per step. The row becomes a meta-mode
@@ -22,13 +23,14 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use clap::Args;
-use podsim_topology::{Hardware, Pod};
+use podsim_topology::{HARDWARE_KEYS, Hardware, HardwareOverrides, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::protocol::Program;
 use podsim_worker::run_program;
 use podsim_worker::train::{AttentionKind, ChipTrainReport, TrainSpec};
 use serde::Serialize;
 
+use crate::compare_collectives::{self, CollectiveComparison};
 use crate::config;
 use crate::study::csv_cells;
 use crate::{CliError, JobStatus};
@@ -371,8 +373,17 @@ async fn simulate(
     Ok(run_program(chips, &Program::Train(spec), done).await?.train)
 }
 
-/// Reads `path` and predicts every row (stops at the first bad row).
-pub fn compare_file(path: &Path, sets: &[String]) -> Result<Vec<Comparison>, String> {
+/// What a file's rows became: training runs or collectives, by its header.
+#[derive(Debug)]
+pub enum Compared {
+    Training(Vec<Comparison>),
+    Collectives(Vec<CollectiveComparison>),
+}
+
+/// Reads `path` and predicts every row (stops at the first bad row): a file of collective
+/// timings when its header has their columns (`compare_collectives`), of training runs
+/// otherwise.
+pub fn compare_file(path: &Path, sets: &[String]) -> Result<Compared, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let mut lines = text
@@ -388,6 +399,44 @@ pub fn compare_file(path: &Path, sets: &[String]) -> Result<Vec<Comparison>, Str
                 .collect()
         })
         .ok_or_else(|| format!("{}: empty file", path.display()))?;
+    if compare_collectives::recognises(&header) {
+        let overrides = hardware_sets(sets)?;
+        return compare_collectives::compare_rows(path, &header, lines, &overrides)
+            .map(Compared::Collectives);
+    }
+    compare_training(path, &header, lines, sets).map(Compared::Training)
+}
+
+/// `--set hardware.KEY=VALUE` as hardware overrides: a collective's row is a benchmark,
+/// which has no other fields.
+fn hardware_sets(sets: &[String]) -> Result<HardwareOverrides, String> {
+    let mut text = String::new();
+    for set in sets {
+        let (key, value) = set
+            .split_once('=')
+            .ok_or_else(|| format!("--set {set}: expected KEY=VALUE"))?;
+        let field = key
+            .trim()
+            .strip_prefix("hardware.")
+            .filter(|f| HARDWARE_KEYS.contains(f))
+            .ok_or_else(|| {
+                format!("--set {set}: a row of collective timings takes hardware.FIELD only")
+            })?;
+        let value: f64 = value
+            .trim()
+            .parse()
+            .map_err(|_| format!("--set {set}: not a number"))?;
+        text.push_str(&format!("{field} = {value:e}\n"));
+    }
+    toml::from_str(&text).map_err(|e| format!("--set: {e}"))
+}
+
+fn compare_training<'a>(
+    path: &Path,
+    header: &[String],
+    lines: impl Iterator<Item = (usize, &'a str)>,
+    sets: &[String],
+) -> Result<Vec<Comparison>, String> {
     let missing: Vec<&str> = COLUMNS
         .iter()
         .filter(|c| !header.iter().any(|h| h == *c))
@@ -409,7 +458,7 @@ pub fn compare_file(path: &Path, sets: &[String]) -> Result<Vec<Comparison>, Str
     for (i, line) in lines {
         let row = Row {
             line: i + 1,
-            header: &header,
+            header,
             cells: csv_cells(line),
         };
         if row.cells.len() < header.len() {
@@ -440,7 +489,20 @@ pub fn compare_file(path: &Path, sets: &[String]) -> Result<Vec<Comparison>, Str
 
 /// Median and largest |error| over the rows.
 pub fn summarise(rows: &[Comparison]) -> Summary {
-    let mut errors: Vec<f64> = rows.iter().map(|r| r.error_pct.abs()).collect();
+    let out_of_memory = rows.iter().filter(|r| !r.fits).count();
+    summarise_errors(
+        rows.iter().map(|r| (r.id.as_str(), r.error_pct)),
+        out_of_memory,
+    )
+}
+
+/// Median and largest |error| of `(id, error %)` pairs.
+pub fn summarise_errors<'a>(
+    rows: impl Iterator<Item = (&'a str, f64)>,
+    out_of_memory: usize,
+) -> Summary {
+    let rows: Vec<(&str, f64)> = rows.collect();
+    let mut errors: Vec<f64> = rows.iter().map(|(_, e)| e.abs()).collect();
     errors.sort_by(f64::total_cmp);
     let n = errors.len();
     let median = match n {
@@ -450,14 +512,14 @@ pub fn summarise(rows: &[Comparison]) -> Summary {
     };
     let worst = rows
         .iter()
-        .max_by(|a, b| a.error_pct.abs().total_cmp(&b.error_pct.abs()))
-        .map_or(String::new(), |r| r.id.clone());
+        .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+        .map_or(String::new(), |(id, _)| id.to_string());
     Summary {
         rows: n,
         median_abs_error_pct: median,
         max_abs_error_pct: errors.last().copied().unwrap_or(0.0),
         worst,
-        out_of_memory: rows.iter().filter(|r| !r.fits).count(),
+        out_of_memory,
     }
 }
 
@@ -498,16 +560,16 @@ pub fn main(args: &CompareArgs) -> Result<JobStatus, CliError> {
             "--max-error must be a percentage of at least 0".into(),
         ));
     }
-    let rows = compare_file(&args.file, &args.sets).map_err(CliError::Usage)?;
-    let summary = summarise(&rows);
-    if args.json {
-        for r in &rows {
-            println!("{}", serde_json::to_string(r).unwrap_or_default());
-        }
-        println!("{}", serde_json::to_string(&summary).unwrap_or_default());
-    } else {
-        print!("{}", table(&rows, &summary));
-    }
+    let compared = compare_file(&args.file, &args.sets).map_err(CliError::Usage)?;
+    let summary = match &compared {
+        Compared::Training(rows) => print_rows(rows, summarise(rows), args.json, table),
+        Compared::Collectives(rows) => print_rows(
+            rows,
+            compare_collectives::summarise(rows),
+            args.json,
+            compare_collectives::table,
+        ),
+    };
     match args.max_error {
         Some(max) if summary.max_abs_error_pct > max => Err(CliError::Job(format!(
             "row {} is off by {:.1}%, more than --max-error {max}%",
@@ -515,6 +577,25 @@ pub fn main(args: &CompareArgs) -> Result<JobStatus, CliError> {
         ))),
         _ => Ok(JobStatus::Ok),
     }
+}
+
+/// Prints the rows and their summary (one JSON object each, or the table); returns the
+/// summary.
+fn print_rows<R: Serialize>(
+    rows: &[R],
+    summary: Summary,
+    json: bool,
+    table: fn(&[R], &Summary) -> String,
+) -> Summary {
+    if json {
+        for r in rows {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        }
+        println!("{}", serde_json::to_string(&summary).unwrap_or_default());
+    } else {
+        print!("{}", table(rows, &summary));
+    }
+    summary
 }
 
 #[cfg(test)]

@@ -500,7 +500,7 @@ const SCHEMA: &[(&str, &[&str])] = &[
 /// Each `[hardware]` figure with its range: what a chip could have, with room on either side
 /// of every preset (the topology crate checks that each is finite and positive; a figure
 /// outside these would make virtual times overflow or mean nothing).
-fn hardware_ranges(o: &mut HardwareOverrides) -> [(&'static str, &mut Option<f64>, f64, f64); 16] {
+fn hardware_ranges(o: &mut HardwareOverrides) -> [(&'static str, &mut Option<f64>, f64, f64); 20] {
     [
         ("ici_bandwidth", &mut o.ici_bandwidth, 1e3, 1e18),
         ("ici_latency_ns", &mut o.ici_latency_ns, 0.0, 1e12),
@@ -528,6 +528,20 @@ fn hardware_ranges(o: &mut HardwareOverrides) -> [(&'static str, &mut Option<f64
         ("kernel_overhead_ns", &mut o.kernel_overhead_ns, 0.0, 1e12),
         ("host_bandwidth", &mut o.host_bandwidth, 1e3, 1e18),
         ("chips_per_host", &mut o.chips_per_host, 1.0, 1024.0),
+        ("ici_efficiency", &mut o.ici_efficiency, 1e-3, 1.0),
+        (
+            "collective_overhead_ns",
+            &mut o.collective_overhead_ns,
+            0.0,
+            1e12,
+        ),
+        ("dcn_efficiency", &mut o.dcn_efficiency, 1e-3, 1.0),
+        (
+            "tensorcores_per_chip",
+            &mut o.tensorcores_per_chip,
+            1.0,
+            64.0,
+        ),
     ]
 }
 

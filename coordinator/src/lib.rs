@@ -19,6 +19,7 @@
 
 pub mod bench;
 pub mod compare;
+pub mod compare_collectives;
 pub mod config;
 pub mod html;
 pub mod launch;

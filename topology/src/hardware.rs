@@ -56,6 +56,18 @@ pub struct Hardware {
     /// Chips that share one host (a TPU VM): the ranks a launcher starts on one machine,
     /// whose `LOCAL_RANK` and `LOCAL_WORLD_SIZE` a PyTorch program reads.
     pub chips_per_host: f64,
+    /// Fraction of `ici_bandwidth` a transfer over an ICI link sustains (DMA descriptors,
+    /// packet headers, flow control).
+    pub ici_efficiency: f64,
+    /// Fixed cost of one collective on a chip, ns: its launch and the synchronisation of the
+    /// group before data moves, paid once per collective whatever its size.
+    pub collective_overhead_ns: f64,
+    /// Fraction of a chip's share of its host's NICs (`dcn_bandwidth`) that a cross-slice
+    /// transfer sustains (host networking stack, congestion in the data-centre network).
+    pub dcn_efficiency: f64,
+    /// TensorCores per chip: each is one device to JAX, so a published benchmark that gives
+    /// bytes per device moves this many times that per chip.
+    pub tensorcores_per_chip: f64,
 }
 
 /// Defines [`HardwareOverrides`] and its application from one list of field names, so a new
@@ -82,7 +94,7 @@ macro_rules! overridable {
                     if let Some(v) = o.$field {
                         let field = stringify!($field);
                         let fraction = field.ends_with("_efficiency");
-                        let count = field.starts_with("chips_");
+                        let count = field.starts_with("chips_") || field.starts_with("tensorcores_");
                         let ok = v.is_finite()
                             && (v > 0.0 || ($zero_ok && v == 0.0))
                             && (!fraction || v <= 1.0)
@@ -120,18 +132,27 @@ overridable! {
     kernel_overhead_ns: true,
     host_bandwidth: false,
     chips_per_host: false,
+    ici_efficiency: false,
+    collective_overhead_ns: true,
+    dcn_efficiency: false,
+    tensorcores_per_chip: false,
 }
 
 /// Names of the built-in presets.
-pub const PRESETS: [&str; 4] = ["v4", "v5e", "v5p", "v6e"];
+pub const PRESETS: [&str; 5] = ["v4", "v5e", "v5p", "v6e", "tpu7x"];
 
 impl Hardware {
     /// A preset. Sources:
     /// - ICI, DCN, peak bf16 flops, HBM size and bandwidth: the vendor's public per-chip
-    ///   figures (see docs/DESIGN.md); ICI latency 1 µs per hop and DCN latency 10 µs are
-    ///   assumptions to override.
+    ///   figures (see docs/DESIGN.md), ICI per link one way as the JAX scaling book gives it
+    ///   (TPU7x: MaxText's 180 GB/s per ICI axis, both ways), DCN as the host's NICs over its
+    ///   chips; ICI latency 1 µs per hop (the scaling book) and DCN latency 10 µs (an
+    ///   assumption to override).
     /// - `mxu_tile`: 128x128 MXUs on v4, v5e and v5p, 256x256 on v6e (the vendor's
-    ///   architecture descriptions).
+    ///   architecture descriptions) and TPU7x (MaxText's sizing guidance for it).
+    /// - `tensorcores_per_chip`: 2 on TPU7x (its data sheet), 1 on the others.
+    /// - `ici_efficiency`, `collective_overhead_ns`, `dcn_efficiency`: set against published
+    ///   collective timings ([`CollectiveConstants`]).
     /// - `attention_block`: 512, the query and key block sizes of the Pallas flash-attention
     ///   kernel as the published training recipes configure it.
     /// - `matmul_block`: 1024, the output block a 16-128 MiB on-chip vector memory holds with
@@ -140,11 +161,12 @@ impl Hardware {
     /// - `host_bandwidth`: a PCIe Gen3 x16 link on v4 and Gen4 x16 on the later chips, each
     ///   way (assumption: the vendor publishes no host-link figure).
     /// - `chips_per_host`: 4, the host of every multi-host slice of these generations (the
-    ///   vendor's machine types: v4 and v5p hosts, `ct5lp-hightpu-4t`, `ct6e-standard-4t`).
+    ///   vendor's machine types: v4 and v5p hosts, `ct5lp-hightpu-4t`, `ct6e-standard-4t`,
+    ///   `tpu7x-standard-4t`).
     /// - `hbm_efficiency` 0.85, `kernel_overhead_ns` 1 µs: how close streaming kernels get to
     ///   the limits above (DMA, issue overheads), assumptions made before looking at any
     ///   measurement, the same for every chip and model.
-    /// - `matmul_efficiency` 0.77 and `attention_efficiency` 0.55: what a matmul and the
+    /// - `matmul_efficiency` 0.79 and `attention_efficiency` 0.55: what a matmul and the
     ///   flash-attention kernel sustain inside a training step, which no data sheet rates
     ///   (for attention, the softmax between its matmuls runs on the vector unit). Both are
     ///   set against the published step times of `configs/validation/published.csv`, one value
@@ -159,8 +181,10 @@ impl Hardware {
             "v5e" => (45.0, 3.125, 197e12, 16.0, 0.82e12, 128.0, 32.0),
             "v5p" => (90.0, 6.25, 459e12, 95.0, 2.76e12, 128.0, 32.0),
             "v6e" => (90.0, 12.5, 918e12, 32.0, 1.64e12, 256.0, 32.0),
+            "tpu7x" => (90.0, 12.5, 2307e12, 192.0, 7.38e12, 256.0, 32.0),
             other => return Err(TopologyError::UnknownHardware(other.to_string())),
         };
+        let collectives = CollectiveConstants::of(name);
         Ok(Hardware {
             name: name.to_string(),
             ici_bandwidth: ici * GB,
@@ -171,7 +195,7 @@ impl Hardware {
             hbm_bytes: hbm_gib * GIB,
             hbm_bandwidth: hbm_bw,
             mxu_tile: tile,
-            matmul_efficiency: 0.77,
+            matmul_efficiency: 0.79,
             matmul_block: 1024.0,
             hbm_efficiency: 0.85,
             attention_efficiency: 0.55,
@@ -179,9 +203,71 @@ impl Hardware {
             kernel_overhead_ns: 1_000.0,
             host_bandwidth: host * GB,
             chips_per_host: 4.0,
+            ici_efficiency: collectives.ici_efficiency,
+            collective_overhead_ns: collectives.overhead_ns,
+            dcn_efficiency: collectives.dcn_efficiency,
+            tensorcores_per_chip: if name == "tpu7x" { 2.0 } else { 1.0 },
         })
     }
 }
+
+impl Hardware {
+    /// How long a message of `bytes` holds the sender's link (the first value, ns) and how
+    /// long after that it arrives (the second). ICI: the link at `ici_efficiency` of its
+    /// bandwidth, then one hop's latency. DCN goes through the hosts, as it is built: the
+    /// sender's PCIe link into host memory and its share of the host's NICs (at
+    /// `dcn_efficiency`) hold the chip's DCN egress one after the other (the host stages the
+    /// buffer before it sends it); the network's latency and the receiver's PCIe link into
+    /// HBM follow.
+    pub fn link_time_ns(&self, dcn: bool, bytes: f64) -> (f64, f64) {
+        if dcn {
+            let pcie = bytes / self.host_bandwidth * 1e9;
+            let nic = bytes / (self.dcn_bandwidth * self.dcn_efficiency) * 1e9;
+            (pcie + nic, self.dcn_latency_ns + pcie)
+        } else {
+            let wire = bytes / (self.ici_bandwidth * self.ici_efficiency) * 1e9;
+            (wire, self.ici_latency_ns)
+        }
+    }
+
+    /// How long a collective's reduction of `bytes` received takes on a chip where `sharing`
+    /// lanes of the collective reduce at once, ns: it reads both operands and writes the sum
+    /// through HBM (at `hbm_efficiency`), and the lanes share that bandwidth.
+    pub fn reduction_ns(&self, bytes: f64, sharing: f64) -> f64 {
+        3.0 * bytes * sharing.max(1.0) / (self.hbm_bandwidth * self.hbm_efficiency) * 1e9
+    }
+}
+
+/// The link model's constants that no data sheet gives, each set against published
+/// collective timings (`configs/validation/collectives.csv`) by `scripts/calibrate_links.py`;
+/// docs/DESIGN.md gives the rule and the rows that checked it.
+struct CollectiveConstants {
+    ici_efficiency: f64,
+    overhead_ns: f64,
+    dcn_efficiency: f64,
+}
+
+impl CollectiveConstants {
+    fn of(name: &str) -> CollectiveConstants {
+        CollectiveConstants {
+            ici_efficiency: ICI_EFFICIENCY,
+            // TPU7x's all-gathers were measured offloaded to its SparseCores, a launch the
+            // other generations' collectives do not make.
+            overhead_ns: if name == "tpu7x" {
+                TPU7X_COLLECTIVE_OVERHEAD_NS
+            } else {
+                COLLECTIVE_OVERHEAD_NS
+            },
+            dcn_efficiency: DCN_EFFICIENCY,
+        }
+    }
+}
+
+// Set by `scripts/calibrate_links.py` (its rule: docs/DESIGN.md, "The link model").
+const ICI_EFFICIENCY: f64 = 0.91;
+const TPU7X_COLLECTIVE_OVERHEAD_NS: f64 = 8_500.0;
+const COLLECTIVE_OVERHEAD_NS: f64 = 3_000.0;
+const DCN_EFFICIENCY: f64 = 0.45;
 
 #[cfg(test)]
 mod tests {

@@ -21,6 +21,8 @@ pub(crate) struct Lane<'a> {
     pub recv: Route,
     pub lane: u16,
     pub phase: u16,
+    /// Lanes of the collective that run at once on this chip, sharing its HBM.
+    pub sharing: u16,
     /// Position in lane coordinates.
     pub p: usize,
     pub n: usize,
@@ -54,6 +56,18 @@ impl Lane<'_> {
         self.call.recv(t, self.recv, self.tag(step))
     }
 
+    /// The clock after reducing `elems` received elements into this chip's own: a ring
+    /// step forwards only what it has reduced, so the reduction sits between the receive and
+    /// the next send.
+    pub fn reduced(&self, t: Nanos, elems: usize) -> Nanos {
+        let bytes = elems as f64 * self.call.elem_bytes;
+        t + self
+            .call
+            .chip
+            .hardware()
+            .reduction_ns(bytes, f64::from(self.sharing))
+    }
+
     fn at(&self, i: isize) -> usize {
         i.rem_euclid(self.n as isize) as usize
     }
@@ -71,6 +85,7 @@ impl Lane<'_> {
         for s in 0..self.n - 1 {
             self.put(t, s, acc).await?;
             let incoming = self.get(&mut t, s).await?;
+            t = self.reduced(t, incoming.len());
             acc = incoming.combine(&groups[self.at(p - 2 - s as isize)], op)?;
         }
         Ok((acc, t))
@@ -111,7 +126,10 @@ impl Lane<'_> {
             if p + 1 < n && s >= p {
                 let d = n - 1 - s + p;
                 let out = match carry.take() {
-                    Some(partial) => partial.combine(&groups[d], op)?,
+                    Some(partial) => {
+                        t = self.reduced(t, partial.len());
+                        partial.combine(&groups[d], op)?
+                    }
                     None => groups[d].clone(),
                 };
                 self.put(t, s, out).await?;

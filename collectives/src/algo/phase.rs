@@ -11,11 +11,25 @@ use crate::error::CollectiveError;
 use crate::payload::Payload;
 use crate::reduce::ReduceOp;
 
-/// Identifies a phase's lanes in message tags: lane ids `part * 4 + dir`.
+/// Identifies a phase's lanes in message tags (lane ids `part * 4 + dir`), and says how many
+/// lanes of the collective run at once on the chip (they share its HBM when they reduce).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct PhaseId {
     pub part: u16,
     pub phase: u16,
+    pub sharing: u16,
+}
+
+impl PhaseId {
+    /// Phase `phase` of part `part`, one of `parts` that run at once, on an axis of `kind`.
+    pub fn new(part: usize, phase: u16, parts: usize, kind: PhaseKind) -> PhaseId {
+        let lanes = if kind == PhaseKind::UniRing { 1 } else { 2 };
+        PhaseId {
+            part: part as u16,
+            phase,
+            sharing: (parts * lanes) as u16,
+        }
+    }
 }
 
 fn lane<'a>(call: Call<'a>, path: &AxisPath, id: PhaseId, dir: Dir) -> Lane<'a> {
@@ -30,6 +44,7 @@ fn lane<'a>(call: Call<'a>, path: &AxisPath, id: PhaseId, dir: Dir) -> Lane<'a> 
         recv,
         lane: id.part * 4 + dir.index() as u16,
         phase: id.phase,
+        sharing: id.sharing,
         p,
         n: path.n,
     }
@@ -109,14 +124,19 @@ pub(crate) async fn reduce_scatter(
             )
             .await?;
             let own = groups[path.pos].clone();
+            let mut t = ta.max(tb);
             let mut acc = match left {
-                Some(l) => l.combine(&own, op)?,
+                Some(l) => {
+                    t = plus.reduced(t, l.len());
+                    l.combine(&own, op)?
+                }
                 None => own,
             };
             if let Some(r) = right {
+                t = plus.reduced(t, r.len());
                 acc = acc.combine(&r, op)?;
             }
-            Ok((acc.resolve_async().await?, ta.max(tb)))
+            Ok((acc.resolve_async().await?, t))
         }
     }
 }

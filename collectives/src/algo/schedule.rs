@@ -197,11 +197,8 @@ impl Schedule {
                     |j, a, mut st: PartState| async move {
                         let chunk = self.stride(&st.axes, a) * st.len;
                         let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
-                        let id = PhaseId {
-                            part: j as u16,
-                            phase: phase0 + k as u16,
-                        };
                         let kind = self.kind(a);
+                        let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
                         let start = st.clock;
                         (st.buf, st.clock) = phase::reduce_scatter(
                             call,
@@ -258,11 +255,8 @@ impl Schedule {
                     |j| self.orders[j][phases - 1 - k],
                     states,
                     |j, a, mut st: PartState| async move {
-                        let id = PhaseId {
-                            part: j as u16,
-                            phase: phase0 + k as u16,
-                        };
                         let kind = self.kind(a);
+                        let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
                         let groups;
                         let start = st.clock;
                         (groups, st.clock) =
@@ -300,10 +294,7 @@ impl Schedule {
         for (k, &a) in all.iter().enumerate() {
             let chunk = self.stride(&all, a) * l;
             let groups = buf.split_interleaved(chunk, self.axes[a].n);
-            let id = PhaseId {
-                part: 0,
-                phase: k as u16,
-            };
+            let id = PhaseId::new(0, k as u16, 1, self.kind(a));
             let received;
             let start = t;
             (received, t) =

@@ -1,0 +1,397 @@
+//! `podsim compare` on published collective timings: a CSV with the columns of
+//! `configs/validation/collectives.csv` (recognised by its header) becomes one benchmark per
+//! row - the row's hardware, slice torus and slices, its collective over the chips it names,
+//! its bytes per chip - run in meta mode on the mirror fabric, and the virtual time of one
+//! iteration is set against `measured_us`.
+//!
+//! The source columns are words from the publications; each is read by a stated rule, and a
+//! cell the rule cannot read is an error naming the row and the column:
+//! - `topology`: its first word (`16x16 (v6e-256)` is `16x16`); axes of one chip are dropped;
+//! - `wraparound`: its first word, `yes`/`true` or `no`/`false` (`n/a`: the torus wraps);
+//! - `op`: its first word, `all_gather` or `all-gather` and the like;
+//! - `group`: the DCN axis when it says `dcn`; otherwise the chips it counts (`4 chips`,
+//!   `all 256 chips`): every ICI axis when that is the whole slice, else the axis of that many
+//!   chips (the one it names, `Y axis`, when the name agrees, else the only one);
+//! - `bytes_convention`: `input ...` or `output ...` per chip, or per TensorCore device when
+//!   it says so (a chip of the preset's `tensorcores_per_chip` devices moves that many times
+//!   the bytes).
+
+use std::path::Path;
+
+use podsim_collectives::{Algo, Comm, DType, OpKind, ReduceOp};
+use podsim_topology::{Group, Hardware, HardwareOverrides, Pod, Torus};
+use serde::Serialize;
+
+use crate::bench::{BenchPlan, run_in_process};
+use crate::compare::{Summary, summarise_errors};
+
+/// Columns that mark a file of collective timings (with `id`, the ones a row must have).
+pub const COLUMNS: [&str; 11] = [
+    "id",
+    "hardware",
+    "topology",
+    "wraparound",
+    "slices",
+    "op",
+    "group",
+    "dtype",
+    "bytes_per_chip",
+    "bytes_convention",
+    "measured_us",
+];
+
+/// Whether a header is that of a file of collective timings.
+pub fn recognises(header: &[String]) -> bool {
+    ["op", "measured_us", "bytes_per_chip"]
+        .iter()
+        .all(|c| header.iter().any(|h| h == c))
+}
+
+/// One row's prediction against its measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct CollectiveComparison {
+    pub id: String,
+    pub predicted_us: f64,
+    pub measured_us: f64,
+    pub error_pct: f64,
+    /// The benchmark the row became, as `podsim bench` flags.
+    pub bench: String,
+}
+
+/// A row read by column name; every problem names the row and the column.
+struct Row<'a> {
+    line: usize,
+    header: &'a [String],
+    cells: Vec<String>,
+}
+
+impl Row<'_> {
+    fn get(&self, column: &str) -> &str {
+        self.header
+            .iter()
+            .position(|h| h == column)
+            .and_then(|i| self.cells.get(i))
+            .map_or("", |c| c.trim())
+    }
+
+    fn bad(&self, column: &str, why: &str) -> String {
+        format!(
+            "row {} ({}), column {column}: {why} (got {:?})",
+            self.line,
+            self.get("id"),
+            self.get(column)
+        )
+    }
+
+    fn first_word(&self, column: &str) -> String {
+        self.get(column)
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase()
+    }
+
+    fn positive(&self, column: &str) -> Result<f64, String> {
+        match self.get(column).parse::<f64>() {
+            Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+            _ => Err(self.bad(column, "must be a positive number")),
+        }
+    }
+}
+
+/// The benchmark a row describes.
+struct Case {
+    plan: BenchPlan,
+    /// Bytes per chip in `podsim bench`'s convention (an all-gather's output).
+    size: u64,
+    flags: String,
+}
+
+fn torus(row: &Row<'_>) -> Result<Torus, String> {
+    let word = row.first_word("topology");
+    let dims: Vec<&str> = word.split('x').filter(|d| *d != "1").collect();
+    let text = if dims.is_empty() {
+        "1".to_string()
+    } else {
+        dims.join("x")
+    };
+    let torus: Torus = text
+        .parse()
+        .map_err(|e| row.bad("topology", &format!("not a torus shape: {e}")))?;
+    let wrap = match row.first_word("wraparound").as_str() {
+        "yes" | "true" | "n/a" => true,
+        "no" | "false" => false,
+        _ => return Err(row.bad("wraparound", "must start with yes, no or n/a")),
+    };
+    Ok(torus.set_wrap_all(wrap))
+}
+
+/// The first whole number in `text` followed by `word` (`"4 chips"`), if any.
+fn count_before(text: &str, word: &str) -> Option<u32> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    words.windows(2).find_map(|w| {
+        let trim = |s: &'_ str| s.trim_matches(|c: char| !c.is_alphanumeric()).to_string();
+        (trim(w[1]) == word)
+            .then(|| trim(w[0]).parse().ok())
+            .flatten()
+    })
+}
+
+/// The pod axes a row's `group` names, as `--group` takes them.
+fn group_axes(row: &Row<'_>, torus: &Torus) -> Result<String, String> {
+    const NAMES: [&str; 3] = ["x", "y", "z"];
+    let text = row.get("group").to_ascii_lowercase();
+    if text.contains("dcn") {
+        return Ok("dcn".into());
+    }
+    let dims = torus.dims();
+    let chips = count_before(&text, "chips")
+        .ok_or_else(|| row.bad("group", "says neither dcn nor how many chips"))?;
+    if chips == torus.chips() {
+        return Ok(NAMES[..dims.len()].join(","));
+    }
+    let named = NAMES
+        .iter()
+        .position(|n| text.contains(&format!("{n} axis")))
+        .filter(|&a| dims.get(a) == Some(&chips));
+    let matching: Vec<usize> = (0..dims.len()).filter(|&a| dims[a] == chips).collect();
+    match (named, matching.as_slice()) {
+        (Some(a), _) | (None, &[a]) => Ok(NAMES[a].to_string()),
+        _ => Err(row.bad(
+            "group",
+            &format!("no single axis of {chips} chips in a {} slice", torus),
+        )),
+    }
+}
+
+fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
+    let hardware_name = row.first_word("hardware");
+    let hardware = Hardware::preset(&hardware_name)
+        .map_err(|e| row.bad("hardware", &e.to_string()))?
+        .with_overrides(overrides)
+        .map_err(|e| format!("--set: {e}"))?;
+    let torus = torus(row)?;
+    let slices = row
+        .get("slices")
+        .parse::<u32>()
+        .ok()
+        .filter(|&s| s >= 1)
+        .ok_or_else(|| row.bad("slices", "must be a whole number of at least 1"))?;
+    let wrap = torus.wraps(0);
+    let shape = torus.to_string();
+    let pod = Pod::new(torus.clone(), slices).map_err(|e| row.bad("slices", &e.to_string()))?;
+    let op_name = row.first_word("op").replace('_', "-");
+    let op = op_name
+        .parse::<OpKind>()
+        .map_err(|e| row.bad("op", &e.to_string()))?;
+    let dtype = match row.first_word("dtype").as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::Bf16,
+        _ => return Err(row.bad("dtype", "must be f32 or bf16")),
+    };
+    let axes = group_axes(row, &torus)?;
+    let group = Group::parse(&axes, &pod).map_err(|e| row.bad("group", &e.to_string()))?;
+    let n = u64::from(group.size(&pod));
+    let convention = row.get("bytes_convention").to_ascii_lowercase();
+    let devices = if convention.contains("per tensorcore device") {
+        hardware.tensorcores_per_chip
+    } else {
+        1.0
+    };
+    let bytes = row.positive("bytes_per_chip")? * devices;
+    let input = match (convention.split_whitespace().next(), op) {
+        (Some(w), _) if w.starts_with("input") => bytes,
+        (Some(w), OpKind::AllGather) if w.starts_with("output") => bytes / n as f64,
+        (Some(w), OpKind::ReduceScatter) if w.starts_with("output") => bytes * n as f64,
+        (Some(w), _) if w.starts_with("output") => bytes,
+        _ => return Err(row.bad("bytes_convention", "must start with input or output")),
+    };
+    let size = match op {
+        OpKind::AllGather => input * n as f64,
+        _ => input,
+    } as u64;
+    let flags = format!(
+        "--hardware {hardware_name} --topology {shape}{} --slices {slices} --collective {op_name} \
+         --group {axes} --dtype {} --sizes {size} --mode meta",
+        if wrap { "" } else { " --no-wrap" },
+        row.first_word("dtype"),
+    );
+    let comm = Comm {
+        group,
+        algo: Algo::Torus,
+        dtype,
+        verify: false,
+    };
+    Ok(Case {
+        plan: BenchPlan::meta_in_process(pod, hardware, op, comm, ReduceOp::Sum, size),
+        size,
+        flags,
+    })
+}
+
+/// Predicts every row of a file of collective timings whose header is `header` (stops at the
+/// first row it cannot express).
+pub fn compare_rows<'a>(
+    path: &Path,
+    header: &[String],
+    lines: impl Iterator<Item = (usize, &'a str)>,
+    overrides: &HardwareOverrides,
+) -> Result<Vec<CollectiveComparison>, String> {
+    let missing: Vec<&str> = COLUMNS
+        .iter()
+        .filter(|c| !header.iter().any(|h| h == *c))
+        .copied()
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "{}: missing columns {}",
+            path.display(),
+            missing.join(", ")
+        ));
+    }
+    let mut out = Vec::new();
+    for (i, line) in lines {
+        let row = Row {
+            line: i + 1,
+            header,
+            cells: crate::study::csv_cells(line),
+        };
+        let at = |e: String| format!("{}: {e}", path.display());
+        let measured = row.positive("measured_us").map_err(at)?;
+        let case = case(&row, overrides).map_err(at)?;
+        let (rows, _) = run_in_process(&case.plan, |_| {})
+            .map_err(|e| at(format!("row {} ({}): {e}", row.line, row.get("id"))))?;
+        let predicted = rows.first().map_or(0.0, |r| r.virtual_s * 1e6);
+        debug_assert_eq!(rows.first().map(|r| r.bytes), Some(case.size));
+        out.push(CollectiveComparison {
+            id: row.get("id").to_string(),
+            predicted_us: predicted,
+            measured_us: measured,
+            error_pct: (predicted / measured - 1.0) * 100.0,
+            bench: case.flags,
+        });
+    }
+    if out.is_empty() {
+        return Err(format!("{}: no rows", path.display()));
+    }
+    Ok(out)
+}
+
+/// The whole file's agreement.
+pub fn summarise(rows: &[CollectiveComparison]) -> Summary {
+    summarise_errors(rows.iter().map(|r| (r.id.as_str(), r.error_pct)), 0)
+}
+
+/// The table `podsim compare` prints.
+pub fn table(rows: &[CollectiveComparison], s: &Summary) -> String {
+    let id = rows.iter().map(|r| r.id.len()).max().unwrap_or(0).max(8);
+    let mut out = format!(
+        "{:<id$} {:>13} {:>12} {:>8}\n",
+        "id", "predicted us", "measured us", "error"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<id$} {:>13.2} {:>12.2} {:>+7.1}%\n",
+            r.id, r.predicted_us, r.measured_us, r.error_pct
+        ));
+    }
+    out.push_str(&format!(
+        "{} rows: median |error| {:.1}%, largest {:.1}% ({})\n\
+         Each row ran as `podsim bench --iters 1 --warmup 0` with the flags `--json` gives.\n",
+        s.rows, s.median_abs_error_pct, s.max_abs_error_pct, s.worst
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Vec<String> {
+        COLUMNS.iter().map(|c| c.to_string()).collect()
+    }
+
+    fn row<'a>(header: &'a [String], cells: &[&str]) -> Row<'a> {
+        Row {
+            line: 3,
+            header,
+            cells: cells.iter().map(|c| c.to_string()).collect(),
+        }
+    }
+
+    const GOOD: [&str; 11] = [
+        "r",
+        "v5e",
+        "4x8 (mesh {X:8,Y:4}, 32 chips)",
+        "no (no axis of 16)",
+        "1",
+        "all_gather",
+        "Y axis (4 chips, linear chain)",
+        "bf16",
+        "8388608",
+        "input shard per chip",
+        "680",
+    ];
+
+    #[test]
+    fn a_named_axis_is_the_one_of_that_many_chips() {
+        let h = header();
+        let r = row(&h, &GOOD);
+        let t = torus(&r).unwrap();
+        assert!(!t.wraps(0));
+        assert_eq!(group_axes(&r, &t).unwrap(), "x");
+        let c = case(&r, &HardwareOverrides::default()).unwrap();
+        // An all-gather's size is its output: four inputs.
+        assert_eq!(c.size, 4 * 8_388_608);
+    }
+
+    #[test]
+    fn the_whole_slice_and_dcn_and_tensorcores() {
+        let h = header();
+        let mut cells = GOOD;
+        cells[1] = "tpu7x";
+        cells[2] = "2x2x1";
+        cells[6] = "4 devices, one TensorCore on each of 4 chips";
+        cells[9] = "input per TensorCore device";
+        let r = row(&h, &cells);
+        let t = torus(&r).unwrap();
+        assert_eq!(t.dims(), &[2, 2]);
+        assert_eq!(group_axes(&r, &t).unwrap(), "x,y");
+        let c = case(&r, &HardwareOverrides::default()).unwrap();
+        assert_eq!(c.size, 2 * 4 * 8_388_608, "two TensorCores per chip");
+        cells[6] = "'dcn' axis: one chip per slice";
+        cells[4] = "2";
+        let r = row(&h, &cells);
+        assert_eq!(group_axes(&r, &torus(&r).unwrap()).unwrap(), "dcn");
+    }
+
+    #[test]
+    fn a_row_podsim_cannot_express_names_its_row_and_column() {
+        let h = header();
+        let cases = [
+            (1, "h100", "column hardware"),
+            (2, "bagel", "column topology"),
+            (3, "maybe", "column wraparound"),
+            (4, "0", "column slices"),
+            (5, "all_shuffle", "column op"),
+            (6, "16 chips", "column group"),
+            (6, "the whole thing", "column group"),
+            (7, "fp8", "column dtype"),
+            (8, "-5", "column bytes_per_chip"),
+            (9, "total", "column bytes_convention"),
+        ];
+        for (column, value, want) in cases {
+            let mut cells = GOOD;
+            cells[column] = value;
+            let err = match case(&row(&h, &cells), &HardwareOverrides::default()) {
+                Err(e) => e,
+                Ok(_) => panic!("{value:?} in column {column} was accepted"),
+            };
+            assert!(err.contains("row 3 (r)") && err.contains(want), "{err}");
+        }
+        let mut cells = GOOD;
+        cells[10] = "NaN";
+        let err = row(&h, &cells).positive("measured_us").unwrap_err();
+        assert!(err.contains("column measured_us"), "{err}");
+    }
+}
