@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use clap::Args;
-use podsim_topology::{HARDWARE_KEYS, Hardware, HardwareOverrides, Pod};
+use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::protocol::Program;
 use podsim_worker::run_program;
@@ -109,17 +109,17 @@ pub struct Summary {
     pub out_of_memory: usize,
 }
 
-/// A row of the file by column name.
+/// A row of a compared file by column name; every problem names the row and the column.
 #[derive(Debug)]
-struct Row<'a> {
-    line: usize,
-    header: &'a [String],
-    cells: Vec<String>,
+pub(crate) struct Row<'a> {
+    pub line: usize,
+    pub header: &'a [String],
+    pub cells: Vec<String>,
 }
 
 impl Row<'_> {
     /// The cell of a required column (every row has one: the header was checked).
-    fn get(&self, column: &str) -> &str {
+    pub(crate) fn get(&self, column: &str) -> &str {
         self.optional(column).unwrap_or("")
     }
 
@@ -132,7 +132,7 @@ impl Row<'_> {
             .filter(|c| !c.is_empty())
     }
 
-    fn bad(&self, column: &str, why: &str) -> String {
+    pub(crate) fn bad(&self, column: &str, why: &str) -> String {
         format!(
             "row {} ({}), column {column}: {why} (got {:?})",
             self.line,
@@ -145,6 +145,23 @@ impl Row<'_> {
         self.get(column)
             .parse()
             .map_err(|_| self.bad(column, "not a valid number"))
+    }
+
+    /// The first word of a cell, in lower case (words from a source may follow it).
+    pub(crate) fn first_word(&self, column: &str) -> String {
+        self.get(column)
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase()
+    }
+
+    /// A cell that must be a positive, finite number.
+    pub(crate) fn positive_number(&self, column: &str) -> Result<f64, String> {
+        match self.get(column).parse::<f64>() {
+            Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+            _ => Err(self.bad(column, "must be a positive number")),
+        }
     }
 
     fn positive(&self, column: &str) -> Result<u64, String> {
@@ -400,35 +417,33 @@ pub fn compare_file(path: &Path, sets: &[String]) -> Result<Compared, String> {
         })
         .ok_or_else(|| format!("{}: empty file", path.display()))?;
     if compare_collectives::recognises(&header) {
-        let overrides = hardware_sets(sets)?;
+        let overrides = config::hardware_from_sets(sets)?;
         return compare_collectives::compare_rows(path, &header, lines, &overrides)
             .map(Compared::Collectives);
     }
     compare_training(path, &header, lines, sets).map(Compared::Training)
 }
 
-/// `--set hardware.KEY=VALUE` as hardware overrides: a collective's row is a benchmark,
-/// which has no other fields.
-fn hardware_sets(sets: &[String]) -> Result<HardwareOverrides, String> {
-    let mut text = String::new();
-    for set in sets {
-        let (key, value) = set
-            .split_once('=')
-            .ok_or_else(|| format!("--set {set}: expected KEY=VALUE"))?;
-        let field = key
-            .trim()
-            .strip_prefix("hardware.")
-            .filter(|f| HARDWARE_KEYS.contains(f))
-            .ok_or_else(|| {
-                format!("--set {set}: a row of collective timings takes hardware.FIELD only")
-            })?;
-        let value: f64 = value
-            .trim()
-            .parse()
-            .map_err(|_| format!("--set {set}: not a number"))?;
-        text.push_str(&format!("{field} = {value:e}\n"));
+/// Every column of `required` is in `header`, or an error naming the missing ones.
+pub(crate) fn require_columns(
+    path: &Path,
+    header: &[String],
+    required: &[&str],
+) -> Result<(), String> {
+    let missing: Vec<&str> = required
+        .iter()
+        .filter(|c| !header.iter().any(|h| h == *c))
+        .copied()
+        .collect();
+    match missing.len() {
+        0 => Ok(()),
+        n => Err(format!(
+            "{}: missing column{} {}",
+            path.display(),
+            if n > 1 { "s" } else { "" },
+            missing.join(", ")
+        )),
     }
-    toml::from_str(&text).map_err(|e| format!("--set: {e}"))
 }
 
 fn compare_training<'a>(
@@ -437,19 +452,7 @@ fn compare_training<'a>(
     lines: impl Iterator<Item = (usize, &'a str)>,
     sets: &[String],
 ) -> Result<Vec<Comparison>, String> {
-    let missing: Vec<&str> = COLUMNS
-        .iter()
-        .filter(|c| !header.iter().any(|h| h == *c))
-        .copied()
-        .collect();
-    if !missing.is_empty() {
-        return Err(format!(
-            "{}: missing column{} {}",
-            path.display(),
-            if missing.len() > 1 { "s" } else { "" },
-            missing.join(", ")
-        ));
-    }
+    require_columns(path, header, &COLUMNS)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -23,7 +23,7 @@ use podsim_topology::{Group, Hardware, HardwareOverrides, Pod, Torus};
 use serde::Serialize;
 
 use crate::bench::{BenchPlan, run_in_process};
-use crate::compare::{Summary, summarise_errors};
+use crate::compare::{Row, Summary, require_columns, summarise_errors};
 
 /// Columns that mark a file of collective timings (with `id`, the ones a row must have).
 pub const COLUMNS: [&str; 11] = [
@@ -58,52 +58,9 @@ pub struct CollectiveComparison {
     pub bench: String,
 }
 
-/// A row read by column name; every problem names the row and the column.
-struct Row<'a> {
-    line: usize,
-    header: &'a [String],
-    cells: Vec<String>,
-}
-
-impl Row<'_> {
-    fn get(&self, column: &str) -> &str {
-        self.header
-            .iter()
-            .position(|h| h == column)
-            .and_then(|i| self.cells.get(i))
-            .map_or("", |c| c.trim())
-    }
-
-    fn bad(&self, column: &str, why: &str) -> String {
-        format!(
-            "row {} ({}), column {column}: {why} (got {:?})",
-            self.line,
-            self.get("id"),
-            self.get(column)
-        )
-    }
-
-    fn first_word(&self, column: &str) -> String {
-        self.get(column)
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_ascii_lowercase()
-    }
-
-    fn positive(&self, column: &str) -> Result<f64, String> {
-        match self.get(column).parse::<f64>() {
-            Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
-            _ => Err(self.bad(column, "must be a positive number")),
-        }
-    }
-}
-
 /// The benchmark a row describes.
 struct Case {
     plan: BenchPlan,
-    /// Bytes per chip in `podsim bench`'s convention (an all-gather's output).
-    size: u64,
     flags: String,
 }
 
@@ -198,7 +155,7 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
     } else {
         1.0
     };
-    let bytes = row.positive("bytes_per_chip")? * devices;
+    let bytes = row.positive_number("bytes_per_chip")? * devices;
     let input = match (convention.split_whitespace().next(), op) {
         (Some(w), _) if w.starts_with("input") => bytes,
         (Some(w), OpKind::AllGather) if w.starts_with("output") => bytes / n as f64,
@@ -224,7 +181,6 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
     };
     Ok(Case {
         plan: BenchPlan::meta_in_process(pod, hardware, op, comm, ReduceOp::Sum, size),
-        size,
         flags,
     })
 }
@@ -237,18 +193,7 @@ pub fn compare_rows<'a>(
     lines: impl Iterator<Item = (usize, &'a str)>,
     overrides: &HardwareOverrides,
 ) -> Result<Vec<CollectiveComparison>, String> {
-    let missing: Vec<&str> = COLUMNS
-        .iter()
-        .filter(|c| !header.iter().any(|h| h == *c))
-        .copied()
-        .collect();
-    if !missing.is_empty() {
-        return Err(format!(
-            "{}: missing columns {}",
-            path.display(),
-            missing.join(", ")
-        ));
-    }
+    require_columns(path, header, &COLUMNS)?;
     let mut out = Vec::new();
     for (i, line) in lines {
         let row = Row {
@@ -257,12 +202,11 @@ pub fn compare_rows<'a>(
             cells: crate::study::csv_cells(line),
         };
         let at = |e: String| format!("{}: {e}", path.display());
-        let measured = row.positive("measured_us").map_err(at)?;
+        let measured = row.positive_number("measured_us").map_err(at)?;
         let case = case(&row, overrides).map_err(at)?;
         let (rows, _) = run_in_process(&case.plan, |_| {})
             .map_err(|e| at(format!("row {} ({}): {e}", row.line, row.get("id"))))?;
         let predicted = rows.first().map_or(0.0, |r| r.virtual_s * 1e6);
-        debug_assert_eq!(rows.first().map(|r| r.bytes), Some(case.size));
         out.push(CollectiveComparison {
             id: row.get("id").to_string(),
             predicted_us: predicted,
@@ -342,7 +286,7 @@ mod tests {
         assert_eq!(group_axes(&r, &t).unwrap(), "x");
         let c = case(&r, &HardwareOverrides::default()).unwrap();
         // An all-gather's size is its output: four inputs.
-        assert_eq!(c.size, 4 * 8_388_608);
+        assert_eq!(c.plan.sizes, [4 * 8_388_608]);
     }
 
     #[test]
@@ -358,7 +302,11 @@ mod tests {
         assert_eq!(t.dims(), &[2, 2]);
         assert_eq!(group_axes(&r, &t).unwrap(), "x,y");
         let c = case(&r, &HardwareOverrides::default()).unwrap();
-        assert_eq!(c.size, 2 * 4 * 8_388_608, "two TensorCores per chip");
+        assert_eq!(
+            c.plan.sizes,
+            [2 * 4 * 8_388_608],
+            "two TensorCores per chip"
+        );
         cells[6] = "'dcn' axis: one chip per slice";
         cells[4] = "2";
         let r = row(&h, &cells);
@@ -391,7 +339,7 @@ mod tests {
         }
         let mut cells = GOOD;
         cells[10] = "NaN";
-        let err = row(&h, &cells).positive("measured_us").unwrap_err();
+        let err = row(&h, &cells).positive_number("measured_us").unwrap_err();
         assert!(err.contains("column measured_us"), "{err}");
     }
 }

@@ -869,6 +869,24 @@ pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), S
     Ok(())
 }
 
+/// `--set hardware.KEY=VALUE` overrides alone (a benchmark's hardware, which has no job):
+/// read and range-checked as a config's `[hardware]` table is; any other key is an error.
+pub fn hardware_from_sets(sets: &[String]) -> Result<HardwareOverrides, String> {
+    let mut table = toml::Table::new();
+    apply_overrides(&mut table, sets)?;
+    if let Some(other) = table.keys().find(|k| *k != "hardware") {
+        return Err(format!(
+            "--set {other}...: only hardware.KEY=VALUE applies here"
+        ));
+    }
+    let mut p = Problems::new("--set", "");
+    let overrides = section::<HardwareOverrides>(&mut p, &table, "hardware");
+    match overrides {
+        Some(o) if p.list.is_empty() => Ok(o),
+        _ => Err(ConfigErrors(p.list).to_string().trim_end().to_string()),
+    }
+}
+
 /// Reads and validates `path` with command-line overrides applied.
 pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
     let file = path.display().to_string();

@@ -152,7 +152,7 @@ impl Hardware {
     ///   architecture descriptions) and TPU7x (MaxText's sizing guidance for it).
     /// - `tensorcores_per_chip`: 2 on TPU7x (its data sheet), 1 on the others.
     /// - `ici_efficiency`, `collective_overhead_ns`, `dcn_efficiency`: set against published
-    ///   collective timings ([`CollectiveConstants`]).
+    ///   collective timings (the constants below).
     /// - `attention_block`: 512, the query and key block sizes of the Pallas flash-attention
     ///   kernel as the published training recipes configure it.
     /// - `matmul_block`: 1024, the output block a 16-128 MiB on-chip vector memory holds with
@@ -184,7 +184,6 @@ impl Hardware {
             "tpu7x" => (90.0, 12.5, 2307e12, 192.0, 7.38e12, 256.0, 32.0),
             other => return Err(TopologyError::UnknownHardware(other.to_string())),
         };
-        let collectives = CollectiveConstants::of(name);
         Ok(Hardware {
             name: name.to_string(),
             ici_bandwidth: ici * GB,
@@ -203,9 +202,13 @@ impl Hardware {
             kernel_overhead_ns: 1_000.0,
             host_bandwidth: host * GB,
             chips_per_host: 4.0,
-            ici_efficiency: collectives.ici_efficiency,
-            collective_overhead_ns: collectives.overhead_ns,
-            dcn_efficiency: collectives.dcn_efficiency,
+            ici_efficiency: ICI_EFFICIENCY,
+            collective_overhead_ns: if name == "tpu7x" {
+                TPU7X_COLLECTIVE_OVERHEAD_NS
+            } else {
+                COLLECTIVE_OVERHEAD_NS
+            },
+            dcn_efficiency: DCN_EFFICIENCY,
             tensorcores_per_chip: if name == "tpu7x" { 2.0 } else { 1.0 },
         })
     }
@@ -238,35 +241,15 @@ impl Hardware {
     }
 }
 
-/// The link model's constants that no data sheet gives, each set against published
-/// collective timings (`configs/validation/collectives.csv`) by `scripts/calibrate_links.py`;
-/// docs/DESIGN.md gives the rule and the rows that checked it.
-struct CollectiveConstants {
-    ici_efficiency: f64,
-    overhead_ns: f64,
-    dcn_efficiency: f64,
-}
-
-impl CollectiveConstants {
-    fn of(name: &str) -> CollectiveConstants {
-        CollectiveConstants {
-            ici_efficiency: ICI_EFFICIENCY,
-            // TPU7x's all-gathers were measured offloaded to its SparseCores, a launch the
-            // other generations' collectives do not make.
-            overhead_ns: if name == "tpu7x" {
-                TPU7X_COLLECTIVE_OVERHEAD_NS
-            } else {
-                COLLECTIVE_OVERHEAD_NS
-            },
-            dcn_efficiency: DCN_EFFICIENCY,
-        }
-    }
-}
-
-// Set by `scripts/calibrate_links.py` (its rule: docs/DESIGN.md, "The link model").
+// The link model's constants that no data sheet gives, one value for every generation where
+// the data does not say otherwise: set against the published collective timings of
+// `configs/validation/collectives.csv` by `scripts/calibrate_links.py` (its rule and the rows
+// that check it: docs/DESIGN.md, "The link model").
 const ICI_EFFICIENCY: f64 = 0.91;
-const TPU7X_COLLECTIVE_OVERHEAD_NS: f64 = 8_500.0;
 const COLLECTIVE_OVERHEAD_NS: f64 = 3_000.0;
+// TPU7x's all-gathers were measured offloaded to its SparseCores, a launch the other
+// generations' collectives do not make.
+const TPU7X_COLLECTIVE_OVERHEAD_NS: f64 = 8_500.0;
 const DCN_EFFICIENCY: f64 = 0.45;
 
 #[cfg(test)]
