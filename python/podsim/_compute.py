@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _rebind
+from ._fusion import Fusion
 
 aten = torch.ops.aten
 
@@ -84,7 +85,7 @@ class Compute(TorchDispatchMode):
         # only a torch.compile'd program (which imports dynamo itself) could need.
         return False
 
-    def __init__(self, eager="fused"):
+    def __init__(self, eager: str = "fused") -> None:
         super().__init__()
         self._matmuls = {}
         self._pass_bytes = 0
@@ -102,9 +103,9 @@ class Compute(TorchDispatchMode):
         self._recomputed_attention = {}
         # The rank's HBM, when counted (`Memory`).
         self.memory = None
-        # `fused` eager mode: chains of element-wise ops as one pass (`Chain`); None in
+        # `fused` eager mode: element-wise ops fused into kernels (`Fusion`); None in
         # `strict` and `debug`, where every op is its own kernel.
-        self.chain = Chain() if eager == "fused" else None
+        self.fusion = Fusion() if eager == "fused" else None
         # Meta mode: ops on real (CPU) tensors are the host's bookkeeping (an optimizer's step
         # count), not the chip's kernels; in data mode every op runs for the chip.
         self.host_ops_free = False
@@ -122,41 +123,40 @@ class Compute(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.paused or (self.host_ops_free and not _on_meta(args, out)):
             return out
-        if self.memory is not None:
-            self.memory.allocated(out, func)
         kind = self._kinds.get(func)
         if kind is None:
             kind = self._kinds[func] = _kind_of(func)
+        if self.memory is not None and (kind != _PASS_KIND or self.fusion is None):
+            # A fused kernel's results are in HBM only if it writes them (`Fusion`).
+            self.memory.allocated(out, func)
         if kind == _FREE_KIND:
             return out
         try:
             if kind == _MATMUL_KIND:
-                if self.chain is not None:
-                    self.chain.flush(self)
-                    for a in args:
-                        for t in _tensors(a):
-                            self._pass_bytes += self.chain.read_outside(t)
+                self.reads(args)
                 m, k, n, batch = _matmul_shapes(func.overloadpacket, args)
                 key = (int(m), int(k), int(n), args[-1].element_size())
                 self._matmuls[key] = self._matmuls.get(key, 0) + int(batch)
                 if self.recomputing:
                     done = self._recomputed_matmuls
                     done[key] = done.get(key, 0) + int(batch)
-            elif self.chain is not None:
-                self.chain.add(self, args, out)
+            elif self.fusion is not None:
+                self.fusion.add(self, args, out, func)
             else:
                 self._pass_bytes += _tensor_bytes(out)
                 for a in args:
                     self._pass_bytes += _tensor_bytes(a)
                 self._kernels += 1
+        except torch.OutOfMemoryError:
+            raise
         except Exception:  # counting must never break the user's program
             pass
         return out
 
-    def take(self):
+    def take(self) -> dict:
         """The compute since the previous call, as the chip reads it (and reset)."""
-        if self.chain is not None:
-            self.chain.flush(self)
+        if self.fusion is not None:
+            self.fusion.close_all(self)
         c = {
             "matmuls": [[m, k, n, calls, eb] for (m, k, n, eb), calls in self._matmuls.items()],
             "pass_bytes": self._pass_bytes,
@@ -187,11 +187,19 @@ class Compute(TorchDispatchMode):
             self.memory.allocated(out, "scaled_dot_product_attention")
         return out
 
-    def add_attention(self, q, k, causal, backward):
-        """One attention kernel on `q` `(batch, heads, seq, head_dim)` against `k`, priced as
-        flash attention (the chip's kernel), not as the decomposition torch runs here."""
+    def reads(self, tensors):
+        """A kernel other than a pass reads `tensors`: fused kernels producing them close
+        first, and values they left unwritten are recomputed (a pass over their sources)."""
+        if self.fusion is not None:
+            self._pass_bytes += self.fusion.reads(self, [t for a in tensors for t in _tensors(a)])
+
+    def add_attention(self, q, k, v, causal, backward):
+        """One attention kernel on `q` `(batch, heads, seq, head_dim)` against `k` and `v`,
+        priced as flash attention (the chip's kernel), not as the decomposition torch runs
+        here."""
         if self.paused:
             return
+        self.reads((q, k, v))
         *lead, heads, seq, head_dim = q.shape
         batch = 1
         for d in lead:
@@ -217,58 +225,7 @@ def _tensors(x):
     return ()
 
 
-class Chain:
-    """Element-wise ops fused as the eager `fused` mode (and XLA) fuses them: an op that reads
-    what the chain's previous ops wrote joins the chain, and the chain is one kernel reading
-    its inputs from HBM once and writing its results once. A result read only inside the chain
-    is never written, unless an op outside it reads it later (a tensor saved for backward):
-    then its write is charged at that read."""
-
-    def __init__(self):
-        self.written = {}  # storage -> bytes written by the chain, not read back inside it
-        self.consumed = {}  # storage -> bytes the chain wrote and read back itself
-        self.read = 0
-        self.ops = 0
-        # Results of earlier chains never written to HBM (consumed inside them).
-        self.unwritten = {}
-
-    def add(self, compute, args, out):
-        inputs = [t for a in args for t in _tensors(a)]
-        keys = [t.untyped_storage()._cdata for t in inputs]
-        if self.ops and not any(k in self.written or k in self.consumed for k in keys):
-            self.flush(compute)
-        for t, key in zip(inputs, keys):
-            if key in self.written:
-                self.consumed[key] = self.written.pop(key)
-            elif key not in self.consumed:
-                self.read += t.nbytes + self.unwritten.pop(key, 0)
-        for t in _tensors(out):
-            storage = t.untyped_storage()
-            self.written[storage._cdata] = (t.nbytes, storage)
-        self.ops += 1
-
-    def flush(self, compute):
-        if not self.ops:
-            return
-        compute._pass_bytes += self.read + sum(n for n, _ in self.written.values())
-        compute._kernels += 1
-        for key, (n, storage) in self.consumed.items():
-            if key not in self.unwritten:
-                # Forgotten when freed: another storage may take its address.
-                weakref.finalize(storage, self.forget, key)
-            self.unwritten[key] = n
-        self.written, self.consumed, self.read, self.ops = {}, {}, 0, 0
-
-    def read_outside(self, t):
-        """A non-element-wise op read `t`: if a chain never wrote it, it is written now."""
-        return self.unwritten.pop(t.untyped_storage()._cdata, 0)
-
-    def forget(self, key):
-        """Storage `key` was freed (its address may be reused)."""
-        self.unwritten.pop(key, None)
-
-
-def recomputation_apart(compute):
+def recomputation_apart(compute: "Compute") -> None:
     """Work `torch.utils.checkpoint` recomputes inside backward is counted apart as well
     (`Compute.recomputing`): the checkpointed function, called again while autograd runs a
     backward, is the recomputation, whichever checkpoint implementation calls it."""
@@ -293,7 +250,7 @@ def recomputation_apart(compute):
     _rebind.everywhere(original, checkpoint, ("checkpoint", "torch_utils_checkpoint"))
 
 
-def price_attention_as_flash(compute):
+def price_attention_as_flash(compute: "Compute") -> None:
     """`F.scaled_dot_product_attention` counted as one flash-attention kernel forward and one
     backward, whatever torch decomposes it into on this host (the CPU's kernel, or on the
     meta device the math path with its full score matrix, which no TPU materialises). The
@@ -306,7 +263,7 @@ def price_attention_as_flash(compute):
     class FlashAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, kwargs):
-            compute.add_attention(q, k, kwargs.get("is_causal", False), backward=False)
+            compute.add_attention(q, k, v, kwargs.get("is_causal", False), backward=False)
             ctx.kwargs = kwargs
             ctx.save_for_backward(q, k, v)
             return compute.unpriced(sdpa, q, k, v, **kwargs)
@@ -314,7 +271,7 @@ def price_attention_as_flash(compute):
         @staticmethod
         def backward(ctx, grad):
             q, k, v = ctx.saved_tensors
-            compute.add_attention(q, k, ctx.kwargs.get("is_causal", False), backward=True)
+            compute.add_attention(q, k, v, ctx.kwargs.get("is_causal", False), backward=True)
             def grads():
                 with torch.enable_grad():
                     inputs = [x.detach().requires_grad_(True) for x in (q, k, v)]
@@ -333,7 +290,7 @@ def price_attention_as_flash(compute):
         if dropout_p or not plain or attn_mask is not None and attn_mask.requires_grad:
             return sdpa(query, key, value, **kwargs)
         if not torch.is_grad_enabled() or not any(x.requires_grad for x in (query, key, value)):
-            compute.add_attention(query, key, is_causal, backward=False)
+            compute.add_attention(query, key, value, is_causal, backward=False)
             return compute.unpriced(sdpa, query, key, value, **kwargs)
         return FlashAttention.apply(query, key, value, kwargs)
 
@@ -382,7 +339,7 @@ class Memory:
     gradients when it steps, its state after. Past the modelled chip's capacity the op
     raises `torch.OutOfMemoryError`, as a real chip's allocator does."""
 
-    def __init__(self, device_type, capacity, hardware):
+    def __init__(self, device_type: str, capacity: int, hardware: str) -> None:
         self.device_type = device_type
         self.capacity = capacity
         self.hardware = hardware
@@ -395,6 +352,8 @@ class Memory:
         # (`with torch.device("meta")`): no memory on any device, in meta mode as in a real run.
         self.untracked = 0
         self.ignored = set()
+        # Storages of results a fused kernel did not write (`Fusion`): no HBM, views included.
+        self.unwritten = set()
 
     def allocated(self, out, func):
         for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -402,7 +361,7 @@ class Memory:
                 if self.untracked:
                     self._ignore(t)
                 else:
-                    self._track(t, func)
+                    self.track(t.untyped_storage(), func)
 
     def _ignore(self, t):
         """`t`'s storage is the program's own meta tensor: never counted, even when an op
@@ -413,10 +372,10 @@ class Memory:
             self.ignored.add(key)
             weakref.finalize(storage, self.ignored.discard, key)
 
-    def _track(self, t, func):
-        storage = t.untyped_storage()
+    def track(self, storage, func):
+        """`storage` is in HBM from now until torch frees it."""
         key = storage._cdata
-        if key in self.live or key in self.ignored:
+        if key in self.live or key in self.ignored or key in self.unwritten:
             return
         n = storage.nbytes()
         self.live[key] = [n, _TRANSIENT]

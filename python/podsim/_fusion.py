@@ -1,0 +1,202 @@
+"""The eager `fused` mode's kernels: element-wise ops (and other passes over HBM) fused as XLA
+fuses them, for the chip's clock and for the rank's HBM.
+
+An op joins the open kernel that produced one of its inputs (merging kernels it reads from
+several), whatever unrelated ops the program runs in between; an op reading no open kernel's
+result starts a kernel of its own. A kernel closes when a matrix product, an attention kernel
+or a collective reads one of its results, when the rank's compute is taken, or when too many
+kernels are open. A closed kernel reads each of its inputs from HBM once and writes each of its
+results once.
+
+A result the kernel's own ops read (an intermediate) is never written if nothing keeps it once
+the kernel closes. If something does (autograd saved it for backward, the program holds it),
+the kernel either writes it or, when its sources in HBM are smaller than it is, keeps those
+sources alive instead, and whoever reads it later recomputes it from them (the f32 copy of bf16
+logits, and their log-softmax, are recomputed from the logits, not stored). An unwritten result
+holds no HBM (`Memory.unwritten`).
+"""
+
+import weakref
+
+# Open kernels past this many: the oldest closes. Bounds the work per op and how late a
+# kernel's results are counted in HBM.
+_OPEN_KERNELS = 8
+
+
+def _tensors(x):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (list, tuple)):
+        return tuple(y for y in x if isinstance(y, torch.Tensor))
+    return ()
+
+
+class _Kernel:
+    """One fused kernel being built."""
+
+    __slots__ = ("outputs", "inputs", "read")
+
+    def __init__(self):
+        # key -> [bytes, storage, keys of the op's inputs, read inside the kernel, op], in
+        # the order the ops produced them.
+        self.outputs = {}
+        # key -> (bytes, storage, bytes read for it) of what the kernel reads from HBM.
+        self.inputs = {}
+        self.read = 0
+
+    def absorb(self, other):
+        """`other`'s ops, which read nothing of this kernel's, join it."""
+        self.outputs.update(other.outputs)
+        for key, entry in other.inputs.items():
+            if key in self.inputs:
+                self.read -= entry[2]  # read once
+            else:
+                self.inputs[key] = entry
+        self.read += other.read
+
+
+class Fusion:
+    """The open kernels of one rank, and the values closed ones left unwritten."""
+
+    def __init__(self):
+        self.open = []  # oldest first
+        self.producer = {}  # key of an open kernel's result -> that kernel
+        # Results kept unwritten: key -> (bytes read to recompute it, {source key: (bytes,
+        # storage)}); the entry keeps the sources alive until the value is freed (`forget`).
+        self.recomputable = {}
+        self.memory = None
+
+    def add(self, compute, args, out, func):
+        """An op that is a pass over HBM."""
+        self.memory = compute.memory
+        inputs = [t for a in args for t in _tensors(a)]
+        storages = [t.untyped_storage() for t in inputs]
+        keys = [s._cdata for s in storages]
+        results = [(t, t.untyped_storage()) for t in _tensors(out)]
+        # An op writing into an open kernel's result (`out=`, in place) joins that kernel too.
+        kernel = self._kernel_for(compute, keys + [s._cdata for _, s in results])
+        for t, storage, key in zip(inputs, storages, keys):
+            produced = kernel.outputs.get(key)
+            if produced is not None:
+                produced[3] = True
+            elif key not in kernel.inputs:
+                again = self.recomputable.get(key)
+                cost = t.nbytes if again is None else again[0]
+                kernel.read += cost
+                kernel.inputs[key] = (t.nbytes, storage, cost)
+        for t, storage in results:
+            key = storage._cdata
+            if key not in kernel.outputs:
+                kernel.outputs[key] = [t.nbytes, storage, keys, False, func]
+                self.producer[key] = kernel
+                if self.memory is not None and key not in self.memory.live:
+                    self.memory.unwritten.add(key)
+
+    def _kernel_for(self, compute, keys):
+        """The open kernel an op touching `keys` joins: the one that produced them (merged
+        into the oldest when several did), else a new one."""
+        found = []
+        for key in keys:
+            kernel = self.producer.get(key)
+            if kernel is not None and kernel not in found:
+                found.append(kernel)
+        if not found:
+            kernel = _Kernel()
+            self.open.append(kernel)
+            if len(self.open) > _OPEN_KERNELS:
+                self._close(compute, self.open[0])
+            return kernel
+        found.sort(key=self.open.index)
+        kernel = found[0]
+        for other in found[1:]:
+            kernel.absorb(other)
+            for key in other.outputs:
+                self.producer[key] = kernel
+            self.open.remove(other)
+        return kernel
+
+    def reads(self, compute, tensors):
+        """A kernel that is not a pass (a matrix product, attention, a collective) reads
+        `tensors`: the open kernels producing them close first. Returns the bytes read to
+        recompute those of them left unwritten."""
+        extra = 0
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            kernel = self.producer.get(key)
+            if kernel is not None:
+                self._close(compute, kernel)
+            again = self.recomputable.get(key)
+            if again is not None:
+                extra += again[0]
+        return extra
+
+    def close_all(self, compute):
+        while self.open:
+            self._close(compute, self.open[0])
+
+    def _close(self, compute, kernel):
+        """Ends `kernel`: prices it, and decides for each result whether it is in HBM."""
+        self.open.remove(kernel)
+        for key in kernel.outputs:
+            if self.producer.get(key) is kernel:
+                del self.producer[key]
+        # What is alive once the kernel lets go of it is kept by someone else.
+        alive = {}
+        for key, produced in kernel.outputs.items():
+            alive[key] = weakref.ref(produced[1])
+            produced[1] = None
+        # What a result can be recomputed from: the kernel's inputs (for an unwritten one, its
+        # own sources) and the results it writes.
+        in_hbm = {key: entry[:2] for key, entry in kernel.inputs.items()}
+        for key in kernel.inputs:
+            if key in self.recomputable:
+                in_hbm.update(self.recomputable[key][1])
+        unwritten = {}  # key -> sources, for this kernel's results not written
+        written = 0
+        for key, (n, _, operands, consumed, func) in kernel.outputs.items():
+            sources = self._sources(operands, unwritten, kernel)
+            storage = alive[key]()
+            if storage is None:
+                if consumed:
+                    unwritten[key] = sources
+                else:
+                    written += n  # written, then freed
+                self._settled(key)
+                continue
+            if consumed and all(s in in_hbm for s in sources):
+                cost = sum(in_hbm[s][0] for s in sources)
+                if cost <= n:  # recomputing reads no more than storing would
+                    unwritten[key] = sources
+                    self.recomputable[key] = (cost, {s: in_hbm[s] for s in sources})
+                    weakref.finalize(storage, self.forget, key)
+                    continue
+            written += n
+            in_hbm[key] = (n, storage)
+            self._settled(key)
+            if self.memory is not None:
+                self.memory.track(storage, func)
+        compute._pass_bytes += kernel.read + written
+        compute._kernels += 1
+
+    def _sources(self, operands, unwritten, kernel):
+        """The values in HBM an op's result is computed from."""
+        sources = set()
+        for operand in operands:
+            if operand in unwritten:
+                sources |= unwritten[operand]
+            elif operand in self.recomputable and operand not in kernel.outputs:
+                sources.update(self.recomputable[operand][1])
+            else:
+                sources.add(operand)
+        return sources
+
+    def forget(self, key):
+        """Storage `key` was freed: its sources may go too."""
+        self.recomputable.pop(key, None)
+        self._settled(key)
+
+    def _settled(self, key):
+        if self.memory is not None:
+            self.memory.unwritten.discard(key)
