@@ -28,7 +28,11 @@ python3 scripts/fault_matrix.py --podsim target/debug/podsim --shape 8x8x8 --wor
 # torchrun's results are kept outside the tree too (~/.cache/podsim/torch-refs, keyed by the
 # example scripts and torch's version); `--fresh-references` runs torchrun again.
 py=$(bash scripts/python_env.sh)
+# The Python package's own unit tests (wire framing, local reductions, fused kernels): no
+# podsim binary, seconds.
+(cd python && "$py" -m unittest discover -s tests 2>&1) | tee -a "$log"
 PYTHONPATH="$PWD/python" PODSIM_PYTHON="$py" "$py" scripts/torch_tests.py --podsim target/debug/podsim 2>&1 | tee -a "$log"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      /^torch tests:/ { p += $3; f += $5 }
+     /^Ran [0-9]+ tests? in/ { ran = $2 } /^OK/ { p += ran; ran = 0 } /^FAILED \(/ { f += ran; ran = 0 }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

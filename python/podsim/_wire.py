@@ -9,6 +9,10 @@ import os
 import socket
 import struct
 import threading
+from typing import TYPE_CHECKING, Optional, Tuple
+
+if TYPE_CHECKING:
+    import torch
 
 _HEADER = struct.Struct("<IIQ")
 _MAGIC = int.from_bytes(b"PDT1", "little")
@@ -29,12 +33,13 @@ class Connection:
         reply, _ = self.call({"op": "hello", "rank": rank, "pid": os.getpid(), "token": token})
         del reply
 
-    def send(self, request: dict, payload=None) -> None:
+    def send(self, request: dict, payload: Optional["torch.Tensor"] = None) -> None:
         """Sends a frame that has no reply (a stack report)."""
         with self._lock:
             self._send(request, payload)
 
-    def call(self, request: dict, payload=None, out=None):
+    def call(self, request: dict, payload: Optional["torch.Tensor"] = None,
+             out: Optional["torch.Tensor"] = None) -> Tuple[dict, Optional["torch.Tensor"]]:
         """Sends `request` (and `payload`, a contiguous float32 tensor) and returns the reply
         and its payload: read into `out` (a float32 tensor of the right size) when given."""
         with self._lock:
@@ -83,7 +88,7 @@ class Connection:
             n -= len(chunk)
         return b"".join(chunks)
 
-    def close(self):
+    def close(self) -> None:
         try:
             self._sock.close()
         except OSError:

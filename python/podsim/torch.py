@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,9 @@ from . import _streams
 from ._compute import Compute, Memory, price_attention_as_flash, recomputation_apart
 from ._replay import Steps, signature
 from ._wire import Connection, PodsimError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["step", "torus_mesh", "PodsimError", "ProcessGroupPodsim"]
 
@@ -190,7 +194,7 @@ def _connect():
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
 
 
-def is_library_file(path):
+def is_library_file(path: str) -> bool:
     """Whether `path` is torch's or podsim's own code, not the program's."""
     return path.startswith(_LIBRARY_DIRS) or path.startswith("<frozen")
 
@@ -214,7 +218,7 @@ def _stand_ins():
     return [[what, where, n] for (what, where), n in meta.stand_ins.items()]
 
 
-def step():
+def step() -> None:
     """Marks the end of a training step: the report gives each step's compute, communication
     and exposed communication in virtual time (and step-based faults fire here). A program
     that never calls it has a step at each `optimizer.step()` (under `podsim run`)."""
@@ -224,7 +228,7 @@ def step():
     rank.call(rank.step_request())
 
 
-def torus_mesh(names=None):
+def torus_mesh(names: Optional[Sequence[str]] = None) -> "DeviceMesh":
     """A device mesh shaped like the emulated pod, one mesh dimension per torus axis
     (outermost first: `dcn` when there are several slices, then `z, y, x`), so that each
     dimension's groups are torus rings (or the DCN links between slices)."""

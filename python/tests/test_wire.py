@@ -1,0 +1,138 @@
+"""The frames between a rank and its chip (`podsim._wire`), against a chip played by this test
+on an abstract Unix socket: no podsim binary."""
+
+import json
+import os
+import socket
+import struct
+import threading
+import unittest
+
+import torch
+
+from podsim._wire import Connection, PodsimError
+
+HEADER = struct.Struct("<IIQ")
+MAGIC = int.from_bytes(b"PDT1", "little")
+
+
+def frame(reply, payload=b"", magic=MAGIC):
+    body = json.dumps(reply).encode()
+    return HEADER.pack(magic, len(body), len(payload)) + body + payload
+
+
+class FakeChip:
+    """Accepts one rank, answers its hello, then plays `script(conn)`."""
+
+    def __init__(self, script):
+        self.name = f"podsim-test-{os.getpid()}-{id(self)}"
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind("\0" + self.name)
+        self.server.listen(1)
+        self.server.settimeout(10)
+        self.requests = []
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def read_frame(self, conn):
+        magic, json_len, payload_len = HEADER.unpack(self._exact(conn, HEADER.size))
+        assert magic == MAGIC
+        request = json.loads(self._exact(conn, json_len))
+        payload = self._exact(conn, payload_len)
+        self.requests.append((request, payload))
+        return request, payload
+
+    @staticmethod
+    def _exact(conn, n):
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _serve(self, script):
+        conn, _ = self.server.accept()
+        conn.settimeout(10)
+        with conn:
+            self.read_frame(conn)
+            conn.sendall(frame({"ok": True}))
+            script(self, conn)
+
+    def close(self):
+        self.thread.join(10)
+        self.server.close()
+
+
+class Framing(unittest.TestCase):
+    def connect(self, script):
+        chip = FakeChip(script)
+        self.addCleanup(chip.close)
+        connection = Connection(chip.name, 3, "secret")
+        self.addCleanup(connection.close)
+        return chip, connection
+
+    def test_hello_names_the_rank_and_its_token(self):
+        chip, connection = self.connect(lambda chip, conn: None)
+        connection.close()
+        chip.close()
+        hello, payload = chip.requests[0]
+        self.assertEqual((hello["op"], hello["rank"], hello["token"]), ("hello", 3, "secret"))
+        self.assertEqual(hello["pid"], os.getpid())
+        self.assertEqual(payload, b"")
+
+    def test_a_payload_goes_out_and_comes_back_as_float32_values(self):
+        def echo(chip, conn):
+            request, payload = chip.read_frame(conn)
+            conn.sendall(frame({"echo": request["op"]}, payload))
+
+        chip, connection = self.connect(echo)
+        values = torch.arange(1000, dtype=torch.float32) / 7
+        reply, back = connection.call({"op": "echo"}, values)
+        self.assertEqual(reply, {"echo": "echo"})
+        self.assertTrue(torch.equal(back, values))
+
+    def test_a_reply_is_read_into_the_callers_buffer(self):
+        def answer(chip, conn):
+            chip.read_frame(conn)
+            conn.sendall(frame({}, torch.ones(4).numpy().tobytes()))
+
+        _, connection = self.connect(answer)
+        out = torch.zeros(4)
+        _, back = connection.call({"op": "x"}, out=out)
+        self.assertIs(back, out)
+        self.assertTrue(torch.equal(out, torch.ones(4)))
+
+    def test_an_error_reply_is_raised_with_the_chips_words(self):
+        def refuse(chip, conn):
+            chip.read_frame(conn)
+            conn.sendall(frame({"error": "group 9 does not exist"}))
+
+        _, connection = self.connect(refuse)
+        with self.assertRaisesRegex(PodsimError, "group 9 does not exist"):
+            connection.call({"op": "all_reduce"})
+
+    def test_a_reply_out_of_step_is_refused(self):
+        def garbage(chip, conn):
+            chip.read_frame(conn)
+            conn.sendall(frame({}, magic=0xDEADBEEF))
+
+        _, connection = self.connect(garbage)
+        with self.assertRaisesRegex(PodsimError, "out of step"):
+            connection.call({"op": "x"})
+
+    def test_a_chip_that_hangs_up_mid_payload_is_an_error_not_a_hang(self):
+        def hang_up(chip, conn):
+            chip.read_frame(conn)
+            body = b"{}"
+            conn.sendall(HEADER.pack(MAGIC, len(body), 64) + body + bytes(10))
+            conn.shutdown(socket.SHUT_RDWR)
+
+        _, connection = self.connect(hang_up)
+        with self.assertRaisesRegex(PodsimError, "closed the connection"):
+            connection.call({"op": "x"})
+
+
+if __name__ == "__main__":
+    unittest.main()
