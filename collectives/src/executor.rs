@@ -44,11 +44,9 @@ const WORD: usize = 64;
 
 /// A thread sweeps a word again as long as its chips keep waking each other (neighbours along
 /// x mostly share a word), up to this many rounds before it moves on (so that no word can hold
-/// a thread forever). Staying while the word's chips are in cache measured better than moving
-/// on after one round (about 10-25% more message events per second at 24x24x24 and 32x32x32
-/// for 16 rounds against 1, and more again up to this bound). With sweeps that alternate
-/// direction it still does: one round per word had 47% more last-level cache misses
-/// (cachegrind, 16x16x16 all-reduce, 4 MiB last-level cache).
+/// a thread forever). Staying while the word's chips are in cache is faster than moving on
+/// after one round, with sweeps that alternate direction too: fewer last-level cache misses
+/// (docs/PERFORMANCE.md).
 const ROUNDS_PER_WORD: usize = 1024;
 
 /// The order in which a thread visits runnable chips: its words, and the chips of a word.

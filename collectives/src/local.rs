@@ -1,5 +1,5 @@
-//! The in-memory fabric: any number of chips in one process, each a tokio task, links as
-//! pushes into the destination chip's inbox. Payloads move by reference (no copy).
+//! The in-memory fabric: any number of chips in one process, each a future polled by the chip
+//! executor (`executor`), links as pushes into the destination chip's inbox. Payloads move by reference (no copy).
 
 use std::future::Future;
 use std::sync::Arc;

@@ -152,8 +152,8 @@ const STRAGGLER_FALSE_ALARM: f64 = 1e-3;
 /// run gives few samples: on gRPC links a fault-free 120-step job on four workers lasts about
 /// 16 heartbeats, and one chip in sixteen falls on a quarter of them now and then by chance
 /// alone; a chip slowed tenfold falls on nearly all. The price: over 16 samples, against
-/// others at 5%, a chip needs about 42% of the run to be named (20% used to do); over 160,
-/// the fifth of the run the floors ask.
+/// others at 5%, a chip needs about 42% of the run to be named; over 160, the fifth of the
+/// run the floors ask.
 fn beyond_chance(q: f64, p: f64, n: f64, chips: f64) -> bool {
     let q = q.clamp(0.0, 1.0);
     if q <= p {

@@ -232,8 +232,7 @@ pub async fn bench_chip(
     }
     // Nobody checks before every chip has finished timing: a chip that checked its result
     // while others were still in the last iteration would take their CPU and lengthen it
-    // (measured: the last of 20 iterations of a 1 MiB all-reduce on 4 workers took 27-124 ms
-    // against 3-4 ms for the others, a mean up to 2.7 times too long).
+    // (several times over, on a machine with fewer cores than workers).
     if benchmark {
         let before = chip.time_snapshot();
         chip.harness_barrier(everyone).await?;

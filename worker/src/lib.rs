@@ -21,7 +21,8 @@
 //!   `shm`: shared-memory regions; the same records over TCP to another host, inside TLS under
 //!   `[launch.tls]` (`socket` hides which); or gRPC when forced); `intake`: who reads the record links (the chip executor's
 //!   own thread while it runs); `wire`: chip messages to and from checked protobuf
-//!   envelopes (`shm` and `intake` are the crate's only modules with `unsafe`);
+//!   envelopes (`shm`, `intake`, `socket` and `procs` are the crate's only modules with
+//!   `unsafe`, each for system calls std does not wrap);
 //! - `session`: a worker from joining the coordinator to exit; `watch`: the per-worker
 //!   summary each heartbeat carries; `faults`: fault injection;
 //! - [`tls`]: mutual TLS for a job across machines (its gRPC connections, and its record

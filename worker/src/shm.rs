@@ -31,8 +31,8 @@
 //! Every region, slot and offset a peer names is checked before anything is read; a garbage
 //! record is refused like any other bad record.
 //!
-//! This is the one module of podsim with `unsafe` code: mapping regions, and viewing parts of
-//! them as slices and counts. Each block says why it holds.
+//! `unsafe` here is mapping regions, and viewing parts of them as slices and counts (one of
+//! four worker modules allowed it; docs/DESIGN.md lists them). Each block says why it holds.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;

@@ -290,8 +290,7 @@ pub(crate) unsafe fn watch_fd<T: AsRawFd>(inner: T, interest: Interest) -> io::R
 /// tokio's reactor watches it for room only while a write waits for some: a socket in an
 /// epoll set for `EPOLLOUT` has the kernel wake that epoll's thread each time the peer reads
 /// and frees room, which for a link the peer reads message by message is a wasted wake-up of
-/// one of this worker's tokio threads per message (measured: a tenth of a 1 MiB
-/// all-reduce's CPU on 4 workers went to such wake-ups).
+/// one of this worker's tokio threads per message (docs/PERFORMANCE.md measures it).
 #[derive(Debug)]
 pub(crate) struct LinkWrite(RawLink);
 

@@ -1,8 +1,10 @@
-//! The training loop of one chip: forward, backward and optimizer step of the MLP under a
-//! strategy, with the collectives it needs, on two clocks.
+//! The training loop of one chip: forward, backward and optimizer step of the configured model
+//! (the MLP or the transformer) under a strategy, with the collectives it needs, on the
+//! compute stream and four others.
 //!
-//! Virtual time has a compute stream (the chip's clock, advanced by every kernel) and two
-//! communication streams (parameter gathers and gradient reductions). In `strict` and
+//! Virtual time has a compute stream (the chip's clock, advanced by every kernel) and four
+//! more (`Stream`): parameter gathers, gradient reductions, tensor-parallel activations and
+//! the host link of offloaded activations. In `strict` and
 //! `debug` mode every collective starts when the compute stream reaches it and compute
 //! waits for it. In `fused` mode gradient reductions and FSDP gathers are issued on their
 //! stream when their inputs are ready and compute goes on; compute waits only where it needs
