@@ -70,11 +70,12 @@ def reference_key(script, nproc):
     return h.hexdigest()[:16]
 
 
-def gloo_reference(args, script, nproc, out):
+def gloo_reference(args, script, nproc, out, script_args=()):
     """torchrun's result of `script` at `out` (and `out.rankN` where the script writes them):
     from the cache when the same case ran before, else run and kept. Returns (error or None,
     torchrun's wall seconds, its steps/s, whether it came from the cache)."""
-    cached = os.path.join(REFS, f"{script}-{nproc}-{reference_key(script, nproc)}")
+    key = reference_key((script, *script_args) if script_args else script, nproc)
+    cached = os.path.join(REFS, f"{script}-{nproc}-{key}")
     meta_path = os.path.join(cached, "meta.json")
     if not args.fresh_references and os.path.exists(meta_path):
         with open(meta_path) as f:
@@ -82,14 +83,14 @@ def gloo_reference(args, script, nproc, out):
         for name in meta["files"]:
             shutil.copy(os.path.join(cached, name), os.path.join(os.path.dirname(out), name))
         return None, meta["wall_s"], meta["steps_per_s"], True
-    g, gwall = torchrun(nproc, script, "--out", out)
+    g, gwall = torchrun(nproc, script, *script_args, "--out", out)
     if g.returncode != 0:
         # The reference is not what is under test, and gloo's CPU transport aborts a rank
         # now and then on a loaded 2-core host (SIGABRT in one rank, SIGTERM to the rest):
         # one more try before the case fails.
         print(f"torchrun reference of {script} exited {g.returncode}; running it again",
               flush=True)
-        g, gwall = torchrun(nproc, script, "--out", out)
+        g, gwall = torchrun(nproc, script, *script_args, "--out", out)
     if g.returncode != 0:
         return f"torchrun exited {g.returncode}: {g.stderr[-600:]}", gwall, None, False
     base = os.path.basename(out)
@@ -115,7 +116,7 @@ def compare(a_path, b_path):
     a, b = torch.load(a_path), torch.load(b_path)
     if set(a) != set(b):
         return float("inf"), f"different keys: {sorted(set(a) ^ set(b))[:5]}"
-    worst, name = 0.0, ""
+    worst, name = 0.0, f"all {len(a)} tensors equal bit for bit"
     for k in a:
         diff = (a[k].double() - b[k].double()).norm().item()
         scale = max(b[k].double().norm().item(), 1e-30)
@@ -129,13 +130,13 @@ def steps_per_s(text):
     return float(m[-1]) if m else None
 
 
-def case_same_as_gloo(args, script, topology, tol=1e-6):
+def case_same_as_gloo(args, script, topology, tol=1e-6, script_args=()):
     tmp = tempfile.mkdtemp(prefix="podsim-torch-")
     mine, theirs = os.path.join(tmp, "podsim.pt"), os.path.join(tmp, "gloo.pt")
-    p, wall, report = podsim_run(args, topology, script, "--out", mine)
+    p, wall, report = podsim_run(args, topology, script, *script_args, "--out", mine)
     if p.returncode != 0:
         return False, f"podsim run exited {p.returncode}: {p.stdout[-600:]}{p.stderr[-600:]}"
-    failed, gwall, gloos, cached = gloo_reference(args, script, 8, theirs)
+    failed, gwall, gloos, cached = gloo_reference(args, script, 8, theirs, script_args)
     if failed:
         return False, failed
     worst, name = compare(mine, theirs)
@@ -430,6 +431,8 @@ def main():
         ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),
         ("pipeline (send/recv) matches gloo", lambda: case_same_as_gloo(args, "pipeline.py", "2x2x2")),
         ("an unedited llama (gloo, FSDP2, bf16) matches gloo", lambda: case_same_as_gloo(args, "llama.py", "2x2x2", tol=1e-5)),
+        ("an unedited llama under FSDP2 x tensor parallel (data mode) matches gloo",
+         lambda: case_same_as_gloo(args, "llama.py", "4x2", tol=1e-5, script_args=("--tp", "2"))),
         ("an unedited nccl/cuda program runs on podsim", lambda: case_unedited_cuda(args)),
         ("replayed steps time as counted ones", lambda: case_replayed_steps(args)),
         ("a batch of another length is caught in replay",

@@ -198,11 +198,14 @@ def clip_grad_norm(model, max_norm):
     by_mesh = {}
     for p in model.parameters():
         if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    norms = [torch.nn.utils.get_total_norm(grads) for grads in by_mesh.values()]
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in params])
+             for params in by_mesh.values()]
     norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
     total = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
-    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    # Scaled mesh by mesh: one foreach multiply cannot take DTensors of two meshes.
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 

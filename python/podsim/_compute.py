@@ -156,7 +156,7 @@ class Compute(TorchDispatchMode):
     def take(self) -> dict:
         """The compute since the previous call, as the chip reads it (and reset)."""
         if self.fusion is not None:
-            self.fusion.close_all(self)
+            self.fusion.price_open(self)
         c = {
             "matmuls": [[m, k, n, calls, eb] for (m, k, n, eb), calls in self._matmuls.items()],
             "pass_bytes": self._pass_bytes,
@@ -186,6 +186,11 @@ class Compute(TorchDispatchMode):
         if self.memory is not None and not was:
             self.memory.allocated(out, "scaled_dot_product_attention")
         return out
+
+    def end_kernels(self):
+        """The step ends: every open fused kernel closes (priced by the next `take`)."""
+        if self.fusion is not None:
+            self.fusion.close_all(self)
 
     def reads(self, tensors):
         """A kernel other than a pass reads `tensors`: fused kernels producing them close

@@ -3,14 +3,15 @@ fuses them, for the chip's clock and for the rank's HBM.
 
 An op joins the open kernel that produced one of its inputs (merging kernels it reads from
 several), whatever unrelated ops the program runs in between; an op reading no open kernel's
-result starts a kernel of its own. A kernel closes when a matrix product, an attention kernel
-or a collective reads one of its results, when the rank's compute is taken, or when too many
-kernels are open. A closed kernel reads each of its inputs from HBM once and writes each of its
-results once.
+result starts a kernel of its own. A kernel closes when a matrix product or an attention
+kernel reads one of its results, when too many kernels are open, or at the step's end. A
+closed kernel reads each of its inputs from HBM once and writes each of its results once. The
+compute taken at a collective includes what open kernels have read so far (`price_open`);
+their writes are priced when they close.
 
 A result the kernel's own ops read (an intermediate) is never written if nothing keeps it once
 the kernel closes. If something does (autograd saved it for backward, the program holds it),
-the kernel either writes it or, when its sources in HBM are smaller than it is, keeps those
+the kernel either writes it or, when its sources in HBM are no larger than it is, keeps those
 sources alive instead, and whoever reads it later recomputes it from them (the f32 copy of bf16
 logits, and their log-softmax, are recomputed from the logits, not stored). An unwritten result
 holds no HBM (`Memory.unwritten`).
@@ -42,7 +43,8 @@ class _Kernel:
         # key -> [bytes, storage, keys of the op's inputs, read inside the kernel, op], in
         # the order the ops produced them.
         self.outputs = {}
-        # key -> (bytes, storage, bytes read for it) of what the kernel reads from HBM.
+        # key -> (bytes, storage, bytes read for it) of what the kernel reads from HBM; `read`
+        # is what of that has not been priced yet (`Fusion.price_open`).
         self.inputs = {}
         self.read = 0
 
@@ -50,10 +52,7 @@ class _Kernel:
         """`other`'s ops, which read nothing of this kernel's, join it."""
         self.outputs.update(other.outputs)
         for key, entry in other.inputs.items():
-            if key in self.inputs:
-                self.read -= entry[2]  # read once
-            else:
-                self.inputs[key] = entry
+            self.inputs.setdefault(key, entry)
         self.read += other.read
 
 
@@ -135,6 +134,15 @@ class Fusion:
     def close_all(self, compute):
         while self.open:
             self._close(compute, self.open[0])
+
+    def price_open(self, compute):
+        """The rank's compute is taken (a collective is issued): what the open kernels have
+        read so far is priced now, and they stay open. Whether their results are written is
+        known only when they close, so a gradient in flight between two autograd nodes when
+        FSDP's hook issues a reduce-scatter is not counted as stored."""
+        for kernel in self.open:
+            compute._pass_bytes += kernel.read
+            kernel.read = 0
 
     def _close(self, compute, kernel):
         """Ends `kernel`: prices it, and decides for each result whether it is in HBM."""

@@ -114,6 +114,8 @@ class _Rank:
     def _add_compute(self, request, payload):
         """The compute run since the previous request, counted or replayed; at a step's end
         also the step's HBM peak and how its compute was known."""
+        if request["op"] == "step":
+            self.compute.end_kernels()
         sig = signature(request, payload) if self.steps is not None else None
         if self.steps is None or request["op"] != "step":
             request["compute"] = self._take(sig)

@@ -16,6 +16,7 @@ def counted(fn, eager="fused"):
     compute.memory = Memory("cpu", 0, "test chip")
     with compute:
         out = fn()
+        compute.end_kernels()
         taken = compute.take()
     return taken, compute.memory, out
 
@@ -68,6 +69,7 @@ class FusedKernels(unittest.TestCase):
         compute.fusion.recomputable = dict(memory_free_recomputable(kept[0], x))
         with compute:
             kept[0].view(256, -1) @ torch.ones(N // 256, 2)
+            compute.end_kernels()
             again = compute.take()
         self.assertEqual(again["pass_bytes"], 2 * N)
 
@@ -97,6 +99,23 @@ class FusedKernels(unittest.TestCase):
         self.assertEqual(memory.peak, 4 * N + 4)
         self.assertEqual(taken["kernels"], 1)
         loss.backward()
+
+    def test_a_kernel_open_at_a_collective_is_priced_for_its_reads_then_its_writes_later(self):
+        x = torch.ones(N, dtype=torch.bfloat16)
+        compute = Compute("fused")
+        compute.memory = Memory("cpu", 0, "test chip")
+        with compute:
+            y = x.float()
+            at_collective = compute.take()  # a collective's request takes the compute so far
+            z = y.exp()
+            del y  # gone before the kernel closes: never written
+            compute.end_kernels()
+            at_step = compute.take()
+        self.assertEqual(at_collective["pass_bytes"], 2 * N)
+        self.assertEqual(at_collective["kernels"], 0)
+        self.assertEqual((at_step["pass_bytes"], at_step["kernels"]), (4 * N, 1))
+        self.assertEqual(compute.memory.peak, 4 * N)
+        self.assertEqual(z.dtype, torch.float32)
 
 
 def memory_free_recomputable(value, source):
