@@ -71,6 +71,11 @@ pub enum DType {
     Bf16,
 }
 
+crate::named_enum!(DType, "dtype", {
+    F32 => "f32",
+    Bf16 => "bf16",
+});
+
 impl DType {
     pub fn size(self) -> usize {
         match self {
@@ -87,16 +92,7 @@ impl DType {
     }
 
     pub fn from_code(code: u32) -> Option<DType> {
-        [DType::F32, DType::Bf16]
-            .into_iter()
-            .find(|d| d.code() == code)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::Bf16 => "bf16",
-        }
+        DType::ALL.into_iter().find(|d| d.code() == code)
     }
 }
 

@@ -161,12 +161,10 @@ impl BenchPlan {
             "meta" => true,
             other => return Err(format!("--mode: {other:?} is not data or meta")),
         };
-        let dtype = match a.dtype.as_str() {
-            "f32" => DType::F32,
-            "bf16" if meta => DType::Bf16,
-            "bf16" => return Err("--dtype bf16 needs --mode meta (data mode moves f32)".into()),
-            other => return Err(format!("--dtype: {other:?} is not f32 or bf16")),
-        };
+        let dtype: DType = a.dtype.parse().map_err(|e| format!("--dtype: {e}"))?;
+        if dtype == DType::Bf16 && !meta {
+            return Err("--dtype bf16 needs --mode meta (data mode moves f32)".into());
+        }
         let group = Group::parse(&a.group, &pod).map_err(|e| format!("--group: {e}"))?;
         if a.iters == 0 {
             return Err("--iters must be at least 1".into());

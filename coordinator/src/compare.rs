@@ -219,7 +219,8 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         Some(_) => return Err(row.bad("weight_dtype", "expected f32 or bf16")),
     }
     if let Some(a) = row.optional("attention") {
-        AttentionKind::parse(a).map_err(|why| row.bad("attention", &why))?;
+        a.parse::<AttentionKind>()
+            .map_err(|why| row.bad("attention", &why))?;
         model.push_str(&format!("attention = {a:?}\n"));
     }
     Ok(format!(

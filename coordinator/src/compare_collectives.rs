@@ -141,11 +141,10 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
     let op = op_name
         .parse::<OpKind>()
         .map_err(|e| row.bad("op", &e.to_string()))?;
-    let dtype = match row.first_word("dtype").as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::Bf16,
-        _ => return Err(row.bad("dtype", "must be f32 or bf16")),
-    };
+    let dtype: DType = row
+        .first_word("dtype")
+        .parse()
+        .map_err(|e: String| row.bad("dtype", &e))?;
     let axes = group_axes(row, &torus)?;
     let group = Group::parse(&axes, &pod).map_err(|e| row.bad("group", &e.to_string()))?;
     let n = u64::from(group.size(&pod));

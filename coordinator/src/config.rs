@@ -790,39 +790,29 @@ fn transformer_layers(p: &mut Problems<'_>, m: &RawModel) -> (MlpKind, BlockKind
             );
             MlpKind::Gelu
         }
-        (Some(name), None) => MlpKind::ALL
-            .into_iter()
-            .find(|k| k.name() == name)
-            .unwrap_or_else(|| {
-                p.add(
-                    "job.model",
-                    Some("mlp"),
-                    format!("{name:?} is not relu, gelu, swiglu or geglu"),
-                );
-                MlpKind::Gelu
-            }),
+        (Some(name), None) => name.parse().unwrap_or_else(|why| {
+            p.add("job.model", Some("mlp"), why);
+            MlpKind::Gelu
+        }),
         (None, Some(true)) => MlpKind::Swiglu,
         (None, _) => MlpKind::Gelu,
     };
-    let block = match m.block.as_deref().unwrap_or("sequential") {
-        "sequential" => BlockKind::Sequential,
-        "parallel" => BlockKind::Parallel,
-        other => {
-            p.add(
-                "job.model",
-                Some("block"),
-                format!("{other:?} is not sequential or parallel"),
-            );
+    let block = m
+        .block
+        .as_deref()
+        .unwrap_or("sequential")
+        .parse()
+        .unwrap_or_else(|why| {
+            p.add("job.model", Some("block"), why);
             BlockKind::Sequential
-        }
-    };
+        });
     (mlp, block)
 }
 
 /// `[job.model] attention`: flash (the default) or dot_product.
 fn transformer_attention(p: &mut Problems<'_>, m: &RawModel) -> AttentionKind {
     let name = m.attention.as_deref().unwrap_or("flash");
-    AttentionKind::parse(name).unwrap_or_else(|why| {
+    name.parse().unwrap_or_else(|why| {
         p.add("job.model", Some("attention"), why);
         AttentionKind::Flash
     })
@@ -1381,26 +1371,22 @@ fn collective_dtype(
     dtype: Option<&str>,
     meta: bool,
 ) -> Option<DType> {
-    match dtype.unwrap_or("f32") {
-        "f32" => Some(DType::F32),
-        "bf16" if meta => Some(DType::Bf16),
-        "bf16" => {
-            p.add(
-                table,
-                Some("dtype"),
-                "bf16 needs mode = \"meta\" (data mode moves f32)",
-            );
-            None
+    let dtype = match dtype.unwrap_or("f32").parse::<DType>() {
+        Ok(dtype) => dtype,
+        Err(why) => {
+            p.add(table, Some("dtype"), why);
+            return None;
         }
-        other => {
-            p.add(
-                table,
-                Some("dtype"),
-                format!("{other:?} is not f32 or bf16"),
-            );
-            None
-        }
+    };
+    if dtype == DType::Bf16 && !meta {
+        p.add(
+            table,
+            Some("dtype"),
+            "bf16 needs mode = \"meta\" (data mode moves f32)",
+        );
+        return None;
     }
+    Some(dtype)
 }
 
 fn collective(
@@ -2006,19 +1992,11 @@ fn fault(
     watchdog: &Watchdog,
 ) -> Option<FaultSpec> {
     let before = p.list.len();
-    let kind = FaultKind::ALL.into_iter().find(|k| k.name() == f.kind);
-    if kind.is_none() {
-        let names: Vec<_> = FaultKind::ALL.iter().map(|k| k.name()).collect();
-        p.add(
-            table,
-            Some("kind"),
-            format!(
-                "unknown fault {:?} (expected one of {})",
-                f.kind,
-                names.join(", ")
-            ),
-        );
+    let kind = f.kind.parse::<FaultKind>();
+    if let Err(why) = &kind {
+        p.add(table, Some("kind"), why.clone());
     }
+    let kind = kind.ok();
     let chips = pod.map_or(u32::MAX, Pod::chips);
     if let Some(c) = f.chip.filter(|c| *c >= chips) {
         p.add(

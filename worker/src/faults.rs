@@ -41,33 +41,17 @@ pub enum FaultKind {
     Partition,
 }
 
-impl FaultKind {
-    pub const ALL: [FaultKind; 9] = [
-        FaultKind::Stall,
-        FaultKind::Crash,
-        FaultKind::Freeze,
-        FaultKind::Drop,
-        FaultKind::Delay,
-        FaultKind::Slow,
-        FaultKind::Desync,
-        FaultKind::Corrupt,
-        FaultKind::Partition,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            FaultKind::Stall => "stall",
-            FaultKind::Crash => "crash",
-            FaultKind::Freeze => "freeze",
-            FaultKind::Drop => "drop",
-            FaultKind::Delay => "delay",
-            FaultKind::Slow => "slow",
-            FaultKind::Desync => "desync",
-            FaultKind::Corrupt => "corrupt",
-            FaultKind::Partition => "partition",
-        }
-    }
-}
+podsim_collectives::named_enum!(FaultKind, "fault", {
+    Stall => "stall",
+    Crash => "crash",
+    Freeze => "freeze",
+    Drop => "drop",
+    Delay => "delay",
+    Slow => "slow",
+    Desync => "desync",
+    Corrupt => "corrupt",
+    Partition => "partition",
+});
 
 /// How a `desync` fault makes its chip differ from the group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

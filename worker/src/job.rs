@@ -409,25 +409,15 @@ pub enum Transport {
 /// test over each transport in turn with it).
 pub const TRANSPORT_ENV: &str = "PODSIM_TRANSPORT";
 
+podsim_collectives::named_enum!(Transport, "transport", {
+    Auto => "auto",
+    Tcp => "tcp",
+    Uds => "uds",
+    Shm => "shm",
+    Grpc => "grpc",
+});
+
 impl Transport {
-    pub const ALL: [Transport; 5] = [
-        Transport::Auto,
-        Transport::Tcp,
-        Transport::Uds,
-        Transport::Shm,
-        Transport::Grpc,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Auto => "auto",
-            Transport::Tcp => "tcp",
-            Transport::Uds => "uds",
-            Transport::Shm => "shm",
-            Transport::Grpc => "grpc",
-        }
-    }
-
     /// `given` (the config key or flag called `what`), else `PODSIM_TRANSPORT`, else `auto`;
     /// an unknown name is an error naming where it came from.
     pub fn choose(given: Option<&str>, what: &str) -> Result<Transport, String> {
@@ -437,9 +427,6 @@ impl Transport {
             (None, Some(name)) => (name, TRANSPORT_ENV),
             (None, None) => return Ok(Transport::Auto),
         };
-        Transport::ALL
-            .into_iter()
-            .find(|t| t.name() == name)
-            .ok_or_else(|| format!("{source}: {name:?} is not auto, tcp, uds, shm or grpc"))
+        name.parse().map_err(|e| format!("{source}: {e}"))
     }
 }

@@ -54,23 +54,14 @@ pub enum MlpKind {
     Geglu,
 }
 
+podsim_collectives::named_enum!(MlpKind, "mlp", {
+    Relu => "relu",
+    Gelu => "gelu",
+    Swiglu => "swiglu",
+    Geglu => "geglu",
+});
+
 impl MlpKind {
-    pub const ALL: [MlpKind; 4] = [
-        MlpKind::Relu,
-        MlpKind::Gelu,
-        MlpKind::Swiglu,
-        MlpKind::Geglu,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            MlpKind::Relu => "relu",
-            MlpKind::Gelu => "gelu",
-            MlpKind::Swiglu => "swiglu",
-            MlpKind::Geglu => "geglu",
-        }
-    }
-
     /// Gated MLPs have two input projections.
     pub fn gated(self) -> bool {
         matches!(self, MlpKind::Swiglu | MlpKind::Geglu)
@@ -87,6 +78,11 @@ pub enum BlockKind {
     Parallel,
 }
 
+podsim_collectives::named_enum!(BlockKind, "block", {
+    Sequential => "sequential",
+    Parallel => "parallel",
+});
+
 /// How a block computes attention.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -101,27 +97,10 @@ pub enum AttentionKind {
     DotProduct,
 }
 
-impl AttentionKind {
-    pub const ALL: [AttentionKind; 2] = [AttentionKind::Flash, AttentionKind::DotProduct];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            AttentionKind::Flash => "flash",
-            AttentionKind::DotProduct => "dot_product",
-        }
-    }
-
-    /// The kind a config or a calibration file names; else what names there are.
-    pub fn parse(name: &str) -> Result<AttentionKind, String> {
-        AttentionKind::ALL
-            .into_iter()
-            .find(|k| k.name() == name)
-            .ok_or_else(|| {
-                let names = AttentionKind::ALL.map(AttentionKind::name);
-                format!("{name:?} is not {}", names.join(" or "))
-            })
-    }
-}
+podsim_collectives::named_enum!(AttentionKind, "attention", {
+    Flash => "flash",
+    DotProduct => "dot_product",
+});
 
 /// A decoder-only transformer by its shape (`kv_heads < heads` is grouped-query attention;
 /// `heads * head_dim` need not equal `d_model`).

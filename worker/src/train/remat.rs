@@ -109,6 +109,11 @@ pub enum Keep {
     Offload,
 }
 
+podsim_collectives::named_enum!(Keep, "place", {
+    Device => "device",
+    Offload => "offload",
+});
+
 /// A rematerialisation policy: where each named tensor lives (absent: recomputed), or
 /// `everything` for no rematerialisation at all.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -217,15 +222,10 @@ impl FromStr for Remat {
                                 known_names()
                             )
                         })?;
-                        let keep = match place.trim() {
-                            "device" => Keep::Device,
-                            "offload" => Keep::Offload,
-                            other => {
-                                return Err(format!(
-                                    "custom remat entry {item:?}: {other:?} is not device or offload"
-                                ));
-                            }
-                        };
+                        let keep: Keep = place
+                            .trim()
+                            .parse()
+                            .map_err(|e| format!("custom remat entry {item:?}: {e}"))?;
                         kept.extend(names.iter().map(|n| (*n, keep)));
                     }
                     Remat::of(t, kept)
@@ -330,7 +330,10 @@ mod tests {
         let e = "custom:qkv=device".parse::<Remat>().unwrap_err();
         assert!(e.contains("unknown tensor \"qkv\""), "{e}");
         let e = "custom:mlpwo=disk".parse::<Remat>().unwrap_err();
-        assert!(e.contains("\"disk\" is not device or offload"), "{e}");
+        assert!(
+            e.contains("unknown place \"disk\" (expected one of device, offload)"),
+            "{e}"
+        );
         assert!(
             "sometimes"
                 .parse::<Remat>()
