@@ -273,7 +273,9 @@ impl Summariser {
     }
 
     /// One heartbeat: `key(i)` and `status(i)` read local chip `i` (in the order given to
-    /// [`Summariser::new`]); `lag` is the executor's scheduling lag now.
+    /// [`Summariser::new`]); `lag` is the executor's scheduling lag now. Its phases: glance at
+    /// every chip, excuse the waits that reach live local work, judge the roots, gather the
+    /// waits that leave the worker or lost a message, and the boundary's send counters.
     pub fn beat(
         &mut self,
         now: Instant,
@@ -282,17 +284,59 @@ impl Summariser {
         key: impl Fn(usize) -> Glance,
         status: impl Fn(usize) -> ChipStatus,
     ) -> Summary {
+        let (mut reading, moving, step) = self.glance(now, wall_ns, lag, &key, &status);
+        self.excuse(&mut reading);
+        let waiting_ids: Vec<ChipId> = (0..self.chips.len())
+            .filter(|&i| self.is_waiting(&reading, i))
+            .map(|i| self.chips[i])
+            .collect();
+        let roots = self.roots(&reading, &status);
+        let waits = self.waits(&reading, now, wall_ns, &status);
+        let suspected = (self.suspects.len() + self.root_candidates.len()) as u32;
+        let boundary_sent = self.boundary_sends(&reading.quiet);
+        Summary {
+            chips: self.ranges.clone(),
+            moving,
+            waiting: Ranges::from_ids(waiting_ids),
+            roots,
+            remote: waits.remote.into_values().collect(),
+            lost: waits.lost,
+            boundary_sent,
+            oldest: waits.oldest,
+            step: if step == u64::MAX { 0 } else { step },
+            lag_ms: lag.as_millis() as u64,
+            cpu_wait_share: 0.0,
+            suspected,
+            transport: Vec::new(),
+        }
+    }
+
+    /// Reads every chip's glance (its full status only when quiet and changed): which chips
+    /// moved, which are quiet, stale or parked long; also how many moved and the lowest step.
+    fn glance(
+        &mut self,
+        now: Instant,
+        wall_ns: u64,
+        lag: Duration,
+        key: &impl Fn(usize) -> Glance,
+        status: &impl Fn(usize) -> ChipStatus,
+    ) -> (Reading, u32, u64) {
         let n = self.chips.len();
         let settle = self.timeout / 4;
-        // Verdicts only when every runnable chip has had its turn recently.
-        let trusted = lag < settle;
+        let timeout_ns = self.timeout.as_nanos() as u64;
+        let mut r = Reading {
+            // Verdicts only when every runnable chip has had its turn recently.
+            trusted: lag < settle,
+            settle,
+            timeout_ns,
+            quiet: vec![false; n],
+            stale: vec![false; n],
+            long: vec![false; n],
+            excused: vec![false; n],
+            waiters_of: vec![Vec::new(); n],
+        };
         let mut moving = 0u32;
         let mut step = u64::MAX;
-        // Quiet for a quarter of the timeout (status read), and for all of it.
-        let mut quiet = vec![false; n];
-        let mut stale = vec![false; n];
-        let mut long = vec![false; n];
-        let timeout_ns = self.timeout.as_nanos() as u64;
         for (i, t) in self.track.iter_mut().enumerate() {
             let k = key(i);
             step = step.min(k.step);
@@ -304,24 +348,28 @@ impl Summariser {
                 t.status = None;
             } else {
                 let quiet_for = now.duration_since(t.quiet_since);
-                quiet[i] = quiet_for >= settle;
-                stale[i] = quiet_for >= self.timeout;
+                r.quiet[i] = quiet_for >= settle;
+                r.stale[i] = quiet_for >= self.timeout;
             }
             // A receive parked for the whole timeout, even on a chip still busy on its other
             // links: the wait a lost message leaves.
-            long[i] = k
+            r.long[i] = k
                 .blocked_since_wall_ns
                 .is_some_and(|since| wall_ns.saturating_sub(since) >= timeout_ns);
-            if (quiet[i] || long[i]) && (t.status.is_none() || t.key != Some(k)) {
+            if (r.quiet[i] || r.long[i]) && (t.status.is_none() || t.key != Some(k)) {
                 t.status = Some(status(i));
             }
             t.key = Some(k);
         }
-        // Reverse local edges among quiet waiting chips; chips excused by live local work.
-        let mut waiters_of: Vec<Vec<usize>> = vec![Vec::new(); n];
+        (r, moving, step)
+    }
+
+    /// Reverse local edges among quiet waiting chips, and the chips excused because their
+    /// waits reach live local work (a moving chip, or one inside a kernel).
+    fn excuse(&self, r: &mut Reading) {
         let mut live: Vec<usize> = Vec::new();
         for (i, t) in self.track.iter().enumerate() {
-            let Some(s) = t.status.as_ref().filter(|_| quiet[i]) else {
+            let Some(s) = t.status.as_ref().filter(|_| r.quiet[i]) else {
                 live.push(i);
                 continue;
             };
@@ -330,88 +378,46 @@ impl Summariser {
             }
             for b in &s.blocked {
                 if let Some(&p) = self.local.get(&b.peer) {
-                    waiters_of[p].push(i);
+                    r.waiters_of[p].push(i);
                 }
             }
         }
-        let mut excused = vec![false; n];
         while let Some(x) = live.pop() {
-            for &w in &waiters_of[x] {
-                if !excused[w] {
-                    excused[w] = true;
+            for &w in &r.waiters_of[x] {
+                if !r.excused[w] {
+                    r.excused[w] = true;
                     live.push(w);
                 }
             }
         }
-        let blocked = |i: usize| {
-            self.track[i]
+    }
+
+    /// Quiet, not excused, and blocked on a receive.
+    fn is_waiting(&self, r: &Reading, i: usize) -> bool {
+        r.quiet[i]
+            && !r.excused[i]
+            && self.track[i]
                 .status
                 .as_ref()
                 .is_some_and(|s| !s.blocked.is_empty())
-        };
-        let is_waiting = |i: usize| quiet[i] && !excused[i] && blocked(i);
-        let is_stuck = |i: usize| trusted && stale[i] && is_waiting(i);
-        let waiting_ids: Vec<ChipId> = (0..n)
-            .filter(|&i| is_waiting(i))
-            .map(|i| self.chips[i])
-            .collect();
-        // Roots and the waiting chips that reach each (each counted for the first root found).
+    }
+
+    /// Roots and the waiting chips that reach each (each counted for the first root found),
+    /// most waited on first; remembers this beat's candidates (a root is judged only when it
+    /// was a candidate at the previous beat too).
+    fn roots(&mut self, r: &Reading, status: &impl Fn(usize) -> ChipStatus) -> Vec<Root> {
         let mut roots: Vec<Root> = Vec::new();
-        let mut counted = vec![false; n];
+        let mut counted = vec![false; self.chips.len()];
         let mut candidates = HashSet::new();
-        // On a busy host a quiet chip may only be waiting for its turn, unless its executor
-        // says it is idle: polled, with nothing left to do, and not woken since.
-        let idle = |i: usize| self.track[i].key.is_some_and(|k| k.idle);
-        for (i, _) in stale
-            .iter()
-            .enumerate()
-            .filter(|&(i, s)| *s && (trusted || idle(i)))
-        {
-            if self.track[i]
-                .status
-                .as_ref()
-                .is_none_or(|s| !s.blocked.is_empty() || s.computing_since_ns.is_some())
-            {
+        for i in 0..self.chips.len() {
+            let Some(fresh) = self.root_now(r, i, status) else {
                 continue;
-            }
-            // Judged on the chip as it is now, and only when it looked the same at the
-            // previous heartbeat too (a status read while the chip ran is a moment's view).
-            let fresh = status(i);
-            let unchanged = self.track[i]
-                .key
-                .is_some_and(|k| k.progress == fresh.progress);
-            if !unchanged
-                || !fresh.blocked.is_empty()
-                || fresh.computing_since_ns.is_some()
-                || !(trusted || fresh.idle)
-            {
-                continue;
-            }
+            };
             candidates.insert(i);
             if !self.root_candidates.contains(&i) {
                 continue;
             }
-            let s = &fresh;
-            // Its neighbours here that wait on it right now (read afresh: a neighbour may
-            // still be busy on its other links), then the waiting chips behind them.
-            let mut direct: Vec<(usize, Link, Fingerprint)> = Vec::new();
-            for link in self.pod.links(s.chip) {
-                let Some(&p) = self.pod.peer(s.chip, link).and_then(|p| self.local.get(&p)) else {
-                    continue;
-                };
-                let fresh;
-                let ps = match self.track[p].status.as_ref().filter(|_| quiet[p]) {
-                    Some(x) => x,
-                    None => {
-                        fresh = status(p);
-                        &fresh
-                    }
-                };
-                if let Some(b) = ps.blocked.iter().find(|b| b.peer == s.chip) {
-                    direct.push((p, b.link, b.fingerprint));
-                }
-            }
-            direct.dedup_by_key(|d| d.0);
+            let direct = self.waiting_on_now(r, fresh.chip, status);
             let mut waiters = 0u32;
             let mut queue: Vec<usize> = vec![i];
             for &(p, ..) in &direct {
@@ -422,8 +428,8 @@ impl Summariser {
                 }
             }
             while let Some(x) = queue.pop() {
-                for &w in &waiters_of[x] {
-                    if is_waiting(w) && !counted[w] {
+                for &w in &r.waiters_of[x] {
+                    if self.is_waiting(r, w) && !counted[w] {
                         counted[w] = true;
                         waiters += 1;
                         queue.push(w);
@@ -434,7 +440,7 @@ impl Summariser {
                 .first()
                 .map(|&(p, link, fp)| (self.chips[p], link, fp));
             roots.push(Root {
-                status: fresh.clone(),
+                status: fresh,
                 quiet_since_wall_ns: self.track[i].quiet_since_wall_ns,
                 local_waiters: waiters,
                 first_waiter,
@@ -445,29 +451,94 @@ impl Summariser {
         // hold up another worker's chips).
         roots.sort_by_key(|r| (std::cmp::Reverse(r.local_waiters), r.quiet_since_wall_ns));
         roots.truncate(MAX_ROOTS);
-        // Waits that leave the worker, and local sends never received.
-        let mut remote: BTreeMap<(ChipId, Link), Wait> = BTreeMap::new();
-        let mut lost: Vec<(Wait, u64)> = Vec::new();
-        let mut suspects = HashMap::new();
-        let mut oldest: Option<(ChipId, u64)> = None;
-        // What reached a chip on a link: taken, or arrived and not taken yet.
-        let arrived = |s: &ChipStatus, link: Link| -> u64 {
-            [&s.received, &s.pending]
-                .iter()
-                .filter_map(|v| v.get(link_slot(link)))
-                .sum()
+        roots
+    }
+
+    /// Chip `i`'s status read afresh if it is a root now: quiet for the whole timeout, waiting
+    /// on no one, in no kernel, and unchanged since the previous heartbeat (a status read
+    /// while the chip ran is a moment's view). On a busy host a quiet chip may only be waiting
+    /// for its turn, unless its executor says it is idle: polled, with nothing left to do,
+    /// and not woken since.
+    fn root_now(
+        &self,
+        r: &Reading,
+        i: usize,
+        status: &impl Fn(usize) -> ChipStatus,
+    ) -> Option<ChipStatus> {
+        let idle = self.track[i].key.is_some_and(|k| k.idle);
+        if !r.stale[i] || !(r.trusted || idle) {
+            return None;
+        }
+        if self.track[i]
+            .status
+            .as_ref()
+            .is_none_or(|s| !s.blocked.is_empty() || s.computing_since_ns.is_some())
+        {
+            return None;
+        }
+        let fresh = status(i);
+        let unchanged = self.track[i]
+            .key
+            .is_some_and(|k| k.progress == fresh.progress);
+        let root = unchanged
+            && fresh.blocked.is_empty()
+            && fresh.computing_since_ns.is_none()
+            && (r.trusted || fresh.idle);
+        root.then_some(fresh)
+    }
+
+    /// `chip`'s neighbours here that wait on it right now (read afresh: a neighbour may still
+    /// be busy on its other links), with the link and collective of each wait.
+    fn waiting_on_now(
+        &self,
+        r: &Reading,
+        chip: ChipId,
+        status: &impl Fn(usize) -> ChipStatus,
+    ) -> Vec<(usize, Link, Fingerprint)> {
+        let mut direct: Vec<(usize, Link, Fingerprint)> = Vec::new();
+        for link in self.pod.links(chip) {
+            let Some(&p) = self.pod.peer(chip, link).and_then(|p| self.local.get(&p)) else {
+                continue;
+            };
+            let fresh;
+            let ps = match self.track[p].status.as_ref().filter(|_| r.quiet[p]) {
+                Some(x) => x,
+                None => {
+                    fresh = status(p);
+                    &fresh
+                }
+            };
+            if let Some(b) = ps.blocked.iter().find(|b| b.peer == chip) {
+                direct.push((p, b.link, b.fingerprint));
+            }
+        }
+        direct.dedup_by_key(|d| d.0);
+        direct
+    }
+
+    /// Waits that leave the worker, local sends never received (lost messages, confirmed
+    /// on both chips and over a quarter of the timeout), and the oldest stuck chip.
+    fn waits(
+        &mut self,
+        r: &Reading,
+        now: Instant,
+        wall_ns: u64,
+        status: &impl Fn(usize) -> ChipStatus,
+    ) -> Waits {
+        let mut w = Waits {
+            remote: BTreeMap::new(),
+            lost: Vec::new(),
+            oldest: None,
         };
-        for i in (0..n).filter(|&i| is_waiting(i) || long[i]) {
+        let mut suspects = HashMap::new();
+        for i in (0..self.chips.len()).filter(|&i| self.is_waiting(r, i) || r.long[i]) {
             let t = &self.track[i];
-            if is_stuck(i) && oldest.is_none_or(|(_, w)| t.quiet_since_wall_ns < w) {
-                oldest = Some((self.chips[i], t.quiet_since_wall_ns));
+            let stuck_chip = r.trusted && r.stale[i] && self.is_waiting(r, i);
+            if stuck_chip && w.oldest.is_none_or(|(_, q)| t.quiet_since_wall_ns < q) {
+                w.oldest = Some((self.chips[i], t.quiet_since_wall_ns));
             }
             let Some(cached) = t.status.as_ref() else {
                 continue;
-            };
-            // This receive has waited the whole timeout, on a host that keeps up.
-            let stuck = |b: &podsim_collectives::Blocked| {
-                trusted && wall_ns.saturating_sub(b.since_wall_ns) >= timeout_ns
             };
             // Messages may have arrived since the status was read (arrivals alone do not
             // change what a heartbeat glances at): a wait that another worker will judge by
@@ -476,7 +547,7 @@ impl Summariser {
             let s = if cached
                 .blocked
                 .iter()
-                .any(|b| stuck(b) && !self.local.contains_key(&b.peer))
+                .any(|b| r.stuck(b, wall_ns) && !self.local.contains_key(&b.peer))
             {
                 fresh = status(i);
                 &fresh
@@ -491,61 +562,76 @@ impl Summariser {
                     received: arrived(s, b.link),
                     fingerprint: b.fingerprint,
                     since_wall_ns: b.since_wall_ns,
-                    stuck: stuck(b),
+                    stuck: r.stuck(b, wall_ns),
                 };
                 match self.local.get(&b.peer) {
                     None => {
-                        if remote.len() < MAX_WAITS {
-                            remote.entry((b.peer, b.link)).or_insert(wait);
+                        if w.remote.len() < MAX_WAITS {
+                            w.remote.entry((b.peer, b.link)).or_insert(wait);
                         }
                     }
-                    Some(&p) => {
-                        if !wait.stuck
-                            || lost.len() >= MAX_WAITS
-                            || !counters_judge_wait(
-                                &self.pod,
-                                s.chip,
-                                b.link,
-                                b.peer,
-                                b.fingerprint.op,
-                            )
-                        {
-                            continue;
-                        }
-                        // Suspected from what was read before, confirmed on both chips as
-                        // they are now.
-                        let back = link_slot(b.link.reverse(self.pod.slice_of(s.chip)));
-                        let sent_by = |x: &ChipStatus| x.sent.get(back).copied().unwrap_or(0);
-                        let sender = self.track[p].status.as_ref().filter(|_| quiet[p]);
-                        if sender.is_some_and(|x| sent_by(x) <= wait.received) {
-                            continue;
-                        }
-                        let sent = sent_by(&status(p));
-                        let received = arrived(&status(i), b.link);
-                        if sent > received {
-                            let key = (s.chip, link_slot(b.link));
-                            let since = match self.suspects.get(&key) {
-                                Some(&(s0, r0, since)) if (s0, r0) == (sent, received) => since,
-                                _ => now,
-                            };
-                            if now.duration_since(since) >= settle {
-                                lost.push((Wait { received, ..wait }, sent));
-                            }
-                            suspects.insert(key, (sent, received, since));
-                        }
+                    Some(&p) if wait.stuck && w.lost.len() < MAX_WAITS => {
+                        let lost = self.lost_message(r, (i, p), wait, now, &mut suspects, status);
+                        w.lost.extend(lost);
                     }
+                    Some(_) => {}
                 }
             }
         }
-        let suspected = (suspects.len() + self.root_candidates.len()) as u32;
         self.suspects = suspects;
-        // Send counters on the worker's boundary, for chips that went quiet there.
+        w
+    }
+
+    /// A stuck wait of local chip `i` on local chip `p`: a lost message if `p` has sent more
+    /// on the link than `i` received, the same counts for a quarter of the timeout.
+    /// Suspected from what was read before, confirmed on both chips as they are now.
+    fn lost_message(
+        &self,
+        r: &Reading,
+        (i, p): (usize, usize),
+        wait: Wait,
+        now: Instant,
+        suspects: &mut HashMap<(ChipId, usize), (u64, u64, Instant)>,
+        status: &impl Fn(usize) -> ChipStatus,
+    ) -> Option<(Wait, u64)> {
+        if !counters_judge_wait(
+            &self.pod,
+            wait.waiter,
+            wait.link,
+            wait.peer,
+            wait.fingerprint.op,
+        ) {
+            return None;
+        }
+        let back = link_slot(wait.link.reverse(self.pod.slice_of(wait.waiter)));
+        let sent_by = |x: &ChipStatus| x.sent.get(back).copied().unwrap_or(0);
+        let sender = self.track[p].status.as_ref().filter(|_| r.quiet[p]);
+        if sender.is_some_and(|x| sent_by(x) <= wait.received) {
+            return None;
+        }
+        let sent = sent_by(&status(p));
+        let received = arrived(&status(i), wait.link);
+        if sent <= received {
+            return None;
+        }
+        let key = (wait.waiter, link_slot(wait.link));
+        let since = match self.suspects.get(&key) {
+            Some(&(s0, r0, since)) if (s0, r0) == (sent, received) => since,
+            _ => now,
+        };
+        suspects.insert(key, (sent, received, since));
+        (now.duration_since(since) >= r.settle).then_some((Wait { received, ..wait }, sent))
+    }
+
+    /// Send counters on the worker's boundary, for chips that went quiet there, each once
+    /// and again when it changes.
+    fn boundary_sends(&mut self, quiet: &[bool]) -> Vec<(ChipId, u8, u64)> {
         let mut boundary_sent = Vec::new();
         for ((t, slots), _) in self
             .track
             .iter()
             .zip(&self.boundary)
-            .zip(&quiet)
+            .zip(quiet)
             .filter(|(_, q)| **q)
         {
             let Some(s) = t.status.as_ref() else {
@@ -558,20 +644,45 @@ impl Summariser {
                 }
             }
         }
-        Summary {
-            chips: self.ranges.clone(),
-            moving,
-            waiting: Ranges::from_ids(waiting_ids),
-            roots,
-            remote: remote.into_values().collect(),
-            lost,
-            boundary_sent,
-            oldest,
-            step: if step == u64::MAX { 0 } else { step },
-            lag_ms: lag.as_millis() as u64,
-            cpu_wait_share: 0.0,
-            suspected,
-            transport: Vec::new(),
-        }
+        boundary_sent
     }
+}
+
+/// What one heartbeat read of the local chips (`Summariser::glance`, then `excuse`).
+struct Reading {
+    /// Every runnable chip has had its turn recently: verdicts may be given.
+    trusted: bool,
+    /// A quarter of the timeout: quiet this long is waiting.
+    settle: Duration,
+    timeout_ns: u64,
+    /// Quiet for `settle`; for the whole timeout (stale); a receive parked the whole timeout.
+    quiet: Vec<bool>,
+    stale: Vec<bool>,
+    long: Vec<bool>,
+    /// Waits that reach live local work.
+    excused: Vec<bool>,
+    /// Local chips waiting on each local chip.
+    waiters_of: Vec<Vec<usize>>,
+}
+
+impl Reading {
+    /// This receive has waited the whole timeout, on a host that keeps up.
+    fn stuck(&self, b: &podsim_collectives::Blocked, wall_ns: u64) -> bool {
+        self.trusted && wall_ns.saturating_sub(b.since_wall_ns) >= self.timeout_ns
+    }
+}
+
+/// The waits a heartbeat reports (`Summariser::waits`).
+struct Waits {
+    remote: BTreeMap<(ChipId, Link), Wait>,
+    lost: Vec<(Wait, u64)>,
+    oldest: Option<(ChipId, u64)>,
+}
+
+/// What reached a chip on a link: taken, or arrived and not taken yet.
+fn arrived(s: &ChipStatus, link: Link) -> u64 {
+    [&s.received, &s.pending]
+        .iter()
+        .filter_map(|v| v.get(link_slot(link)))
+        .sum()
 }
