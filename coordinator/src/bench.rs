@@ -270,7 +270,7 @@ impl BenchPlan {
     /// The benchmark as a job for worker processes.
     pub fn spec(&self, workers: u32) -> JobSpec {
         let (heartbeat_ms, watchdog_ms) =
-            crate::config::watchdog_defaults(self.pod.chips().div_ceil(workers.max(1)));
+            podsim_worker::protocol::watchdog_defaults(self.pod.chips().div_ceil(workers.max(1)));
         JobSpec {
             name: format!("bench-{}", self.op),
             pod: self.pod.clone(),

@@ -818,17 +818,6 @@ fn transformer_attention(p: &mut Problems<'_>, m: &RawModel) -> AttentionKind {
     })
 }
 
-/// Default heartbeat interval and hang timeout, ms, for a worker hosting `chips_per_worker`
-/// chips.
-pub fn watchdog_defaults(chips_per_worker: u32) -> (u64, u64) {
-    // A heartbeat is a bounded summary, but building it reads every chip's recorder: one
-    // every 100 ms up to 10,000 chips a worker, then less often (500 ms at 50,000).
-    let heartbeat = (u64::from(chips_per_worker) / 100).clamp(100, 500);
-    // The worker excuses waits on live local work itself (a chip waiting on a neighbour that
-    // moves is not quiet in that sense), so the timeout need not grow with chips either.
-    (heartbeat, 2000)
-}
-
 /// Applies `key.path=value` overrides (values in TOML syntax; bare words become strings).
 pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), String> {
     for set in sets {
@@ -1225,7 +1214,7 @@ fn watchdog_settings(
     let per_worker = pod
         .as_ref()
         .map_or(1, |pod| pod.chips().div_ceil(workers.max(1)));
-    let (heartbeat_ms, timeout_ms) = watchdog_defaults(per_worker);
+    let (heartbeat_ms, timeout_ms) = podsim_worker::protocol::watchdog_defaults(per_worker);
     let heartbeat_ms = watchdog.heartbeat_ms.unwrap_or(heartbeat_ms);
     let wd = Watchdog {
         timeout_ms: watchdog

@@ -49,8 +49,20 @@ pub struct TraceRequest {
     pub flows: bool,
 }
 
+/// The watchdog's heartbeat interval and hang timeout, ms, for a worker hosting
+/// `chips_per_worker` chips: the one place these defaults are written (configs, `podsim
+/// bench` and a job description without them all take them from here).
+pub fn watchdog_defaults(chips_per_worker: u32) -> (u64, u64) {
+    // A heartbeat is a bounded summary, but building it reads every chip's recorder: one
+    // every 100 ms up to 10,000 chips a worker, then less often (500 ms at 50,000).
+    let heartbeat = (u64::from(chips_per_worker) / 100).clamp(100, 500);
+    // The worker excuses waits on live local work itself (a chip waiting on a neighbour that
+    // moves is not quiet in that sense), so the timeout need not grow with chips either.
+    (heartbeat, 2000)
+}
+
 fn default_heartbeat_ms() -> u64 {
-    100
+    watchdog_defaults(0).0
 }
 
 fn default_recorder_entries() -> usize {
@@ -58,7 +70,7 @@ fn default_recorder_entries() -> usize {
 }
 
 fn default_watchdog_ms() -> u64 {
-    2000
+    watchdog_defaults(0).1
 }
 
 /// What a heartbeat carries: the worker's summary of its chips (see [`crate::Summariser`]), the
