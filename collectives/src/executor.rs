@@ -19,6 +19,11 @@
 //! work as usual. The first chip error (or panic) stops every chip, as does dropping the
 //! caller's future.
 //!
+//! Tests explore schedules: under [`explore_schedule`] each thread visits its words and the
+//! runnable chips of a word in an order drawn from a seed (a seed replays its order), so a
+//! property test can check over many seeds that results and virtual times do not depend on
+//! which chip runs first, as deterministic simulators do.
+//!
 //! An executor with one thread (a worker's few chips) can be given an [`IdleWait`]: what the
 //! thread does instead of parking when none of its chips can run. A transport whose messages
 //! arrive on sockets waits on them there, so that the thread a message wakes is the one that
@@ -172,6 +177,53 @@ struct Shared {
     observers: Vec<Arc<FlightRecorder>>,
     /// What the only thread does instead of parking, when it was given one that began.
     idle: Option<IdleHook>,
+    /// Set under [`explore_schedule`]: the seed of the threads' visiting order.
+    schedule_seed: Option<u64>,
+}
+
+tokio::task_local! {
+    /// The seed of the visiting order of executors started inside [`explore_schedule`].
+    static SCHEDULE_SEED: u64;
+}
+
+/// Runs `work` with every chip executor it starts (`run_chips`, a worker's chips) visiting
+/// words and chips in an order drawn from `seed` instead of id order: for tests that explore
+/// schedules. The same seed gives the same order on the same threads.
+pub async fn explore_schedule<F: Future>(seed: u64, work: F) -> F::Output {
+    SCHEDULE_SEED.scope(seed, work).await
+}
+
+/// A seeded order (splitmix64): which word, and which runnable chip of it, a thread visits
+/// next under [`explore_schedule`].
+#[derive(Debug, Clone)]
+struct Shuffle(u64);
+
+impl Shuffle {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Fisher-Yates.
+    fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            items.swap(i, j);
+        }
+    }
+
+    /// The set bits of `bits`, in a drawn order.
+    fn bits(&mut self, mut bits: u64) -> Vec<usize> {
+        let mut order = Vec::with_capacity(bits.count_ones() as usize);
+        while let Some(bit) = Direction::Ascending.take_bit(&mut bits) {
+            order.push(bit);
+        }
+        self.shuffle(&mut order);
+        order
+    }
 }
 
 /// Every executor running in this process, for [`scheduling_lag`] and the threads'
@@ -317,6 +369,7 @@ where
             Vec::new()
         },
         idle: idle.filter(|i| threads == 1 && i.begin()).map(IdleHook),
+        schedule_seed: SCHEDULE_SEED.try_with(|seed| *seed).ok(),
     });
     let _finish = FinishOnDrop(shared.idle.clone());
     // Every chip starts runnable.
@@ -411,6 +464,9 @@ where
         shared.stop_all();
     };
     let mut pass = Direction::Ascending;
+    let mut shuffle = shared
+        .schedule_seed
+        .map(|seed| Shuffle(seed ^ (t as u64).wrapping_mul(0xa076_1d64_78bd_642f)));
     let mut pass_started = crate::wall_ns();
     let mut polled_ns = pass_started;
     'run: while left > 0 {
@@ -425,8 +481,16 @@ where
             polled_ns = now;
         }
         let mut ran = false;
+        let drawn_words = shuffle.as_mut().map(|s| {
+            let mut words: Vec<usize> = (start..end).collect();
+            s.shuffle(&mut words);
+            words
+        });
         for k in 0..end - start {
-            let word = pass.word(start, end, k);
+            let word = match &drawn_words {
+                Some(words) => words[k],
+                None => pass.word(start, end, k),
+            };
             let mut round = pass;
             for _ in 0..ROUNDS_PER_WORD {
                 let mut bits = shared.runnable[word].swap(0, Ordering::AcqRel);
@@ -434,7 +498,12 @@ where
                     break;
                 }
                 ran = true;
-                while let Some(bit) = round.take_bit(&mut bits) {
+                let drawn = shuffle.as_mut().map(|s| s.bits(bits));
+                let mut drawn = drawn.into_iter().flatten();
+                while let Some(bit) = match shuffle {
+                    Some(_) => drawn.next(),
+                    None => round.take_bit(&mut bits),
+                } {
                     if shared.stop.load(Ordering::Relaxed) {
                         break 'run;
                     }
@@ -442,37 +511,15 @@ where
                     if results[i].is_some() {
                         continue;
                     }
-                    let observer = shared.observers.get(first_chip + i);
-                    if let Some(o) = observer {
-                        o.set_polling();
-                    }
-                    let mut cx = Context::from_waker(&wakers[i]);
-                    let polled = catch_unwind(AssertUnwindSafe(|| chips[i].as_mut().poll(&mut cx)));
+                    let polled = poll_chip(shared, first_chip + i, &mut chips[i], &wakers[i]);
                     match polled {
-                        Ok(Poll::Pending) => {
-                            if let Some(o) = observer {
-                                o.set_idle_unless_woken();
-                            }
-                        }
-                        Ok(Poll::Ready(Ok(v))) => {
-                            if let Some(o) = observer {
-                                o.set_done();
-                            }
+                        Ok(Some(v)) => {
                             results[i] = Some(v);
                             left -= 1;
                         }
-                        Ok(Poll::Ready(Err(e))) => {
+                        Ok(None) => {}
+                        Err(e) => {
                             fail(e);
-                            break 'run;
-                        }
-                        Err(_) => {
-                            fail(
-                                CollectiveError::Internal(format!(
-                                    "chip {} panicked",
-                                    first_chip + i
-                                ))
-                                .into(),
-                            );
                             break 'run;
                         }
                     }
@@ -505,6 +552,40 @@ where
     // Chips still running are dropped here, on their thread.
     drop(chips);
     results
+}
+
+/// Polls chip `chip` once, telling its observer: its result when it finished, its error (a
+/// panic becomes one).
+fn poll_chip<T, E>(
+    shared: &Shared,
+    chip: usize,
+    future: &mut ChipFuture<T, E>,
+    waker: &Waker,
+) -> Result<Option<T>, E>
+where
+    E: From<CollectiveError>,
+{
+    let observer = shared.observers.get(chip);
+    if let Some(o) = observer {
+        o.set_polling();
+    }
+    let mut cx = Context::from_waker(waker);
+    match catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(&mut cx))) {
+        Ok(Poll::Pending) => {
+            if let Some(o) = observer {
+                o.set_idle_unless_woken();
+            }
+            Ok(None)
+        }
+        Ok(Poll::Ready(Ok(v))) => {
+            if let Some(o) = observer {
+                o.set_done();
+            }
+            Ok(Some(v))
+        }
+        Ok(Poll::Ready(Err(e))) => Err(e),
+        Err(_) => Err(CollectiveError::Internal(format!("chip {chip} panicked")).into()),
+    }
 }
 
 #[cfg(test)]
@@ -605,6 +686,47 @@ mod tests {
                 assert_eq!(count(&idle.begun) + count(&idle.waits), 0);
             }
         }
+    }
+
+    /// Under `explore_schedule` a thread's first visit of its chips follows the seed: the
+    /// same seed the same order, other seeds other orders, id order none of them (so a
+    /// property test over seeds explores schedules, and can fail).
+    #[test]
+    fn a_seed_draws_the_visiting_order_and_replays_it() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .expect("runtime");
+        let _runtime = rt.enter();
+        const CHIPS: usize = 2 * WORD + 5;
+        let first_visits = |seed: Option<u64>| {
+            let order = Arc::new(Mutex::new(Vec::new()));
+            let futures: Vec<ChipFuture<(), CollectiveError>> = (0..CHIPS)
+                .map(|i| {
+                    let order = order.clone();
+                    Box::pin(async move {
+                        order.lock().expect("order").push(i);
+                        Ok(())
+                    }) as ChipFuture<(), CollectiveError>
+                })
+                .collect();
+            let run = run_on_threads(futures, 1, Vec::new(), None);
+            match seed {
+                Some(seed) => rt.block_on(explore_schedule(seed, run)),
+                None => rt.block_on(run),
+            }
+            .expect("no chip failed");
+            order.lock().expect("order").clone()
+        };
+        let ids: Vec<usize> = (0..CHIPS).collect();
+        assert_eq!(first_visits(None), ids);
+        let a = first_visits(Some(1));
+        assert_eq!(a, first_visits(Some(1)));
+        let mut sorted = a.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, ids);
+        assert_ne!(a, ids);
+        assert_ne!(a, first_visits(Some(2)));
     }
 
     /// A token relayed down, and then up, a line of chips spanning several words (chip `i`

@@ -64,7 +64,7 @@ pub use algo::Algo;
 pub use chip::{Chip, ChipStats, DEFAULT_STREAM, Nanos, PausedTrace, TimeSnapshot, TraceHandle};
 pub use collective::{Comm, chunk_len};
 pub use error::CollectiveError;
-pub use executor::{IdleWait, scheduling_lag};
+pub use executor::{IdleWait, explore_schedule, scheduling_lag};
 pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
 pub use fingerprint::{DType, Fingerprint, MAX_TAG as MAX_P2P_TAG, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips, run_chips_waiting};

@@ -201,3 +201,63 @@ fn virtual_time_is_deterministic_and_thread_independent() {
         }
     }
 }
+
+/// Each chip's result (f32 bits) and clock bits after each collective of a sequence.
+type Outcomes = Vec<(Vec<u32>, u64)>;
+
+/// Every chip's result and clock after each collective of a fixed sequence, on `threads`,
+/// visiting chips in id order (`seed` None) or in the order `seed` draws.
+fn outcomes(shape: &str, slices: u32, threads: usize, seed: Option<u64>) -> Outcomes {
+    let fabric = fabric(shape, true, slices);
+    let comm = Comm::new(Group::world(fabric.pod()), Algo::Torus);
+    let rt = runtime(threads);
+    let mut seen = Vec::new();
+    for op in [
+        OpKind::AllReduce,
+        OpKind::ReduceScatter,
+        OpKind::AllGather,
+        OpKind::AllToAll,
+        OpKind::Broadcast,
+    ] {
+        let run = run_op(fabric.chips(), comm, op, ReduceOp::Sum, 1_001, false, 7);
+        let out = match seed {
+            Some(seed) => rt.block_on(podsim_collectives::explore_schedule(seed, run)),
+            None => rt.block_on(run),
+        }
+        .expect("collective");
+        seen.extend(out.into_iter().map(|(values, _, t)| {
+            let bits = values
+                .unwrap_or_default()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            (bits, t.to_bits())
+        }));
+    }
+    seen
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+
+    /// Schedules explored, not sampled: whichever order the executor's threads visit chips
+    /// in (drawn from the seed), every chip's values and virtual time are those of id order.
+    /// A failure prints the seed, which replays the order.
+    #[test]
+    fn no_visiting_order_changes_results_or_virtual_time(
+        seed in proptest::prelude::any::<u64>(),
+        threads in 1usize..=3,
+        case in 0usize..2,
+    ) {
+        let (shape, slices) = [("4x4x2", 1), ("2x3", 2)][case];
+        static BASELINE: std::sync::OnceLock<[Outcomes; 2]> = std::sync::OnceLock::new();
+        let baseline = BASELINE.get_or_init(|| {
+            [outcomes("4x4x2", 1, 1, None), outcomes("2x3", 2, 1, None)]
+        });
+        let explored = outcomes(shape, slices, threads, Some(seed));
+        proptest::prop_assert!(
+            explored == baseline[case],
+            "seed {seed} on {threads} threads changed {shape} x{slices}"
+        );
+    }
+}
