@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _rebind
-from ._fusion import Fusion
+from ._fusion import Fusion, tensors_of
 
 aten = torch.ops.aten
 
@@ -196,7 +196,7 @@ class Compute(TorchDispatchMode):
         """A kernel other than a pass reads `tensors`: fused kernels producing them close
         first, and values they left unwritten are recomputed (a pass over their sources)."""
         if self.fusion is not None:
-            self._pass_bytes += self.fusion.reads(self, [t for a in tensors for t in _tensors(a)])
+            self._pass_bytes += self.fusion.reads(self, [t for a in tensors for t in tensors_of(a)])
 
     def add_attention(self, q, k, v, causal, backward):
         """One attention kernel on `q` `(batch, heads, seq, head_dim)` against `k` and `v`,
@@ -219,15 +219,7 @@ class Compute(TorchDispatchMode):
 
 def _on_meta(args, out):
     """Whether an op touched a meta tensor (the chip's, in meta mode)."""
-    return any(t.is_meta for a in (*args, out) for t in _tensors(a))
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (list, tuple)):
-        return tuple(y for y in x if isinstance(y, torch.Tensor))
-    return ()
+    return any(t.is_meta for a in (*args, out) for t in tensors_of(a))
 
 
 def recomputation_apart(compute: "Compute") -> None:

@@ -19,14 +19,15 @@ holds no HBM (`Memory.unwritten`).
 
 import weakref
 
+import torch
+
 # Open kernels past this many: the oldest closes. Bounds the work per op and how late a
 # kernel's results are counted in HBM.
 _OPEN_KERNELS = 8
 
 
-def _tensors(x):
-    import torch
-
+def tensors_of(x):
+    """The tensors of an op's argument or result (a tensor, or a list or tuple of them)."""
     if isinstance(x, torch.Tensor):
         return (x,)
     if isinstance(x, (list, tuple)):
@@ -70,10 +71,10 @@ class Fusion:
     def add(self, compute, args, out, func):
         """An op that is a pass over HBM."""
         self.memory = compute.memory
-        inputs = [t for a in args for t in _tensors(a)]
+        inputs = [t for a in args for t in tensors_of(a)]
         storages = [t.untyped_storage() for t in inputs]
         keys = [s._cdata for s in storages]
-        results = [(t, t.untyped_storage()) for t in _tensors(out)]
+        results = [(t, t.untyped_storage()) for t in tensors_of(out)]
         # An op writing into an open kernel's result (`out=`, in place) joins that kernel too.
         kernel = self._kernel_for(compute, keys + [s._cdata for _, s in results])
         for t, storage, key in zip(inputs, storages, keys):

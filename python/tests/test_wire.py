@@ -93,46 +93,41 @@ class Framing(unittest.TestCase):
         self.assertEqual(reply, {"echo": "echo"})
         self.assertTrue(torch.equal(back, values))
 
-    def test_a_reply_is_read_into_the_callers_buffer(self):
+    def answering(self, reply, hang_up=False):
+        """A connection to a chip that reads one request and sends back the bytes `reply`
+        (then hangs up when told to)."""
+
         def answer(chip, conn):
             chip.read_frame(conn)
-            conn.sendall(frame({}, torch.ones(4).numpy().tobytes()))
+            conn.sendall(reply)
+            if hang_up:
+                conn.shutdown(socket.SHUT_RDWR)
 
-        _, connection = self.connect(answer)
+        return self.connect(answer)[1]
+
+    def test_a_reply_is_read_into_the_callers_buffer(self):
+        connection = self.answering(frame({}, torch.ones(4).numpy().tobytes()))
         out = torch.zeros(4)
         _, back = connection.call({"op": "x"}, out=out)
         self.assertIs(back, out)
         self.assertTrue(torch.equal(out, torch.ones(4)))
 
     def test_an_error_reply_is_raised_with_the_chips_words(self):
-        def refuse(chip, conn):
-            chip.read_frame(conn)
-            conn.sendall(frame({"error": "group 9 does not exist"}))
-
-        _, connection = self.connect(refuse)
+        connection = self.answering(frame({"error": "group 9 does not exist"}))
         with self.assertRaisesRegex(PodsimError, "group 9 does not exist"):
             connection.call({"op": "all_reduce"})
 
     def test_a_reply_out_of_step_is_refused(self):
-        def garbage(chip, conn):
-            chip.read_frame(conn)
-            conn.sendall(frame({}, magic=0xDEADBEEF))
-
-        _, connection = self.connect(garbage)
+        connection = self.answering(frame({}, magic=0xDEADBEEF))
         with self.assertRaisesRegex(PodsimError, "out of step"):
             connection.call({"op": "x"})
 
     def test_a_chip_that_hangs_up_mid_payload_is_an_error_not_a_hang(self):
-        def hang_up(chip, conn):
-            chip.read_frame(conn)
-            body = b"{}"
-            conn.sendall(HEADER.pack(MAGIC, len(body), 64) + body + bytes(10))
-            conn.shutdown(socket.SHUT_RDWR)
-
-        _, connection = self.connect(hang_up)
+        body = b"{}"  # announces 64 payload bytes, sends 10
+        connection = self.answering(HEADER.pack(MAGIC, len(body), 64) + body + bytes(10),
+                                    hang_up=True)
         with self.assertRaisesRegex(PodsimError, "closed the connection"):
             connection.call({"op": "x"})
-
 
 if __name__ == "__main__":
     unittest.main()
