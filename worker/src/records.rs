@@ -621,7 +621,7 @@ async fn handshake(
 
 /// Serves the TCP port of this worker's link service: a connection that opens with a record
 /// hello (without `tls`) or with the TLS preamble (with it) becomes a record link
-/// ([`answer`]), the other of the two is refused with a reason, and any other (gRPC's HTTP/2
+/// (`answer`), the other of the two is refused with a reason, and any other (gRPC's HTTP/2
 /// preface, or a TLS handshake for gRPC) is handed to the gRPC server through `grpc`.
 pub async fn route_tcp(
     listener: tokio::net::TcpListener,

@@ -11,8 +11,8 @@
 //! process may talk to the job, the token says which job it is. Unix-socket links between
 //! workers on one host never leave the host and stay as they are.
 //!
-//! The record links between workers over TCP ([`crate::records`]) use the same material
-//! through rustls directly ([`Tls::records_server`], [`Tls::records_client`]): the same
+//! The record links between workers over TCP (`records`) use the same material through
+//! rustls directly (`Tls::records`, the crate's own): the same
 //! authority, certificate and server name, so one set of files serves both.
 //!
 //! A handshake that fails on a certificate fails the same way every time (both sides' files
