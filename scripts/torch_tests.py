@@ -173,8 +173,9 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
         problems.append(f"exit {p.returncode}, want {want_exit}")
     if hang.get("kind") != want_kind:
         problems.append(f"kind {hang.get('kind')}, want {want_kind}")
-    if culprit.get("chip") != rank and fault != "skip":
-        problems.append(f"culprit chip {culprit.get('chip')}, want {rank}")
+    culprits = {"skip": None, "deadlock": {rank, rank ^ 1}}.get(fault, {rank})
+    if culprits and culprit.get("chip") not in culprits:
+        problems.append(f"culprit chip {culprit.get('chip')}, want one of {sorted(culprits)}")
     # From the fault to the diagnosis, two ways, each within the budget: the watchdog's own
     # (the report's detected_after_ms: from the culprit's last progress as its worker saw
     # it, or the fault event) and the user's, from the rank's own clock (it prints when it
@@ -198,6 +199,13 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
         stack = culprit.get("python_stack") or []
         if not stack or f"faults.py:{line} " not in stack[-1]:
             problems.append(f"python stack ends {stack[-1:]} not at faults.py:{line}")
+    if fault == "deadlock":
+        with open(os.path.join(EXAMPLES, "faults.py")) as f:
+            line = next(i for i, l in enumerate(f, 1) if "both receive first" in l)
+        if "deadlock" not in hang.get("explanation", ""):
+            problems.append("the diagnosis does not call it a deadlock")
+        if f"faults.py:{line} " not in str(culprit.get("python_stack")):
+            problems.append(f"python stack {culprit.get('python_stack')} not at faults.py:{line}")
     if fault == "skip" and f"Rank {rank} made its call at" not in hang.get("explanation", ""):
         problems.append(f"the desync does not name rank {rank}'s call")
     if fault == "raise":
@@ -449,6 +457,8 @@ def main():
         ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),
         ("a skipped all-reduce is a desync", lambda: case_fault(args, "skip", 6, 3, "desync", 4, 1000)),
         ("a rank that exits is a dead worker", lambda: case_fault(args, "exit", 0, 8, "dead_worker", 3, 3000)),
+        ("ranks that receive from each other beside finished ones are a deadlock",
+         lambda: case_fault(args, "deadlock", 4, 5, "stalled_chip", 3, 3000)),
         ("a rank's exception is a program error, its steps kept",
          lambda: case_fault(args, "raise", 2, 4, "program_error", 1, 3000)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),

@@ -11,7 +11,7 @@
 //!   for a local sender, here from the boundary counters for a sender on another worker):
 //!   `lost_message`, or `partition` when several links between different workers lost one (or
 //!   several links inside workers: chips cut apart);
-//! - every worker stuck for the timeout with nothing lost and no root: a deadlock (reported
+//! - every worker stuck for the timeout (or finished) with nothing lost and no root: a deadlock (reported
 //!   as `stalled_chip` on the chip that went quiet first);
 //! - a worker that sends no heartbeats while its process lives: `frozen_worker`.
 //!
@@ -733,18 +733,21 @@ impl Watchdog {
         handed.is_some() && handed == arrived
     }
 
-    /// Every worker stuck for the timeout with nothing lost and no root: the chips wait on
-    /// each other in a cycle.
+    /// Every worker stuck for the timeout (or finished) with nothing lost and no root: the
+    /// chips wait on each other in a cycle.
     fn deadlock(&self, now: Instant) -> Option<Finding> {
         // A lost message still being confirmed explains the waits better.
         if !self.suspects.is_empty() || self.live().any(|(_, v)| v.summary.suspected > 0) {
             return None;
         }
-        let mut live = self.live().peekable();
-        live.peek()?;
         let mut oldest: Option<(u64, ChipId, u32)> = None;
-        for (w, v) in live {
-            if now.duration_since(v.last_moving) < self.timeout || v.summary.oldest.is_none() {
+        for (w, v) in self.live() {
+            if now.duration_since(v.last_moving) < self.timeout {
+                return None;
+            }
+            // A worker none of whose chips waits (their programs finished) is not part of
+            // the cycle; one whose waiting chips are not judged stuck yet may still be.
+            if v.summary.oldest.is_none() && v.summary.waiting.count() > 0 {
                 return None;
             }
             if let Some((c, since)) = v.summary.oldest
@@ -1020,6 +1023,88 @@ mod tests {
             (HangKind::StalledChip, Some(2), Some(1))
         );
         assert_eq!(f.waiting.count(), 3);
+    }
+
+    /// A pipeline whose middle stage stalls just after the stages around it went quiet (as a
+    /// PyTorch pipeline does when a stage stops at its step's end): for a moment every waiting
+    /// chip has waited the whole timeout and the stalled one not yet. That is not a deadlock -
+    /// a chip waiting on no one is one the wait-for graph may end at - and the verdict waits
+    /// for the root.
+    #[test]
+    fn a_chip_quiet_for_less_than_the_timeout_is_a_root_to_come_not_a_deadlock() {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+        let stalled_at = |progress| {
+            [
+                status(0, 5, &[(1, PLUS)]),
+                status(1, progress, &[]),
+                status(2, 5, &[(1, MINUS)]),
+                status(3, 5, &[(2, MINUS)]),
+            ]
+        };
+        worker.beat(&mut w, &stalled_at(5), t0);
+        // Chip 1 makes its last move (it stalls) just after the others went quiet.
+        let last_move = t0 + T / 4;
+        worker.beat(&mut w, &stalled_at(6), last_move);
+        // One beat a hair short of the timeout after chip 1's move, the check just after it.
+        let almost = last_move + T - Duration::from_millis(1);
+        worker.beat(&mut w, &stalled_at(6), almost);
+        assert_eq!(
+            check(&mut w, last_move + T + Duration::from_millis(1)),
+            None,
+            "chip 1 waits on no one: not yet stale, not a deadlock"
+        );
+        for at in [last_move + T * 2, last_move + T * 3] {
+            worker.beat(&mut w, &stalled_at(6), at);
+        }
+        let f = check(&mut w, last_move + T * 3).unwrap();
+        assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(1)));
+        assert_eq!(f.waiting.count(), 3);
+    }
+
+    /// Chips 0 and 1 each receive from the other first (a classic point-to-point deadlock)
+    /// while chips 2 and 3 wait on no one: the cycle is called at once when every chip is in
+    /// it, and once the idle chips have been judged (nobody waits on them) when they are not.
+    fn deadlock_found(idle_chips_finished: bool) -> Option<Finding> {
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+        // Finished: waiting on no one. Otherwise chips 2 and 3 are a second cycle.
+        let (on_3, on_2): (&[_], &[_]) = if idle_chips_finished {
+            (&[], &[])
+        } else {
+            (&[(3, PLUS)], &[(2, MINUS)])
+        };
+        let chips = [
+            status(0, 5, &[(1, PLUS)]),
+            status(1, 5, &[(0, MINUS)]),
+            status(2, 5, on_3),
+            status(3, 5, on_2),
+        ];
+        let mut found = None;
+        for i in 0..8 {
+            let at = t0 + T / 2 * i;
+            worker.beat(&mut w, &chips, at);
+            if let Some(f) = check(&mut w, at) {
+                found = Some((i, f));
+                break;
+            }
+        }
+        let (i, f) = found?;
+        assert!(i >= 2, "not before the timeout: beat {i}");
+        Some(f)
+    }
+
+    #[test]
+    fn chips_that_wait_on_each_other_are_a_deadlock_even_beside_finished_ones() {
+        for finished in [false, true] {
+            let f = deadlock_found(finished).unwrap_or_else(|| panic!("finished {finished}"));
+            assert_eq!(f.kind, HangKind::StalledChip, "{}", f.explanation);
+            assert!(f.explanation.contains("deadlock"), "{}", f.explanation);
+            let cycle = if finished { 2 } else { 4 };
+            assert_eq!(f.waiting.count(), cycle, "{}", f.explanation);
+        }
     }
 
     #[test]

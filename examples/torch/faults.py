@@ -1,6 +1,7 @@
 """A training loop that misbehaves on purpose, for podsim's fault tests: rank R, at step S,
 sleeps forever (`--fault sleep`), skips one all-reduce (`--fault skip`), dies
-(`--fault exit`) or raises an exception (`--fault raise`). Gradients are all-reduced parameter by parameter, so a skipped call meets a
+(`--fault exit`), raises an exception (`--fault raise`), or receives from rank R^1 while that
+rank receives from it, the other ranks finishing (`--fault deadlock`). Gradients are all-reduced parameter by parameter, so a skipped call meets a
 call of another shape on the other ranks."""
 
 import os
@@ -13,7 +14,7 @@ import common
 
 
 def extra(p):
-    p.add_argument("--fault", choices=["none", "sleep", "skip", "exit", "raise"], default="none")
+    p.add_argument("--fault", choices=["none", "sleep", "skip", "exit", "raise", "deadlock"], default="none")
     p.add_argument("--rank", type=int, default=3)
     p.add_argument("--at", type=int, default=5)
 
@@ -35,6 +36,11 @@ for step in range(args.steps):
         raise RuntimeError(f"rank {rank} gives up at step {step}")
     if faulty and args.fault == "sleep":
         time.sleep(3600)  # the line a stalled_chip diagnosis must name
+    if args.fault == "deadlock" and step == args.at:
+        pair = (args.rank, args.rank ^ 1)
+        if rank in pair:
+            dist.recv(torch.empty(1), pair[0] + pair[1] - rank)  # both receive first
+        break  # the other ranks finish
     inputs, targets = common.batch(step, rank)
     loss = common.loss_of(model, inputs, targets)
     opt.zero_grad()

@@ -191,7 +191,9 @@ pub struct Summary {
     /// [`podsim_collectives::CpuWaitMeter`]): how much the host held its chips up.
     #[serde(default)]
     pub cpu_wait_share: f64,
-    /// Lost messages and roots suspected, to be confirmed at the next heartbeat.
+    /// Lost messages suspected and roots to come (chips waiting on no one, not yet judged):
+    /// while any is left, the chips' waits may still end at a root or a lost message, so no
+    /// deadlock is called.
     pub suspected: u32,
     /// Per neighbouring worker: messages this worker handed to the transport for it, and
     /// messages received from it (filled in by the session, which owns the transport).
@@ -228,6 +230,8 @@ pub struct Summariser {
     suspects: HashMap<(ChipId, usize), (u64, u64, Instant)>,
     /// Chips that looked like roots at the previous heartbeat.
     root_candidates: HashSet<usize>,
+    /// How many of them were not candidates at the heartbeat before (not judged yet).
+    new_root_candidates: usize,
 }
 
 impl Summariser {
@@ -269,6 +273,7 @@ impl Summariser {
             reported: HashMap::new(),
             suspects: HashMap::new(),
             root_candidates: HashSet::new(),
+            new_root_candidates: 0,
         }
     }
 
@@ -292,7 +297,7 @@ impl Summariser {
             .collect();
         let roots = self.roots(&reading, &status);
         let waits = self.waits(&reading, now, wall_ns, &status);
-        let suspected = (self.suspects.len() + self.root_candidates.len()) as u32;
+        let suspected = (self.suspects.len() + self.roots_to_come(&reading)) as u32;
         let boundary_sent = self.boundary_sends(&reading.quiet);
         Summary {
             chips: self.ranges.clone(),
@@ -446,12 +451,32 @@ impl Summariser {
                 first_waiter,
             });
         }
+        self.new_root_candidates = candidates
+            .iter()
+            .filter(|c| !self.root_candidates.contains(c))
+            .count();
         self.root_candidates = candidates;
         // Most waited on first; then the longest quiet (a root nobody here waits on may still
         // hold up another worker's chips).
         roots.sort_by_key(|r| (std::cmp::Reverse(r.local_waiters), r.quiet_since_wall_ns));
         roots.truncate(MAX_ROOTS);
         roots
+    }
+
+    /// Chips that may yet be roots: those waiting on no one and in no kernel but not quiet
+    /// for the timeout yet, and this beat's new root candidates (judged at the next).
+    /// (Without the first, a stall just after its neighbours went quiet looked, for one
+    /// heartbeat, like chips that all wait on each other. A root already judged - one nobody
+    /// waits on, such as a chip whose program finished - is not counted: it must not keep a
+    /// deadlock among the other chips from being called.)
+    fn roots_to_come(&self, r: &Reading) -> usize {
+        let not_stale_yet = self
+            .track
+            .iter()
+            .zip(&r.stale)
+            .filter(|(t, stale)| !**stale && t.key.is_some_and(|k| k.blocked == 0 && !k.computing))
+            .count();
+        not_stale_yet + self.new_root_candidates
     }
 
     /// Chip `i`'s status read afresh if it is a root now: quiet for the whole timeout, waiting
