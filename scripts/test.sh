@@ -3,11 +3,23 @@
 # Ends with one line totalling the tests of every test binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Where the time goes: each phase's wall time, printed as it ends and again at the end.
+phases=""
+phase_start=$SECONDS
+phase() {
+    phases+=$(printf '%-24s %4d s\n' "$1" $((SECONDS - phase_start)))$'\n'
+    echo "phase $1: $((SECONDS - phase_start)) s"
+    phase_start=$SECONDS
+}
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings
+phase "fmt and clippy"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-cargo test --workspace 2>&1 | tee "$log"
+cargo test --workspace --no-run
+phase "test build"
+cargo test --workspace 2>&1 | tee -a "$log"
+phase "tests"
 # Every cross-process test again with the links between workers forced over records on TCP,
 # over Unix sockets alone, then over gRPC (the run above takes the default: Unix sockets with
 # large payloads in shared memory between workers on this host).
@@ -19,20 +31,25 @@ for transport in tcp uds grpc; do
         --test launch --test orphans --test training --test bench_cli --test garbage 2>&1 \
         | tee -a "$log"
 done
+phase "transport passes"
 # The watchdog's fault matrix, bounded: every kind at three places on 8x8x8 over 2 workers
 # (kind and culprit checked; detection times are printed, not enforced on a shared machine).
 python3 scripts/fault_matrix.py --podsim target/debug/podsim --shape 8x8x8 --workers 2 \
     --deadline 120 --check 2>&1 | tee -a "$log"
+phase "fault matrix"
 # The PyTorch backend against torchrun + gloo, and fault tests with Python ranks, in a virtual
 # environment outside the working tree (created once: torch from PyPI, ~3 GB; reused after).
 # torchrun's results are kept outside the tree too (~/.cache/podsim/torch-refs, keyed by the
 # example scripts and torch's version); `--fresh-references` runs torchrun again.
 py=$(bash scripts/python_env.sh)
+phase "python environment"
 # The Python package's own unit tests (wire framing, local reductions, fused kernels): no
 # podsim binary, seconds.
 (cd python && "$py" -m unittest discover -s tests 2>&1) | tee -a "$log"
 PYTHONPATH="$PWD/python" PODSIM_PYTHON="$py" "$py" scripts/torch_tests.py --podsim target/debug/podsim 2>&1 | tee -a "$log"
+phase "python and torch tests"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      /^torch tests:/ { p += $3; f += $5 }
      /^Ran [0-9]+ tests? in/ { ran = $2 } /^OK/ { p += ran; ran = 0 } /^FAILED \(/ { f += ran; ran = 0 }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+printf 'wall time by phase:\n%s' "$phases"
