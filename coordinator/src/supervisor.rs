@@ -309,6 +309,14 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
                     d.chip, exit.pid, exit.how, d.chip
                 ),
             )
+        } else if exit.how.starts_with(TorchSpec::FAILED_BEFORE_CONNECTING) {
+            (
+                HangKind::ProgramError,
+                format!(
+                    "Rank {} (pid {}) {}{last}: its program failed before its first collective, and the job stopped there. Its output is in its [rank {}] lines.",
+                    d.chip, exit.pid, exit.how, d.chip
+                ),
+            )
         } else if exit.how.starts_with(TorchSpec::RAISED) {
             (
                 HangKind::ProgramError,

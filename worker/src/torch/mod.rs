@@ -107,6 +107,12 @@ impl TorchSpec {
     /// How a rank whose program raised an exception is described (the start of its
     /// failure's `how`): a job error, not a death.
     pub const RAISED: &'static str = "raised ";
+    /// How a rank that exited with an error before it connected is described (the start of
+    /// its failure's `how`): its program failed before its first collective (an import, its
+    /// arguments, an interpreter without podsim), a job error, not a death that left peers
+    /// waiting.
+    pub const FAILED_BEFORE_CONNECTING: &'static str =
+        "failed before it created its process group: it ";
 }
 
 /// What one rank did, in virtual time.

@@ -377,6 +377,8 @@ fn finish(
                 });
             if let Some(raised) = &served.raised {
                 how = format!("{}{raised}, and {how}", TorchSpec::RAISED);
+            } else if !served.report.connected && other.as_ref().is_some_and(|e| e.code.is_some()) {
+                how = format!("{}{how}", TorchSpec::FAILED_BEFORE_CONNECTING);
             }
             let exited = WorkerError::RankExited {
                 chip: chip.id(),
