@@ -2162,7 +2162,7 @@ fn required_keys(
 
 #[cfg(test)]
 mod tests {
-    //! Config loading in-process (`from_text`); `tests/config_errors.rs` checks the same
+    //! Config loading in-process (`from_text`); `tests/end_to_end/config_errors.rs` checks the same
     //! through the command line.
     use super::*;
 

@@ -915,7 +915,7 @@ fn reference_disagreement(
 
 /// The largest relative difference of the final parameters to single-chip training on the
 /// global batch that is still rounding under SGD: every strategy and mode lands within 1e-5
-/// after 20 steps (`worker/tests/training.rs`); a sharded run sums in another order than one
+/// after 20 steps (`worker/tests/integration/training.rs`); a sharded run sums in another order than one
 /// chip, which moves the result by rounding, never by a thousandth of its scale.
 pub const REFERENCE_TOLERANCE: f64 = 1e-3;
 

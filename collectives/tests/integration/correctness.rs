@@ -4,9 +4,7 @@
 //! virtual time as data mode.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use podsim_collectives::{Algo, Comm, LocalFabric, OpKind, ReduceOp};
 use podsim_topology::{AxisPart, Group, Hardware, PodAxis};
 

@@ -2,11 +2,9 @@
 //! both chips and both fingerprints, within a second, instead of a hang or garbage.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use podsim_collectives::{Algo, CollectiveError, Comm, OpKind, Payload, ReduceOp, run_chips};
 use podsim_topology::Group;
 

@@ -4,8 +4,6 @@
 //! stops every chip at the first error and serves timers and wakers from other threads.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -29,7 +27,7 @@ fn check_barrier(pod: Pod, late: u32) {
     let fabric = LocalFabric::new(pod.clone(), Hardware::preset("v5p").unwrap());
     let entered = Arc::new(AtomicBool::new(false));
     let left = Arc::new(AtomicUsize::new(0));
-    let rt = common::runtime(2);
+    let rt = crate::common::runtime(2);
     let sent = rt
         .block_on(run_chips(fabric.chips(), {
             let (entered, left) = (entered.clone(), left.clone());
@@ -99,7 +97,7 @@ fn a_chip_that_skipped_a_collective_is_a_desync_anywhere_in_the_tree() {
     // 4x4: chip 0 is the root, 3 and 15 leaves along x, 12 the end of the y line, 5 inside.
     for skipper in [0, 3, 5, 12, 15] {
         let fabric = LocalFabric::new(pod("4x4", true, 1), Hardware::preset("v5p").unwrap());
-        let rt = common::runtime(2);
+        let rt = crate::common::runtime(2);
         let result = rt.block_on(async {
             tokio::time::timeout(
                 Duration::from_secs(10),
@@ -128,7 +126,7 @@ fn a_chip_that_skipped_a_collective_is_a_desync_anywhere_in_the_tree() {
 
 #[test]
 fn harness_barrier_on_a_mirror_chip() {
-    let rt = common::runtime(1);
+    let rt = crate::common::runtime(1);
     let pod = pod("4x4x4", true, 1);
     let mut chips = mirror_chips(
         pod.clone(),
@@ -149,7 +147,7 @@ fn harness_barrier_on_a_mirror_chip() {
 #[test]
 fn results_come_back_in_chip_order_on_any_thread_count() {
     for threads in [1, 2, 3] {
-        let rt = common::runtime(threads);
+        let rt = crate::common::runtime(threads);
         let fabric = LocalFabric::new(pod("5x5x5", true, 1), Hardware::preset("v5p").unwrap());
         let comm = Comm::new(Group::world(fabric.pod()), Algo::Torus);
         let ids = rt
@@ -170,7 +168,7 @@ fn results_come_back_in_chip_order_on_any_thread_count() {
 
 #[test]
 fn the_first_error_stops_every_chip() {
-    let rt = common::runtime(2);
+    let rt = crate::common::runtime(2);
     // 200 chips: more than one runnable word, so both threads have chips.
     let fabric = LocalFabric::new(pod("200", true, 1), Hardware::preset("v5p").unwrap());
     let comm = Comm::new(Group::world(fabric.pod()), Algo::Ring);
@@ -195,7 +193,7 @@ fn the_first_error_stops_every_chip() {
 
 #[test]
 fn a_panicking_chip_is_an_error() {
-    let rt = common::runtime(2);
+    let rt = crate::common::runtime(2);
     let fabric = LocalFabric::new(pod("4", true, 1), Hardware::preset("v5p").unwrap());
     let result = rt.block_on(run_chips(fabric.chips(), |chip: Chip| async move {
         if chip.id() == 2 {

@@ -2,11 +2,9 @@
 //! closed-form virtual time of a path, and a desync when a receive expects another size.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::future::Future;
 
-use common::{fabric, input, runtime};
+use crate::common::{fabric, input, runtime};
 use podsim_collectives::{Chip, CollectiveError, LocalFabric, Payload, run_chips};
 use podsim_topology::Hardware;
 

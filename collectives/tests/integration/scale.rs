@@ -2,9 +2,7 @@
 //! mirror fabric (one chip standing for all) against the full simulation.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use podsim_collectives::{Algo, Comm, OpKind, ReduceOp, Symmetry, mirror_chips};
 use podsim_topology::{Group, Hardware};
 

@@ -2,9 +2,7 @@
 //! algorithms, the cost of missing wraparound, and determinism.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use podsim_collectives::{Algo, Comm, OpKind, ReduceOp};
 use podsim_topology::{Group, Hardware};
 

@@ -6,12 +6,10 @@
 //! `--max-error` turns a miss into exit 1.
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn published() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/validation/published.csv")

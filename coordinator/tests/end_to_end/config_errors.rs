@@ -2,11 +2,9 @@
 //! reason), exit code 2, and nothing started.
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn validate(name: &str, text: &str) -> (i32, String) {
     validate_with(name, text, &[])

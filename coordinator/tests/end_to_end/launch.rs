@@ -2,12 +2,10 @@
 //! worker counts and transports, external mode, a wrong token, and `bench --workers`.
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::collections::HashSet;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn launch(config: &std::path::Path, extra: &[&str]) -> std::process::Output {
     let mut c = podsim();

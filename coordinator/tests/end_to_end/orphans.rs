@@ -5,11 +5,9 @@
 //! the job's bound, named.
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// Starts a long job and returns the coordinator and its worker pids once they are running.
 fn start_long_job(name: &str) -> (std::process::Child, Vec<u32>) {

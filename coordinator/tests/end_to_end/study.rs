@@ -3,12 +3,10 @@
 //! (exit 2, nothing run).
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 /// A one-all-reduce collectives job; the study overrides its shape.
 fn base_config(dir: &Path, mode: &str, size: &str, iterations: u32) -> String {

@@ -4,11 +4,9 @@
 //! backend is tested by `scripts/torch_tests.py` (run by the test command).
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 const FAKE_RANK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fake_rank.py");
 
@@ -110,4 +108,30 @@ fn a_rank_with_the_wrong_token_is_refused() {
     let (out, _) = run_fake("torch-run-token", "wrong-token");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("refused: wrong job token"), "{stdout}");
+}
+
+/// A Python without podsim's package (here the system's `python3`, run with interception)
+/// fails in every rank before its process group exists: a program error (exit 1) naming why,
+/// not a hang.
+#[test]
+fn a_python_without_the_backend_is_a_program_error_not_a_hang() {
+    let dir = temp_dir("torch-run-no-backend");
+    let mut cmd = podsim();
+    cmd.args(["run", "--topology", "2", "--out"])
+        .arg(&dir)
+        .args(["--", "python3", "-c", "pass"])
+        .env_remove("PYTHONPATH");
+    let out = run_bounded(cmd, Duration::from_secs(120));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let report = report(&dir);
+    let hang = &report["hang"];
+    assert_eq!(hang["kind"], "program_error", "{hang}");
+    let explanation = hang["explanation"].as_str().unwrap();
+    for said in [
+        "failed before it created its process group",
+        "cannot load podsim's torch backend",
+    ] {
+        assert!(explanation.contains(said), "{explanation}");
+    }
 }

@@ -3,14 +3,12 @@
 //! well-formed HTML that references nothing outside itself.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::support::{podsim, report, run_bounded, temp_dir};
 use serde_json::Value;
-use support::{podsim, report, run_bounded, temp_dir};
 
 fn config(name: &str) -> String {
     format!("{}/../configs/{name}", env!("CARGO_MANIFEST_DIR"))

@@ -4,12 +4,10 @@
 //! a chip over its HBM budget fails the job naming it.
 #![allow(clippy::unwrap_used)]
 
-mod support;
-
 use std::path::Path;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 
 fn config(name: &str) -> String {
     format!("{}/../configs/{name}.toml", env!("CARGO_MANIFEST_DIR"))

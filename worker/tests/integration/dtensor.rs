@@ -3,9 +3,7 @@
 //! and uneven shapes, gives back the original tensor, and lands each chip on exactly the piece
 //! that distributing the original directly would give it.
 
-mod common;
-
-use common::run_on_chips;
+use crate::common::run_on_chips;
 use podsim_collectives::{Algo, LocalFabric, ReduceOp};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;

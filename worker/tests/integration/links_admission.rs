@@ -29,14 +29,17 @@ const SOCKET: &str = "PODSIM_ADMISSION_SOCKET";
 const BOUNDED: Duration = Duration::from_secs(30);
 /// Connections the listener lets wait for their hello (`socket::MAX_PENDING_HELLOS`).
 const PENDING: usize = 64;
-/// The arguments that run [`helper`] alone.
-const HELPER: [&str; 5] = [
-    "--exact",
-    "helper",
-    "--ignored",
-    "--nocapture",
-    "--test-threads=1",
-];
+/// The arguments that run [`helper`] alone (named by its path in the test binary).
+fn helper_alone() -> [String; 5] {
+    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+    [
+        "--exact".into(),
+        format!("{module}::helper"),
+        "--ignored".into(),
+        "--nocapture".into(),
+        "--test-threads=1".into(),
+    ]
+}
 
 /// Worker 0 of a ring of 4 chips on 2 workers (its one neighbour: worker 1), linking over
 /// plain Unix sockets.
@@ -174,7 +177,7 @@ fn dial_as(uid: u32, name: &str) -> Option<Output> {
     let exe = std::env::current_exe().unwrap();
     let mut command = Command::new(&exe);
     command
-        .args(HELPER)
+        .args(helper_alone())
         .env(ROLE, "dial")
         .env(SOCKET, name)
         .uid(uid)
@@ -252,7 +255,7 @@ fn running_out_of_descriptors_costs_connections_not_the_listener() {
     let mut child = Command::new("/bin/sh")
         .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
         .arg(&exe)
-        .args(HELPER)
+        .args(helper_alone())
         .env(ROLE, "exhaust")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -1,12 +1,10 @@
 #![allow(clippy::unwrap_used)]
 //! Every strategy on 8 chips (2x2x2) against single-chip training on the global batch.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
-use common::run_on_chips;
+use crate::common::run_on_chips;
 use podsim_collectives::{Algo, LocalFabric};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;

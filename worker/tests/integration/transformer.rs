@@ -3,12 +3,10 @@
 //! each strategy moves, persistent memory, the out-of-memory verdict, and the mirror fabric
 //! against every chip simulated.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use common::run_on_chips;
+use crate::common::run_on_chips;
 use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chips};
 use podsim_topology::{Hardware, Pod};
 use podsim_worker::train::{
