@@ -55,18 +55,39 @@ def torchrun(nproc, script, *script_args):
     return run(cmd)
 
 
-def reference_key(script, nproc):
-    """What a torchrun result depends on: every example script (they import each other), the
+def example_closure(script):
+    """`script` and every example module it imports, directly or through another (by
+    `ast`): what its result can depend on among the examples."""
+    import ast
+
+    seen, todo = set(), [script]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        with open(os.path.join(EXAMPLES, name), "rb") as f:
+            tree = ast.parse(f.read(), name)
+        for node in ast.walk(tree):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            todo += [m + ".py" for m in modules if os.path.exists(os.path.join(EXAMPLES, m + ".py"))]
+    return sorted(seen)
+
+
+def reference_key(case, nproc):
+    """What a torchrun result depends on: the case's script and the example modules it
+    imports (not the other examples: a new fault in faults.py keeps ddp.py's result), the
     case, torch's and Python's versions and the machine's core count (torch's threads)."""
     import torch
 
+    script = case if isinstance(case, str) else case[0]
     h = hashlib.sha256()
-    for name in sorted(os.listdir(EXAMPLES)):
-        if name.endswith(".py"):
-            h.update(name.encode())
-            with open(os.path.join(EXAMPLES, name), "rb") as f:
-                h.update(f.read())
-    h.update(repr((script, nproc, torch.__version__, sys.version, os.cpu_count())).encode())
+    for name in example_closure(script):
+        h.update(name.encode())
+        with open(os.path.join(EXAMPLES, name), "rb") as f:
+            h.update(f.read())
+    h.update(repr((case, nproc, torch.__version__, sys.version, os.cpu_count())).encode())
     return h.hexdigest()[:16]
 
 

@@ -7,6 +7,7 @@ parameters) are left to their own dispatch, so their local ops are counted once,
 shapes that really run on this chip.
 """
 
+import sys
 import weakref
 
 import torch
@@ -17,10 +18,16 @@ from ._fusion import Fusion, tensors_of
 
 aten = torch.ops.aten
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # a torch without DTensor
-    _DTensor = None
+
+
+def _is_dtensor_type(t) -> bool:
+    """Whether `t` is DTensor or a subclass of it. A DTensor exists only once its module is
+    loaded, so it is looked up there, not imported: importing it (and sympy with it) cost
+    every rank 0.85 s of CPU at start, for programs that never use it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and issubclass(t, dtensor)
+
 
 # Ops that create no kernel on an accelerator (metadata, aliasing).
 _FREE = {
@@ -113,7 +120,7 @@ class Compute(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
             if t is not torch.Tensor and t is not torch.nn.Parameter:
-                if _DTensor is not None and issubclass(t, _DTensor):
+                if _is_dtensor_type(t):
                     # DTensor's dispatch runs the local ops, which come back here and are
                     # counted on the shapes that really run on this chip.
                     return NotImplemented

@@ -16,6 +16,7 @@ interpreter (``podsim run`` puts a ``sitecustomize`` on its ``PYTHONPATH``), it
 
 import contextlib
 import importlib
+import importlib.abc
 import os
 import sys
 
@@ -318,9 +319,6 @@ def _streams_are_podsims():
     cuda.current_stream, cuda.default_stream = _streams.current_stream, _streams.default_stream
     cuda.stream, cuda.set_stream = _streams.stream, _streams.set_stream
     cuda.synchronize = _streams.synchronize
-    # Loaded now, so that every module holding `_get_device_handle` is patched below.
-    for name in ("torch.distributed.fsdp", "torch.distributed.tensor"):
-        importlib.import_module(name)
     handle_of = importlib.import_module("torch.distributed.device_mesh")._get_device_handle
 
     def device_handle(device_type="cuda"):
@@ -329,18 +327,66 @@ def _streams_are_podsims():
     def fsdp_device_handle(device_type="cuda"):
         return _streams.HANDLE if device_type in ("meta", "cpu") else handle_of(device_type)
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and getattr(module, "_get_device_handle", None) is handle_of:
+    def patch(name, module):
+        """Every module of torch.distributed holding `_get_device_handle` gets podsim's
+        (FSDP2's also for its CPU-offload "cpu" handle); FSDP2 tells the allocator which
+        stream uses a gradient (a CUDA stream's id): nothing to tell on podsim's device."""
+        if getattr(module, "_get_device_handle", None) in (handle_of, device_handle):
             fsdp = name.startswith("torch.distributed.fsdp._fully_shard")
             module._get_device_handle = fsdp_device_handle if fsdp else device_handle
-    # FSDP2 tells the allocator which stream uses a gradient (a CUDA stream's id): nothing to
-    # tell on podsim's device.
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+        if name == "torch.distributed.fsdp._fully_shard._fsdp_collectives":
+            record = module.record_grad_output_stream
+            module.record_grad_output_stream = (
+                lambda buffer, stream: None if buffer.device.type in ("meta", "cpu") else record(buffer, stream)
+            )
 
-    record = _fsdp_collectives.record_grad_output_stream
-    _fsdp_collectives.record_grad_output_stream = (
-        lambda buffer, stream: None if buffer.device.type in ("meta", "cpu") else record(buffer, stream)
-    )
+    # The modules loaded so far now, the others as they load: loading FSDP and DTensor (and
+    # sympy with them) up front cost every rank 0.8 s of CPU at start, for programs that
+    # never use them.
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed"):
+            patch(name, module)
+    sys.meta_path.insert(0, _PatchOnLoad("torch.distributed.", patch))
+
+
+class _PatchOnLoad(importlib.abc.MetaPathFinder):
+    """Calls `patch(name, module)` on each module under `prefix` as soon as it has loaded
+    (Python has no post-import hook: this finder wraps the loader the others find)."""
+
+    def __init__(self, prefix, patch):
+        self.prefix, self.patch = prefix, patch
+
+    def find_spec(self, name, path, target=None):
+        if not name.startswith(self.prefix):
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, lambda m: self.patch(name, m))
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """`inner`, then `after(module)` once the module ran; anything else asked of it (its
+    source, for `inspect` and tracebacks) is `inner`'s."""
+
+    def __init__(self, inner, after):
+        self.inner, self.after = inner, after
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        self.after(module)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def _exceptions_reach_the_chip():
