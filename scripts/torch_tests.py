@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -180,6 +181,79 @@ def case_same_as_gloo(args, script, topology, tol=1e-6, script_args=()):
 def leftover(pattern):
     p = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(x) for x in p.stdout.split()]
+
+
+def descendants(pid):
+    """Every live process below `pid` (by parent links in /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def case_killed_leaves_nothing(args):
+    """`podsim run` killed with SIGKILL while its ranks (forked by the rank server) sleep:
+    the worker, the rank server, the stubs and the forked ranks all go."""
+    out = tempfile.mkdtemp(prefix="podsim-torch-")
+    program = "import torch.distributed as dist, time\ndist.init_process_group()\ntime.sleep(600)"
+    p = subprocess.Popen([args.podsim, "run", "--topology", "2x2", "--out", out, "--",
+                          sys.executable, "-c", program],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The worker, the keeper, the rank server, 4 stubs and the 4 ranks it forked.
+    deadline, below = time.time() + 60, []
+    while time.time() < deadline and len(below) < 11:
+        time.sleep(0.2)
+        below = descendants(p.pid)
+    # A forked rank keeps the server's command line; its name says what it is.
+    forked = [pid for pid in below if _comm(pid).startswith("podsim-rank")]
+    server = [pid for pid in below if "_prefork.serve" in _cmdline(pid) and pid not in forked]
+    p.kill()
+    p.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and any(_alive(pid) for pid in below):
+        time.sleep(0.1)
+    left = [pid for pid in below if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    ok = len(below) >= 11 and len(server) == 1 and len(forked) == 4 and not left
+    return ok, (f"{len(below)} processes below podsim ({len(server)} rank server, {len(forked)} "
+                f"ranks it forked), {len(left)} left after SIGKILL {left}")
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
@@ -482,6 +556,7 @@ def main():
          lambda: case_fault(args, "deadlock", 4, 5, "stalled_chip", 3, 3000)),
         ("a rank's exception is a program error, its steps kept",
          lambda: case_fault(args, "raise", 2, 4, "program_error", 1, 3000)),
+        ("a killed podsim leaves no rank, stub or rank server", lambda: case_killed_leaves_nothing(args)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
         ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),
     ]

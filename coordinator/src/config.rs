@@ -377,6 +377,7 @@ table! {
         args: Option<Vec<String>> [torch],
         connect_timeout_s: Option<u64> [torch] {1..=3600},
         intercept: Option<bool> [torch],
+        prefork: Option<bool> [torch],
         verify_ranks: Option<Vec<u32>> [torch] {0..=CHIPS},
         verify_count: Option<u32> [torch] {0..=MAX_VERIFY_RANKS},
     }
@@ -1491,6 +1492,7 @@ fn torch(
         connect_timeout_s,
         meta,
         intercept: j.intercept.unwrap_or(true),
+        prefork: j.prefork.unwrap_or(true),
         eager: eager?,
         count: count?,
         verify_ranks: verify_ranks(p, j, pod, meta),

@@ -152,9 +152,8 @@ def _devices_are_podsims():
     if mode() != "meta":  # meta mode enters its own map (`podsim._meta.Fake`)
         DeviceMap(target).__enter__()
     cuda = torch.cuda
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda.set_device = lambda d: None
-    cuda.current_device = lambda: local_rank
+    cuda.current_device = _local_rank
     cuda.device_count = lambda: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cuda.empty_cache = lambda: None
     cuda.manual_seed = lambda seed: None
@@ -162,7 +161,7 @@ def _devices_are_podsims():
     cuda.is_bf16_supported = lambda including_emulation=True: True
     cuda.get_device_name = lambda device=None: os.environ.get("PODSIM_HARDWARE", "podsim")
     cuda.reset_peak_memory_stats = lambda device=None: None
-    _accelerator_is_podsims(local_rank)
+    _accelerator_is_podsims()
     torch.Tensor.pin_memory = lambda self, device=None: self
     torch.Tensor.cuda = lambda self, device=None, non_blocking=False, memory_format=None: self.to(
         target
@@ -192,7 +191,13 @@ def _ddp_without_device_ids():
     ddp.__init__ = init
 
 
-def _accelerator_is_podsims(local_rank):
+def _local_rank():
+    """The rank's device index, read when asked: a rank server installs these interceptions
+    once, before it forks the ranks with their own environments."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _accelerator_is_podsims():
     """`torch.accelerator` (torch's device-generic API) reports one accelerator per rank, of
     type `cuda`, which lands on podsim's device like any `cuda` device: programs that look for
     one (and exit without it) run as they would on a GPU."""
@@ -202,7 +207,7 @@ def _accelerator_is_podsims(local_rank):
     acc.is_available = lambda *a, **k: True
     acc.current_accelerator = lambda *a, **k: torch.device("cuda")
     acc.device_count = lambda: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    acc.current_device_index = lambda: local_rank
+    acc.current_device_index = _local_rank
     acc.current_device_idx = acc.current_device_index
     acc.set_device_index = lambda device: None
     acc.set_device_idx = acc.set_device_index

@@ -53,6 +53,11 @@ pub struct TorchSpec {
     /// backend and any `cuda` device land on podsim); `podsim run --no-intercept` turns it off.
     #[serde(default = "intercept_by_default")]
     pub intercept: bool,
+    /// With `intercept`, whether one rank server per job imports torch and podsim once and
+    /// forks the ranks (`python/podsim/_prefork.py`), instead of each rank importing them
+    /// (3-4 s of CPU each); `false` starts every rank as its own interpreter.
+    #[serde(default = "default_prefork")]
+    pub prefork: bool,
     /// How the ranks' work is counted: `fused` (chains of element-wise ops one pass over HBM,
     /// collectives overlapping compute until waited for), `strict` (every op its own kernel,
     /// every collective waited for at its call), `debug` (as strict).
@@ -84,6 +89,10 @@ fn intercept_by_default() -> bool {
 
 fn default_connect_timeout_s() -> u64 {
     TorchSpec::DEFAULT_CONNECT_TIMEOUT_S
+}
+
+fn default_prefork() -> bool {
+    true
 }
 
 impl TorchSpec {
@@ -286,7 +295,7 @@ pub async fn run(
         )));
     }
     let hardware = chips[0].hardware().clone();
-    let (ranks, _guard) = ranks::start(spec, world, &recorders, &hardware)?;
+    let (ranks, _guard) = ranks::start(spec, world, &recorders, &hardware).await?;
     let mut ranks: std::collections::HashMap<u32, ranks::Rank> =
         ranks.into_iter().map(|r| (r.rank, r)).collect();
     // The calls of each representative that a shadow checks.

@@ -60,6 +60,9 @@ pub struct RankLink {
     pub replies: mpsc::Sender<(Reply, Option<Payload>)>,
     /// The kernel's id of the rank's stack-sampling thread, once it said (0 until then).
     pub sampler_thread: Arc<AtomicU32>,
+    /// The pid of the process running the rank's program, as it said: the rank's own, or
+    /// the child a rank server forked for it (whose CPU time says whether the rank works).
+    pub pid: u32,
 }
 
 /// One rank process, for the chip that serves it.
@@ -76,6 +79,9 @@ pub struct Rank {
     pub started: Instant,
     /// Its process group (the rank and what it started).
     pub group: Arc<Group>,
+    /// Its process is a stub, its program a process the job's rank server forked into the
+    /// stub's group (see [`forkable`]).
+    pub forked: bool,
 }
 
 /// Waits until a rank's process has exited (`exit` is its [`Rank::exit`]); how it ended
@@ -106,8 +112,10 @@ impl Drop for RankGuard {
     }
 }
 
-/// Starts one process per chip of `recorders` (rank = chip id) and the socket they dial.
-pub fn start(
+/// Starts one process per chip of `recorders` (rank = chip id) and the socket they dial:
+/// each its own interpreter, or a stub for a rank forked by the job's rank server (see
+/// [`forkable`]).
+pub async fn start(
     spec: &TorchSpec,
     world: u32,
     recorders: &[Arc<FlightRecorder>],
@@ -137,44 +145,78 @@ pub fn start(
     // A rank sees the host its chip sits on in the modelled pod, as a launcher on a TPU VM
     // would start it, whichever worker process runs it here.
     let per_host = (hardware.chips_per_host as u32).clamp(1, world.max(1));
+    let job = JobEnv {
+        spec,
+        hardware,
+        world,
+        per_host,
+        master_port,
+        socket: &socket,
+        token: &token,
+        python_path: python_path.as_deref(),
+        ranks: recorders.len(),
+    };
+    let server = match forkable(spec, program, args, recorders.len()) {
+        true => start_rank_server(program, &job, &mut guard).await,
+        false => None,
+    };
+    let how = RankCommand {
+        program,
+        args,
+        server: server.as_deref(),
+        job: &job,
+    };
     for recorder in recorders {
-        let rank = recorder.chip();
+        let (rank, link_tx) = how.spawn(recorder.chip(), kill_rx.clone(), &mut guard)?;
+        pending.insert(rank.rank, (link_tx, recorder.clone()));
+        ranks.push(rank);
+    }
+    tokio::spawn(accept(listener, token, Arc::new(Mutex::new(pending))));
+    Ok((ranks, guard))
+}
+
+/// How each rank's process starts: the program and its arguments, run by a stub of the
+/// rank server's when there is one.
+struct RankCommand<'a> {
+    program: &'a str,
+    args: &'a [String],
+    server: Option<&'a str>,
+    job: &'a JobEnv<'a>,
+}
+
+impl RankCommand<'_> {
+    /// Starts rank `rank`'s process in its own group (listed in `guard`, killed when `kill`
+    /// says), its output prefixed and its exit watched; the rank and where its connection
+    /// goes once it says hello.
+    fn spawn(
+        &self,
+        rank: u32,
+        mut kill: watch::Receiver<bool>,
+        guard: &mut RankGuard,
+    ) -> Result<(Rank, oneshot::Sender<RankLink>), WorkerError> {
+        let program = self.program;
         let mut command = tokio::process::Command::new(program);
+        match self.server {
+            Some(server) => {
+                command
+                    .arg("-S")
+                    .arg("-c")
+                    .arg(STUB)
+                    .args(self.args)
+                    .env(PREFORK_SOCKET, server);
+            }
+            None => {
+                command.args(self.args);
+            }
+        }
+        self.job.apply(&mut command);
+        let per_host = self.job.per_host;
         command
-            .args(args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", (rank % per_host).to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("LOCAL_WORLD_SIZE", per_host.to_string())
             .env("GROUP_RANK", (rank / per_host).to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", master_port.to_string())
-            .env("PODSIM_SOCKET", &socket)
-            .env("PODSIM_TOKEN", &token)
-            .env("PODSIM_TOPOLOGY", &spec.topology)
-            .env("PODSIM_MODE", if spec.meta { "meta" } else { "data" })
-            .env("PODSIM_EAGER", spec.eager.name())
-            .env("PODSIM_COUNT", spec.count.name())
-            // The chip's HBM: a rank whose live device bytes pass it fails at that op.
-            .env("PODSIM_HBM_BYTES", format!("{:.0}", hardware.hbm_bytes))
-            .env("PODSIM_HARDWARE", &hardware.name)
-            .env("PYTHONUNBUFFERED", "1")
-            .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        // As torchrun does: one intra-op thread per rank unless the user says otherwise
-        // (several ranks share this host's cores; more threads only spin against each other).
-        if std::env::var_os("OMP_NUM_THREADS").is_none() && recorders.len() > 1 {
-            command.env("OMP_NUM_THREADS", "1");
-        }
-        if let Some(path) = &python_path {
-            command.env("PYTHONPATH", path);
-        }
-        command.env_remove("PODSIM_BOOTED");
-        if let Some(dir) = &spec.cwd {
-            command.current_dir(dir);
-        }
+            .stderr(Stdio::piped());
         die_with_parent(&mut command);
         // On an error, `guard` is dropped: the ranks started so far go with it.
         let mut child = command.spawn().map_err(|e| {
@@ -186,19 +228,20 @@ pub fn start(
         guard.groups.push(group.clone());
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
         let last_output = Arc::new(Mutex::new(None));
+        let label = format!("rank {rank}");
         if let Some(out) = child.stdout.take() {
-            tokio::spawn(prefix_lines(out, rank, Tail::Last(last_output.clone())));
+            let tail = Tail::Last(last_output.clone());
+            tokio::spawn(prefix_lines(out, label.clone(), tail));
         }
         if let Some(err) = child.stderr.take() {
-            tokio::spawn(prefix_lines(err, rank, Tail::Lines(stderr_tail.clone())));
+            tokio::spawn(prefix_lines(err, label, Tail::Lines(stderr_tail.clone())));
         }
         let (exit_tx, exit) = watch::channel(None);
-        let mut kill_rx = kill_rx.clone();
         let waited = group.clone();
         tokio::spawn(async move {
             let status = tokio::select! {
                 s = child.wait() => s,
-                _ = async { let _ = kill_rx.wait_for(|k| *k).await; } => {
+                _ = async { let _ = kill.wait_for(|k| *k).await; } => {
                     waited.kill();
                     // A rank that left its group on purpose (`setsid`) is not in it.
                     let _ = child.start_kill();
@@ -210,8 +253,7 @@ pub fn start(
             let _ = exit_tx.send(Some(describe(status)));
         });
         let (link_tx, link) = oneshot::channel();
-        pending.insert(rank, (link_tx, recorder.clone()));
-        ranks.push(Rank {
+        let rank = Rank {
             rank,
             pid,
             link,
@@ -220,10 +262,130 @@ pub fn start(
             last_output,
             started,
             group,
-        });
+            forked: self.server.is_some(),
+        };
+        Ok((rank, link_tx))
     }
-    tokio::spawn(accept(listener, token, Arc::new(Mutex::new(pending))));
-    Ok((ranks, guard))
+}
+
+/// The rank server's socket (an abstract Unix socket name), for the stubs.
+const PREFORK_SOCKET: &str = "PODSIM_PREFORK_SOCKET";
+/// A forked rank's own process (see `python/podsim/_prefork.py`).
+const STUB: &str = include_str!("stub.py");
+
+/// What every rank of the job (and the rank server) is started with: torchrun's environment
+/// but the rank's own numbers, and podsim's.
+struct JobEnv<'a> {
+    spec: &'a TorchSpec,
+    hardware: &'a podsim_topology::Hardware,
+    world: u32,
+    per_host: u32,
+    master_port: u16,
+    socket: &'a str,
+    token: &'a str,
+    python_path: Option<&'a std::ffi::OsStr>,
+    /// Rank processes on this worker.
+    ranks: usize,
+}
+
+impl JobEnv<'_> {
+    fn apply(&self, command: &mut tokio::process::Command) {
+        let spec = self.spec;
+        command
+            .env("WORLD_SIZE", self.world.to_string())
+            .env("LOCAL_WORLD_SIZE", self.per_host.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", self.master_port.to_string())
+            .env("PODSIM_SOCKET", self.socket)
+            .env("PODSIM_TOKEN", self.token)
+            .env("PODSIM_TOPOLOGY", &spec.topology)
+            .env("PODSIM_MODE", if spec.meta { "meta" } else { "data" })
+            .env("PODSIM_EAGER", spec.eager.name())
+            .env("PODSIM_COUNT", spec.count.name())
+            // The chip's HBM: a rank whose live device bytes pass it fails at that op.
+            .env(
+                "PODSIM_HBM_BYTES",
+                format!("{:.0}", self.hardware.hbm_bytes),
+            )
+            .env("PODSIM_HARDWARE", &self.hardware.name)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        // As torchrun does: one intra-op thread per rank unless the user says otherwise
+        // (several ranks share this host's cores; more threads only spin against each other).
+        if std::env::var_os("OMP_NUM_THREADS").is_none() && self.ranks > 1 {
+            command.env("OMP_NUM_THREADS", "1");
+        }
+        if let Some(path) = self.python_path {
+            command.env("PYTHONPATH", path);
+        }
+        command.env_remove("PODSIM_BOOTED");
+        if let Some(dir) = &spec.cwd {
+            command.current_dir(dir);
+        }
+    }
+}
+
+/// Whether the job's ranks are forked by a rank server: with podsim's interceptions (which
+/// the server loads once for all), the job's `prefork` on, more than one rank here, and a
+/// Python interpreter running a script, `-m MODULE` or `-c CODE`. (An interpreter option
+/// before it, such as `-u` or `-X`, would be lost in a fork: such ranks start their own.)
+fn forkable(spec: &TorchSpec, program: &str, args: &[String], ranks: usize) -> bool {
+    let python = std::path::Path::new(program)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("python"));
+    let runs_a_program = match args.first().map(String::as_str) {
+        Some("-m" | "-c") => args.len() >= 2,
+        Some(first) => !first.starts_with('-'),
+        None => false,
+    };
+    spec.intercept && spec.prefork && ranks > 1 && python && runs_a_program
+}
+
+/// Starts the job's rank server (`python/podsim/_prefork.py`) and waits until it has loaded
+/// torch and podsim; its socket's name, or `None` when it cannot start (its interpreter
+/// lacks podsim, say): the ranks then start as their own interpreters, and each says why it
+/// fails if it does. The server is killed with the ranks.
+async fn start_rank_server(
+    program: &str,
+    job: &JobEnv<'_>,
+    guard: &mut RankGuard,
+) -> Option<String> {
+    let socket = format!("podsim-rank-server-{}", random_token());
+    let mut command = tokio::process::Command::new(program);
+    command
+        .arg("-c")
+        .arg("import podsim._prefork; podsim._prefork.serve()");
+    job.apply(&mut command);
+    command
+        .env(PREFORK_SOCKET, &socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    die_with_parent(&mut command);
+    let mut child = command.spawn().ok()?;
+    let group = Arc::new(Group::new(child.id().unwrap_or(0)));
+    guard.groups.push(group.clone());
+    let mut said = BufReader::new(child.stdout.take()?).lines();
+    let bound = Duration::from_secs(job.spec.connect_timeout_s);
+    let ready = tokio::time::timeout(bound, said.next_line()).await;
+    if !matches!(&ready, Ok(Ok(Some(line))) if line == "ready") {
+        group.kill();
+        tracing::warn!(
+            "the rank server did not start ({ready:?}): each rank starts its own interpreter"
+        );
+        return None;
+    }
+    if let Some(err) = child.stderr.take() {
+        let tail = Tail::Lines(Arc::new(Mutex::new(VecDeque::new())));
+        tokio::spawn(prefix_lines(err, "rank server".into(), tail));
+    }
+    tokio::spawn(async move {
+        while let Ok(Some(_)) = said.next_line().await {}
+        let _ = child.wait().await;
+        group.end();
+    });
+    Some(socket)
 }
 
 /// A free loopback port for rank 0's `torch.distributed` store (`MASTER_PORT`). Another
@@ -268,12 +430,12 @@ enum Tail {
 
 /// Copies a rank's output to the worker's standard output, each line prefixed with its rank
 /// (`[rank 3] ...`), keeping its last lines in `tail`.
-async fn prefix_lines(stream: impl AsyncRead + Unpin, rank: u32, tail: Tail) {
+async fn prefix_lines(stream: impl AsyncRead + Unpin, label: String, tail: Tail) {
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
         {
             let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "[rank {rank}] {line}");
+            let _ = writeln!(out, "[{label}] {line}");
             let _ = out.flush();
         }
         match &tail {
@@ -340,14 +502,19 @@ async fn admit(
         error: Some(why),
         clock_ns: 0.0,
     };
-    let rank = match hello {
+    let (rank, pid) = match hello {
         Some((
             Frame {
-                request: Request::Hello { rank, token: t, .. },
+                request:
+                    Request::Hello {
+                        rank,
+                        pid,
+                        token: t,
+                    },
                 ..
             },
             _,
-        )) if t == token => rank,
+        )) if t == token => (rank, pid),
         Some((
             Frame {
                 request: Request::Hello { .. },
@@ -376,6 +543,7 @@ async fn admit(
         requests,
         replies,
         sampler_thread: sampler_thread.clone(),
+        pid,
     });
     tokio::spawn(async move {
         while let Some((reply, payload)) = reply_rx.recv().await {
@@ -462,6 +630,7 @@ time.sleep(600)
             connect_timeout_s: TorchSpec::DEFAULT_CONNECT_TIMEOUT_S,
             meta: false,
             intercept: false,
+            prefork: false,
             eager: crate::train::Eager::Fused,
             count: super::super::Count::Steady,
             verify_ranks: Vec::new(),
@@ -523,7 +692,7 @@ time.sleep(600)
             .expect("runtime");
         let dir = temp_dir("rank-guard");
         let file = dir.join("said");
-        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()], &hardware()) });
+        let started = rt.block_on(start(&spec(&file), 1, &[recorder()], &hardware()));
         let (ranks, guard) = started.expect("start");
         let (sig, leader, pid, child) = said(&file);
         assert_eq!(sig, libc::SIGKILL);
@@ -556,7 +725,7 @@ time.sleep(600)
             .build()
             .expect("runtime");
         let file = Path::new(&dir).join("said");
-        let started = rt.block_on(async { start(&spec(&file), 1, &[recorder()], &hardware()) });
+        let started = rt.block_on(start(&spec(&file), 1, &[recorder()], &hardware()));
         let _ranks = started.expect("start");
         // Bounded, should the test that kills it die first.
         std::thread::sleep(Duration::from_secs(60));

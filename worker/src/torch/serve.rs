@@ -35,6 +35,11 @@ const BUSY_TICKS: u64 = 2;
 /// not take a rank that is slow to arrive for one that stopped.
 struct BusyWatch {
     pid: u32,
+    /// A rank forked by the job's rank server, not yet connected: `pid` is its stub's, which
+    /// only waits, and the rank itself is starting (forked, loading the program, or waiting
+    /// for a core with the others) - shown as working until its hello gives its own pid. (A
+    /// forked rank that never connects is bounded by `connect_timeout_s`.)
+    starting: bool,
     /// The rank's stack-sampling thread (0: not known yet), left out of "running": it wakes
     /// every 200 ms, and on a busy host it waits for a core each time, which made a rank
     /// asleep in `time.sleep` look at work now and then and put off its stall's diagnosis.
@@ -45,9 +50,10 @@ struct BusyWatch {
 }
 
 impl BusyWatch {
-    fn new(pid: u32) -> BusyWatch {
+    fn new(pid: u32, forked: bool) -> BusyWatch {
         BusyWatch {
             pid,
+            starting: forked,
             sampler_thread: Arc::new(AtomicU32::new(0)),
             seen: std::collections::VecDeque::new(),
             busy: false,
@@ -55,6 +61,13 @@ impl BusyWatch {
     }
 
     fn update(&mut self, chip: &Chip) {
+        if self.starting {
+            if !self.busy {
+                chip.recorder().compute_started();
+                self.busy = true;
+            }
+            return;
+        }
         let sampler = self.sampler_thread.load(Ordering::Relaxed);
         let Some((now, running)) = cpu_ticks(self.pid, sampler) else {
             return;
@@ -250,7 +263,7 @@ async fn serve_rank(
         step_model_flops: 0.0,
     };
     // A rank importing torch is as busy as one computing: watched from the start.
-    let mut cpu = BusyWatch::new(rank.pid);
+    let mut cpu = BusyWatch::new(rank.pid, rank.forked);
     let mut tick = tokio::time::interval(BUSY_TICK);
     let bound = Duration::from_secs(spec.connect_timeout_s);
     let too_late = tokio::time::sleep(bound.saturating_sub(rank.started.elapsed()));
@@ -270,6 +283,11 @@ async fn serve_rank(
         return finish(chip, rank, served, exit);
     };
     cpu.sampler_thread = link.sampler_thread.clone();
+    cpu.starting = false;
+    if link.pid != 0 {
+        cpu.pid = link.pid;
+        served.report.pid = link.pid;
+    }
     served.report.connected = true;
     loop {
         let next = tokio::select! {
@@ -317,14 +335,20 @@ fn with_steps(error: WorkerError, chip: &Chip, mut served: Served) -> WorkerErro
 /// output), after killing it and what it started.
 fn not_connected(chip: &Chip, rank: &Rank, spec: &TorchSpec, busy: bool) -> WorkerError {
     // Looked at before the kill, which changes it.
-    let seen = crate::procs::describe(rank.pid);
+    let seen = match rank.forked {
+        // Its stub only waits for it: what it shows says nothing of the rank.
+        true => String::new(),
+        false => crate::procs::describe(rank.pid),
+    };
     rank.group.kill();
     let mut how = format!(
         "{} {} s (job.connect_timeout_s) of its start",
         TorchSpec::NOT_CONNECTED,
         spec.connect_timeout_s
     );
-    if seen.is_empty() {
+    if rank.forked {
+        how.push_str(": it was forked by the job's rank server and had not said hello");
+    } else if seen.is_empty() {
         how.push_str(": its process could not be looked at");
     } else {
         let lately = if busy {
@@ -382,7 +406,7 @@ fn finish(
             }
             let exited = WorkerError::RankExited {
                 chip: chip.id(),
-                pid: rank.pid,
+                pid: served.report.pid,
                 how,
                 stderr_tail: stderr_tail(rank),
             };

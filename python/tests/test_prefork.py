@@ -1,0 +1,130 @@
+"""The rank server and its stub (`podsim/_prefork.py`, `worker/src/torch/stub.py`) without a
+podsim binary: a forked rank runs the program as `python ARGS` would - its arguments,
+environment, directory, streams and exit, a signal included - and dies with its stub."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUB = os.path.join(os.path.dirname(PACKAGE), "worker", "src", "torch", "stub.py")
+
+PROGRAM = """import os, sys
+print("args", sys.argv, "rank", os.environ.get("RANK"), "cwd", os.getcwd(), "name", __name__,
+      "path0", sys.path[0], "pgid", os.getpgrp(), flush=True)
+sys.stderr.write("to stderr\\n")
+what = sys.argv[1] if len(sys.argv) > 1 else "0"
+if what == "raise":
+    raise RuntimeError("the program gives up")
+if what == "term":
+    os.kill(os.getpid(), 15)
+if what == "sleep":
+    import time
+    time.sleep(60)
+sys.exit(int(what))
+"""
+
+
+class RankServer(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempfile.mkdtemp(prefix="podsim-prefork-")
+        cls.program = os.path.join(cls.dir, "program.py")
+        with open(cls.program, "w") as f:
+            f.write(PROGRAM)
+        cls.socket = f"podsim-test-prefork-{os.getpid()}"
+        env = dict(os.environ, PYTHONPATH=PACKAGE, PODSIM_PREFORK_SOCKET=cls.socket)
+        cls.server = subprocess.Popen(
+            [sys.executable, "-c", "import podsim._prefork; podsim._prefork.serve()"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        assert cls.server.stdout.readline().strip() == "ready"
+        with open(STUB) as f:
+            cls.stub = f.read()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.kill()
+        cls.server.wait()
+        cls.server.stdout.close()
+        cls.server.stderr.close()
+
+    def start(self, *args, rank="3"):
+        env = dict(os.environ, PODSIM_PREFORK_SOCKET=self.socket, RANK=rank)
+        return subprocess.Popen(
+            [sys.executable, "-S", "-c", self.stub, *args], env=env, cwd=self.dir,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            process_group=0,
+        )
+
+    def run_stub(self, *args, rank="3"):
+        p = self.start(*args, rank=rank)
+        out, err = p.communicate(timeout=60)
+        return p.returncode, out, err, p.pid
+
+    def test_the_program_gets_the_stubs_arguments_environment_directory_and_streams(self):
+        code, out, err, pid = self.run_stub(self.program, "7", rank="5")
+        self.assertEqual(code, 7, err)
+        self.assertIn(f"args ['{self.program}', '7'] rank 5 cwd {self.dir} name __main__", out)
+        self.assertIn(f"path0 {self.dir} pgid {pid}", out)  # in the stub's process group
+        self.assertEqual(err, "to stderr\n")
+
+    def test_an_exception_is_exit_1_with_the_programs_traceback_alone(self):
+        code, _, err, _ = self.run_stub(self.program, "raise")
+        self.assertEqual(code, 1)
+        self.assertIn("RuntimeError: the program gives up", err)
+        self.assertNotIn("runpy", err)
+        self.assertNotIn("_prefork", err)
+
+    def test_a_signal_that_ends_the_program_ends_the_stub(self):
+        code, _, _, _ = self.run_stub(self.program, "term")
+        self.assertEqual(code, -signal.SIGTERM)
+
+    def test_module_and_code_forms(self):
+        code, out, _, _ = self.run_stub("-c", "import sys; print(__name__, sys.argv)", "x")
+        self.assertEqual((code, out.strip()), (0, "__main__ ['-c', 'x']"))
+        code, out, _, _ = self.run_stub("-m", "json.tool", "--help")
+        self.assertEqual(code, 0)
+        self.assertIn("usage", out)
+
+    def test_a_killed_stub_takes_its_rank_with_it(self):
+        p = self.start(self.program, "sleep")
+        pid = None
+        deadline = time.monotonic() + 30
+        while pid is None and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if line.startswith("args"):
+                pid = p.pid
+        self.assertIsNotNone(pid, "the rank did not start")
+        rank = [int(x) for x in os.listdir("/proc") if x.isdigit() and _pgid(int(x)) == p.pid
+                and int(x) != p.pid]
+        self.assertEqual(len(rank), 1, rank)
+        p.kill()
+        p.communicate(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(rank[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(_alive(rank[0]), "the forked rank outlived its stub")
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    unittest.main()
