@@ -208,7 +208,8 @@ def case_killed_leaves_nothing(args):
     the worker, the rank server, the stubs and the forked ranks all go."""
     out = tempfile.mkdtemp(prefix="podsim-torch-")
     program = "import torch.distributed as dist, time\ndist.init_process_group()\ntime.sleep(600)"
-    p = subprocess.Popen([args.podsim, "run", "--topology", "2x2", "--out", out, "--",
+    p = subprocess.Popen([args.podsim, "run", "--topology", "2x2", "--set", "job.prefork=true",
+                          "--out", out, "--",
                           sys.executable, "-c", program],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # The worker, the keeper, the rank server, 4 stubs and the 4 ranks it forked.

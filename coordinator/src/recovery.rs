@@ -374,7 +374,7 @@ mod tests {
             connect_timeout_s: 300,
             meta: true,
             intercept: true,
-            prefork: true,
+            prefork: false,
             eager: Eager::Fused,
             count: podsim_worker::protocol::Count::Steady,
             verify_ranks: Vec::new(),

@@ -55,8 +55,9 @@ pub struct TorchSpec {
     pub intercept: bool,
     /// With `intercept`, whether one rank server per job imports torch and podsim once and
     /// forks the ranks (`python/podsim/_prefork.py`), instead of each rank importing them
-    /// (3-4 s of CPU each); `false` starts every rank as its own interpreter.
-    #[serde(default = "default_prefork")]
+    /// (3-4 s of CPU each). Off unless asked: a forked rank was seen to abort at its exit
+    /// ("terminate called without an active exception") once in about ten FSDP2 runs.
+    #[serde(default)]
     pub prefork: bool,
     /// How the ranks' work is counted: `fused` (chains of element-wise ops one pass over HBM,
     /// collectives overlapping compute until waited for), `strict` (every op its own kernel,
@@ -89,10 +90,6 @@ fn intercept_by_default() -> bool {
 
 fn default_connect_timeout_s() -> u64 {
     TorchSpec::DEFAULT_CONNECT_TIMEOUT_S
-}
-
-fn default_prefork() -> bool {
-    true
 }
 
 impl TorchSpec {
