@@ -238,6 +238,8 @@ def main():
         tokens = tokens.to(device)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        # As torchtitan does: the logits are freed before backward, not held through it.
+        del logits
         loss.backward()
         norm = clip_grad_norm(model, 1.0)
         optimizer.step()

@@ -898,11 +898,32 @@ impl<'a> Trainer<'a> {
         self.tl.host_activations_bytes = self.tl.host_activations_bytes.max(offloaded);
         chip.recorder().compute_started();
         let logits = acts[layers].as_ref().ok_or_else(|| missing(layers))?;
-        let (loss, mut dz, cost) = mlp::cross_entropy(logits, labels, 1.0 / micro_batches as f32)?;
+        let (loss, dz, cost) = mlp::cross_entropy(logits, labels, 1.0 / micro_batches as f32)?;
         self.tl
             .compute(chip, cost, self.hbm.in_use(), || "loss".to_string());
+        self.backward(chip, dz, acts, sync).await?;
+        Ok(loss)
+    }
+
+    /// Backward of every layer, last first, from the loss's gradient `dz`; `acts` holds what
+    /// forward kept. The activation gradient flowing down is live HBM beside what it is
+    /// computed from (the one before it, the layer's saved input), as on the hardware.
+    async fn backward(
+        &mut self,
+        chip: &mut Chip,
+        mut dz: Tensor,
+        mut acts: Vec<Option<Tensor>>,
+        sync: bool,
+    ) -> Result<(), WorkerError> {
+        let layers = self.layers.len();
+        let mut flowing = 0;
+        self.flow(&mut flowing, dz.bytes(self.elem), layers)?;
         for l in (0..layers).rev() {
             self.after_backward(chip, l, &mut dz, &acts)?;
+            if !matches!(self.layers[l].after, After::None) {
+                // The op after the layer writes its input's gradient anew.
+                self.flow(&mut flowing, dz.bytes(self.elem), l)?;
+            }
             let mut dz_ready = None;
             if let Some(b) = self.layers[l].block
                 && self.layers.get(l + 1).and_then(|n| n.block) != Some(b)
@@ -946,10 +967,23 @@ impl<'a> Trainer<'a> {
                 Some(dx) => dx,
                 None => Tensor::Meta(Vec::new()),
             };
+            self.flow(&mut flowing, dz.bytes(self.elem), l)?;
         }
-        let freed = acts.pop().flatten().map_or(0, |a| a.bytes(elem));
+        self.hbm.free(MemKind::Transient, flowing);
+        let freed = acts.pop().flatten().map_or(0, |a| a.bytes(self.elem));
         self.hbm.free(MemKind::Activations, freed);
-        Ok(loss)
+        Ok(())
+    }
+
+    /// The activation gradient now `bytes` (of layer `l`'s backward) replaces the one held in
+    /// `flowing`: both are live while the new one is made.
+    fn flow(&mut self, flowing: &mut u64, bytes: u64, l: usize) -> Result<(), WorkerError> {
+        self.hbm.alloc(MemKind::Transient, bytes, || {
+            format!("activation gradient of layer {l}")
+        })?;
+        self.hbm.free(MemKind::Transient, *flowing);
+        *flowing = bytes;
+        Ok(())
     }
 
     /// Backward of the parameter-free op after layer `l`, on its output gradient `dz`.
