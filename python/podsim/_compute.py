@@ -11,7 +11,7 @@ import sys
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from . import _rebind
 from ._fusion import Fusion, tensors_of
@@ -254,34 +254,58 @@ def recomputation_apart(compute: "Compute") -> None:
     _rebind.everywhere(original, checkpoint, ("checkpoint", "torch_utils_checkpoint"))
 
 
-def price_attention_as_flash(compute: "Compute") -> None:
-    """`F.scaled_dot_product_attention` counted as one flash-attention kernel forward and one
-    backward, whatever torch decomposes it into on this host (the CPU's kernel, or on the
+def _flash_attention(compute: "Compute"):
+    """`attend(q, k, v)` run as one flash-attention kernel forward and one backward on the
+    chip's clock, whatever torch decomposes it into on this host (the CPU's kernel, or on the
     meta device the math path with its full score matrix, which no TPU materialises). The
-    backward recomputes the forward, as flash attention does, so nothing is kept but q, k, v;
-    with dropout the values would differ on recomputation, so such calls are counted as they
-    run."""
-    F = torch.nn.functional
-    sdpa = F.scaled_dot_product_attention
+    backward recomputes the forward, as flash attention does, so nothing is kept but q, k, v.
+    `attend` returns the output, or the output and values no gradient flows through (a
+    log-sum-exp)."""
 
     class FlashAttention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, kwargs):
-            compute.add_attention(q, k, v, kwargs.get("is_causal", False), backward=False)
-            ctx.kwargs = kwargs
+        def forward(ctx, attend, causal, q, k, v):
+            compute.add_attention(q, k, v, causal, backward=False)
+            ctx.attend, ctx.causal = attend, causal
             ctx.save_for_backward(q, k, v)
-            return compute.unpriced(sdpa, q, k, v, **kwargs)
+            out = compute.unpriced(attend, q.detach(), k.detach(), v.detach())
+            if isinstance(out, tuple):
+                ctx.mark_non_differentiable(*out[1:])
+            return out
 
         @staticmethod
-        def backward(ctx, grad):
+        def backward(ctx, grad, *_):
             q, k, v = ctx.saved_tensors
-            compute.add_attention(q, k, v, ctx.kwargs.get("is_causal", False), backward=True)
+            compute.add_attention(q, k, v, ctx.causal, backward=True)
+
             def grads():
                 with torch.enable_grad():
                     inputs = [x.detach().requires_grad_(True) for x in (q, k, v)]
-                    return torch.autograd.grad(sdpa(*inputs, **ctx.kwargs), inputs, grad)
+                    out = ctx.attend(*inputs)
+                    out = out[0] if isinstance(out, tuple) else out
+                    if out.grad_fn is None:  # shaped, not computed: gradients are shapes too
+                        return tuple(torch.empty_like(x) for x in inputs)
+                    return torch.autograd.grad(out, inputs, grad)
 
-            return (*compute.unpriced(grads), None)
+            return (None, None, *compute.unpriced(grads))
+
+    def attention(attend, q, k, v, causal):
+        if not torch.is_grad_enabled() or not any(x.requires_grad for x in (q, k, v)):
+            compute.add_attention(q, k, v, causal, backward=False)
+            return compute.unpriced(attend, q, k, v)
+        return FlashAttention.apply(attend, causal, q, k, v)
+
+    return attention
+
+
+def price_attention_as_flash(compute: "Compute") -> None:
+    """`F.scaled_dot_product_attention` and `flex_attention` counted as flash attention
+    (`_flash_attention`). With dropout SDPA's values would differ on recomputation, so such
+    calls are counted as they run."""
+    F = torch.nn.functional
+    sdpa = F.scaled_dot_product_attention
+    flash = _flash_attention(compute)
+    price_flex_attention_as_flash(flash)
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                      is_causal=False, scale=None, enable_gqa=False):
@@ -293,12 +317,51 @@ def price_attention_as_flash(compute: "Compute") -> None:
             return local(lambda q, k, v: scaled_dot_product_attention(q, k, v, **kwargs))
         if dropout_p or not plain or attn_mask is not None and attn_mask.requires_grad:
             return sdpa(query, key, value, **kwargs)
-        if not torch.is_grad_enabled() or not any(x.requires_grad for x in (query, key, value)):
-            compute.add_attention(query, key, value, is_causal, backward=False)
-            return compute.unpriced(sdpa, query, key, value, **kwargs)
-        return FlashAttention.apply(query, key, value, kwargs)
+        return flash(lambda q, k, v: sdpa(q, k, v, **kwargs), query, key, value, is_causal)
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def price_flex_attention_as_flash(flash) -> None:
+    """`flex_attention` counted as flash attention by `flash` (`_flash_attention`). A block
+    mask is priced as causal attention: its sparsity is not known on the meta device, and
+    the masks language models use (causal, causal within documents, a sliding window) keep
+    at most that much. On real tensors the values are torch's own; on meta tensors torch
+    refuses the device, and the output (and log-sum-exp) are shaped here."""
+    try:
+        import torch.nn.attention.flex_attention as fa
+    except ImportError:  # a torch without flex attention
+        return
+    original = fa.flex_attention
+
+    def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                       enable_gqa=False, return_lse=False, kernel_options=None, *,
+                       return_aux=None):
+        plain = all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in (query, key, value))
+        if not plain or query.dim() != 4:
+            return original(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                            return_lse, kernel_options, return_aux=return_aux)
+        lse_asked = return_lse or return_aux is not None and getattr(return_aux, "lse", False)
+
+        def attend(q, k, v):
+            if q.is_meta:
+                out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+                return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+            # torch's flex attention is a higher-order op, which no dispatch mode of
+            # podsim's may see; its kernel is priced whole anyway.
+            with _disable_current_modes():
+                out, aux = original(q, k, v, score_mod, block_mask, scale, enable_gqa,
+                                    kernel_options=kernel_options,
+                                    return_aux=fa.AuxRequest(lse=True))
+            return out, aux.lse
+
+        out, lse = flash(attend, query, key, value, block_mask is not None)
+        if return_aux is not None:
+            return out, fa.AuxOutput(lse=lse if lse_asked else None)
+        return (out, lse) if return_lse else out
+
+    fa.flex_attention = flex_attention
+    _rebind.everywhere(original, flex_attention, ("flex_attention",))
 
 
 def _head_parallel(query, key, value):
@@ -352,6 +415,8 @@ class Memory:
         self.total = 0
         self.peak = 0
         self.peak_by_kind = dict(self.by_kind)
+        # The peak `torch.cuda.max_memory_allocated` reports: since the program last reset it.
+        self.program_peak = 0
         # Set while the program makes tensors it asked to have on the meta device itself
         # (`with torch.device("meta")`): no memory on any device, in meta mode as in a real run.
         self.untracked = 0
@@ -386,11 +451,22 @@ class Memory:
         self.by_kind[_TRANSIENT] += n
         self.total += n
         weakref.finalize(storage, self._freed, key)
+        self._raise_peaks()
+        if self.capacity and self.total > self.capacity:
+            self._out_of_memory(func)
+
+    def _raise_peaks(self):
         if self.total > self.peak:
             self.peak = self.total
             self.peak_by_kind = dict(self.by_kind)
-        if self.capacity and self.total > self.capacity:
-            self._out_of_memory(func)
+        self.program_peak = max(self.program_peak, self.total)
+
+    def replayed(self, step_peak):
+        """A replayed step peaked at `step_peak` bytes, which the dispatcher did not see."""
+        self.program_peak = max(self.program_peak, step_peak)
+
+    def reset_program_peak(self):
+        self.program_peak = self.total
 
     def _freed(self, key):
         entry = self.live.pop(key, None)
@@ -408,9 +484,7 @@ class Memory:
         self.by_kind[entry[1]] += n - entry[0]
         self.total += n - entry[0]
         entry[0] = n
-        if self.total > self.peak:
-            self.peak = self.total
-            self.peak_by_kind = dict(self.by_kind)
+        self._raise_peaks()
         if self.capacity and self.total > self.capacity:
             self._out_of_memory("UntypedStorage.resize_")
 

@@ -5,16 +5,18 @@ interpreter (``podsim run`` puts a ``sitecustomize`` on its ``PYTHONPATH``), it
   ``"gloo"``, none, ``"cpu:gloo,cuda:nccl"``), so that no collective goes around the pod;
 - puts what the program asks of a GPU on podsim's device: ``cuda`` devices, ``.cuda()``,
   ``torch.cuda.set_device`` and device meshes of ``"cuda"`` land on the CPU in data mode and on
-  the meta device in meta mode;
+  the meta device in meta mode, and ``torch.cuda``'s memory API reads the chip's HBM;
 - in meta mode (:mod:`podsim._meta`) gives every large tensor shape, dtype and device but no
   storage, and a defined stand-in to whatever needs a value;
 - ends a step at every ``optimizer.step()`` unless the program marks its own steps;
+- runs what the program ``torch.compile``\ s eagerly, so that every op is priced;
 - tells the chip about an exception that ends the program, with its line.
 
 ``podsim run --no-intercept`` leaves the program as it is.
 """
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import os
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import _rebind, _streams
+from . import _device_memory, _rebind, _streams
 from . import torch as backend
 
 _installed = False
@@ -50,6 +52,7 @@ def install():
     _devices_are_podsims()
     _steps_at_optimizer_steps()
     _streams_are_podsims()
+    _compile_runs_eagerly()
     _exceptions_reach_the_chip()
     if mode() == "meta":
         from . import _meta
@@ -155,12 +158,11 @@ def _devices_are_podsims():
     cuda.set_device = lambda d: None
     cuda.current_device = _local_rank
     cuda.device_count = lambda: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cuda.empty_cache = lambda: None
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None
     cuda.is_bf16_supported = lambda including_emulation=True: True
     cuda.get_device_name = lambda device=None: os.environ.get("PODSIM_HARDWARE", "podsim")
-    cuda.reset_peak_memory_stats = lambda device=None: None
+    _device_memory.install()
     _accelerator_is_podsims()
     torch.Tensor.pin_memory = lambda self, device=None: self
     torch.Tensor.cuda = lambda self, device=None, non_blocking=False, memory_format=None: self.to(
@@ -256,8 +258,8 @@ def _mesh_device(asked, device_type):
 
 
 def _steps_at_optimizer_steps():
-    """A step ends at each `optimizer.step()`, unless the program calls `podsim.torch.step()`
-    itself (then its marks are the steps)."""
+    """A step ends at each `optimizer.step()` (the outermost, when one optimizer steps others),
+    unless the program calls `podsim.torch.step()` itself (then its marks are the steps)."""
 
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
@@ -271,7 +273,12 @@ def _steps_at_optimizer_steps():
             return None
         return rank.compute.memory
 
+    # Optimizers stepping inside another's step (a container of optimizers, as torchtitan
+    # keeps one per model part) end one step: the outermost.
+    depth = [0]
+
     def before_optimizer_step(optimizer, args, kwargs):
+        depth[0] += 1
         # The update needs every gradient: the compute stream waits for every collective in
         # flight (DDP's buckets are waited for through futures podsim does not see).
         _streams.wait_all()
@@ -284,13 +291,14 @@ def _steps_at_optimizer_steps():
                         hbm.classify(p.grad, "gradients")
 
     def after_optimizer_step(optimizer, args, kwargs):
+        depth[0] -= 1
         hbm = memory()
         if hbm is not None:
             for state in optimizer.state.values():
                 for value in state.values():
                     hbm.classify(value, "optimizer state")
         rank = backend._rank
-        if rank is not None and not rank.explicit_steps and not rank.done:
+        if rank is not None and not rank.explicit_steps and not rank.done and depth[0] == 0:
             _streams.wait_all()
             rank.call(rank.step_request(auto=True))
 
@@ -392,6 +400,30 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def _compile_runs_eagerly():
+    """`torch.compile` gives back what it is given (a function or module, or a decorator
+    that does): podsim prices a program op by op at the dispatcher, where a compiled graph's
+    kernels would go unseen, and what compilation would fuse is what the `fused` eager mode
+    prices as fused. A module's in-place `compile()` does nothing."""
+
+    def compile(model=None, **options):
+        if model is None:
+            return compile
+        if isinstance(model, torch.nn.Module) or not callable(model):
+            return model
+
+        # A function compiled at import, before podsim replaced it (`flex_attention`),
+        # calls its replacement once there is one.
+        @functools.wraps(model)
+        def eager(*args, **kwargs):
+            return _rebind.current(model)(*args, **kwargs)
+
+        return eager
+
+    torch.compile = compile
+    torch.nn.Module.compile = lambda self, *args, **kwargs: None
 
 
 def _exceptions_reach_the_chip():

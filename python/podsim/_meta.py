@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from . import _functional
+from . import _functional, _rebind
 from . import torch as backend
 from ._intercept import DeviceMap
 
@@ -221,8 +221,27 @@ class _LazyChunks:
         return (self[i] for i in range(self.n))
 
 
+def _multi_tensor_kernels_on_the_meta_device():
+    """torch's multi-tensor kernels (`_foreach_*`, and the fused optimizers') have meta
+    implementations, but torch offers them only on the devices it lists (the CPU and the
+    accelerators): a program that asks for them (`clip_grad_norm_(foreach=True)`,
+    `AdamW(fused=True)`, as on a GPU) gets them on the meta device too, and an optimizer left
+    to choose picks them there as it does in data mode on the CPU."""
+    import torch.utils._foreach_utils as foreach
+
+    for name in ("_get_foreach_kernels_supported_devices", "_get_fused_kernels_supported_devices"):
+        listed = getattr(foreach, name)
+
+        def supported(listed=listed):
+            return [*listed(), "meta"]
+
+        setattr(foreach, name, supported)
+        _rebind.everywhere(listed, supported, (name,))
+
+
 def install():
     _fsdp_on_the_meta_device()
+    _multi_tensor_kernels_on_the_meta_device()
     _values_get_stand_ins()
     _functional.install()
     Fake().__enter__()

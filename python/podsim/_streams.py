@@ -53,6 +53,23 @@ class Stream:
 
     def __init__(self, device=None, priority=0, **_):
         self._pending = []
+        self.priority = priority
+
+    @property
+    def device(self):
+        """The device the program believes it is on (`torch.cuda.Stream.device`): the
+        accelerator of its local rank."""
+        import torch
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def device_index(self):
+        return self.device.index
+
+    @property
+    def device_type(self):
+        return self.device.type
 
     def outstanding(self):
         """The collectives issued on (or made to wait on) this stream not yet waited for."""

@@ -120,8 +120,11 @@ class _Rank:
         if self.steps is None or request["op"] != "step":
             request["compute"] = self._take(sig)
             return
-        hbm = self.compute.memory.take_step()
-        request["compute"], request["hbm"], request["counting"] = self.steps.end_step(sig, hbm)
+        memory = self.compute.memory
+        request["compute"], request["hbm"], request["counting"] = self.steps.end_step(
+            sig, memory.take_step()
+        )
+        memory.replayed(request["hbm"]["peak_bytes"])
 
     @staticmethod
     def step_request(auto=False):
@@ -284,6 +287,19 @@ def _from_words(words, like, nbytes=None):
     return raw.view(like.dtype).reshape(like.shape)
 
 
+def _premultiplied(op):
+    """`ReduceOp.PREMUL_SUM(f)` (FSDP2's gradient division when a program sets its own
+    factor) is a sum of inputs multiplied by `f` first, as NCCL runs it: (SUM, f). Any
+    other op: (op, None)."""
+    if op == dist.ReduceOp.PREMUL_SUM:
+        return dist.ReduceOp.SUM, op.factor
+    return op, None
+
+
+def _scaled(t, factor):
+    return t if factor is None else t * factor
+
+
 def _reduce_locally(stacked, op):
     """The reduction podsim's chips do not do, over gathered inputs (rank order)."""
     if op == dist.ReduceOp.SUM:
@@ -429,6 +445,8 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         try:
             if values.is_meta:
                 return self._chip_sizes(op, values.numel(), **fields)
+            if self._node.meta:
+                return self._as_if_every_rank_had(op, values, fields)
             return self._node.call({"op": op, "group": self._id, **fields}, values)
         finally:
             # In flight from here (a wait for it rides on a later request, never this one).
@@ -448,24 +466,45 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         out = {"all_gather": words * n, "reduce_scatter": words // n}.get(op, words)
         return torch.empty(out, dtype=torch.float32, device="meta")
 
+    def _as_if_every_rank_had(self, op, values, fields):
+        """Meta mode, a real tensor (bookkeeping that keeps its value, such as a token count
+        summed over the data-parallel ranks): the collective runs on the chip by size, and
+        its result is what it would be if every rank of the group held this rank's values,
+        the assumption under which one process stands for its ranks. Counted as a stand-in."""
+        from . import _meta
+
+        self._chip_sizes(op, values.numel(), **fields)
+        _meta.stand_ins[(f"{op} of a real tensor", _call_site() or "an unknown line")] += 1
+        n = self.size()
+        if op == "all_gather":
+            return values.repeat(n)
+        if op == "reduce_scatter":
+            values = values.view(n, -1)[self.rank()]
+        if fields.get("reduce") == "sum":
+            return values * n
+        return values.clone()  # avg, max, min of n equal values; a broadcast's root's
+
     def _all_gather_words(self, t):
         words = _as_words(t)
         return self._chip("all_gather", words, dtype="f32").view(self.size(), words.numel())
 
     def _all_reduce_into(self, t, op):
+        op, factor = _premultiplied(op)
         name = _reduce_name(op)
         if t.dtype in _FLOAT_NAMES and name is not None:
-            out = self._chip("all_reduce", _as_f32(t), reduce=name, dtype=_FLOAT_NAMES[t.dtype])
+            words = _scaled(_as_f32(t), factor)
+            out = self._chip("all_reduce", words, reduce=name, dtype=_FLOAT_NAMES[t.dtype])
             t.copy_(out.view(t.shape))
         else:
             rows = self._all_gather_words(t)
             if t.is_meta:  # sizes only: no rows to reduce (one per rank, 4,096 of them)
                 return
-            stacked = torch.stack([_from_words(r, t) for r in rows])
+            stacked = _scaled(torch.stack([_from_words(r, t) for r in rows]), factor)
             t.copy_(_reduce_locally(stacked, op))
 
     def _reduce_scatter_into(self, out, inp, op):
         n = self.size()
+        op, factor = _premultiplied(op)
         name = _reduce_name(op)
         if inp.numel() != n * out.numel():
             raise PodsimError(
@@ -473,13 +512,14 @@ class ProcessGroupPodsim(dist.ProcessGroup):
                 f"does not fit a group of {n}"
             )
         if inp.dtype in _FLOAT_NAMES and name is not None:
-            got = self._chip("reduce_scatter", _as_f32(inp), reduce=name, dtype=_FLOAT_NAMES[inp.dtype])
+            words = _scaled(_as_f32(inp), factor)
+            got = self._chip("reduce_scatter", words, reduce=name, dtype=_FLOAT_NAMES[inp.dtype])
             out.copy_(got.view(out.shape))
         else:
             rows = self._all_gather_words(inp)
             if inp.is_meta:
                 return
-            stacked = torch.stack([_from_words(r, inp).reshape(-1) for r in rows])
+            stacked = _scaled(torch.stack([_from_words(r, inp).reshape(-1) for r in rows]), factor)
             mine = _reduce_locally(stacked, op).view(n, -1)[self.rank()]
             out.copy_(mine.view(out.shape))
 

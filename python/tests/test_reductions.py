@@ -6,7 +6,7 @@ import unittest
 import torch
 import torch.distributed as dist
 
-from podsim.torch import _as_words, _from_words, _reduce_locally
+from podsim.torch import _as_words, _from_words, _premultiplied, _reduce_locally, _scaled
 from podsim._wire import PodsimError
 
 
@@ -52,6 +52,20 @@ class LocalReductions(unittest.TestCase):
     def test_an_op_no_one_does_is_an_error(self):
         with self.assertRaises((PodsimError, ValueError, TypeError)):
             _reduce_locally(self.floats, dist.ReduceOp.PREMUL_SUM)
+
+    def test_a_premultiplied_sum_is_the_sum_of_the_scaled_inputs(self):
+        op, factor = _premultiplied(dist.ReduceOp.PREMUL_SUM(0.25))
+        self.assertTrue(op == dist.ReduceOp.SUM)
+        got = _reduce_locally(_scaled(self.floats, factor), op)
+        want = naive(self.floats * 0.25, lambda a, b: a + b)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+    def test_other_ops_are_not_scaled(self):
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+            with self.subTest(op=str(op)):
+                same, factor = _premultiplied(op)
+                self.assertTrue(same == op)
+                self.assertIs(_scaled(self.floats, factor), self.floats)
 
 
 class RawWords(unittest.TestCase):
