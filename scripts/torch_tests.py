@@ -308,11 +308,12 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
         said = hang.get("explanation", "")
         if "RuntimeError" not in said or "faults.py:" not in said:
             problems.append(f"the error does not name the exception and its line: {said[:300]}")
-        # The steps the rank made before it raised stay in the report.
+        # The steps every rank made before one raised stay in the report: the failing rank's
+        # and those of the ranks the failure stopped (each waits in the step after).
         ranks = ((report or {}).get("torch") or {}).get("ranks", [])
-        made = [len(r["steps"]) for r in ranks if r["rank"] == rank]
-        if made != [fault_step]:
-            problems.append(f"torch section: rank {rank} with {made} steps, want [{fault_step}]")
+        made = {r["rank"]: len(r["steps"]) for r in ranks}
+        if made != {r: fault_step for r in range(8)}:
+            problems.append(f"torch section: steps by rank {made}, want {fault_step} for all 8")
     time.sleep(0.5)
     left = leftover("examples/torch/faults.py")
     if left:

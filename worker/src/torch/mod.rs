@@ -261,6 +261,23 @@ const SECOND_OPINION: std::time::Duration = std::time::Duration::from_secs(1);
 /// Starts a rank per chip and serves each until it exits; `done` counts marked steps. The
 /// representative chips of the mirror fabric have the job's `verify_ranks` run beside them
 /// as shadows, each compared with the representative of its class (see [`verify`]).
+/// A failed job's error, carrying also the steps of this worker's ranks that the failure
+/// stopped mid-run (their serving was dropped): the report keeps every rank's work.
+fn with_stopped_ranks(error: WorkerError, progress: &serve::Progress) -> WorkerError {
+    let stopped = progress.taken();
+    if stopped.is_empty() || error.is_regroup() {
+        return error;
+    }
+    let (error, mut ranks) = match error {
+        WorkerError::TorchFailed { error, ranks } => (error, ranks),
+        other => (Box::new(other), Vec::new()),
+    };
+    let failed: Vec<u32> = ranks.iter().map(|r| r.rank).collect();
+    ranks.extend(stopped.into_iter().filter(|r| !failed.contains(&r.rank)));
+    ranks.sort_by_key(|r| r.rank);
+    WorkerError::TorchFailed { error, ranks }
+}
+
 pub async fn run(
     chips: Vec<Chip>,
     spec: &TorchSpec,
@@ -321,8 +338,10 @@ pub async fn run(
     drop(failed);
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
+    let progress = serve::Progress::default();
     let served = run_chips(chips, |mut chip| {
         let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
+        let progress = progress.clone();
         let (sites, checked) = (sites.clone(), references.get(&chip.id()).cloned());
         async move {
             let rank = ranks
@@ -330,7 +349,15 @@ pub async fn run(
                 .ok()
                 .and_then(|mut r| r.remove(&chip.id()))
                 .ok_or_else(|| WorkerError::Internal(format!("no rank for chip {}", chip.id())))?;
-            let report = serve::serve(&mut chip, rank, &spec, &sites, checked.as_deref()).await?;
+            let report = serve::serve(
+                &mut chip,
+                rank,
+                &spec,
+                &sites,
+                checked.as_deref(),
+                &progress,
+            )
+            .await?;
             done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
             Ok::<_, WorkerError>(report)
         }
@@ -356,7 +383,7 @@ pub async fn run(
     {
         return Err(e);
     }
-    let reports = reports?;
+    let reports = reports.map_err(|e| with_stopped_ranks(e, &progress))?;
     if !reports.is_empty() && reports.iter().all(|r| !r.connected) {
         return Err(WorkerError::Invalid(format!(
             "no rank used podsim: every rank ended without creating a podsim process group, so \

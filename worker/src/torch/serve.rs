@@ -214,6 +214,49 @@ struct Served {
     step_flops: f64,
     /// Of those, the model's (recomputation left out).
     step_model_flops: f64,
+    /// Where the report goes if this serving is dropped before it ends (`Progress`).
+    progress: Progress,
+    /// Whether the report was handed on (the rank ended, or its error carries it).
+    handed_on: bool,
+}
+
+impl Served {
+    /// The report, handed on by the serving's end: dropping `self` keeps nothing more.
+    fn hand_on(&mut self) -> RankReport {
+        self.handed_on = true;
+        std::mem::take(&mut self.report)
+    }
+}
+
+impl Drop for Served {
+    /// Another rank's failure stops the job mid-step and drops this serving: what the rank
+    /// had done until then stays with the worker's other ranks' (a failed job's report).
+    fn drop(&mut self) {
+        if !self.handed_on {
+            self.progress.keep(std::mem::take(&mut self.report));
+        }
+    }
+}
+
+/// The reports of a worker's ranks whose serving was stopped before it ended, by rank.
+#[derive(Clone, Default)]
+pub struct Progress(Arc<std::sync::Mutex<HashMap<u32, RankReport>>>);
+
+impl Progress {
+    fn keep(&self, report: RankReport) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        kept.insert(report.rank, report);
+    }
+
+    /// The kept reports, in rank order.
+    pub fn taken(&self) -> Vec<RankReport> {
+        let mut kept: Vec<_> =
+            std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+                .into_values()
+                .collect();
+        kept.sort_by_key(|r| r.rank);
+        kept
+    }
 }
 
 /// Serves `rank` on `chip` until the rank exits: its result is the rank's report, or the
@@ -224,8 +267,9 @@ pub async fn serve(
     spec: &TorchSpec,
     sites: &CallSites,
     reference: Option<&Reference>,
+    progress: &Progress,
 ) -> Result<RankReport, WorkerError> {
-    let result = serve_rank(chip, &mut rank, spec, sites, reference).await;
+    let result = serve_rank(chip, &mut rank, spec, sites, reference, progress).await;
     if let Some(reference) = reference {
         reference.end(match &result {
             Ok(_) => "ended its program".to_string(),
@@ -241,6 +285,7 @@ async fn serve_rank(
     spec: &TorchSpec,
     sites: &CallSites,
     reference: Option<&Reference>,
+    progress: &Progress,
 ) -> Result<RankReport, WorkerError> {
     let mut served = Served {
         groups: HashMap::new(),
@@ -261,6 +306,8 @@ async fn serve_rank(
         folded_hbm: StepHbm::default(),
         step_flops: 0.0,
         step_model_flops: 0.0,
+        progress: progress.clone(),
+        handed_on: false,
     };
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid, rank.forked);
@@ -321,12 +368,13 @@ async fn serve_rank(
 /// report of a failed job keeps them.
 fn with_steps(error: WorkerError, chip: &Chip, mut served: Served) -> WorkerError {
     if matches!(error, WorkerError::TorchFailed { .. }) {
+        served.handed_on = true; // the error carries the rank's steps already
         return error;
     }
     served.report.virtual_ns = chip.clock();
     WorkerError::TorchFailed {
         error: Box::new(error),
-        ranks: vec![served.report],
+        ranks: vec![served.hand_on()],
     }
 }
 
@@ -415,7 +463,7 @@ fn finish(
     }
     served.report.exit = exit.map(|e| e.to_string());
     served.report.virtual_ns = chip.clock();
-    Ok(served.report)
+    Ok(served.hand_on())
 }
 
 /// What every request of a rank is served with: the job, where each rank called from, and
@@ -494,6 +542,7 @@ async fn handle(
             served.step_flops = 0.0;
             served.step_model_flops = 0.0;
             served.report.steps.push(step);
+            served.report.virtual_ns = now;
             served.step_start_ns = now;
             served.step_compute_ns = 0.0;
             served.step_comm_ns = 0.0;
