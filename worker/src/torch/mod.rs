@@ -20,6 +20,7 @@ pub mod serve;
 pub mod verify;
 pub mod wire;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -287,17 +288,7 @@ pub async fn run(
         return Ok(Vec::new());
     };
     let pod = chips[0].pod().clone();
-    let mirrored = chips.iter().all(Chip::mirrored);
-    let representatives: Vec<u32> = chips.iter().map(Chip::id).collect();
-    let shadows: Vec<u32> = match mirrored {
-        true => spec
-            .verify_ranks
-            .iter()
-            .copied()
-            .filter(|r| !representatives.contains(r) && *r < world)
-            .collect(),
-        false => Vec::new(),
-    };
+    let shadows = shadow_ranks(&chips, spec, world);
     let symmetry = spec.symmetry(&pod);
     let class_of = |rank: u32| symmetry.representative(&pod, rank);
     let mut recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
@@ -310,58 +301,17 @@ pub async fn run(
     }
     let hardware = chips[0].hardware().clone();
     let (ranks, _guard) = ranks::start(spec, world, &recorders, &hardware).await?;
-    let mut ranks: std::collections::HashMap<u32, ranks::Rank> =
-        ranks.into_iter().map(|r| (r.rank, r)).collect();
+    let mut ranks: HashMap<u32, ranks::Rank> = ranks.into_iter().map(|r| (r.rank, r)).collect();
     // The calls of each representative that a shadow checks.
-    let references: std::collections::HashMap<u32, Arc<verify::Reference>> = shadows
+    let references: HashMap<u32, Arc<verify::Reference>> = shadows
         .iter()
         .map(|&s| (class_of(s), Arc::new(verify::Reference::default())))
         .collect();
-    // A shadow's desync ends the job at once, whatever the representatives are doing.
-    let (failed, mut failure) = tokio::sync::mpsc::channel(1);
-    let shadow_tasks: Vec<_> = shadows
-        .iter()
-        .filter_map(|s| ranks.remove(s))
-        .map(|rank| {
-            let rep = class_of(rank.rank);
-            let reference = references[&rep].clone();
-            let (spec, failed, pod) = (spec.clone(), failed.clone(), pod.clone());
-            tokio::spawn(async move {
-                if let Err(e) = verify::serve_shadow(rank, &spec, &reference, rep, &pod).await {
-                    // The first failure is the job's; a later shadow's must not wait for a
-                    // reader (the job waits for every shadow task at its end).
-                    let _ = failed.try_send(e);
-                }
-            })
-        })
-        .collect();
-    drop(failed);
-    let ranks = Arc::new(std::sync::Mutex::new(ranks));
-    let sites = CallSites::default();
+    let shadow_ranks: Vec<_> = shadows.iter().filter_map(|s| ranks.remove(s)).collect();
+    let (shadow_tasks, mut failure) =
+        start_shadows(shadow_ranks, spec, &references, &class_of, &pod);
     let progress = serve::Progress::default();
-    let served = run_chips(chips, |mut chip| {
-        let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
-        let progress = progress.clone();
-        let (sites, checked) = (sites.clone(), references.get(&chip.id()).cloned());
-        async move {
-            let rank = ranks
-                .lock()
-                .ok()
-                .and_then(|mut r| r.remove(&chip.id()))
-                .ok_or_else(|| WorkerError::Internal(format!("no rank for chip {}", chip.id())))?;
-            let report = serve::serve(
-                &mut chip,
-                rank,
-                &spec,
-                &sites,
-                checked.as_deref(),
-                &progress,
-            )
-            .await?;
-            done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
-            Ok::<_, WorkerError>(report)
-        }
-    });
+    let served = serve_chips(chips, spec, done, ranks, &references, &progress);
     tokio::pin!(served);
     let reports = tokio::select! {
         reports = &mut served => reports,
@@ -385,16 +335,97 @@ pub async fn run(
     }
     let reports = reports.map_err(|e| with_stopped_ranks(e, &progress))?;
     if !reports.is_empty() && reports.iter().all(|r| !r.connected) {
-        return Err(WorkerError::Invalid(format!(
-            "no rank used podsim: every rank ended without creating a podsim process group, so \
-             its collectives (if any) went around the emulated pod{}",
-            if spec.intercept {
-                " - does the program call torch.distributed.init_process_group?"
-            } else {
-                " - with --no-intercept the program must `import podsim.torch` and call \
-                 init_process_group(\"podsim\")"
-            }
-        )));
+        return Err(went_around_podsim(spec));
     }
     Ok(reports)
+}
+
+/// The `--verify-ranks` ranks this worker runs besides its chips' (only when its chips
+/// mirror their classes: then every other rank is a representative's).
+fn shadow_ranks(chips: &[Chip], spec: &TorchSpec, world: u32) -> Vec<u32> {
+    if !chips.iter().all(Chip::mirrored) {
+        return Vec::new();
+    }
+    let representatives: Vec<u32> = chips.iter().map(Chip::id).collect();
+    spec.verify_ranks
+        .iter()
+        .copied()
+        .filter(|r| !representatives.contains(r) && *r < world)
+        .collect()
+}
+
+/// Serves each shadow against its representative's calls (`references`, by representative),
+/// each on a task of its own; the receiver gets the first shadow's failure, which ends the
+/// job at once, whatever the representatives are doing.
+fn start_shadows(
+    shadows: Vec<ranks::Rank>,
+    spec: &TorchSpec,
+    references: &HashMap<u32, Arc<verify::Reference>>,
+    class_of: &dyn Fn(u32) -> u32,
+    pod: &podsim_topology::Pod,
+) -> (
+    Vec<tokio::task::JoinHandle<()>>,
+    tokio::sync::mpsc::Receiver<WorkerError>,
+) {
+    let (failed, failure) = tokio::sync::mpsc::channel(1);
+    let tasks = shadows
+        .into_iter()
+        .map(|rank| {
+            let rep = class_of(rank.rank);
+            let reference = references[&rep].clone();
+            let (spec, failed, pod) = (spec.clone(), failed.clone(), pod.clone());
+            tokio::spawn(async move {
+                if let Err(e) = verify::serve_shadow(rank, &spec, &reference, rep, &pod).await {
+                    // The first failure is the job's; a later shadow's must not wait for a
+                    // reader (the job waits for every shadow task at its end).
+                    let _ = failed.try_send(e);
+                }
+            })
+        })
+        .collect();
+    (tasks, failure)
+}
+
+/// Serves every representative rank on its chip until all end or one fails.
+async fn serve_chips(
+    chips: Vec<Chip>,
+    spec: &TorchSpec,
+    done: Arc<AtomicU64>,
+    ranks: HashMap<u32, ranks::Rank>,
+    references: &HashMap<u32, Arc<verify::Reference>>,
+    progress: &serve::Progress,
+) -> Result<Vec<RankReport>, WorkerError> {
+    let ranks = Arc::new(std::sync::Mutex::new(ranks));
+    let sites = CallSites::default();
+    run_chips(chips, |mut chip| {
+        let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
+        let progress = progress.clone();
+        let (sites, checked) = (sites.clone(), references.get(&chip.id()).cloned());
+        async move {
+            let rank = ranks
+                .lock()
+                .ok()
+                .and_then(|mut r| r.remove(&chip.id()))
+                .ok_or_else(|| WorkerError::Internal(format!("no rank for chip {}", chip.id())))?;
+            let (checked, progress) = (checked.as_deref(), &progress);
+            let report = serve::serve(&mut chip, rank, &spec, &sites, checked, progress).await?;
+            done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
+            Ok::<_, WorkerError>(report)
+        }
+    })
+    .await
+}
+
+/// The error of a job in which no rank created a podsim process group.
+fn went_around_podsim(spec: &TorchSpec) -> WorkerError {
+    WorkerError::Invalid(format!(
+        "no rank used podsim: every rank ended without creating a podsim process group, so \
+         its collectives (if any) went around the emulated pod{}",
+        if spec.intercept {
+            " - does the program call torch.distributed.init_process_group?"
+        } else {
+            " - with --no-intercept the program must `import podsim.torch` and call \
+             init_process_group(\"podsim\")"
+        }
+    ))
 }

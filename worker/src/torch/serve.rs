@@ -15,7 +15,7 @@ use podsim_topology::{Group, Hardware, Pod};
 use super::ranks::{Rank, RankExit, RankLink, exited};
 use super::verify::{Call, Reference};
 use super::wire::{Compute, DTypeName, Frame, Reply, Request, StepHbm};
-use super::{CallSites, OpTotals, RankReport, RankStep, TorchSpec};
+use super::{CallSites, OpTotals, RankReport, RankStep, StepCounting, TorchSpec};
 use crate::error::WorkerError;
 use crate::train::kernels::{Kernel, hbm_stream_s};
 
@@ -221,6 +221,31 @@ struct Served {
 }
 
 impl Served {
+    fn new(rank: &Rank, progress: &Progress) -> Served {
+        Served {
+            groups: HashMap::new(),
+            report: RankReport {
+                rank: rank.rank,
+                pid: rank.pid,
+                ..RankReport::default()
+            },
+            step_compute_ns: 0.0,
+            step_comm_ns: 0.0,
+            step_start_ns: 0.0,
+            said_bye: false,
+            raised: None,
+            stream_free: [0.0; 2],
+            in_flight: HashMap::new(),
+            calls: 0,
+            explicit_steps: false,
+            folded_hbm: StepHbm::default(),
+            step_flops: 0.0,
+            step_model_flops: 0.0,
+            progress: progress.clone(),
+            handed_on: false,
+        }
+    }
+
     /// The report, handed on by the serving's end: dropping `self` keeps nothing more.
     fn hand_on(&mut self) -> RankReport {
         self.handed_on = true;
@@ -287,28 +312,7 @@ async fn serve_rank(
     reference: Option<&Reference>,
     progress: &Progress,
 ) -> Result<RankReport, WorkerError> {
-    let mut served = Served {
-        groups: HashMap::new(),
-        report: RankReport {
-            rank: rank.rank,
-            pid: rank.pid,
-            ..RankReport::default()
-        },
-        step_compute_ns: 0.0,
-        step_comm_ns: 0.0,
-        step_start_ns: 0.0,
-        said_bye: false,
-        raised: None,
-        stream_free: [0.0; 2],
-        in_flight: HashMap::new(),
-        calls: 0,
-        explicit_steps: false,
-        folded_hbm: StepHbm::default(),
-        step_flops: 0.0,
-        step_model_flops: 0.0,
-        progress: progress.clone(),
-        handed_on: false,
-    };
+    let mut served = Served::new(rank, progress);
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid, rank.forked);
     let mut tick = tokio::time::interval(BUSY_TICK);
@@ -482,32 +486,14 @@ async fn handle(
     frame: Frame,
     values: Vec<f32>,
 ) -> Result<(), WorkerError> {
-    let Context {
-        spec,
-        sites,
-        reference,
-    } = *context;
-    for waited in &frame.waits {
-        served.charge(chip, &waited.compute);
-        let ready = waited
-            .works
-            .iter()
-            .filter_map(|w| served.in_flight.remove(w))
-            .fold(0.0, f64::max);
-        chip.set_clock(chip.clock().max(ready));
-    }
-    served.charge(chip, &frame.compute);
-    let reply = |chip: &Chip, error: Option<String>| Reply {
-        error,
-        clock_ns: chip.clock(),
-    };
+    served.charge_waits(chip, &frame);
     let answer = match frame.request {
         Request::Group { id, ranks } => {
-            let site = frame.site.as_deref();
-            let group = declare(chip.pod(), spec, chip.id(), &ranks, site, chip.mirrored())?;
+            let (pod, site) = (chip.pod(), frame.site.as_deref());
+            let group = declare(pod, context.spec, chip.id(), &ranks, site, chip.mirrored())?;
             let error = group
                 .map(|g| {
-                    served.groups.insert(id, Comm::new(g, spec.algo));
+                    served.groups.insert(id, Comm::new(g, context.spec.algo));
                 })
                 .err();
             (reply(chip, error), None)
@@ -517,36 +503,7 @@ async fn handle(
             auto,
             counting,
         } => {
-            served.wait_for_all(chip);
-            if !auto && !served.explicit_steps {
-                served.explicit_steps = true;
-                served.fold_auto_steps();
-            }
-            let now = chip.clock();
-            let hbm = match hbm.unwrap_or_default() {
-                h if h.peak_bytes >= served.folded_hbm.peak_bytes => h,
-                _ => std::mem::take(&mut served.folded_hbm),
-            };
-            served.folded_hbm = StepHbm::default();
-            let step = RankStep {
-                step_ns: now - served.step_start_ns,
-                compute_ns: served.step_compute_ns,
-                comm_ns: served.step_comm_ns,
-                exposed_comm_ns: (now - served.step_start_ns - served.step_compute_ns).max(0.0),
-                peak_hbm_bytes: hbm.peak_bytes,
-                hbm_by_kind: hbm.by_kind,
-                flops: served.step_flops,
-                model_flops: served.step_model_flops,
-                counting,
-            };
-            served.step_flops = 0.0;
-            served.step_model_flops = 0.0;
-            served.report.steps.push(step);
-            served.report.virtual_ns = now;
-            served.step_start_ns = now;
-            served.step_compute_ns = 0.0;
-            served.step_comm_ns = 0.0;
-            chip.enter_step(served.report.steps.len() as u64).await;
+            served.end_step(chip, hbm, auto, counting).await;
             (reply(chip, None), None)
         }
         Request::Bye { stand_ins } => {
@@ -566,60 +523,154 @@ async fn handle(
             )));
         }
         request => {
-            let words = words_of(&request, frame.meta, &values);
-            let call = reference
-                .and_then(|_| Call::of(&request, frame.site.as_deref(), words, served.calls));
-            sites.set(chip.id(), frame.site);
-            // A collective with an id runs on its communication stream from its issue (or
-            // when the stream is free); the compute stream goes on from the issue.
-            let issued_at = chip.clock();
-            let stream = frame.work.and(stream_of(&request));
-            if let Some(s) = stream {
-                chip.set_clock(issued_at.max(served.stream_free[s]));
-            }
-            let before = chip.clock();
-
-            let bytes = 4 * words;
-            let input = match frame.meta {
-                None => Ok(Payload::from_vec(values)),
-                Some(n) if values.is_empty() => Ok(Payload::Meta(n as usize)),
-                Some(_) => Err(Refused("a meta-mode request carried values".into())),
+            let issue = Issue {
+                request,
+                site: frame.site,
+                meta: frame.meta,
+                work: frame.work,
+                values,
             };
-            let done = match input {
-                Ok(input) => collective(chip, served, request, input).await,
-                Err(refused) => Err(refused),
-            };
-            let (op, result) = match done {
-                Ok(done) => done,
-                Err(Refused(why)) => {
-                    let _ = link.replies.send((reply(chip, Some(why)), None)).await;
-                    return Ok(());
-                }
-            };
-            let result = result.map_err(|e| match e {
-                WorkerError::Collective(c) => sites.name(c),
-                other => other,
-            })?;
-            if let (Some(reference), Some(call)) = (reference, call) {
-                reference.push(call);
+            match serve_collective(chip, served, context, issue).await? {
+                Ok(answer) => answer,
+                Err(refused) => (reply(chip, Some(refused.0)), None),
             }
-            served.calls += 1;
-            let done = chip.clock();
-            let spent = done - before;
-            if let (Some(s), Some(work)) = (stream, frame.work) {
-                served.stream_free[s] = done;
-                served.in_flight.insert(work, done);
-                chip.set_clock(issued_at);
-            }
-            served.step_comm_ns += spent;
-            served.report.comm_ns += spent;
-            served.report.add(op, bytes, spent);
-            (reply(chip, None), result)
         }
     };
     // A rank that went away no longer reads replies; its exit decides what happens next.
     let _ = link.replies.send(answer).await;
     Ok(())
+}
+
+/// The reply to a request, at the chip's clock now.
+fn reply(chip: &Chip, error: Option<String>) -> Reply {
+    Reply {
+        error,
+        clock_ns: chip.clock(),
+    }
+}
+
+/// A collective as the rank issued it.
+struct Issue {
+    request: Request,
+    site: Option<String>,
+    meta: Option<u64>,
+    work: Option<u64>,
+    values: Vec<f32>,
+}
+
+/// Runs a collective request on the chip: its reply and result, or why it was refused (the
+/// rank raises that at its call); an error of the fabric ends the job.
+async fn serve_collective(
+    chip: &mut Chip,
+    served: &mut Served,
+    context: &Context<'_>,
+    issue: Issue,
+) -> Result<Result<(Reply, Option<Payload>), Refused>, WorkerError> {
+    let Issue {
+        request,
+        site,
+        meta,
+        work,
+        values,
+    } = issue;
+    let words = words_of(&request, meta, &values);
+    let call = context
+        .reference
+        .and_then(|_| Call::of(&request, site.as_deref(), words, served.calls));
+    context.sites.set(chip.id(), site);
+    // A collective with an id runs on its communication stream from its issue (or when the
+    // stream is free); the compute stream goes on from the issue.
+    let issued_at = chip.clock();
+    let stream = work.and(stream_of(&request));
+    if let Some(s) = stream {
+        chip.set_clock(issued_at.max(served.stream_free[s]));
+    }
+    let before = chip.clock();
+    let input = match meta {
+        None => Payload::from_vec(values),
+        Some(n) if values.is_empty() => Payload::Meta(n as usize),
+        Some(_) => return Ok(Err(Refused("a meta-mode request carried values".into()))),
+    };
+    let (op, result) = match collective(chip, served, request, input).await {
+        Ok(done) => done,
+        Err(refused) => return Ok(Err(refused)),
+    };
+    let result = result.map_err(|e| match e {
+        WorkerError::Collective(c) => context.sites.name(c),
+        other => other,
+    })?;
+    if let (Some(reference), Some(call)) = (context.reference, call) {
+        reference.push(call);
+    }
+    served.calls += 1;
+    let done = chip.clock();
+    let spent = done - before;
+    if let (Some(s), Some(work)) = (stream, work) {
+        served.stream_free[s] = done;
+        served.in_flight.insert(work, done);
+        chip.set_clock(issued_at);
+    }
+    served.step_comm_ns += spent;
+    served.report.comm_ns += spent;
+    served.report.add(op, 4 * words, spent);
+    Ok(Ok((reply(chip, None), result)))
+}
+
+impl Served {
+    /// The compute the rank ran before each wait for collectives (the wait moves the clock
+    /// to when they were done), then the compute since.
+    fn charge_waits(&mut self, chip: &mut Chip, frame: &Frame) {
+        for waited in &frame.waits {
+            self.charge(chip, &waited.compute);
+            let ready = waited
+                .works
+                .iter()
+                .filter_map(|w| self.in_flight.remove(w))
+                .fold(0.0, f64::max);
+            chip.set_clock(chip.clock().max(ready));
+        }
+        self.charge(chip, &frame.compute);
+    }
+
+    /// The rank marked the end of a step (its `optimizer.step()`, or `podsim.torch.step()`).
+    async fn end_step(
+        &mut self,
+        chip: &mut Chip,
+        hbm: Option<StepHbm>,
+        auto: bool,
+        counting: StepCounting,
+    ) {
+        self.wait_for_all(chip);
+        if !auto && !self.explicit_steps {
+            self.explicit_steps = true;
+            self.fold_auto_steps();
+        }
+        let now = chip.clock();
+        let hbm = match hbm.unwrap_or_default() {
+            h if h.peak_bytes >= self.folded_hbm.peak_bytes => h,
+            _ => std::mem::take(&mut self.folded_hbm),
+        };
+        self.folded_hbm = StepHbm::default();
+        let step = RankStep {
+            step_ns: now - self.step_start_ns,
+            compute_ns: self.step_compute_ns,
+            comm_ns: self.step_comm_ns,
+            exposed_comm_ns: (now - self.step_start_ns - self.step_compute_ns).max(0.0),
+            peak_hbm_bytes: hbm.peak_bytes,
+            hbm_by_kind: hbm.by_kind,
+            flops: self.step_flops,
+            model_flops: self.step_model_flops,
+            counting,
+        };
+        self.step_flops = 0.0;
+        self.step_model_flops = 0.0;
+        self.report.steps.push(step);
+        self.report.virtual_ns = now;
+        self.step_start_ns = now;
+        self.step_compute_ns = 0.0;
+        self.step_comm_ns = 0.0;
+        chip.enter_step(self.report.steps.len() as u64).await;
+    }
 }
 
 /// How a rank's exception is told: its first line, at most [`RAISED_CHARS`] characters (torch's
@@ -778,32 +829,15 @@ async fn collective(
     request: Request,
     input: Payload,
 ) -> Result<Done, Refused> {
-    let comm_of = |group: u32| {
-        served
-            .groups
-            .get(&group)
-            .copied()
-            .ok_or_else(|| Refused(format!("group {group} was never declared")))
-    };
-    let pod = chip.pod().clone();
+    let comm_of = |group: u32| served.comm(group);
     let with_dtype = |group: u32, dtype: DTypeName| {
         comm_of(group).map(|c| Comm {
             dtype: dtype.into(),
             ..c
         })
     };
-    // The ops that cut their input into one block per rank need it to divide.
-    let divided = |what: &str, comm: Comm| {
-        let n = comm.group.size(&pod) as usize;
-        if input.len().is_multiple_of(n) {
-            Ok(comm)
-        } else {
-            Err(Refused(format!(
-                "{what}: {} elements do not divide among {n} ranks",
-                input.len()
-            )))
-        }
-    };
+    let pod = chip.pod().clone();
+    let divided = |what: &str, comm: Comm| divided(what, comm, input.len(), &pod);
     let done: Done = match request {
         Request::AllReduce {
             group,
@@ -864,6 +898,29 @@ async fn collective(
         other => return Err(Refused(format!("{other:?} is not a collective"))),
     };
     Ok(done)
+}
+
+impl Served {
+    /// The communicator of a group the rank declared.
+    fn comm(&self, group: u32) -> Result<Comm, Refused> {
+        self.groups
+            .get(&group)
+            .copied()
+            .ok_or_else(|| Refused(format!("group {group} was never declared")))
+    }
+}
+
+/// `comm`, when `len` elements cut into one block per rank of its group (the ops that cut
+/// their input need it to divide).
+fn divided(what: &str, comm: Comm, len: usize, pod: &Pod) -> Result<Comm, Refused> {
+    let n = comm.group.size(pod) as usize;
+    if len.is_multiple_of(n) {
+        Ok(comm)
+    } else {
+        Err(Refused(format!(
+            "{what}: {len} elements do not divide among {n} ranks"
+        )))
+    }
 }
 
 impl RankReport {
