@@ -9,7 +9,9 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use podsim_proto::v1 as pb;
-use podsim_worker::protocol::{FailureReport, HeartbeatStatus, TorchSpec, WorkerReport};
+use podsim_worker::protocol::{
+    FailureReport, HeartbeatStatus, RankExitReport, TorchSpec, WorkerReport,
+};
 
 use crate::watchdog::{Finding, HangKind, Watchdog};
 
@@ -291,49 +293,7 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
     let op = d.mine.map(|m| m.op.to_string());
     let mine = d.mine.map_or("?".to_string(), |m| m.to_string());
     if let Some(exit) = &d.rank_exit {
-        let last = exit
-            .stderr_tail
-            .iter()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .map_or(String::new(), |l| {
-                format!(" (its last words: {:?})", l.trim())
-            });
-        // A rank that never connected is not a death: it never reached its first collective,
-        // and the job's bound on that ran out.
-        let (kind, explanation) = if exit.how.starts_with(TorchSpec::NOT_CONNECTED) {
-            (
-                HangKind::StalledChip,
-                format!(
-                    "Rank {} (pid {}) {}{last}. A rank connects when its program creates the podsim process group (dist.init_process_group(\"podsim\") after import podsim.torch): check what it does before that (its [rank {}] lines), or give a slow start more time with [job] connect_timeout_s (podsim run --set job.connect_timeout_s=N).",
-                    d.chip, exit.pid, exit.how, d.chip
-                ),
-            )
-        } else if exit.how.starts_with(TorchSpec::FAILED_BEFORE_CONNECTING) {
-            (
-                HangKind::ProgramError,
-                format!(
-                    "Rank {} (pid {}) {}{last}: its program failed before its first collective, and the job stopped there. Its output is in its [rank {}] lines.",
-                    d.chip, exit.pid, exit.how, d.chip
-                ),
-            )
-        } else if exit.how.starts_with(TorchSpec::RAISED) {
-            (
-                HangKind::ProgramError,
-                format!(
-                    "Rank {} (pid {}) {}{last}: its program failed, the job stopped there. Its traceback is in its [rank {}] lines.",
-                    d.chip, exit.pid, exit.how, d.chip
-                ),
-            )
-        } else {
-            (
-                HangKind::DeadWorker,
-                format!(
-                    "Rank {} (pid {}) {}{last} while its job ran, leaving its peers waiting: check its output ([rank {}] lines).",
-                    d.chip, exit.pid, exit.how, d.chip
-                ),
-            )
-        };
+        let (kind, explanation) = rank_exit_verdict(d.chip, exit);
         return Finding {
             kind,
             chip: Some(d.chip),
@@ -382,6 +342,51 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
                 .collect::<String>()
         ),
         effect_wall_ns: podsim_collectives::wall_ns(),
+    }
+}
+
+/// What a rank's exit on `chip` was (its worker's account `exit`), and the explanation: a
+/// rank that never connected is not a death (it never reached its first collective, and the
+/// job's bound on that ran out); one whose program failed is the program's error; any other
+/// exit while the job ran left its peers waiting.
+fn rank_exit_verdict(chip: u32, exit: &RankExitReport) -> (HangKind, String) {
+    let last = exit
+        .stderr_tail
+        .iter()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .map_or(String::new(), |l| {
+            format!(" (its last words: {:?})", l.trim())
+        });
+    let (pid, how) = (exit.pid, &exit.how);
+    if how.starts_with(TorchSpec::NOT_CONNECTED) {
+        (
+            HangKind::StalledChip,
+            format!(
+                "Rank {chip} (pid {pid}) {how}{last}. A rank connects when its program creates the podsim process group (dist.init_process_group(\"podsim\") after import podsim.torch): check what it does before that (its [rank {chip}] lines), or give a slow start more time with [job] connect_timeout_s (podsim run --set job.connect_timeout_s=N)."
+            ),
+        )
+    } else if how.starts_with(TorchSpec::FAILED_BEFORE_CONNECTING) {
+        (
+            HangKind::ProgramError,
+            format!(
+                "Rank {chip} (pid {pid}) {how}{last}: its program failed before its first collective, and the job stopped there. Its output is in its [rank {chip}] lines."
+            ),
+        )
+    } else if how.starts_with(TorchSpec::RAISED) {
+        (
+            HangKind::ProgramError,
+            format!(
+                "Rank {chip} (pid {pid}) {how}{last}: its program failed, the job stopped there. Its traceback is in its [rank {chip}] lines."
+            ),
+        )
+    } else {
+        (
+            HangKind::DeadWorker,
+            format!(
+                "Rank {chip} (pid {pid}) {how}{last} while its job ran, leaving its peers waiting: check its output ([rank {chip}] lines)."
+            ),
+        )
     }
 }
 

@@ -155,116 +155,103 @@ impl FailureReport {
     /// representative ranks (`theirs` says why).
     pub const REGROUP: &'static str = "regroup";
 
+    /// A failure of `kind` between `chip` and `peer`, with nothing else said yet.
+    fn between(kind: impl Into<String>, chip: u32, peer: u32) -> FailureReport {
+        FailureReport {
+            kind: kind.into(),
+            chip,
+            peer,
+            mine: None,
+            theirs: String::new(),
+            link: None,
+            faults: Vec::new(),
+            rank_exit: None,
+            sites: Vec::new(),
+            representative_steps: Vec::new(),
+            torch: Vec::new(),
+        }
+    }
+
     /// The desync inside `e`, if it is one.
     pub fn from_error(e: &crate::WorkerError) -> Option<FailureReport> {
+        use crate::WorkerError as W;
         match e {
-            crate::WorkerError::AtCallSites {
+            W::AtCallSites {
                 error,
                 chip,
                 mine,
                 peer,
                 theirs,
-            } => FailureReport::from_error(&crate::WorkerError::Collective((**error).clone())).map(
-                |r| FailureReport {
+            } => FailureReport::from_error(&W::Collective((**error).clone())).map(|r| {
+                FailureReport {
                     sites: vec![(*chip, mine.clone()), (*peer, theirs.clone())],
                     ..r
-                },
-            ),
-            crate::WorkerError::Collective(CollectiveError::Desync {
-                chip,
-                expected,
-                peer,
-                got,
-                link,
-            }) => Some(FailureReport {
-                kind: desync_kind(),
-                chip: *chip,
-                peer: *peer,
-                mine: Some(*expected),
-                theirs: got.to_string(),
-                link: Some(*link),
-                faults: Vec::new(),
-                rank_exit: None,
-                sites: Vec::new(),
-                representative_steps: Vec::new(),
-                torch: Vec::new(),
+                }
             }),
-            crate::WorkerError::Collective(CollectiveError::Mismatch {
-                chip,
-                mine,
-                peer,
-                theirs,
-            }) => Some(FailureReport {
-                kind: desync_kind(),
-                chip: *chip,
-                peer: *peer,
-                mine: Some(*mine),
-                theirs: theirs.clone(),
-                link: None,
-                faults: Vec::new(),
-                rank_exit: None,
-                sites: Vec::new(),
-                representative_steps: Vec::new(),
-                torch: Vec::new(),
-            }),
-            crate::WorkerError::Collective(CollectiveError::Corrupt {
-                chip,
-                peer,
-                link,
-                fingerprint,
-            }) => Some(FailureReport {
-                kind: "corrupt".into(),
-                chip: *chip,
-                peer: *peer,
-                mine: Some(*fingerprint),
-                theirs: String::new(),
-                link: Some(*link),
-                faults: Vec::new(),
-                rank_exit: None,
-                sites: Vec::new(),
-                representative_steps: Vec::new(),
-                torch: Vec::new(),
-            }),
-            crate::WorkerError::RankExited {
+            W::Collective(c) => FailureReport::of_collective(c),
+            W::RankExited {
                 chip,
                 pid,
                 how,
                 stderr_tail,
             } => Some(FailureReport {
-                kind: "rank_exit".into(),
-                chip: *chip,
-                peer: *chip,
-                mine: None,
-                theirs: String::new(),
-                link: None,
-                faults: Vec::new(),
                 rank_exit: Some(RankExitReport {
                     pid: *pid,
                     how: how.clone(),
                     stderr_tail: stderr_tail.clone(),
                 }),
-                sites: Vec::new(),
-                representative_steps: Vec::new(),
-                torch: Vec::new(),
+                ..FailureReport::between("rank_exit", *chip, *chip)
             }),
-            crate::WorkerError::Regroup { steps, why } => Some(FailureReport {
-                kind: FailureReport::REGROUP.into(),
-                chip: 0,
-                peer: 0,
-                mine: None,
+            W::Regroup { steps, why } => Some(FailureReport {
                 theirs: why.clone(),
-                link: None,
-                faults: Vec::new(),
-                rank_exit: None,
-                sites: Vec::new(),
                 representative_steps: steps.clone(),
-                torch: Vec::new(),
+                ..FailureReport::between(FailureReport::REGROUP, 0, 0)
             }),
-            crate::WorkerError::TorchFailed { error, ranks } => FailureReport::from_error(error)
-                .map(|r| FailureReport {
+            W::TorchFailed { error, ranks } => {
+                FailureReport::from_error(error).map(|r| FailureReport {
                     torch: ranks.clone(),
                     ..r
-                }),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// The desync (or corruption) a collective's error is, if it is one.
+    fn of_collective(e: &CollectiveError) -> Option<FailureReport> {
+        match e {
+            CollectiveError::Desync {
+                chip,
+                expected,
+                peer,
+                got,
+                link,
+            } => Some(FailureReport {
+                mine: Some(*expected),
+                theirs: got.to_string(),
+                link: Some(*link),
+                ..FailureReport::between(desync_kind(), *chip, *peer)
+            }),
+            CollectiveError::Mismatch {
+                chip,
+                mine,
+                peer,
+                theirs,
+            } => Some(FailureReport {
+                mine: Some(*mine),
+                theirs: theirs.clone(),
+                ..FailureReport::between(desync_kind(), *chip, *peer)
+            }),
+            CollectiveError::Corrupt {
+                chip,
+                peer,
+                link,
+                fingerprint,
+            } => Some(FailureReport {
+                mine: Some(*fingerprint),
+                link: Some(*link),
+                ..FailureReport::between("corrupt", *chip, *peer)
+            }),
             _ => None,
         }
     }

@@ -8,7 +8,7 @@ pub use crate::bench::BenchCase;
 pub use crate::faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
 pub use crate::job::{
     ChipStepReport, CollectiveStep, FailureReport, HeartbeatStatus, JobSpec, PeerLink, Program,
-    RecorderDump, TraceRequest, Transport, WorkerReport, watchdog_defaults,
+    RankExitReport, RecorderDump, TraceRequest, Transport, WorkerReport, watchdog_defaults,
 };
 pub use crate::session::MAX_CONTROL_MESSAGE_BYTES;
 pub use crate::torch::{Count, RankReport, StepCounting, TorchSpec};
