@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use podsim_collectives::{Chip, IdleWait, run_chips_waiting};
 
-use crate::bench::bench_chip;
+use crate::bench::{BenchCase, bench_chip};
 use crate::error::WorkerError;
-use crate::job::{ChipStepReport, Program, TraceRequest};
+use crate::job::{ChipStepReport, CollectiveStep, Program, TraceRequest};
 use crate::train::{ChipTrainReport, train_chip};
 
 /// The track of a traced chip's steps (script iterations, bench cases, training steps).
@@ -81,49 +81,17 @@ pub(crate) async fn run_program_waiting(
                         script,
                         verify,
                     } => {
+                        let (meta, verify) = (*meta, *verify);
                         for iteration in 0..*iterations {
-                            chip.enter_step(u64::from(iteration)).await;
-                            let span = chip.trace_open(
-                                STEPS_TRACK,
-                                "step",
-                                || format!("iteration {iteration}"),
-                                Vec::new(),
-                            );
-                            for (step, s) in script.iter().enumerate() {
-                                let mut case = s.case(chip.pod(), *meta);
-                                case.comm.verify = *verify;
-                                let r = Box::pin(bench_chip(&mut chip, &case, false)).await?;
-                                reports.push(ChipStepReport {
-                                    chip: chip.id(),
-                                    step,
-                                    iteration,
-                                    calls: r.calls,
-                                    checked: r.checked,
-                                    wrong: r.wrong,
-                                });
-                                done.fetch_add(1, Ordering::Relaxed);
-                            }
-                            chip.trace_close(span);
+                            let iterated =
+                                iterate_script(&mut chip, script, iteration, meta, verify);
+                            reports.extend(Box::pin(iterated).await?);
+                            done.fetch_add(script.len() as u64, Ordering::Relaxed);
                         }
                     }
                     Program::Bench { cases } => {
                         for (step, case) in cases.iter().enumerate() {
-                            let span = chip.trace_open(
-                                STEPS_TRACK,
-                                "step",
-                                || format!("case {step}: {} of {} elements", case.op, case.count),
-                                Vec::new(),
-                            );
-                            let r = Box::pin(bench_chip(&mut chip, case, true)).await?;
-                            chip.trace_close(span);
-                            reports.push(ChipStepReport {
-                                chip: chip.id(),
-                                step,
-                                iteration: 0,
-                                calls: r.calls,
-                                checked: r.checked,
-                                wrong: r.wrong,
-                            });
+                            reports.push(Box::pin(bench_case(&mut chip, step, case)).await?);
                             done.fetch_add(1, Ordering::Relaxed);
                         }
                     }
@@ -155,6 +123,63 @@ pub(crate) async fn run_program_waiting(
         out.bytes_sent += bytes;
     }
     Ok(out)
+}
+
+/// One iteration of a collectives script on `chip`: each step's report.
+async fn iterate_script(
+    chip: &mut Chip,
+    script: &[CollectiveStep],
+    iteration: u32,
+    meta: bool,
+    verify: bool,
+) -> Result<Vec<ChipStepReport>, WorkerError> {
+    chip.enter_step(u64::from(iteration)).await;
+    let span = chip.trace_open(
+        STEPS_TRACK,
+        "step",
+        || format!("iteration {iteration}"),
+        Vec::new(),
+    );
+    let mut reports = Vec::with_capacity(script.len());
+    for (step, s) in script.iter().enumerate() {
+        let mut case = s.case(chip.pod(), meta);
+        case.comm.verify = verify;
+        let r = bench_chip(chip, &case, false).await?;
+        reports.push(ChipStepReport {
+            chip: chip.id(),
+            step,
+            iteration,
+            calls: r.calls,
+            checked: r.checked,
+            wrong: r.wrong,
+        });
+    }
+    chip.trace_close(span);
+    Ok(reports)
+}
+
+/// Bench case `step` on `chip`: its report.
+async fn bench_case(
+    chip: &mut Chip,
+    step: usize,
+    case: &BenchCase,
+) -> Result<ChipStepReport, WorkerError> {
+    let span = chip.trace_open(
+        STEPS_TRACK,
+        "step",
+        || format!("case {step}: {} of {} elements", case.op, case.count),
+        Vec::new(),
+    );
+    let r = bench_chip(chip, case, true).await?;
+    chip.trace_close(span);
+    Ok(ChipStepReport {
+        chip: chip.id(),
+        step,
+        iteration: 0,
+        calls: r.calls,
+        checked: r.checked,
+        wrong: r.wrong,
+    })
 }
 
 /// What the chips of one process did.
