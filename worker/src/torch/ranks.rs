@@ -537,7 +537,7 @@ async fn admit(
         .await
         .map_err(|e| e.to_string())?;
     let (req_tx, requests) = mpsc::channel(REQUEST_QUEUE);
-    let (replies, mut reply_rx) = mpsc::channel::<(Reply, Option<Payload>)>(REQUEST_QUEUE);
+    let (replies, reply_rx) = mpsc::channel::<(Reply, Option<Payload>)>(REQUEST_QUEUE);
     let sampler_thread = Arc::new(AtomicU32::new(0));
     let _ = link_tx.send(RankLink {
         requests,
@@ -545,16 +545,35 @@ async fn admit(
         sampler_thread: sampler_thread.clone(),
         pid,
     });
-    tokio::spawn(async move {
-        while let Some((reply, payload)) = reply_rx.recv().await {
-            if write_frame(&mut write, &reply, payload.as_ref())
-                .await
-                .is_err()
-            {
-                break;
-            }
+    tokio::spawn(write_replies(write, reply_rx));
+    read_requests(read, rank, &req_tx, &recorder, &sampler_thread).await;
+    Ok(())
+}
+
+/// Writes the chip's replies to its rank, in order, until either side goes away.
+async fn write_replies(
+    mut write: tokio::net::unix::OwnedWriteHalf,
+    mut replies: mpsc::Receiver<(Reply, Option<Payload>)>,
+) {
+    while let Some((reply, payload)) = replies.recv().await {
+        if write_frame(&mut write, &reply, payload.as_ref())
+            .await
+            .is_err()
+        {
+            break;
         }
-    });
+    }
+}
+
+/// Reads a connected rank's frames until it closes: its stack samples and sampler thread go
+/// to the chip's flight recorder and the watch, every other request to the chip.
+async fn read_requests(
+    mut read: tokio::net::unix::OwnedReadHalf,
+    rank: u32,
+    requests: &mpsc::Sender<Result<(Frame, Vec<f32>), String>>,
+    recorder: &FlightRecorder,
+    sampler_thread: &AtomicU32,
+) {
     loop {
         match read_frame(&mut read, MAX_PAYLOAD_BYTES).await {
             Ok(Some((
@@ -577,18 +596,17 @@ async fn admit(
                 if let Some(site) = &frame.0.site {
                     recorder.set_host_stack(vec![site.clone()]);
                 }
-                if req_tx.send(Ok(frame)).await.is_err() {
+                if requests.send(Ok(frame)).await.is_err() {
                     break;
                 }
             }
             Ok(None) => break,
             Err(e) => {
-                let _ = req_tx.send(Err(format!("rank {rank}: {e}"))).await;
+                let _ = requests.send(Err(format!("rank {rank}: {e}"))).await;
                 break;
             }
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
