@@ -305,19 +305,7 @@ fn run_job(
     .map_err(CliError::Usage)?;
     let rt = runtime()?;
     let mut spec = cfg.spec();
-    let mut traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
-    // The chips faults are injected into are the ones to look at: always traced (the report's
-    // step timeline shows the slowest traced chip), and in the trace file when there is one.
-    let faulty: Vec<u32> = cfg.faults.iter().filter_map(|f| f.chip).collect();
-    if trace.trace.is_some() {
-        traced.extend(&faulty);
-        traced.sort_unstable();
-        traced.dedup();
-    }
-    spec.trace = Some(podsim_coordinator::trace::request(
-        &[traced.as_slice(), &faulty].concat(),
-        trace.trace_flows,
-    ));
+    let traced = traced_chips(cfg, trace, &mut spec)?;
     let recovery = Recovery::new(&spec, cfg.max_restarts, listen.is_some());
     let attempts = run_with_recovery(
         spec,
@@ -356,18 +344,10 @@ fn run_job(
     let page = report::write_html(&cfg.output_dir, &report).map_err(CliError::Job)?;
     println!("page: {}", page.display());
     if let Some(file) = &trace.trace {
-        let input = report::trace_input(cfg, &result, &traced, trace.trace_wall);
-        let t0 = std::time::Instant::now();
-        let size =
-            podsim_coordinator::trace::write(file, &podsim_coordinator::trace::build(&input))
-                .map_err(CliError::Job)?;
-        println!(
-            "trace: {} ({}, {} chips, written in {:.2} s)",
-            file.display(),
-            podsim_coordinator::units::format_size(size),
-            input.chips.len(),
-            t0.elapsed().as_secs_f64()
-        );
+        write_trace(
+            file,
+            &report::trace_input(cfg, &result, &traced, trace.trace_wall),
+        )?;
     }
     match result {
         Ok(_) => Ok(report.status),
@@ -381,6 +361,47 @@ fn run_job(
         }),
         Err(e) => Err(CliError::Job(e.to_string())),
     }
+}
+
+/// The chips whose timelines the job records (`spec.trace` is set to ask for them): those
+/// asked for, and the chips faults are injected into, which are always the ones to look at
+/// (the report's step timeline shows the slowest traced chip; the trace file has them too
+/// when there is one). Returns the chips of the trace file.
+fn traced_chips(
+    cfg: &JobConfig,
+    trace: &TraceArgs,
+    spec: &mut podsim_worker::protocol::JobSpec,
+) -> Result<Vec<u32>, CliError> {
+    let mut traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
+    let faulty: Vec<u32> = cfg.faults.iter().filter_map(|f| f.chip).collect();
+    if trace.trace.is_some() {
+        traced.extend(&faulty);
+        traced.sort_unstable();
+        traced.dedup();
+    }
+    spec.trace = Some(podsim_coordinator::trace::request(
+        &[traced.as_slice(), &faulty].concat(),
+        trace.trace_flows,
+    ));
+    Ok(traced)
+}
+
+/// Writes the Chrome trace of `input` to `file`, saying where and how large.
+fn write_trace(
+    file: &std::path::Path,
+    input: &podsim_coordinator::trace::TraceInput<'_>,
+) -> Result<(), CliError> {
+    let t0 = std::time::Instant::now();
+    let size = podsim_coordinator::trace::write(file, &podsim_coordinator::trace::build(input))
+        .map_err(CliError::Job)?;
+    println!(
+        "trace: {} ({}, {} chips, written in {:.2} s)",
+        file.display(),
+        podsim_coordinator::units::format_size(size),
+        input.chips.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// `podsim worker`: joins a coordinator and runs its share of the job, then exits the process

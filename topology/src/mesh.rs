@@ -36,6 +36,20 @@ pub struct DeviceMesh {
     axes: Vec<MeshAxis>,
 }
 
+/// What is wrong with a mesh's axes on their own (a size of 0, a name used twice), if
+/// anything.
+fn malformed(axes: &[(&str, u32)]) -> Option<String> {
+    for (i, &(name, size)) in axes.iter().enumerate() {
+        if size == 0 {
+            return Some(format!("axis {name} has size 0"));
+        }
+        if axes[..i].iter().any(|(n, _)| *n == name) {
+            return Some(format!("axis name {name} is used twice"));
+        }
+    }
+    None
+}
+
 impl DeviceMesh {
     /// Lays `axes` (name, size), outermost first, onto the pod's axes.
     pub fn new(pod: &Pod, axes: &[(&str, u32)]) -> Result<DeviceMesh, TopologyError> {
@@ -49,13 +63,8 @@ impl DeviceMesh {
             mesh: describe(),
             reason,
         };
-        for (i, &(name, size)) in axes.iter().enumerate() {
-            if size == 0 {
-                return Err(err(format!("axis {name} has size 0")));
-            }
-            if axes[..i].iter().any(|(n, _)| *n == name) {
-                return Err(err(format!("axis name {name} is used twice")));
-            }
+        if let Some(why) = malformed(axes) {
+            return Err(err(why));
         }
         if let Some(axes) = whole_axes(pod, axes) {
             return Ok(DeviceMesh { axes });
