@@ -1265,30 +1265,9 @@ impl RecordReader {
         // wait: `poll(2)` sees it, and tokio's readiness was cleared before this drain.
         let mut emptied = false;
         for _ in 0..DRAIN_RECORDS {
-            if let Some((_, values, got)) = &mut self.partial {
-                let bytes: &mut [u8] = bytemuck::cast_slice_mut(values);
-                let buffered = (self.end - self.start).min(bytes.len() - *got);
-                bytes[*got..*got + buffered]
-                    .copy_from_slice(&self.buf[self.start..self.start + buffered]);
-                self.start += buffered;
-                *got += buffered;
-                while *got < bytes.len() {
-                    if emptied {
-                        return Ok(Drained::Empty);
-                    }
-                    let want = bytes.len() - *got;
-                    match input.read(&mut bytes[*got..]) {
-                        Ok(0) => return Err(bad("short payload: the peer closed".into())),
-                        Ok(n) => {
-                            *got += n;
-                            emptied = n < want;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                            return Ok(Drained::Empty);
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(failed(e)),
-                    }
+            if self.partial.is_some() {
+                if !self.fill_payload(input, &mut emptied)? {
+                    return Ok(Drained::Empty);
                 }
                 if let Some((env, values, _)) = self.partial.take() {
                     deliver(env, Payload::from_vec(values))?;
@@ -1337,6 +1316,42 @@ impl RecordReader {
             }
         }
         Ok(Drained::More)
+    }
+
+    /// Reads the rest of the payload being received, from the buffer, then from `input`
+    /// until it is whole (true) or the socket has no more for now (false). `emptied` says,
+    /// and is told, whether the last read took everything the socket held.
+    fn fill_payload(&mut self, input: &RawLink, emptied: &mut bool) -> Result<bool, String> {
+        let peer = self.peer;
+        let Some((_, values, got)) = &mut self.partial else {
+            return Ok(true);
+        };
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(values);
+        let buffered = (self.end - self.start).min(bytes.len() - *got);
+        bytes[*got..*got + buffered].copy_from_slice(&self.buf[self.start..self.start + buffered]);
+        self.start += buffered;
+        *got += buffered;
+        while *got < bytes.len() {
+            if *emptied {
+                return Ok(false);
+            }
+            let want = bytes.len() - *got;
+            match input.read(&mut bytes[*got..]) {
+                Ok(0) => {
+                    return Err(format!(
+                        "link from worker {peer}: bad record: short payload: the peer closed"
+                    ));
+                }
+                Ok(n) => {
+                    *got += n;
+                    *emptied = n < want;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("link from worker {peer}: {e}")),
+            }
+        }
+        Ok(true)
     }
 
     /// The worker this link comes from.

@@ -383,6 +383,19 @@ struct Watched {
     faults: Arc<FaultPlan>,
 }
 
+/// Which chips wait, each with the peers it waits on (the heartbeat lists them for the
+/// straggler verdict of small jobs).
+fn waits_of(recorders: &[Arc<podsim_collectives::FlightRecorder>]) -> Vec<(u32, Vec<u32>)> {
+    recorders
+        .iter()
+        .filter(|r| r.glance().blocked > 0)
+        .map(|r| {
+            let s = r.status();
+            (s.chip, s.blocked.iter().map(|b| b.peer).collect())
+        })
+        .collect()
+}
+
 /// Heartbeats: progress and every chip's live status, on a thread of their own so that they
 /// keep coming while chips wait (a chip stuck in a kernel shows as computing) and while tens of
 /// thousands of chips keep every core busy.
@@ -430,17 +443,9 @@ impl Heartbeats {
                 );
                 summary.transport = transport.transport_counts();
                 summary.cpu_wait_share = cpu_wait.share(std::time::Instant::now());
-                let waits = if list_waits {
-                    recorders
-                        .iter()
-                        .filter(|r| r.glance().blocked > 0)
-                        .map(|r| {
-                            let s = r.status();
-                            (s.chip, s.blocked.iter().map(|b| b.peer).collect())
-                        })
-                        .collect()
-                } else {
-                    Vec::new()
+                let waits = match list_waits {
+                    true => waits_of(&recorders),
+                    false => Vec::new(),
                 };
                 let status = HeartbeatStatus {
                     summary,
