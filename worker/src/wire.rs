@@ -126,30 +126,12 @@ pub fn message(
             env.dst_chip
         ));
     }
-    let l = env.link.ok_or("envelope without a link")?;
-    let link = match pb::link_id::Kind::try_from(l.kind) {
-        Ok(pb::link_id::Kind::Ici) if l.axis < 3 => Link::ici(
-            l.axis as usize,
-            if l.positive { Dir::Plus } else { Dir::Minus },
-        ),
-        Ok(pb::link_id::Kind::Dcn) => Link::Dcn {
-            peer_slice: l.peer_slice,
-        },
-        _ => return Err(format!("unknown link kind {} / axis {}", l.kind, l.axis)),
-    };
-    let f = env.fingerprint.ok_or("envelope without a fingerprint")?;
-    let fingerprint = Fingerprint {
-        group: f.group,
-        seq: f.seq,
-        op: OpKind::from_code(f.op).ok_or_else(|| format!("unknown op code {}", f.op))?,
-        dtype: DType::from_code(f.dtype)
-            .ok_or_else(|| format!("unknown dtype code {}", f.dtype))?,
-        count: f.count,
-        reduce: match f.reduce_op {
-            0 => None,
-            c => Some(ReduceOp::from_code(c).ok_or_else(|| format!("unknown reduce op code {c}"))?),
-        },
-    };
+    let link = link_of(env.link.as_ref().ok_or("envelope without a link")?)?;
+    let fingerprint = fingerprint_of(
+        env.fingerprint
+            .as_ref()
+            .ok_or("envelope without a fingerprint")?,
+    )?;
     let route = Route {
         link,
         hops: env.hops.max(1),
@@ -188,6 +170,36 @@ pub fn message(
         arrive_ns: env.arrive_ns,
         payload,
         checksum: env.checksum,
+    })
+}
+
+/// The link a message's envelope names.
+fn link_of(l: &pb::LinkId) -> Result<Link, String> {
+    match pb::link_id::Kind::try_from(l.kind) {
+        Ok(pb::link_id::Kind::Ici) if l.axis < 3 => Ok(Link::ici(
+            l.axis as usize,
+            if l.positive { Dir::Plus } else { Dir::Minus },
+        )),
+        Ok(pb::link_id::Kind::Dcn) => Ok(Link::Dcn {
+            peer_slice: l.peer_slice,
+        }),
+        _ => Err(format!("unknown link kind {} / axis {}", l.kind, l.axis)),
+    }
+}
+
+/// The collective a message's envelope says it belongs to.
+fn fingerprint_of(f: &pb::Fingerprint) -> Result<Fingerprint, String> {
+    Ok(Fingerprint {
+        group: f.group,
+        seq: f.seq,
+        op: OpKind::from_code(f.op).ok_or_else(|| format!("unknown op code {}", f.op))?,
+        dtype: DType::from_code(f.dtype)
+            .ok_or_else(|| format!("unknown dtype code {}", f.dtype))?,
+        count: f.count,
+        reduce: match f.reduce_op {
+            0 => None,
+            c => Some(ReduceOp::from_code(c).ok_or_else(|| format!("unknown reduce op code {c}"))?),
+        },
     })
 }
 
