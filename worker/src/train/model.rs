@@ -338,25 +338,7 @@ impl TransformerSpec {
 
     fn lower(&self) -> Vec<LayerSpec> {
         let d = self.d_model;
-        let attention = self.attention();
-        let (q, kv) = (self.q_width(), self.kv_heads * self.head_dim);
-        let qkv_names = vec![
-            (Name::QueryProj, q),
-            (Name::KeyProj, kv),
-            (Name::ValueProj, kv),
-        ];
-        let layer = |name: String, kind, (inputs, outputs), style, after, block| LayerSpec {
-            name,
-            kind,
-            inputs,
-            outputs,
-            style,
-            after,
-            block,
-            out_names: Vec::new(),
-            after_names: Vec::new(),
-        };
-        let mut embedding = layer(
+        let mut embedding = layer_spec(
             "embedding".into(),
             LayerKind::Embedding,
             // Tied: the LM head holds the table.
@@ -368,83 +350,12 @@ impl TransformerSpec {
         embedding.after_names = vec![(Name::DecoderLayerInput, d)];
         let mut out = vec![embedding];
         for b in 0..self.layers {
-            let p = format!("blocks.{b}");
-            let block = Some(b);
             match self.block {
-                BlockKind::Sequential => {
-                    let mut qkv = layer(
-                        format!("{p}.attn.qkv"),
-                        LayerKind::Linear,
-                        (d, self.qkv_width()),
-                        Style::Column,
-                        After::Attention(attention),
-                        block,
-                    );
-                    qkv.out_names = qkv_names.clone();
-                    qkv.after_names = vec![(Name::Context, q)];
-                    let mut proj = layer(
-                        format!("{p}.attn.out"),
-                        LayerKind::Linear,
-                        (q, d),
-                        Style::Row,
-                        After::ResidualNorm,
-                        block,
-                    );
-                    proj.out_names = vec![(Name::OutProj, d)];
-                    let mut wi = layer(
-                        format!("{p}.mlp.wi"),
-                        LayerKind::Linear,
-                        (d, self.up_width()),
-                        Style::Column,
-                        After::Activation(self.mlp),
-                        block,
-                    );
-                    wi.out_names = vec![(Name::MlpWi, self.up_width())];
-                    let mut wo = layer(
-                        format!("{p}.mlp.wo"),
-                        LayerKind::Linear,
-                        (self.ffn, d),
-                        Style::Row,
-                        After::ResidualNorm,
-                        block,
-                    );
-                    wo.out_names = vec![(Name::MlpWo, d)];
-                    wo.after_names = vec![(Name::DecoderLayerInput, d)];
-                    out.extend([qkv, proj, wi, wo]);
-                }
-                BlockKind::Parallel => {
-                    let mut fused_in = layer(
-                        format!("{p}.in"),
-                        LayerKind::Linear,
-                        (d, self.qkv_width() + self.up_width()),
-                        Style::Column,
-                        After::ParallelCore {
-                            attention,
-                            mlp: self.mlp,
-                            ffn: self.ffn,
-                        },
-                        block,
-                    );
-                    fused_in.out_names = qkv_names.clone();
-                    fused_in.out_names.push((Name::MlpWi, self.up_width()));
-                    fused_in.after_names = vec![(Name::Context, q)];
-                    // The attention output and the MLP output are summed: one `[out | wo]`
-                    // product over the concatenated inputs.
-                    let mut fused_out = layer(
-                        format!("{p}.out"),
-                        LayerKind::Linear,
-                        (q + self.ffn, d),
-                        Style::Row,
-                        After::ResidualNorm,
-                        block,
-                    );
-                    fused_out.out_names = vec![(Name::OutProj, d), (Name::MlpWo, d)];
-                    fused_out.after_names = vec![(Name::DecoderLayerInput, d)];
-                    out.extend([fused_in, fused_out]);
-                }
+                BlockKind::Sequential => out.extend(self.sequential_block(b)),
+                BlockKind::Parallel => out.extend(self.parallel_block(b)),
             }
         }
-        out.push(layer(
+        out.push(layer_spec(
             "lm_head".into(),
             LayerKind::Linear,
             (d, self.vocab),
@@ -453,6 +364,117 @@ impl TransformerSpec {
             None,
         ));
         out
+    }
+
+    /// The names of the query, key and value projections' outputs (what remat policies name).
+    fn qkv_names(&self) -> Vec<(Name, usize)> {
+        let (q, kv) = (self.q_width(), self.kv_heads * self.head_dim);
+        vec![
+            (Name::QueryProj, q),
+            (Name::KeyProj, kv),
+            (Name::ValueProj, kv),
+        ]
+    }
+
+    /// Block `b` as attention then MLP: qkv (and attention), the output projection (and the
+    /// residual and norm), the MLP's input (and its activation), its output.
+    fn sequential_block(&self, b: usize) -> [LayerSpec; 4] {
+        let (d, q, p, block) = (self.d_model, self.q_width(), format!("blocks.{b}"), Some(b));
+        let mut qkv = layer_spec(
+            format!("{p}.attn.qkv"),
+            LayerKind::Linear,
+            (d, self.qkv_width()),
+            Style::Column,
+            After::Attention(self.attention()),
+            block,
+        );
+        qkv.out_names = self.qkv_names();
+        qkv.after_names = vec![(Name::Context, q)];
+        let mut proj = layer_spec(
+            format!("{p}.attn.out"),
+            LayerKind::Linear,
+            (q, d),
+            Style::Row,
+            After::ResidualNorm,
+            block,
+        );
+        proj.out_names = vec![(Name::OutProj, d)];
+        let mut wi = layer_spec(
+            format!("{p}.mlp.wi"),
+            LayerKind::Linear,
+            (d, self.up_width()),
+            Style::Column,
+            After::Activation(self.mlp),
+            block,
+        );
+        wi.out_names = vec![(Name::MlpWi, self.up_width())];
+        let mut wo = layer_spec(
+            format!("{p}.mlp.wo"),
+            LayerKind::Linear,
+            (self.ffn, d),
+            Style::Row,
+            After::ResidualNorm,
+            block,
+        );
+        wo.out_names = vec![(Name::MlpWo, d)];
+        wo.after_names = vec![(Name::DecoderLayerInput, d)];
+        [qkv, proj, wi, wo]
+    }
+
+    /// Block `b` with attention and MLP side by side: one product for both inputs, one for
+    /// both outputs (summed).
+    fn parallel_block(&self, b: usize) -> [LayerSpec; 2] {
+        let (d, q, p, block) = (self.d_model, self.q_width(), format!("blocks.{b}"), Some(b));
+        let mut fused_in = layer_spec(
+            format!("{p}.in"),
+            LayerKind::Linear,
+            (d, self.qkv_width() + self.up_width()),
+            Style::Column,
+            After::ParallelCore {
+                attention: self.attention(),
+                mlp: self.mlp,
+                ffn: self.ffn,
+            },
+            block,
+        );
+        fused_in.out_names = self.qkv_names();
+        fused_in.out_names.push((Name::MlpWi, self.up_width()));
+        fused_in.after_names = vec![(Name::Context, q)];
+        // The attention output and the MLP output are summed: one `[out | wo]` product over
+        // the concatenated inputs.
+        let mut fused_out = layer_spec(
+            format!("{p}.out"),
+            LayerKind::Linear,
+            (q + self.ffn, d),
+            Style::Row,
+            After::ResidualNorm,
+            block,
+        );
+        fused_out.out_names = vec![(Name::OutProj, d), (Name::MlpWo, d)];
+        fused_out.after_names = vec![(Name::DecoderLayerInput, d)];
+        [fused_in, fused_out]
+    }
+}
+
+/// A layer with nothing named for remat policies yet.
+fn layer_spec(
+    name: String,
+    kind: LayerKind,
+    (inputs, outputs): (usize, usize),
+    style: Style,
+    after: After,
+    block: Option<usize>,
+) -> LayerSpec {
+    LayerSpec {
+        name,
+        kind,
+        inputs,
+        outputs,
+        style,
+        after,
+        block,
+        out_names: Vec::new(),
+        after_names: Vec::new(),
     }
 }
 
