@@ -654,6 +654,54 @@ async fn identical_everywhere(
     Ok(first_mismatch(chip, &world, &hashes).await?.is_none())
 }
 
+/// Every layer's parameters as this chip stores them (its shards), each charged to HBM with
+/// its gradient and optimizer state. The optimizer state is kept in the weights' type;
+/// weights wider than the compute type are mixed precision, with a master copy beside the
+/// working one. Gradients are charged at the compute type: they are reduced in it and cast
+/// into the update. `stream` is the random stream the initial weights are drawn from.
+fn init_params(
+    chip: &Chip,
+    spec: &TrainSpec,
+    plan: &Plan,
+    lowered: &[LayerSpec],
+    hbm: &mut Hbm,
+    stream: u64,
+) -> Result<Vec<Param>, WorkerError> {
+    let elem = spec.model.dtype().size() as u64;
+    let weight = spec.model.weight_dtype().size() as u64;
+    let state_bytes = optimizer_held_bytes(elem, weight, spec.optimizer.state_per_param());
+    let mut params = Vec::with_capacity(2 * lowered.len());
+    for (l, layer) in lowered.iter().enumerate() {
+        let full = match spec.model.mlp() {
+            Some(mlp) => mlp.init_layer(l, spec.seed, stream, spec.meta),
+            None => layer.meta_params(),
+        };
+        for (which, full) in full.iter().enumerate() {
+            let placements = plan.stored(l, which);
+            let stored = DTensor::distribute(chip, &plan.mesh, full, &placements)?;
+            let numel = padded_numel(full.shape(), &placements, &plan.mesh);
+            let bytes = numel * elem;
+            let name = format!("{}.{}", layer.name, ["weight", "bias"][which]);
+            hbm.alloc(MemKind::Params, bytes, || format!("parameter {name}"))?;
+            hbm.alloc(MemKind::Grads, bytes, || format!("gradient of {name}"))?;
+            hbm.alloc(MemKind::Optimizer, numel * state_bytes, || {
+                format!("optimizer state of {name}")
+            })?;
+            params.push(Param {
+                name,
+                layer: l,
+                which,
+                stored,
+                grad: None,
+                unsharded_grad_bytes: 0,
+                synced: None,
+                state: ParamState::new(),
+            });
+        }
+    }
+    Ok(params)
+}
+
 impl<'a> Trainer<'a> {
     async fn new(chip: &mut Chip, spec: &'a TrainSpec) -> Result<Trainer<'a>, WorkerError> {
         let lowered = spec.model.lower();
@@ -666,11 +714,6 @@ impl<'a> Trainer<'a> {
         let dp = plan.data_parallel(&coords);
         // Meta mode predicts: a model that does not fit gets a verdict, not an abort.
         let mut hbm = Hbm::new(chip.id(), chip.hardware().hbm_bytes as u64).lenient(spec.meta);
-        // The optimizer state is kept in the weights' type; weights wider than the compute
-        // type are mixed precision, with a master copy beside the working one. Gradients are
-        // charged at the compute type: they are reduced in it and cast into the update.
-        let weight = spec.model.weight_dtype().size() as u64;
-        let state_bytes = optimizer_held_bytes(elem, weight, spec.optimizer.state_per_param());
         // DDP: every rank draws its own initial weights and rank 0's are broadcast, as
         // DistributedDataParallel does at construction. Other strategies start from one seed.
         let stream = if spec.strategy == Strategy::Ddp {
@@ -678,35 +721,7 @@ impl<'a> Trainer<'a> {
         } else {
             0
         };
-        let mut params = Vec::with_capacity(2 * layers);
-        for (l, layer) in lowered.iter().enumerate() {
-            let full = match spec.model.mlp() {
-                Some(mlp) => mlp.init_layer(l, spec.seed, stream, spec.meta),
-                None => layer.meta_params(),
-            };
-            for (which, full) in full.iter().enumerate() {
-                let placements = plan.stored(l, which);
-                let stored = DTensor::distribute(chip, &plan.mesh, full, &placements)?;
-                let numel = padded_numel(full.shape(), &placements, &plan.mesh);
-                let bytes = numel * elem;
-                let name = format!("{}.{}", layer.name, ["weight", "bias"][which]);
-                hbm.alloc(MemKind::Params, bytes, || format!("parameter {name}"))?;
-                hbm.alloc(MemKind::Grads, bytes, || format!("gradient of {name}"))?;
-                hbm.alloc(MemKind::Optimizer, numel * state_bytes, || {
-                    format!("optimizer state of {name}")
-                })?;
-                params.push(Param {
-                    name,
-                    layer: l,
-                    which,
-                    stored,
-                    grad: None,
-                    unsharded_grad_bytes: 0,
-                    synced: None,
-                    state: ParamState::new(),
-                });
-            }
-        }
+        let params = init_params(chip, spec, &plan, &lowered, &mut hbm, stream)?;
         let param_bytes: Vec<u64> = params
             .iter()
             .map(|p| p.stored.local().bytes(elem))
@@ -1288,9 +1303,23 @@ impl<'a> Trainer<'a> {
                 .await?;
         }
         let matmul_width = z.shape()[1];
+        self.op_after(chip, l, &mut z, pass, after_charged)?;
+        Ok((z, matmul_width, gathered))
+    }
+
+    /// The parameter-free op after layer `l`'s matmul, on its output `z` (charged to the
+    /// chip's compute when `charged`: a recomputation may find it kept).
+    fn op_after(
+        &mut self,
+        chip: &mut Chip,
+        l: usize,
+        z: &mut Tensor,
+        pass: Pass,
+        charged: bool,
+    ) -> Result<(), WorkerError> {
         let cost = match self.layers[l].after {
             After::None => Cost::default(),
-            After::Relu => mlp::relu(&mut z),
+            After::Relu => mlp::relu(z),
             after => {
                 // Ops that narrow the width (attention, gated activations) hand the next layer
                 // what it takes on this chip.
@@ -1298,21 +1327,21 @@ impl<'a> Trainer<'a> {
                     After::ResidualNorm => z.shape()[1],
                     _ => self.compute_shape(chip, l + 1, 0)[1],
                 };
-                if after_charged {
+                if charged {
                     let (t, in_width) = (z.shape()[0], z.shape()[1]);
                     let scratch =
                         model::after_workspace_elems(&self.layers[l], t, in_width, false, true);
                     self.workspace(l, scratch)?;
                 }
-                model::after_forward(&self.layers[l], &mut z, width)
+                model::after_forward(&self.layers[l], z, width)
             }
         };
-        if after_charged {
+        if charged {
             self.tl.compute(chip, cost, self.hbm.in_use(), || {
                 format!("{} {} (op after)", self.layers[l].name, pass.name())
             });
         }
-        Ok((z, matmul_width, gathered))
+        Ok(())
     }
 
     /// Backward of layer `l`: accumulates its gradients, returns the input gradient. The
@@ -1373,33 +1402,14 @@ impl<'a> Trainer<'a> {
         self.tl.compute(chip, input_cost, self.hbm.in_use(), || {
             format!("{} backward (input gradient)", self.layers[l].name)
         });
-        let mut pending = None;
-        let dx = match (dx, style) {
-            (Some(dx), Style::Column) => {
-                // Column-parallel: each chip's input gradient covers only its output
-                // features; summed (or reduce-scattered onto sharded activations) on the
-                // tensor stream, in fused mode while the weight gradient is computed.
-                let to = if sharded_in {
-                    Placement::Shard(1)
-                } else {
-                    Placement::Replicate
-                };
-                let sum = (Placement::Partial(ReduceOp::Sum), to);
-                let overlap = self.overlapped();
-                let (dx, ready) = self.tp_move(chip, dx, inputs, sum, overlap).await?;
-                pending = Some(ready);
-                Some(dx)
+        let (dx, pending) = match dx {
+            Some(dx) => {
+                let (dx, pending) = self
+                    .input_grad_to(chip, dx, style, inputs, sharded_in)
+                    .await?;
+                (Some(dx), pending)
             }
-            (Some(dx), _) if sharded_in => Some(
-                self.tp_redistribute(
-                    chip,
-                    dx,
-                    inputs,
-                    (Placement::Replicate, Placement::Shard(1)),
-                )
-                .await?,
-            ),
-            (dx, _) => dx,
+            None => (None, None),
         };
         self.tl.compute(chip, weight_cost, self.hbm.in_use(), || {
             format!("{} backward (weight gradient)", self.layers[l].name)
@@ -1407,7 +1417,48 @@ impl<'a> Trainer<'a> {
         if let Some(ready) = pending {
             Timeline::wait(chip, ready);
         }
-        for (which, g) in [dw, db].into_iter().enumerate() {
+        self.accumulate_grads(l, [dw, db])?;
+        Ok(dx)
+    }
+
+    /// A layer's input gradient `dx` (of `inputs` features) where the layer below wants it:
+    /// a column-parallel layer's covers only this chip's output features and is summed (or
+    /// reduce-scattered onto sharded activations) on the tensor stream, in fused mode while
+    /// the weight gradient is computed (then the time it is ready comes back); sharded
+    /// activations below take their shard.
+    async fn input_grad_to(
+        &mut self,
+        chip: &mut Chip,
+        dx: Tensor,
+        style: Style,
+        inputs: usize,
+        sharded_in: bool,
+    ) -> Result<(Tensor, Option<Nanos>), WorkerError> {
+        if style == Style::Column {
+            let to = if sharded_in {
+                Placement::Shard(1)
+            } else {
+                Placement::Replicate
+            };
+            let sum = (Placement::Partial(ReduceOp::Sum), to);
+            let overlap = self.overlapped();
+            let (dx, ready) = self.tp_move(chip, dx, inputs, sum, overlap).await?;
+            return Ok((dx, Some(ready)));
+        }
+        if sharded_in {
+            let to_shard = (Placement::Replicate, Placement::Shard(1));
+            return Ok((
+                self.tp_redistribute(chip, dx, inputs, to_shard).await?,
+                None,
+            ));
+        }
+        Ok((dx, None))
+    }
+
+    /// Layer `l`'s weight and bias gradients, added to what earlier micro-batches left (the
+    /// first one held unsharded in HBM until it is reduced).
+    fn accumulate_grads(&mut self, l: usize, grads: [Tensor; 2]) -> Result<(), WorkerError> {
+        for (which, g) in grads.into_iter().enumerate() {
             let name = self.params[2 * l + which].name.clone();
             let p = &mut self.params[2 * l + which];
             match (&mut p.grad, g) {
@@ -1425,7 +1476,7 @@ impl<'a> Trainer<'a> {
                 }
             }
         }
-        Ok(dx)
+        Ok(())
     }
 
     /// Placements over the plan's mesh: `tp` on the tensor-parallel dimension, replicated on
