@@ -181,6 +181,61 @@ struct Shared {
     schedule_seed: Option<u64>,
 }
 
+impl Shared {
+    /// The state of `n` chips swept by `words.len() - 1` threads (thread `t` sweeps words
+    /// `words[t]..words[t + 1]`), every chip runnable.
+    fn new(
+        n: usize,
+        words: Vec<usize>,
+        observers: Vec<Arc<FlightRecorder>>,
+        idle: Option<Arc<dyn IdleWait>>,
+    ) -> Shared {
+        let threads = words.len() - 1;
+        Shared {
+            runnable: (0..n.div_ceil(WORD))
+                .map(|w| {
+                    let chips = (n - w * WORD).min(WORD);
+                    AtomicU64::new(if chips == WORD { !0 } else { (1 << chips) - 1 })
+                })
+                .collect(),
+            words,
+            sleeping: (0..threads).map(|_| AtomicBool::new(false)).collect(),
+            threads: (0..threads).map(|_| OnceLock::new()).collect(),
+            stop: AtomicBool::new(false),
+            previous_pass_ns: (0..threads).map(|_| AtomicU64::new(0)).collect(),
+            os_threads: (0..threads).map(|_| AtomicU32::new(0)).collect(),
+            observers: if observers.len() == n {
+                observers
+            } else {
+                Vec::new()
+            },
+            idle: idle.filter(|i| threads == 1 && i.begin()).map(IdleHook),
+            schedule_seed: SCHEDULE_SEED.try_with(|seed| *seed).ok(),
+        }
+    }
+
+    /// Thread `t` found nothing to run: it announces its sleep, looks once more, and sleeps
+    /// (or waits on the idle hook) if its words are still idle. Whether it slept.
+    fn sleep_when_idle(&self, t: usize) -> bool {
+        // Announce the sleep, then look again: a wake-up either sees the announcement or set
+        // its bit before this look (both sides are sequentially consistent).
+        self.sleeping[t].store(true, Ordering::SeqCst);
+        let (start, end) = (self.words[t], self.words[t + 1]);
+        let idle = (start..end).all(|w| self.runnable[w].load(Ordering::SeqCst) == 0);
+        let slept = idle && !self.stop.load(Ordering::SeqCst);
+        if slept {
+            // Nothing of this thread's is runnable: it keeps no chip waiting.
+            self.previous_pass_ns[t].store(0, Ordering::Relaxed);
+            match &self.idle {
+                Some(idle) => idle.0.wait(),
+                None => std::thread::park(),
+            }
+        }
+        self.sleeping[t].store(false, Ordering::SeqCst);
+        slept
+    }
+}
+
 tokio::task_local! {
     /// The seed of the visiting order of executors started inside [`explore_schedule`].
     static SCHEDULE_SEED: u64;
@@ -349,28 +404,7 @@ where
     let threads = threads.clamp(1, words.max(1));
     // Whole words per thread, as even as they come.
     let bounds: Vec<usize> = (0..=threads).map(|t| t * words / threads).collect();
-    let shared = Arc::new(Shared {
-        runnable: (0..words)
-            .map(|w| {
-                // Every chip starts runnable.
-                let chips = (n - w * WORD).min(WORD);
-                AtomicU64::new(if chips == WORD { !0 } else { (1 << chips) - 1 })
-            })
-            .collect(),
-        words: bounds.clone(),
-        sleeping: (0..threads).map(|_| AtomicBool::new(false)).collect(),
-        threads: (0..threads).map(|_| OnceLock::new()).collect(),
-        stop: AtomicBool::new(false),
-        previous_pass_ns: (0..threads).map(|_| AtomicU64::new(0)).collect(),
-        os_threads: (0..threads).map(|_| AtomicU32::new(0)).collect(),
-        observers: if observers.len() == n {
-            observers
-        } else {
-            Vec::new()
-        },
-        idle: idle.filter(|i| threads == 1 && i.begin()).map(IdleHook),
-        schedule_seed: SCHEDULE_SEED.try_with(|seed| *seed).ok(),
-    });
+    let shared = Arc::new(Shared::new(n, bounds.clone(), observers, idle));
     let _finish = FinishOnDrop(shared.idle.clone());
     // Every chip starts runnable.
     shared.observers.iter().for_each(|o| o.set_runnable());
@@ -433,7 +467,7 @@ where
 fn sweep<T, E>(
     shared: &Arc<Shared>,
     t: usize,
-    mut chips: Vec<ChipFuture<T, E>>,
+    chips: Vec<ChipFuture<T, E>>,
     failure: &Mutex<Option<E>>,
 ) -> Vec<Option<T>>
 where
@@ -444,18 +478,7 @@ where
     // The thread goes back to its pool when the sweep ends: no longer the executor's.
     let _forget = ForgetOnDrop(&shared.os_threads[t]);
     let (start, end) = (shared.words[t], shared.words[t + 1]);
-    let first_chip = start * WORD;
-    let wakers: Vec<Waker> = (0..chips.len())
-        .map(|i| {
-            Waker::from(Arc::new(ChipWaker {
-                shared: shared.clone(),
-                chip: first_chip + i,
-            }))
-        })
-        .collect();
-    // A chip with a result has finished.
-    let mut results: Vec<Option<T>> = (0..chips.len()).map(|_| None).collect();
-    let mut left = chips.len();
+    let mut block = Block::new(shared, start * WORD, chips);
     let fail = |e: E| {
         failure
             .lock()
@@ -469,7 +492,7 @@ where
         .map(|seed| Shuffle(seed ^ (t as u64).wrapping_mul(0xa076_1d64_78bd_642f)));
     let mut pass_started = crate::wall_ns();
     let mut polled_ns = pass_started;
-    'run: while left > 0 {
+    'run: while block.left > 0 {
         let now = crate::wall_ns();
         shared.previous_pass_ns[t].store(pass_started, Ordering::Relaxed);
         pass_started = now;
@@ -491,67 +514,117 @@ where
                 Some(words) => words[k],
                 None => pass.word(start, end, k),
             };
-            let mut round = pass;
-            for _ in 0..ROUNDS_PER_WORD {
-                let mut bits = shared.runnable[word].swap(0, Ordering::AcqRel);
-                if bits == 0 {
-                    break;
+            match block.poll_word(word, pass, &mut shuffle) {
+                Ok(polled) => ran |= polled,
+                Err(Halt::Stopped) => break 'run,
+                Err(Halt::Failed(e)) => {
+                    fail(e);
+                    break 'run;
                 }
-                ran = true;
-                let drawn = shuffle.as_mut().map(|s| s.bits(bits));
-                let mut drawn = drawn.into_iter().flatten();
-                while let Some(bit) = match shuffle {
-                    Some(_) => drawn.next(),
-                    None => round.take_bit(&mut bits),
-                } {
-                    if shared.stop.load(Ordering::Relaxed) {
-                        break 'run;
-                    }
-                    let i = word * WORD + bit - first_chip;
-                    if results[i].is_some() {
-                        continue;
-                    }
-                    let polled = poll_chip(shared, first_chip + i, &mut chips[i], &wakers[i]);
-                    match polled {
-                        Ok(Some(v)) => {
-                            results[i] = Some(v);
-                            left -= 1;
-                        }
-                        Ok(None) => {}
-                        Err(e) => {
-                            fail(e);
-                            break 'run;
-                        }
-                    }
-                }
-                round = round.reversed();
             }
         }
         pass = pass.reversed();
         if shared.stop.load(Ordering::SeqCst) {
             break;
         }
-        if !ran {
-            // Announce the sleep, then look again: a wake-up either sees the announcement or
-            // set its bit before this look (both sides are sequentially consistent).
-            shared.sleeping[t].store(true, Ordering::SeqCst);
-            let idle = (start..end).all(|w| shared.runnable[w].load(Ordering::SeqCst) == 0);
-            if idle && !shared.stop.load(Ordering::SeqCst) {
-                // Nothing of this thread's is runnable: it keeps no chip waiting.
-                shared.previous_pass_ns[t].store(0, Ordering::Relaxed);
-                match &shared.idle {
-                    Some(idle) => idle.0.wait(),
-                    None => std::thread::park(),
-                }
-                pass_started = crate::wall_ns();
-                polled_ns = pass_started;
-            }
-            shared.sleeping[t].store(false, Ordering::SeqCst);
+        if !ran && shared.sleep_when_idle(t) {
+            pass_started = crate::wall_ns();
+            polled_ns = pass_started;
         }
     }
     // Chips still running are dropped here, on their thread.
+    let Block { chips, results, .. } = block;
     drop(chips);
     results
+}
+
+/// Why a sweep ends before its chips finish.
+enum Halt<E> {
+    /// Every thread stops (another chip failed, or the caller gave up).
+    Stopped,
+    /// This chip failed: its error.
+    Failed(E),
+}
+
+/// One thread's chips (those of its words, from `first_chip`): their futures, their wakers,
+/// and the results of those that finished.
+struct Block<'s, T, E> {
+    shared: &'s Arc<Shared>,
+    first_chip: usize,
+    chips: Vec<ChipFuture<T, E>>,
+    wakers: Vec<Waker>,
+    results: Vec<Option<T>>,
+    /// How many have not finished.
+    left: usize,
+}
+
+impl<'s, T, E> Block<'s, T, E>
+where
+    E: From<CollectiveError>,
+{
+    fn new(shared: &'s Arc<Shared>, first_chip: usize, chips: Vec<ChipFuture<T, E>>) -> Self {
+        let wakers = (0..chips.len())
+            .map(|i| {
+                Waker::from(Arc::new(ChipWaker {
+                    shared: shared.clone(),
+                    chip: first_chip + i,
+                }))
+            })
+            .collect();
+        Block {
+            shared,
+            first_chip,
+            results: (0..chips.len()).map(|_| None).collect(),
+            left: chips.len(),
+            chips,
+            wakers,
+        }
+    }
+
+    /// Polls the runnable chips of word `word`, again while it has some (up to
+    /// [`ROUNDS_PER_WORD`] rounds, each the other way), in `pass`'s order or `shuffle`'s:
+    /// whether any ran.
+    fn poll_word(
+        &mut self,
+        word: usize,
+        pass: Direction,
+        shuffle: &mut Option<Shuffle>,
+    ) -> Result<bool, Halt<E>> {
+        let mut ran = false;
+        let mut round = pass;
+        for _ in 0..ROUNDS_PER_WORD {
+            let mut bits = self.shared.runnable[word].swap(0, Ordering::AcqRel);
+            if bits == 0 {
+                break;
+            }
+            ran = true;
+            let drawn = shuffle.as_mut().map(|s| s.bits(bits));
+            let mut drawn = drawn.into_iter().flatten();
+            while let Some(bit) = match shuffle {
+                Some(_) => drawn.next(),
+                None => round.take_bit(&mut bits),
+            } {
+                if self.shared.stop.load(Ordering::Relaxed) {
+                    return Err(Halt::Stopped);
+                }
+                let i = word * WORD + bit - self.first_chip;
+                if self.results[i].is_some() {
+                    continue;
+                }
+                let (chip, waker) = (self.first_chip + i, &self.wakers[i]);
+                match poll_chip(self.shared, chip, &mut self.chips[i], waker) {
+                    Ok(Some(v)) => {
+                        self.results[i] = Some(v);
+                        self.left -= 1;
+                    }
+                    Ok(None) => {}
+                    Err(e) => return Err(Halt::Failed(e)),
+                }
+            }
+            round = round.reversed();
+        }
+        Ok(ran)
+    }
 }
 
 /// Polls chip `chip` once, telling its observer: its result when it finished, its error (a
