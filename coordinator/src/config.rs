@@ -1492,7 +1492,7 @@ fn torch(
         connect_timeout_s,
         meta,
         intercept: j.intercept.unwrap_or(true),
-        prefork: j.prefork.unwrap_or(false),
+        prefork: j.prefork.unwrap_or(true),
         eager: eager?,
         count: count?,
         verify_ranks: verify_ranks(p, j, pod, meta),

@@ -179,7 +179,44 @@ def _become(request, fds, sockets, selector, *pipe):
 
         traceback.print_exc()
         os._exit(1)
-    _run_program(args)
+    try:
+        _run_program(args)
+    except SystemExit as e:
+        _exit_forked(e.code)
+
+
+def _exit_forked(code):
+    """Ends a forked rank as `python` would end - its non-daemon threads joined, its `atexit`
+    handlers run, its streams flushed - but without the C++ static destructors of the state
+    it inherited from the server: those would destroy thread objects of threads that exist
+    only in the server (a joinable `std::thread` destroyed aborts the process, as a forked
+    FSDP2 rank once did at its exit). `multiprocessing` ends its forked children the same
+    way."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    try:
+        import threading
+
+        threading._shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        status = status or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status & 0xFF)
 
 
 def _run_program(args):

@@ -91,6 +91,19 @@ class RankServer(unittest.TestCase):
         self.assertEqual(code, 0)
         self.assertIn("usage", out)
 
+    def test_exit_runs_threads_and_exit_handlers_and_flushes_as_python_does(self):
+        program = (
+            "import atexit, sys, threading, time\n"
+            "atexit.register(lambda: print('exit handler ran'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+            "sys.stdout.write('unflushed')\n"
+            "sys.exit('a message')\n"
+        )
+        code, out, err, _ = self.run_stub("-c", program)
+        self.assertEqual(code, 1)  # a text exit code is 1, the text on stderr
+        self.assertEqual(err.strip(), "a message")
+        self.assertEqual(out.split(), ["unflushedthread", "done", "exit", "handler", "ran"])
+
     def test_a_killed_stub_takes_its_rank_with_it(self):
         p = self.start(self.program, "sleep")
         pid = None

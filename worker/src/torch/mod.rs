@@ -56,8 +56,8 @@ pub struct TorchSpec {
     pub intercept: bool,
     /// With `intercept`, whether one rank server per job imports torch and podsim once and
     /// forks the ranks (`python/podsim/_prefork.py`), instead of each rank importing them
-    /// (3-4 s of CPU each). Off unless asked: a forked rank was seen to abort at its exit
-    /// ("terminate called without an active exception") once in about ten FSDP2 runs.
+    /// (3-4 s of CPU each). On unless the config says otherwise (`[job] prefork`); absent
+    /// from a spec on the wire, off.
     #[serde(default)]
     pub prefork: bool,
     /// How the ranks' work is counted: `fused` (chains of element-wise ops one pass over HBM,
