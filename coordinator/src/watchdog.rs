@@ -1365,6 +1365,40 @@ mod tests {
     }
 
     #[test]
+    fn a_cut_whose_links_settle_at_different_heartbeats_is_named_whole() {
+        // Chip 1's message to chip 0 is lost from the start; chip 0's to chip 1 a heartbeat
+        // later, so its suspicion settles later (a quarter of the timeout, 25 ms, each).
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0], t0);
+        let mut worker = Worker::new(0, &[0, 1], t0);
+        let mut a = status(0, 5, &[(1, PLUS)]);
+        let mut b = status(1, 5, &[(0, MINUS)]);
+        a.sent[link_slot(PLUS)] = 3;
+        b.sent[link_slot(MINUS)] = 4;
+        a.received[link_slot(PLUS)] = 3;
+        b.received[link_slot(MINUS)] = 3;
+        let ms = Duration::from_millis;
+        worker.beat(&mut w, &[a.clone(), b.clone()], t0);
+        // Chip 0 sends (progress), then waits again.
+        a.sent[link_slot(PLUS)] = 4;
+        a.progress += 1;
+        let chips = [a, b];
+        worker.beat(&mut w, &chips, t0 + ms(20));
+        // The first link's loss is confirmed, the second's still settling: no verdict yet.
+        worker.beat(&mut w, &chips, t0 + ms(30));
+        let early = check(&mut w, t0 + ms(30));
+        assert!(
+            early
+                .as_ref()
+                .is_none_or(|f| f.kind != HangKind::LostMessage),
+            "{early:?}"
+        );
+        worker.beat(&mut w, &chips, t0 + ms(50));
+        let f = check(&mut w, t0 + ms(50)).unwrap();
+        assert_eq!(f.kind, HangKind::Partition, "{}", f.explanation);
+    }
+
+    #[test]
     fn a_message_lost_between_workers_is_found_from_the_boundary_counters() {
         let t0 = Instant::now();
         let mut w = watchdog(&[0, 1], t0);

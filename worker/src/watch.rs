@@ -603,6 +603,22 @@ impl Summariser {
                 }
             }
         }
+        // A cut loses messages on several links, each confirmed a quarter of the timeout after
+        // its own wait began: while another suspect is still settling, the lost messages
+        // already confirmed wait for it (at most another quarter), so that the cut is
+        // reported whole, not as one lost message.
+        let age = |wait: &Wait| {
+            let key = (wait.waiter, link_slot(wait.link));
+            suspects
+                .get(&key)
+                .map_or(Duration::MAX, |s| now.duration_since(s.2))
+        };
+        let settling = suspects
+            .values()
+            .any(|s| now.duration_since(s.2) < r.settle);
+        if settling && w.lost.iter().all(|(wait, _)| age(wait) < 2 * r.settle) {
+            w.lost.clear();
+        }
         self.suspects = suspects;
         w
     }
