@@ -589,17 +589,9 @@ mod tests {
             reduce: None,
         };
         let report = FailureReport {
-            kind: "desync".into(),
-            chip: 2,
-            peer: 1,
             mine: Some(fp(3)),
             theirs: fp(4).to_string(),
-            link: None,
-            faults: Vec::new(),
-            rank_exit: None,
-            sites: Vec::new(),
-            representative_steps: Vec::new(),
-            torch: Vec::new(),
+            ..FailureReport::between("desync", 2, 1)
         };
         let failure = Body::Failure(pb::WorkerFailure {
             error: "desync".into(),

@@ -156,7 +156,7 @@ impl FailureReport {
     pub const REGROUP: &'static str = "regroup";
 
     /// A failure of `kind` between `chip` and `peer`, with nothing else said yet.
-    fn between(kind: impl Into<String>, chip: u32, peer: u32) -> FailureReport {
+    pub fn between(kind: impl Into<String>, chip: u32, peer: u32) -> FailureReport {
         FailureReport {
             kind: kind.into(),
             chip,
