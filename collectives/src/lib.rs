@@ -37,6 +37,7 @@
 //! assert_eq!(sums[0].0, vec![6.0; 3]);
 //! assert!(sums[0].1 > 0.0); // virtual nanoseconds on the modelled v5e
 //! ```
+#![forbid(unsafe_code)]
 
 mod algo;
 pub mod bits;

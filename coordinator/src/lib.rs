@@ -16,6 +16,7 @@
 //! - [`run`]: `podsim run` (a PyTorch program, one rank per chip, as a `kind = "torch"` job);
 //! - [`status`]: how a job ended ([`JobStatus`]: its name and exit code, one place);
 //! - [`units`]: sizes and their parsing.
+#![forbid(unsafe_code)]
 
 pub mod bench;
 pub mod compare;

@@ -1,4 +1,5 @@
 //! The `podsim` command: a thin shell over the coordinator and worker libraries.
+#![forbid(unsafe_code)]
 
 use std::io::IsTerminal;
 use std::path::PathBuf;

@@ -2,6 +2,7 @@
 //!
 //! The [`v1::Envelope`] is the one message format every chip-to-chip message uses when it
 //! leaves its worker; [`v1::Frame`] batches many of them on one worker-to-worker stream.
+#![forbid(unsafe_code)]
 
 #[allow(missing_docs, missing_debug_implementations, clippy::all)]
 pub mod v1 {

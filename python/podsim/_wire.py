@@ -1,4 +1,4 @@
-"""The frames between a rank and the chip that serves it (``worker/src/torch/wire.rs``).
+"""The frames between a rank and the chip that serves it (``links/src/rank_wire.rs``).
 
 Each frame: a 16-byte header (``PDT1``, the JSON length as u32, the payload length as u64,
 little-endian), a JSON object, then the payload: float32 values in the host's byte order.

@@ -55,7 +55,7 @@ class _Rank:
             ) from None
         # Nothing to ask the kernel here: the worker gave this process SIGKILL as its
         # parent-death signal, and a process group of its own, before it ran anything
-        # (worker/src/procs.rs), so the rank and what it starts die with the job.
+        # (links/src/procs.rs), so the rank and what it starts die with the job.
         self.rank = int(os.environ["RANK"])
         self.conn = Connection(socket_name, self.rank, os.environ.get("PODSIM_TOKEN", ""))
         self.eager = os.environ.get("PODSIM_EAGER", "fused")

@@ -6,6 +6,7 @@
 //! - [`Hardware`]: presets (v4, v5e, v5p, v6e) and overrides for the virtual-time model.
 //! - [`Placement`]: chips onto worker processes, minimising links that cross workers.
 //! - [`Group`], [`DeviceMesh`]: which chips a collective spans; named mesh axes.
+#![forbid(unsafe_code)]
 
 mod error;
 mod group;

@@ -64,6 +64,15 @@ pub enum WorkerError {
     Internal(String),
 }
 
+impl From<podsim_links::LinkError> for WorkerError {
+    fn from(e: podsim_links::LinkError) -> WorkerError {
+        match e {
+            podsim_links::LinkError::Invalid(why) => WorkerError::Invalid(why),
+            podsim_links::LinkError::Link(why) => WorkerError::Link(why),
+        }
+    }
+}
+
 impl WorkerError {
     /// Whether this is a [`WorkerError::Regroup`] (as it is, or inside the steps it carries).
     pub fn is_regroup(&self) -> bool {

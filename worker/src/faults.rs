@@ -384,6 +384,33 @@ mod tests {
         assert_eq!(fault_wait(0.25), Duration::from_millis(250));
     }
 
+    /// A message of one f32 from chip 1 to chip 0 over the x+ link.
+    fn one_value_message() -> Message {
+        let payload = Payload::from_vec(vec![1.0]);
+        Message {
+            src: 1,
+            dst: 0,
+            link: Link::ici(0, podsim_topology::Dir::Plus),
+            hops: 1,
+            fingerprint: Fingerprint {
+                group: 1,
+                seq: 0,
+                op: OpKind::AllReduce,
+                dtype: podsim_collectives::DType::F32,
+                count: payload.len() as u64,
+                reduce: Some(podsim_collectives::ReduceOp::Sum),
+            },
+            tag: podsim_collectives::Tag {
+                lane: 0,
+                phase: 0,
+                step: 0,
+            },
+            arrive_ns: 0.0,
+            payload,
+            checksum: None,
+        }
+    }
+
     #[test]
     fn nonsense_slow_factors_and_delays_neither_panic_nor_wait_unbounded() {
         let cases = [
@@ -398,7 +425,7 @@ mod tests {
             (FaultKind::Delay, 10.0, -3.0),
         ];
         for (kind, factor, delay_ms) in cases {
-            let mut msg = crate::wire::tests::message(1, 0, Payload::from_vec(vec![1.0]));
+            let mut msg = one_value_message();
             let action = plan(kind, factor, delay_ms).on_send(&mut msg, Duration::from_secs(2));
             let OnSend::Delay { wall, virtual_ns } = action else {
                 panic!("{kind:?} {factor} {delay_ms}: a delay, not {action:?}");

@@ -3,7 +3,9 @@
 use podsim_collectives::{
     Algo, ChipStatus, CollectiveError, Comm, DType, Fingerprint, OpKind, ReduceOp,
 };
-use podsim_topology::{Group, Hardware, Link, Pod};
+use podsim_links::FabricSpec;
+pub use podsim_links::{PeerLink, Transport};
+use podsim_topology::{Dir, Group, Hardware, Link, Pod, PodAxis, Route};
 use serde::{Deserialize, Serialize};
 
 use crate::bench::{BenchCase, elements_for_buffer};
@@ -40,6 +42,62 @@ pub struct JobSpec {
     /// How workers reach each other (`[launch] transport`).
     #[serde(default)]
     pub transport: Transport,
+}
+
+impl JobSpec {
+    /// What this job asks of a worker's fabric: its links follow the torus, plus the routes
+    /// and rings its program sends on beyond one hop.
+    pub fn fabric(&self) -> FabricSpec {
+        FabricSpec {
+            pod: self.pod.clone(),
+            hardware: self.hardware.clone(),
+            workers: self.workers,
+            transport: self.transport,
+            strided_routes: self.strided_routes(),
+            shift_groups: self.shift_groups(),
+        }
+    }
+
+    /// Routes longer than one hop the job's chips send on: the strided parts of torus axes its
+    /// device mesh lays dimensions on (their members are `stride` chips apart).
+    fn strided_routes(&self) -> Vec<Route> {
+        let Program::Train(train) = &self.program else {
+            return Vec::new();
+        };
+        let parts = train.mesh_parts(&self.pod).unwrap_or_default();
+        parts
+            .into_iter()
+            .filter(|p| p.stride > 1)
+            .filter_map(|p| match p.axis {
+                PodAxis::Torus(a) => Some((a, p.stride)),
+                PodAxis::Slices => None,
+            })
+            .flat_map(|(axis, hops)| {
+                [Dir::Plus, Dir::Minus].map(|dir| Route {
+                    link: Link::ici(usize::from(axis), dir),
+                    hops,
+                })
+            })
+            .collect()
+    }
+
+    /// The groups whose members send point-to-point messages around their ring (a
+    /// `send-recv` in a script or a benchmark).
+    fn shift_groups(&self) -> Vec<Group> {
+        match &self.program {
+            Program::Collectives { script, .. } => script
+                .iter()
+                .filter(|step| step.op == OpKind::SendRecv)
+                .map(|step| step.group)
+                .collect(),
+            Program::Bench { cases } => cases
+                .iter()
+                .filter(|case| case.op == OpKind::SendRecv)
+                .map(|case| case.comm.group)
+                .collect(),
+            Program::Train(_) | Program::Torch(_) => Vec::new(),
+        }
+    }
 }
 
 /// Which chips record a trace, and whether their messages are recorded too (flow arrows).
@@ -371,61 +429,4 @@ pub struct WorkerReport {
     /// Torch jobs: one report per rank.
     #[serde(default)]
     pub torch: Vec<crate::torch::RankReport>,
-}
-
-/// A link between two workers and how it is carried.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PeerLink {
-    pub peer: u32,
-    pub transport: Transport,
-    /// Whether the link is encrypted and both ends authenticated (mutual TLS; links over TCP,
-    /// records or gRPC, of a job with `[launch.tls]`).
-    #[serde(default)]
-    pub tls: bool,
-}
-
-/// How messages between two workers travel.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    /// Between workers on the same host a Unix domain socket, with large payloads in shared
-    /// memory where both workers can map it; records over TCP to other hosts (inside TLS
-    /// under `[launch.tls]`).
-    #[default]
-    Auto,
-    /// Records over TCP, wherever the peer is (inside TLS under `[launch.tls]`).
-    Tcp,
-    /// A Unix domain socket carrying every byte; a peer on another host is an error.
-    Uds,
-    /// A Unix domain socket with large payloads in shared memory; a peer on another host, or
-    /// a region that cannot be mapped, is an error.
-    Shm,
-    /// gRPC (HTTP/2) over TCP, wherever the peer is.
-    Grpc,
-}
-
-/// The environment variable that sets the default transport (tests run every cross-process
-/// test over each transport in turn with it).
-pub const TRANSPORT_ENV: &str = "PODSIM_TRANSPORT";
-
-podsim_collectives::named_enum!(Transport, "transport", {
-    Auto => "auto",
-    Tcp => "tcp",
-    Uds => "uds",
-    Shm => "shm",
-    Grpc => "grpc",
-});
-
-impl Transport {
-    /// `given` (the config key or flag called `what`), else `PODSIM_TRANSPORT`, else `auto`;
-    /// an unknown name is an error naming where it came from.
-    pub fn choose(given: Option<&str>, what: &str) -> Result<Transport, String> {
-        let from_env = std::env::var(TRANSPORT_ENV).ok();
-        let (name, source) = match (given, from_env.as_deref()) {
-            (Some(name), _) => (name, what),
-            (None, Some(name)) => (name, TRANSPORT_ENV),
-            (None, None) => return Ok(Transport::Auto),
-        };
-        name.parse().map_err(|e| format!("{source}: {e}"))
-    }
 }

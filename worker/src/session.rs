@@ -22,8 +22,8 @@ use podsim_collectives::{FlightRecorder, TraceHandle};
 use crate::error::WorkerError;
 use crate::faults::FaultPlan;
 use crate::job::{FailureReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
-use crate::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
 use crate::programs::{run_program_waiting, total_units};
+use podsim_links::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
 
 /// The largest control message either side accepts. A worker's final report carries every
 /// chip's step records: about 700 bytes a chip, 75 MB for 110,592 chips in one worker.
@@ -44,7 +44,7 @@ pub struct WorkerOptions {
     /// Exit when standard input closes (set when a coordinator spawned this worker).
     pub watch_stdin: bool,
     /// Mutual TLS on the connections over TCP (to the coordinator and to other workers).
-    pub tls: Option<crate::tls::Tls>,
+    pub tls: Option<podsim_links::tls::Tls>,
 }
 
 fn session_error(e: impl std::fmt::Display) -> WorkerError {
@@ -59,12 +59,13 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
     }
     let links = Links::serve(&opts).await?;
     let mut session = Session::join(&opts, &links).await?;
-    let fabric = link_up(&opts, &links, &mut session).await?;
-    let (chips, watched) = local_chips(&fabric, session.me);
-    let program = fabric.spec.program.clone();
+    let spec = session.spec.take().ok_or_else(|| session_error("no job"))?;
+    let fabric = link_up(&opts, &links, &mut session, &spec).await?;
+    let (chips, watched) = local_chips(&spec, &fabric, session.me);
+    let program = spec.program.clone();
     let total = total_units(&program, chips.len());
     let done = Arc::new(AtomicU64::new(0));
-    let heartbeats = Heartbeats::start(&fabric, &session, &watched, done.clone(), total)?;
+    let heartbeats = Heartbeats::start(&spec, &fabric, &session, &watched, done.clone(), total)?;
     let run = run_program_waiting(chips, &program, done, Some(fabric.idle_wait()));
     tokio::pin!(run);
     let outcome = loop {
@@ -118,8 +119,11 @@ pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
 /// This worker's chips (on a mirror fabric, one per class of chips alike under the job's
 /// symmetry: one standing for all when it has every translation of the torus), with their
 /// recorders, faults and traces set up.
-fn local_chips(fabric: &Arc<NodeFabric>, me: u32) -> (Vec<podsim_collectives::Chip>, Watched) {
-    let spec = &fabric.spec;
+fn local_chips(
+    spec: &JobSpec,
+    fabric: &Arc<NodeFabric>,
+    me: u32,
+) -> (Vec<podsim_collectives::Chip>, Watched) {
     let mut chips = if spec.symmetric {
         let symmetry = match &spec.program {
             crate::protocol::Program::Train(train) => train.symmetry(&spec.pod),
@@ -188,9 +192,9 @@ impl Links {
         };
         let (fabric_tx, fabric_rx) = watch::channel::<Option<Arc<NodeFabric>>>(None);
         // Workers on this host reach this one over a Unix socket (see `records`).
-        let link_local = match crate::records::bind() {
+        let link_local = match podsim_links::records::bind() {
             Some((listener, name)) => {
-                tokio::spawn(crate::records::serve(
+                tokio::spawn(podsim_links::records::serve(
                     listener,
                     opts.token.clone(),
                     fabric_rx.clone(),
@@ -205,12 +209,12 @@ impl Links {
         if let Some(tls) = &opts.tls {
             server = server
                 .tls_config(tls.server())
-                .map_err(|e| WorkerError::Link(crate::tls::chain(&e)))?;
+                .map_err(|e| WorkerError::Link(podsim_links::tls::chain(&e)))?;
         }
         // One port for both: connections that open as record links (inside TLS when the job
         // uses it) become record links and the others go to gRPC.
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(16);
-        tokio::spawn(crate::records::route_tcp(
+        tokio::spawn(podsim_links::records::route_tcp(
             listener,
             opts.tls.clone(),
             opts.token.clone(),
@@ -227,7 +231,7 @@ impl Links {
             mine: net::PeerAddress {
                 tcp: link_addr,
                 local: link_local,
-                host_id: crate::records::host_id(),
+                host_id: podsim_links::records::host_id(),
             },
             fabric: fabric_tx,
             bound_ip: local.ip().to_string(),
@@ -247,7 +251,7 @@ struct Session {
 impl Session {
     /// Says hello and waits for the job (`Setup`).
     async fn join(opts: &WorkerOptions, links: &Links) -> Result<Session, WorkerError> {
-        let endpoint = crate::tls::url(&opts.join, opts.tls.as_ref());
+        let endpoint = podsim_links::tls::url(&opts.join, opts.tls.as_ref());
         let mut client =
             connect_control(&endpoint, opts.tls.as_ref(), Duration::from_secs(30)).await?;
         let (to_coord, rx) = mpsc::channel::<pb::WorkerMsg>(16);
@@ -272,7 +276,7 @@ impl Session {
                 .session(request)
                 .await
                 .map_err(|s| {
-                    let why = crate::tls::chain(&s);
+                    let why = podsim_links::tls::chain(&s);
                     session_error(format!(
                         "the coordinator refused the session: {why}{}",
                         tls_hint(opts.tls.as_ref())
@@ -340,10 +344,10 @@ async fn link_up(
     opts: &WorkerOptions,
     links: &Links,
     session: &mut Session,
+    spec: &JobSpec,
 ) -> Result<Arc<NodeFabric>, WorkerError> {
-    let spec = session.spec.take().ok_or_else(|| session_error("no job"))?;
     let me = session.me;
-    let fabric = NodeFabric::new(spec, me)?;
+    let fabric = NodeFabric::new(spec.fabric(), me)?;
     let _ = links.fabric.send(Some(fabric.clone()));
     for peer in fabric.neighbours().into_iter().filter(|&p| p > me) {
         let setup = &session.setup;
@@ -406,6 +410,7 @@ struct Heartbeats {
 
 impl Heartbeats {
     fn start(
+        spec: &JobSpec,
         fabric: &Arc<NodeFabric>,
         session: &Session,
         watched: &Watched,
@@ -417,12 +422,12 @@ impl Heartbeats {
             watched.recorders.clone(),
             watched.faults.clone(),
         );
-        let every = Duration::from_millis(fabric.spec.heartbeat_ms.max(1));
+        let every = Duration::from_millis(spec.heartbeat_ms.max(1));
         let transport = fabric.clone();
         let mut summariser = crate::watch::Summariser::new(
-            &fabric.spec.pod,
+            &spec.pod,
             recorders.iter().map(|r| r.chip()).collect(),
-            Duration::from_millis(fabric.spec.watchdog_ms),
+            Duration::from_millis(spec.watchdog_ms),
             std::time::Instant::now(),
         );
         let mut cpu_wait = podsim_collectives::CpuWaitMeter::new(std::time::Instant::now());
@@ -532,7 +537,7 @@ impl Inbound {
 /// What to check when the coordinator cannot be reached or refuses the session, as far as
 /// TLS goes (a TLS server and a plain client, or a certificate of another authority, fail
 /// with transport errors that do not say so).
-fn tls_hint(tls: Option<&crate::tls::Tls>) -> String {
+fn tls_hint(tls: Option<&podsim_links::tls::Tls>) -> String {
     match tls {
         None => " (if the job uses [launch.tls], start the worker with --tls-ca, --tls-cert and \
                   --tls-key)"
@@ -547,13 +552,13 @@ fn tls_hint(tls: Option<&crate::tls::Tls>) -> String {
 
 async fn connect_control(
     endpoint: &str,
-    tls: Option<&crate::tls::Tls>,
+    tls: Option<&podsim_links::tls::Tls>,
     patience: Duration,
 ) -> Result<ControlClient<tonic::transport::Channel>, WorkerError> {
     let deadline = tokio::time::Instant::now() + patience;
     let target = tonic::transport::Endpoint::from_shared(endpoint.to_string())
         .map_err(|e| session_error(format!("bad coordinator address {endpoint}: {e}")))?;
-    let target = crate::tls::secure(target, tls)?;
+    let target = podsim_links::tls::secure(target, tls)?;
     loop {
         match target.connect().await {
             Ok(channel) => {
@@ -564,11 +569,11 @@ async fn connect_control(
             // again on every try: say so now rather than after the whole patience.
             Err(e)
                 if tokio::time::Instant::now() >= deadline
-                    || crate::tls::handshake_failure(&e).is_some() =>
+                    || podsim_links::tls::handshake_failure(&e).is_some() =>
             {
                 return Err(session_error(format!(
                     "cannot reach the coordinator at {endpoint}: {}{}",
-                    crate::tls::chain(&e),
+                    podsim_links::tls::chain(&e),
                     tls_hint(tls)
                 )));
             }

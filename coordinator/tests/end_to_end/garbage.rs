@@ -146,7 +146,7 @@ fn spec() -> JobSpec {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn link_service_refuses_garbage_and_bad_frames() {
     // Worker 0 of a 4-chip ring on 2 workers: chips 0 and 1; worker 1 hosts 2 and 3.
-    let fabric = NodeFabric::new(spec(), 0).unwrap();
+    let fabric = NodeFabric::new(spec().fabric(), 0).unwrap();
     let (_tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -323,7 +323,7 @@ async fn record_link_listeners_refuse_garbage_and_bad_records() {
 #[cfg(target_os = "linux")]
 async fn refuses_garbage_and_bad_records(tcp: bool) {
     let kind = if tcp { "tcp" } else { "unix" };
-    let fabric = NodeFabric::new(spec(), 0).unwrap();
+    let fabric = NodeFabric::new(spec().fabric(), 0).unwrap();
     let port = record_port(tcp, &fabric).await;
     let junk: Vec<u8> = (0..100_000u32)
         .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
@@ -356,7 +356,7 @@ async fn refuses_garbage_and_bad_records(tcp: bool) {
     let errors = link_errors(&fabric, "the garbage record was not refused").await;
     assert!(errors[0].contains("bad record"), "{kind}: {errors:?}");
     // A record that points into a shared region the link does not have: refused, named.
-    let second = NodeFabric::new(spec(), 0).unwrap();
+    let second = NodeFabric::new(spec().fabric(), 0).unwrap();
     let second_port = record_port(tcp, &second).await;
     let mut bytes = local_hello(1, TOKEN);
     bytes.push(0); // "I did not map your region"

@@ -18,7 +18,8 @@ pub mod boot;
 pub mod ranks;
 pub mod serve;
 pub mod verify;
-pub mod wire;
+pub use podsim_links::rank_wire as wire;
+pub use wire::StepCounting;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -181,21 +182,6 @@ pub struct RankStep {
     /// steady step (`python/podsim/_replay.py`).
     #[serde(default)]
     pub counting: StepCounting,
-}
-
-/// How a step's compute was known.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StepCounting {
-    /// Every op counted at the rank's dispatcher.
-    #[default]
-    Counted,
-    /// The rank's requests were those of its steady step, and each was charged the compute
-    /// counted before it in that step.
-    Replayed,
-    /// Replayed until a request differed from the steady step's, counted from there: the
-    /// ops before that point were not seen.
-    Partial,
 }
 
 /// Which steps a rank counts op by op (`[job] count`).

@@ -3,7 +3,7 @@
 //! started when the job ends, however it ends: each rank leads a process group of its own,
 //! killed by the guard's drop, after the rank exits, and by the keeper when the worker dies;
 //! the rank itself gets `SIGKILL` from the kernel when its worker dies, asked for before it
-//! runs anything (see `crate::procs`).
+//! runs anything (see `podsim_links::procs`).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
@@ -20,8 +20,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use super::TorchSpec;
 use super::wire::{Frame, MAX_PAYLOAD_BYTES, Reply, Request, read_frame, write_frame};
 use crate::error::WorkerError;
-use crate::procs::{Group, die_with_parent};
-use crate::socket::{Acceptor, Admission, Limits};
+use podsim_links::procs::{Group, die_with_parent};
+use podsim_links::socket::{Acceptor, Admission, Limits};
 
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -121,7 +121,7 @@ pub async fn start(
     recorders: &[Arc<FlightRecorder>],
     hardware: &podsim_topology::Hardware,
 ) -> Result<(Vec<Rank>, RankGuard), WorkerError> {
-    let (listener, socket) = crate::records::bind_abstract("podsim-ranks")
+    let (listener, socket) = podsim_links::records::bind_abstract("podsim-ranks")
         .ok_or_else(|| WorkerError::Invalid("cannot open a Unix socket for the ranks".into()))?;
     let token = random_token();
     let master_port = free_port()?;
@@ -472,7 +472,7 @@ async fn accept(listener: tokio::net::UnixListener, token: String, pending: Pend
     let mut acceptor = Acceptor::new("the ranks' socket");
     loop {
         let stream = acceptor.next(|| listener.accept()).await;
-        if let Err(why) = crate::socket::same_user(&stream) {
+        if let Err(why) = podsim_links::socket::same_user(&stream) {
             admission.refused(&format!("refused a rank's connection: {why}"));
             continue;
         }
@@ -492,7 +492,7 @@ async fn admit(
     stream: UnixStream,
     token: &str,
     pending: &Pending,
-    waiting: &mut crate::socket::Pending,
+    waiting: &mut podsim_links::socket::Pending,
 ) -> Result<(), String> {
     let (mut read, mut write) = stream.into_split();
     let hello = waiting

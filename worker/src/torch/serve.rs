@@ -390,7 +390,7 @@ fn not_connected(chip: &Chip, rank: &Rank, spec: &TorchSpec, busy: bool) -> Work
     let seen = match rank.forked {
         // Its stub only waits for it: what it shows says nothing of the rank.
         true => String::new(),
-        false => crate::procs::describe(rank.pid),
+        false => podsim_links::procs::describe(rank.pid),
     };
     rank.group.kill();
     let mut how = format!(

@@ -76,7 +76,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 /// Worker 0's same-host link listener, as a worker serves it, its fabric set: its name.
 fn listen(runtime: &tokio::runtime::Runtime) -> (String, Arc<NodeFabric>) {
-    let fabric = NodeFabric::new(spec(), 0).unwrap();
+    let fabric = NodeFabric::new(spec().fabric(), 0).unwrap();
     let (tx, rx) = tokio::sync::watch::channel(Some(fabric.clone()));
     let _guard = runtime.enter();
     let (listener, name) = records::bind().unwrap();

@@ -1,7 +1,7 @@
 //! Fuzzing of every reader of bytes another process sends (test-only): link records over a
 //! socket ([`crate::records::RecordReader`]) and the envelope checks behind them
 //! ([`crate::wire`]), protobuf envelopes (the gRPC links), and a PyTorch rank's frames
-//! ([`crate::torch::wire`]). Each input is a valid message mutated (bytes flipped, cut,
+//! ([`crate::rank_wire`]). Each input is a valid message mutated (bytes flipped, cut,
 //! repeated, spliced) or plain noise; a reader must return (a message or an error), never
 //! panic, hang or allocate beyond its limits.
 //!
@@ -19,9 +19,9 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use prost::Message as _;
 
+use crate::rank_wire;
 use crate::records::{self, Drained, RecordReader};
 use crate::socket::RawLink;
-use crate::torch::wire as rank_wire;
 use crate::wire;
 
 /// Inputs per target in the suite (no `PODSIM_FUZZ_SECS`).

@@ -16,22 +16,96 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use podsim_collectives::{Chip, CollectiveError, Delivery, Inbox, Message, OpKind, Router};
+use podsim_collectives::{Chip, CollectiveError, Delivery, Inbox, Message, Router};
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::link_service_client::LinkServiceClient;
 use podsim_proto::v1::link_service_server::{LinkService, LinkServiceServer};
-use podsim_topology::{ChipId, Dir, Group, Link, Placement, PodAxis, Route};
+use podsim_topology::{ChipId, Group, Hardware, Placement, Pod, Route};
+use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::error::WorkerError;
-use crate::job::{JobSpec, PeerLink, Program, Transport};
+use crate::LinkError;
 use crate::records;
 use crate::socket::LinkStream;
 use crate::wire::{self, MAX_FRAME_BYTES};
+
+/// What a worker's fabric needs of its job: the pod and its hardware, how many workers share
+/// it and how their links are carried, and which chips beyond the torus neighbours its chips
+/// send to (the worker derives those from the job's program).
+#[derive(Debug, Clone)]
+pub struct FabricSpec {
+    pub pod: Pod,
+    pub hardware: Hardware,
+    pub workers: u32,
+    pub transport: Transport,
+    /// Routes longer than one hop the chips send on (the strided parts of torus axes a device
+    /// mesh lays its dimensions on).
+    pub strided_routes: Vec<Route>,
+    /// Groups whose members send point-to-point around their ring (a `send-recv`): each
+    /// chip's next and previous members are its peers too.
+    pub shift_groups: Vec<Group>,
+}
+
+/// A link between two workers and how it is carried.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerLink {
+    pub peer: u32,
+    pub transport: Transport,
+    /// Whether the link is encrypted and both ends authenticated (mutual TLS; links over TCP,
+    /// records or gRPC, of a job with `[launch.tls]`).
+    #[serde(default)]
+    pub tls: bool,
+}
+
+/// How messages between two workers travel.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Between workers on the same host a Unix domain socket, with large payloads in shared
+    /// memory where both workers can map it; records over TCP to other hosts (inside TLS
+    /// under `[launch.tls]`).
+    #[default]
+    Auto,
+    /// Records over TCP, wherever the peer is (inside TLS under `[launch.tls]`).
+    Tcp,
+    /// A Unix domain socket carrying every byte; a peer on another host is an error.
+    Uds,
+    /// A Unix domain socket with large payloads in shared memory; a peer on another host, or
+    /// a region that cannot be mapped, is an error.
+    Shm,
+    /// gRPC (HTTP/2) over TCP, wherever the peer is.
+    Grpc,
+}
+
+/// The environment variable that sets the default transport (tests run every cross-process
+/// test over each transport in turn with it).
+pub const TRANSPORT_ENV: &str = "PODSIM_TRANSPORT";
+
+podsim_collectives::named_enum!(Transport, "transport", {
+    Auto => "auto",
+    Tcp => "tcp",
+    Uds => "uds",
+    Shm => "shm",
+    Grpc => "grpc",
+});
+
+impl Transport {
+    /// `given` (the config key or flag called `what`), else `PODSIM_TRANSPORT`, else `auto`;
+    /// an unknown name is an error naming where it came from.
+    pub fn choose(given: Option<&str>, what: &str) -> Result<Transport, String> {
+        let from_env = std::env::var(TRANSPORT_ENV).ok();
+        let (name, source) = match (given, from_env.as_deref()) {
+            (Some(name), _) => (name, what),
+            (None, Some(name)) => (name, TRANSPORT_ENV),
+            (None, None) => return Ok(Transport::Auto),
+        };
+        name.parse().map_err(|e| format!("{source}: {e}"))
+    }
+}
 
 /// Bytes of messages that may wait to be sent to one peer worker.
 pub const PEER_BUDGET_BYTES: usize = 128 << 20;
@@ -126,7 +200,7 @@ pub struct PeerAddress {
 /// One worker's share of the fabric.
 #[derive(Debug)]
 pub struct NodeFabric {
-    pub spec: JobSpec,
+    pub spec: FabricSpec,
     pub me: u32,
     placement: Placement,
     inboxes: Vec<Option<Arc<Inbox>>>,
@@ -140,47 +214,6 @@ pub struct NodeFabric {
     /// The record links into this worker, and who reads them.
     inputs: Arc<crate::intake::LinkInputs>,
     this: std::sync::Weak<NodeFabric>,
-}
-
-/// Routes longer than one hop the job's chips send on: the strided parts of torus axes its
-/// device mesh lays dimensions on (their members are `stride` chips apart).
-fn strided_routes(spec: &JobSpec) -> Vec<Route> {
-    let Program::Train(train) = &spec.program else {
-        return Vec::new();
-    };
-    let parts = train.mesh_parts(&spec.pod).unwrap_or_default();
-    parts
-        .into_iter()
-        .filter(|p| p.stride > 1)
-        .filter_map(|p| match p.axis {
-            PodAxis::Torus(a) => Some((a, p.stride)),
-            PodAxis::Slices => None,
-        })
-        .flat_map(|(axis, hops)| {
-            [Dir::Plus, Dir::Minus].map(|dir| Route {
-                link: Link::ici(usize::from(axis), dir),
-                hops,
-            })
-        })
-        .collect()
-}
-
-/// The groups whose members send point-to-point messages around their ring (a `send-recv`
-/// in a script or a benchmark): each chip's next and previous members are its peers too.
-fn shift_groups(spec: &JobSpec) -> Vec<Group> {
-    match &spec.program {
-        Program::Collectives { script, .. } => script
-            .iter()
-            .filter(|step| step.op == OpKind::SendRecv)
-            .map(|step| step.group)
-            .collect(),
-        Program::Bench { cases } => cases
-            .iter()
-            .filter(|case| case.op == OpKind::SendRecv)
-            .map(|case| case.comm.group)
-            .collect(),
-        Program::Train(_) | Program::Torch(_) => Vec::new(),
-    }
 }
 
 impl NodeFabric {
@@ -201,11 +234,11 @@ impl NodeFabric {
         out
     }
 
-    pub fn new(spec: JobSpec, me: u32) -> Result<Arc<NodeFabric>, WorkerError> {
+    pub fn new(spec: FabricSpec, me: u32) -> Result<Arc<NodeFabric>, LinkError> {
         let placement = Placement::new(&spec.pod, spec.workers)
-            .map_err(|e| WorkerError::Invalid(e.to_string()))?;
+            .map_err(|e| LinkError::Invalid(e.to_string()))?;
         if me >= spec.workers {
-            return Err(WorkerError::Invalid(format!(
+            return Err(LinkError::Invalid(format!(
                 "worker {me} of {}",
                 spec.workers
             )));
@@ -213,8 +246,8 @@ impl NodeFabric {
         let pod = &spec.pod;
         let mut inboxes = vec![None; pod.chips() as usize];
         let mut neighbours = HashSet::new();
-        let routed = strided_routes(&spec);
-        let shifted = shift_groups(&spec);
+        let routed = &spec.strided_routes;
+        let shifted = &spec.shift_groups;
         for chip in placement.chips_of(me) {
             inboxes[chip as usize] = Some(Arc::new(Inbox::new()));
             let routes = pod.links(chip).into_iter().map(Route::neighbour);
@@ -328,7 +361,7 @@ impl NodeFabric {
     }
 
     /// Waits until streams to every neighbouring worker are up.
-    pub async fn wait_connected(&self, timeout: Duration) -> Result<(), WorkerError> {
+    pub async fn wait_connected(&self, timeout: Duration) -> Result<(), LinkError> {
         let wanted = self.peers.len();
         let waiting = async {
             loop {
@@ -358,7 +391,7 @@ impl NodeFabric {
                 .into_iter()
                 .filter(|w| !have.contains_key(w))
                 .collect();
-            WorkerError::Link(format!("no link to workers {missing:?} after {timeout:?}"))
+            LinkError::Link(format!("no link to workers {missing:?} after {timeout:?}"))
         })
     }
 
@@ -450,13 +483,13 @@ impl NodeFabric {
 
     /// Delivers what has already arrived on this worker's record links, on the calling thread
     /// (see `intake`): the heartbeat's, before it reports who waits on whom.
-    pub(crate) fn deliver_arrived(&self) {
+    pub fn deliver_arrived(&self) {
         self.inputs.deliver_arrived();
     }
 
     /// What the chip executor's thread does instead of parking: read this worker's record
     /// links itself (see `intake`).
-    pub(crate) fn idle_wait(&self) -> Arc<dyn podsim_collectives::IdleWait> {
+    pub fn idle_wait(&self) -> Arc<dyn podsim_collectives::IdleWait> {
         self.inputs.clone()
     }
 
@@ -510,7 +543,7 @@ impl NodeFabric {
         mine: &PeerAddress,
         token: &str,
         tls: Option<&crate::tls::Tls>,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), LinkError> {
         let same_host = !mine.host_id.is_empty() && mine.host_id == at.host_id;
         let transport = self.spec.transport;
         let local = match transport {
@@ -518,7 +551,7 @@ impl NodeFabric {
             Transport::Auto => at.local.as_deref().filter(|_| same_host),
             Transport::Uds | Transport::Shm => {
                 Some(at.local.as_deref().filter(|_| same_host).ok_or_else(|| {
-                    WorkerError::Link(format!(
+                    LinkError::Link(format!(
                         "launch.transport = \"{}\" but worker {peer} is not on this host \
                          (or has no Unix socket link)",
                         transport.name()
@@ -538,7 +571,7 @@ impl NodeFabric {
         };
         let queue = self
             .claim(peer)
-            .map_err(|r| WorkerError::Link(r.to_string()))?;
+            .map_err(|r| LinkError::Link(r.to_string()))?;
         self.run_record_link(peer, stream, queue, regions);
         Ok(())
     }
@@ -550,12 +583,12 @@ impl NodeFabric {
         addr: &str,
         token: &str,
         tls: Option<&crate::tls::Tls>,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), LinkError> {
         let endpoint = crate::tls::url(addr, tls);
         let mut client = connect_with_retry(&endpoint, tls, crate::socket::DIAL_PATIENCE)
             .await
             .map_err(|e| match e {
-                WorkerError::Link(why) => WorkerError::Link(format!("worker {peer}: {why}")),
+                LinkError::Link(why) => LinkError::Link(format!("worker {peer}: {why}")),
                 other => other,
             })?;
         let (tx, rx) = mpsc::channel::<pb::Frame>(4);
@@ -565,9 +598,9 @@ impl NodeFabric {
         let response = client
             .exchange(request)
             .await
-            .map_err(|s| WorkerError::Link(format!("worker {peer} at {addr}: {}", s.message())))?;
+            .map_err(|s| LinkError::Link(format!("worker {peer} at {addr}: {}", s.message())))?;
         self.attach(peer, response.into_inner(), tx)
-            .map_err(|s| WorkerError::Link(s.message().to_string()))
+            .map_err(|s| LinkError::Link(s.message().to_string()))
     }
 }
 
@@ -589,9 +622,9 @@ pub fn server_builder() -> tonic::transport::Server {
 }
 
 /// A client endpoint with the link transport settings.
-pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, WorkerError> {
+pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, LinkError> {
     Ok(tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| WorkerError::Link(format!("bad address {url}: {e}")))?
+        .map_err(|e| LinkError::Link(format!("bad address {url}: {e}")))?
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(H2_FRAME)
@@ -602,7 +635,7 @@ async fn connect_with_retry(
     url: &str,
     tls: Option<&crate::tls::Tls>,
     patience: Duration,
-) -> Result<LinkServiceClient<tonic::transport::Channel>, WorkerError> {
+) -> Result<LinkServiceClient<tonic::transport::Channel>, LinkError> {
     let endpoint = crate::tls::secure(endpoint(url)?, tls)?;
     // A handshake refused over a certificate is refused again: said at once, not after the
     // dial's patience.
@@ -611,8 +644,8 @@ async fn connect_with_retry(
         Ok(channel) => Ok(LinkServiceClient::new(channel)
             .max_decoding_message_size(MAX_FRAME_BYTES)
             .max_encoding_message_size(MAX_FRAME_BYTES)),
-        Err(Some(e)) => Err(WorkerError::Link(dial_failure(url, &e, tls))),
-        Err(None) => Err(WorkerError::Link(format!(
+        Err(Some(e)) => Err(LinkError::Link(dial_failure(url, &e, tls))),
+        Err(None) => Err(LinkError::Link(format!(
             "cannot reach {url}: no answer in time"
         ))),
     }
@@ -635,10 +668,10 @@ pub fn insert_header<T>(
     request: &mut Request<T>,
     key: &'static str,
     value: &str,
-) -> Result<(), WorkerError> {
+) -> Result<(), LinkError> {
     let v: MetadataValue<_> = value
         .parse()
-        .map_err(|_| WorkerError::Invalid(format!("bad {key} value")))?;
+        .map_err(|_| LinkError::Invalid(format!("bad {key} value")))?;
     request.metadata_mut().insert(key, v);
     Ok(())
 }

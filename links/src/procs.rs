@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// Linux sends the parent-death signal when the *thread* that forked the child ends, not the
 /// process: call this and `spawn` on a thread that lives as long as the child should (a
 /// worker's main thread, which polls its job).
-pub(crate) fn die_with_parent(command: &mut tokio::process::Command) {
+pub fn die_with_parent(command: &mut tokio::process::Command) {
     let parent = std::process::id() as libc::pid_t;
     command.process_group(0);
     // SAFETY: the hook runs in the child between `fork` and `exec`, where only
@@ -85,7 +85,7 @@ fn kill_group(pgid: u32) {
 /// The process group of one rank (its pgid is the rank's pid), listed with the keeper while
 /// it may have members.
 #[derive(Debug)]
-pub(crate) struct Group {
+pub struct Group {
     pgid: u32,
     /// The group's leader has been reaped and what it left killed: the id is no longer ours
     /// to signal (once the group is empty, the kernel may give the number to another).
@@ -95,7 +95,7 @@ pub(crate) struct Group {
 impl Group {
     /// The group that [`die_with_parent`] made for the process `pgid`, just spawned (and not
     /// yet waited for).
-    pub(crate) fn new(pgid: u32) -> Group {
+    pub fn new(pgid: u32) -> Group {
         if pgid >= 2 {
             tell_keeper('+', pgid);
         }
@@ -106,7 +106,7 @@ impl Group {
     }
 
     /// Kills every process of the group (the rank and what it started), unless it ended.
-    pub(crate) fn kill(&self) {
+    pub fn kill(&self) {
         if !self.ended.load(Ordering::Acquire) {
             kill_group(self.pgid);
         }
@@ -114,7 +114,7 @@ impl Group {
 
     /// The rank has exited and been reaped: kills what it left in its group, and forgets the
     /// group.
-    pub(crate) fn end(&self) {
+    pub fn end(&self) {
         if !self.ended.swap(true, Ordering::AcqRel) && self.pgid >= 2 {
             kill_group(self.pgid);
             tell_keeper('-', self.pgid);
@@ -204,7 +204,7 @@ fn tell_keeper(op: char, pgid: u32) {
 /// What the kernel says process `pid` is doing, in words, for a report: its state, where it
 /// sleeps, its CPU time, threads, and the other processes of its group (empty when `/proc`
 /// cannot tell).
-pub(crate) fn describe(pid: u32) -> String {
+pub fn describe(pid: u32) -> String {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return String::new();
     };

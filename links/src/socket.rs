@@ -481,11 +481,11 @@ const QUIET: Duration = Duration::from_secs(10);
 
 /// What a link listener allows connections that have not said hello yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Limits {
+pub struct Limits {
     /// How many may wait at once.
-    pub(crate) pending: usize,
+    pub pending: usize,
     /// How long each may take, from its acceptance.
-    pub(crate) hello: Duration,
+    pub hello: Duration,
 }
 
 impl Default for Limits {
@@ -506,7 +506,7 @@ impl Default for Limits {
 /// Refusing the newcomer instead would let anyone who keeps that many connections open, and
 /// renews them as they time out, refuse every worker for as long as they like.
 #[derive(Debug)]
-pub(crate) struct Admission {
+pub struct Admission {
     limits: Limits,
     waiting: Mutex<Waiting>,
     refusals: Mutex<Burst>,
@@ -522,7 +522,7 @@ struct Waiting {
 /// One accepted connection's place among those waiting for their hello; given up when
 /// dropped.
 #[derive(Debug)]
-pub(crate) struct Pending {
+pub struct Pending {
     admission: Arc<Admission>,
     id: u64,
     deadline: tokio::time::Instant,
@@ -531,7 +531,7 @@ pub(crate) struct Pending {
 }
 
 impl Admission {
-    pub(crate) fn new(limits: Limits) -> Arc<Admission> {
+    pub fn new(limits: Limits) -> Arc<Admission> {
         Arc::new(Admission {
             limits: Limits {
                 pending: limits.pending.max(1),
@@ -548,7 +548,7 @@ impl Admission {
 
     /// A place for a connection just accepted, closing the longest-waiting one if every
     /// place is taken.
-    pub(crate) fn admit(self: &Arc<Self>) -> Pending {
+    pub fn admit(self: &Arc<Self>) -> Pending {
         let (evict, evicted) = oneshot::channel();
         let mut waiting = self.waiting();
         while waiting.by_age.len() >= self.limits.pending {
@@ -569,13 +569,13 @@ impl Admission {
 
     /// How many connections wait for their hello now.
     #[cfg(test)]
-    pub(crate) fn pending(&self) -> usize {
+    pub fn pending(&self) -> usize {
         self.waiting().by_age.len()
     }
 
     /// Logs why a connection was refused: the first of a burst, then once per [`QUIET`]
     /// (anyone who can reach the listener can make it refuse connections).
-    pub(crate) fn refused(&self, why: &str) {
+    pub fn refused(&self, why: &str) {
         let said = self
             .refusals
             .lock()
@@ -590,13 +590,13 @@ impl Admission {
 
 impl Pending {
     /// The listener's admission this connection waits in.
-    pub(crate) fn admission(&self) -> &Arc<Admission> {
+    pub fn admission(&self) -> &Arc<Admission> {
         &self.admission
     }
 
     /// Runs `step` of the hello until it ends, this connection's deadline passes or a newer
     /// connection takes its place; the connection is to be closed on an error.
-    pub(crate) async fn within<T>(
+    pub async fn within<T>(
         &mut self,
         step: impl Future<Output = Result<T, String>>,
     ) -> Result<T, String> {
@@ -663,7 +663,7 @@ impl Burst {
 
 /// How a link listener takes connections: a failed `accept` never ends it and never spins.
 #[derive(Debug)]
-pub(crate) struct Acceptor {
+pub struct Acceptor {
     /// The listener, as its warnings name it.
     what: &'static str,
     failures: Burst,
@@ -671,7 +671,7 @@ pub(crate) struct Acceptor {
 }
 
 impl Acceptor {
-    pub(crate) fn new(what: &'static str) -> Acceptor {
+    pub fn new(what: &'static str) -> Acceptor {
         Acceptor {
             what,
             failures: Burst::default(),
@@ -684,7 +684,7 @@ impl Acceptor {
     /// kernel) is warned of once per burst and tried again after [`ACCEPT_PAUSE`], so that
     /// the listener neither ends nor spins a core while the process has no descriptor to
     /// spare.
-    pub(crate) async fn next<S, A, F>(&mut self, mut accept: impl FnMut() -> F) -> S
+    pub async fn next<S, A, F>(&mut self, mut accept: impl FnMut() -> F) -> S
     where
         F: Future<Output = io::Result<(S, A)>>,
     {
@@ -745,7 +745,7 @@ fn gone_before_accepted(e: &io::Error) -> bool {
 /// Whether a process running as `peer` may link to this one, running as `own`: only the same
 /// user's. The job token keeps other jobs out, but reading a hello costs a descriptor and
 /// time that another user's process must not be able to take.
-pub(crate) fn admits_uid(peer: u32, own: u32) -> Result<(), String> {
+pub fn admits_uid(peer: u32, own: u32) -> Result<(), String> {
     match peer == own {
         true => Ok(()),
         false => Err(format!(
@@ -756,7 +756,7 @@ pub(crate) fn admits_uid(peer: u32, own: u32) -> Result<(), String> {
 
 /// Refuses a Unix-socket peer that does not run as this process's (effective) user, as the
 /// kernel saw it when it connected (`SO_PEERCRED`): nothing it sent has been read.
-pub(crate) fn same_user(socket: &impl AsRawFd) -> Result<(), String> {
+pub fn same_user(socket: &impl AsRawFd) -> Result<(), String> {
     let peer =
         peer_uid(socket).map_err(|e| format!("cannot tell who dialled the link socket: {e}"))?;
     admits_uid(peer, own_uid())
@@ -764,7 +764,7 @@ pub(crate) fn same_user(socket: &impl AsRawFd) -> Result<(), String> {
 
 /// This process's effective uid.
 #[allow(unsafe_code)]
-pub(crate) fn own_uid() -> u32 {
+pub fn own_uid() -> u32 {
     // SAFETY: geteuid takes nothing, touches no memory of ours and cannot fail.
     unsafe { libc::geteuid() }
 }

@@ -24,6 +24,21 @@ pub const MAX_JSON_BYTES: u32 = 1 << 20;
 /// Largest payload of one call (a rank's tensor), bytes.
 pub const MAX_PAYLOAD_BYTES: u64 = 16 << 30;
 
+/// How a step's compute was known.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StepCounting {
+    /// Every op counted at the rank's dispatcher.
+    #[default]
+    Counted,
+    /// The rank's requests were those of its steady step, and each was charged the compute
+    /// counted before it in that step.
+    Replayed,
+    /// Replayed until a request differed from the steady step's, counted from there: the
+    /// ops before that point were not seen.
+    Partial,
+}
+
 /// What a rank asks of its chip.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -90,7 +105,7 @@ pub enum Request {
         auto: bool,
         /// How the step's compute was known (counted, or replayed from the steady step).
         #[serde(default)]
-        counting: super::StepCounting,
+        counting: StepCounting,
     },
     /// The rank's Python stack while it is outside podsim calls (no reply).
     Stack {

@@ -28,7 +28,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use serde::{Deserialize, Serialize};
 use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 
-use crate::WorkerError;
+use crate::LinkError;
 
 /// The server name clients expect in every certificate of the job unless told otherwise.
 pub const DEFAULT_SERVER_NAME: &str = "podsim";
@@ -315,11 +315,11 @@ impl Tls {
 pub fn secure(
     endpoint: tonic::transport::Endpoint,
     tls: Option<&Tls>,
-) -> Result<tonic::transport::Endpoint, WorkerError> {
+) -> Result<tonic::transport::Endpoint, LinkError> {
     match tls {
         Some(tls) => endpoint
             .tls_config(tls.client())
-            .map_err(|e| WorkerError::Link(chain(&e))),
+            .map_err(|e| LinkError::Link(chain(&e))),
         None => Ok(endpoint),
     }
 }

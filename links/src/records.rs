@@ -58,8 +58,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, watch};
 
-use crate::error::WorkerError;
-use crate::job::Transport;
+use crate::LinkError;
+use crate::net::Transport;
 use crate::net::{NodeFabric, Outgoing, same_token};
 use crate::shm::{self, Inbound, Outbound, Place, Region};
 use crate::socket::{
@@ -445,14 +445,14 @@ async fn read_hello<S: tokio::io::AsyncRead + Unpin>(
 
 /// Dials the same-host link of worker `peer` at `name` as worker `me`: the stream once
 /// accepted, and the shared regions the hello settled.
-pub async fn dial(
+pub(crate) async fn dial(
     name: &str,
     me: u32,
     peer: u32,
     token: &str,
     sharing: Sharing,
-) -> Result<(LinkStream, Regions), WorkerError> {
-    let failed = |e: String| WorkerError::Link(format!("worker {peer} at unix:{name}: {e}"));
+) -> Result<(LinkStream, Regions), LinkError> {
+    let failed = |e: String| LinkError::Link(format!("worker {peer} at unix:{name}: {e}"));
     let outbound = sharing.own_region(token).map_err(failed)?;
     let stream = with_retry(
         DIAL_PATIENCE,
@@ -469,14 +469,14 @@ pub async fn dial(
 /// Dials the record link of worker `peer` over TCP at `addr` (its link service's address,
 /// which tells a record hello from gRPC by its first bytes) as worker `me`, inside TLS when
 /// `tls` is given. Nothing is shared.
-pub async fn dial_tcp(
+pub(crate) async fn dial_tcp(
     addr: &str,
     me: u32,
     peer: u32,
     token: &str,
     tls: Option<&Tls>,
-) -> Result<(LinkStream, Regions), WorkerError> {
-    let failed = |e: String| WorkerError::Link(format!("worker {peer} at {addr}: {e}"));
+) -> Result<(LinkStream, Regions), LinkError> {
+    let failed = |e: String| LinkError::Link(format!("worker {peer} at {addr}: {e}"));
     // Only connecting is tried again: a handshake that fails is refused again, at once.
     let connected = with_retry(
         DIAL_PATIENCE,
@@ -1873,12 +1873,12 @@ pub(crate) mod tests {
     fn plain_and_tls_record_links_are_refused_by_the_other_kind_of_port_saying_why() {
         current_thread().block_on(async {
             let tls = test_tls("job-node");
-            let refused =
-                |dialled: Option<Result<(LinkStream, Regions), WorkerError>>| match dialled {
-                    Some(Err(e)) => e.to_string(),
-                    Some(Ok(_)) => panic!("a record link was made"),
-                    None => panic!("no answer"),
-                };
+            let refused = |dialled: Option<Result<(LinkStream, Regions), LinkError>>| match dialled
+            {
+                Some(Err(e)) => e.to_string(),
+                Some(Ok(_)) => panic!("a record link was made"),
+                None => panic!("no answer"),
+            };
             // A plain record hello on a TLS worker's port: refused, never handed to gRPC.
             let (addr, mut grpc, _fabric) = link_port(Some(tls.clone())).await;
             let dialled = tokio::time::timeout(BOUNDED, dial_tcp(&addr, 1, 0, "job-token", None));
@@ -1905,26 +1905,15 @@ pub(crate) mod tests {
     }
 
     /// Worker 0 of a ring of 4 chips on 2 workers: its only neighbour is worker 1.
-    fn two_workers() -> crate::job::JobSpec {
+    fn two_workers() -> crate::FabricSpec {
         let pod = podsim_topology::Pod::single("4".parse().unwrap_or_else(|e| panic!("{e:?}")));
-        crate::job::JobSpec {
-            name: "admission".into(),
+        crate::FabricSpec {
             pod,
             hardware: podsim_topology::Hardware::preset("v5p").unwrap_or_else(|e| panic!("{e}")),
             workers: 2,
-            program: crate::job::Program::Collectives {
-                iterations: 1,
-                meta: true,
-                script: Vec::new(),
-                verify: false,
-            },
-            faults: Vec::new(),
-            heartbeat_ms: 100,
-            recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
-            watchdog_ms: 2000,
-            symmetric: false,
-            trace: None,
             transport: Transport::Uds,
+            strided_routes: Vec::new(),
+            shift_groups: Vec::new(),
         }
     }
 
@@ -1981,7 +1970,7 @@ pub(crate) mod tests {
     }
 
     /// Worker 1 dialling `port` with the job's token.
-    async fn worker_dials(port: &Port) -> Result<(LinkStream, Regions), WorkerError> {
+    async fn worker_dials(port: &Port) -> Result<(LinkStream, Regions), LinkError> {
         let dialled = async {
             match port {
                 Port::Unix(name) => dial(name, 1, 0, "job-token", Sharing::Never).await,
