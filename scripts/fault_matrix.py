@@ -20,6 +20,7 @@ chip the middle of worker 0's slab.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import signal
@@ -190,6 +191,8 @@ def main():
     p.add_argument("--timeout-ms", type=int, default=0, help="watchdog timeout (default: podsim's)")
     p.add_argument("--deadline", type=float, default=300, help="seconds a case may take")
     p.add_argument("--out", default=None)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="cases run at once (detection times are then measured under each other's load)")
     p.add_argument("--json", action="store_true", help="one JSON object per case")
     p.add_argument("--check", action="store_true", help="exit 1 when a case is wrong")
     p.add_argument("--budget", action="store_true",
@@ -198,6 +201,8 @@ def main():
     dims = [int(d) for d in args.shape.split("x")]
     if len(dims) != 3:
         sys.exit("--shape: a 3D torus like 32x32x32")
+    if args.jobs < 1:
+        sys.exit("--jobs: at least 1")
     out_root = args.out or tempfile.mkdtemp(prefix="podsim-matrix-")
     os.makedirs(out_root, exist_ok=True)
     pos = positions(dims, args.workers)
@@ -205,17 +210,24 @@ def main():
     if not args.json:
         print(f"{args.shape} on {args.workers} workers ({out_root})")
         print(f"{'fault':10} {'culprit at':10} {'coords':14} {'found':15} {'chip':>7} {'worker':>6} {'detected ms':>11} {'budget':>6} {'wall s':>6}  ok")
-    for kind in args.kinds.split(","):
-        places = args.where.split(",") if kind in AT_CHIP else ["-"]
-        for where in places:
-            chip, coord = pos.get(where, (0, None))
-            r = run_case(args, kind, where, chip, coord, dims, out_root)
+    cases = [(kind, where) for kind in args.kinds.split(",")
+             for where in (args.where.split(",") if kind in AT_CHIP else ["-"])]
+
+    def case(kind_where):
+        kind, where = kind_where
+        chip, coord = pos.get(where, (0, None))
+        return run_case(args, kind, where, chip, coord, dims, out_root)
+
+    # Cases run side by side (`--jobs`): a case mostly waits for its watchdog, so two at once
+    # take half the wall time on two cores. Rows print in the matrix's order either way.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for r in pool.map(case, cases):
             rows.append(r)
             if args.json:
                 print(json.dumps(r), flush=True)
             else:
                 det = "-" if r["detected_ms"] is None else f"{r['detected_ms']:.0f}"
-                print(f"{kind:10} {where:10} {str(coord):14} {r['found']:15} {str(r['culprit_chip']):>7} {str(r['culprit_worker']):>6} {det:>11} {(str(r['budget_ms']) + ('' if r['in_budget'] in (None, True) else '!')) if r['budget_ms'] else '-':>6} {r['wall_s']:>6}  {'yes' if r['ok'] else 'NO'}", flush=True)
+                print(f"{r['kind']:10} {r['where']:10} {str(r['coord']):14} {r['found']:15} {str(r['culprit_chip']):>7} {str(r['culprit_worker']):>6} {det:>11} {(str(r['budget_ms']) + ('' if r['in_budget'] in (None, True) else '!')) if r['budget_ms'] else '-':>6} {r['wall_s']:>6}  {'yes' if r['ok'] else 'NO'}", flush=True)
     wrong = [r for r in rows if not r["ok"]]
     if not args.json:
         print(f"{len(rows) - len(wrong)} of {len(rows)} cases right")

@@ -40,9 +40,14 @@ pub fn wait_bounded(mut child: Child, limit: Duration) -> Output {
     }
 }
 
-/// A fresh directory under the target dir, removed first if it exists.
+/// A fresh folder `name` for one test (removed first if it exists), under the transport the
+/// tests run over (`PODSIM_TRANSPORT`): the test command runs its transport passes side by
+/// side, and two jobs must never share an output folder.
 pub fn temp_dir(name: &str) -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let transport = std::env::var("PODSIM_TRANSPORT").unwrap_or_else(|_| "default".into());
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(transport)
+        .join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
