@@ -24,8 +24,7 @@ use crate::recorder::{self, FlightRecorder, LINK_SLOTS, add_own, link_slot};
 use crate::reduce::ReduceOp;
 use crate::trace::{Arg, ChipTrace, MessageEvent, TraceLog};
 
-/// Virtual time in nanoseconds of modelled hardware.
-pub type Nanos = f64;
+pub use crate::nanos::Nanos;
 
 /// The track collectives are traced on until a program names its streams.
 pub const DEFAULT_STREAM: &str = "collectives";

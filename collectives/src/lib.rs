@@ -52,6 +52,7 @@ mod fingerprint;
 mod local;
 mod mirror;
 mod names;
+mod nanos;
 mod p2p;
 mod payload;
 pub mod procfs;

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::chip::Nanos;
+use crate::nanos::Nanos;
 use crate::recorder::wall_ns;
 
 /// An argument of a slice, shown by the viewer when the slice is selected.

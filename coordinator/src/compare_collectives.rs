@@ -23,7 +23,7 @@ use podsim_topology::{Group, Hardware, HardwareOverrides, Pod, Torus};
 use serde::Serialize;
 
 use crate::bench::{BenchPlan, run_in_process};
-use crate::compare::{Row, Summary, require_columns, summarise_errors};
+use crate::compare_rows::{Row, Summary, require_columns, summarise_errors};
 
 /// Columns that mark a file of collective timings (with `id`, the ones a row must have).
 pub const COLUMNS: [&str; 11] = [
@@ -198,7 +198,7 @@ pub fn compare_rows<'a>(
         let row = Row {
             line: i + 1,
             header,
-            cells: crate::study::csv_cells(line),
+            cells: crate::csv::csv_cells(line),
         };
         let at = |e: String| format!("{}: {e}", path.display());
         let measured = row.positive_number("measured_us").map_err(at)?;

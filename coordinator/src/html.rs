@@ -869,7 +869,7 @@ pub fn render_study(name: &str, plots: &[(String, String)], csv: &str) -> String
     for (i, line) in csv.lines().enumerate() {
         let tag = if i == 0 { "th" } else { "td" };
         b.push_str("<tr>");
-        for cell in crate::study::csv_cells(line) {
+        for cell in crate::csv::csv_cells(line) {
             let _ = write!(b, "<{tag}>{}</{tag}>", esc(&cell));
         }
         b.push_str("</tr>\n");

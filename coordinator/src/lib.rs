@@ -21,10 +21,13 @@
 pub mod bench;
 pub mod compare;
 pub mod compare_collectives;
+mod compare_rows;
 pub mod config;
+pub mod csv;
 pub mod html;
 pub mod launch;
 pub mod outdir;
+pub mod pages;
 pub mod recovery;
 pub mod report;
 pub mod run;

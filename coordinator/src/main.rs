@@ -444,7 +444,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::main(args),
         Command::Study(args) => study::main(args),
         Command::Compare(args) => compare::main(args),
-        Command::Report(args) => report::redraw(&args.dir)
+        Command::Report(args) => podsim_coordinator::pages::redraw(&args.dir)
             .map(|pages| {
                 for p in pages {
                     println!("page: {}", p.display());

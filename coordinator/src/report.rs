@@ -966,26 +966,6 @@ pub fn write_html(dir: &Path, report: &Report) -> Result<std::path::PathBuf, Str
     crate::outdir::write_atomic(&path, crate::html::render_report(&value).as_bytes())
 }
 
-/// `podsim report DIR`: draws `report.html` again from `DIR/report.json`, and `study.html`
-/// from a study's `results.csv` and plots when `DIR` holds a study. Returns the pages written.
-pub fn redraw(dir: &Path) -> Result<Vec<std::path::PathBuf>, String> {
-    let mut pages = Vec::new();
-    let report = dir.join("report.json");
-    if report.exists() {
-        pages.push(write_html(dir, &read(&report)?)?);
-    }
-    if dir.join("results.csv").exists() {
-        pages.push(crate::study::write_html(dir)?);
-    }
-    if pages.is_empty() {
-        return Err(format!(
-            "{}: holds neither report.json nor results.csv",
-            dir.display()
-        ));
-    }
-    Ok(pages)
-}
-
 /// A few lines for a person.
 pub fn summary(report: &Report) -> String {
     let mut s = format!(

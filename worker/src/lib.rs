@@ -34,8 +34,8 @@ mod torch;
 pub mod train;
 mod watch;
 
-pub use bench::{buffer_bytes, elements_for_buffer};
 pub use error::WorkerError;
+pub use job::{buffer_bytes, elements_for_buffer};
 pub use programs::{COMPUTE_TRACK, STEPS_TRACK, enable_traces, run_program};
 pub use session::{WorkerOptions, run as run_worker};
 pub use watch::Summariser;

@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use podsim_collectives::{Chip, IdleWait, run_chips_waiting};
 
-use crate::bench::{BenchCase, bench_chip};
+use crate::bench::bench_chip;
 use crate::error::WorkerError;
-use crate::job::{ChipStepReport, CollectiveStep, Program, TraceRequest};
+use crate::job::{BenchCase, ChipStepReport, CollectiveStep, Program, TraceRequest};
 use crate::train::{ChipTrainReport, train_chip};
 
 /// The track of a traced chip's steps (script iterations, bench cases, training steps).

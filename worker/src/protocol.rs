@@ -4,12 +4,11 @@
 //! control protocol's messages (`proto/podsim/v1/control.proto`); training specs and reports
 //! are in [`crate::train`].
 
-pub use crate::bench::BenchCase;
 pub use crate::faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
 pub use crate::job::{
-    ChipStepReport, CollectiveStep, FailureReport, HeartbeatStatus, JobSpec, PeerLink, Program,
-    RankExitReport, RecorderDump, TraceRequest, Transport, WorkerReport, watchdog_defaults,
+    BenchCase, ChipStepReport, CollectiveStep, FailureReport, HeartbeatStatus, JobSpec,
+    MAX_CONTROL_MESSAGE_BYTES, PeerLink, Program, RankExitReport, RecorderDump, TraceRequest,
+    Transport, WorkerReport, watchdog_defaults,
 };
-pub use crate::session::MAX_CONTROL_MESSAGE_BYTES;
 pub use crate::torch::{Count, RankReport, StepCounting, TorchSpec};
 pub use crate::watch::{Ranges, Root, Summary, Wait};

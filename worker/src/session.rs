@@ -21,13 +21,12 @@ use podsim_collectives::{FlightRecorder, TraceHandle};
 
 use crate::error::WorkerError;
 use crate::faults::FaultPlan;
-use crate::job::{FailureReport, HeartbeatStatus, JobSpec, RecorderDump, WorkerReport};
+use crate::job::{
+    FailureReport, HeartbeatStatus, JobSpec, MAX_CONTROL_MESSAGE_BYTES, Program, RecorderDump,
+    WorkerReport,
+};
 use crate::programs::{run_program_waiting, total_units};
 use podsim_links::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
-
-/// The largest control message either side accepts. A worker's final report carries every
-/// chip's step records: about 700 bytes a chip, 75 MB for 110,592 chips in one worker.
-pub const MAX_CONTROL_MESSAGE_BYTES: usize = 256 << 20;
 
 /// How a worker was started.
 #[derive(Debug, Clone)]
@@ -126,8 +125,8 @@ fn local_chips(
 ) -> (Vec<podsim_collectives::Chip>, Watched) {
     let mut chips = if spec.symmetric {
         let symmetry = match &spec.program {
-            crate::protocol::Program::Train(train) => train.symmetry(&spec.pod),
-            crate::protocol::Program::Torch(torch) => torch.symmetry(&spec.pod),
+            Program::Train(train) => train.symmetry(&spec.pod),
+            Program::Torch(torch) => torch.symmetry(&spec.pod),
             _ => podsim_collectives::Symmetry::of_torus(&spec.pod),
         };
         podsim_collectives::mirror_chips(spec.pod.clone(), spec.hardware.clone(), &symmetry)
