@@ -9,7 +9,7 @@
 //! in one vectored write, headers and payload runs side by side), and the receiver reads it
 //! straight into a pooled buffer that becomes the message's payload: one copy into the kernel
 //! and one out. A small message offered while the link's writer task is idle is written by
-//! the chip's own thread ([`LinkWriter`]), which saves a thread hand-off per message. The
+//! the chip's own thread (`LinkWriter`), which saves a thread hand-off per message. The
 //! header carries exactly the
 //! envelope's fields and goes through the same validation ([`crate::wire::message`]), so a garbage or
 //! oversized record from a peer is refused the same way.
@@ -34,7 +34,7 @@
 //! does without TLS: a cluster network that others share needs `[launch.tls]`.
 //!
 //! Under `[launch.tls]` a TCP record link is mutual TLS with the job's certificates
-//! ([`crate::tls`]). The dialler opens with a short clear preamble ([`TLS_MAGIC`]), the
+//! ([`crate::tls`]). The dialler opens with a short clear preamble (`TLS_MAGIC`), the
 //! listener answers `OK` in the clear (or `NO` with a reason the dialler can print: a worker
 //! without TLS, or a job without it), and the TLS handshake follows; the hello and every
 //! record then travel inside. A plain record hello on a TLS worker's port is refused the same

@@ -2,20 +2,20 @@
 //! on one host, a TCP connection between hosts, and under `[launch.tls]` TLS over that TCP
 //! connection. All carry the same hello and the same records; only how the bytes travel
 //! differs, so the link code is written once against these types. Also how every link
-//! (record or gRPC) keeps dialling a peer that may still be starting ([`with_retry`]).
+//! (record or gRPC) keeps dialling a peer that may still be starting (`with_retry`).
 //!
-//! The hello runs on tokio's sockets ([`LinkStream`]). Once linked, the socket leaves tokio's
-//! reactor ([`LinkStream::into_split`]): its writing half is watched by tokio only while a
-//! write waits for room ([`LinkWrite`]), and its reading half ([`RawLink`]) is read by
-//! whoever waits for the link's input ([`crate::intake`]). A socket tokio watched for input
+//! The hello runs on tokio's sockets (`LinkStream`). Once linked, the socket leaves tokio's
+//! reactor (`LinkStream::into_split`): its writing half is watched by tokio only while a
+//! write waits for room (`LinkWrite`), and its reading half (`RawLink`) is read by
+//! whoever waits for the link's input (`crate::intake`). A socket tokio watched for input
 //! too would wake a tokio thread for every message that arrives, even while the chip
 //! executor's own thread reads the link.
 //!
 //! A TLS link leaves tokio the same way once its handshake and hello are done: its rustls
 //! state, shared by both halves under a lock, is then driven without blocking on the
-//! socket ([`TlsLink`]), so the intake reads it like any other. Reading decrypts what the
+//! socket (`TlsLink`), so the intake reads it like any other. Reading decrypts what the
 //! socket holds; writing encrypts into rustls's buffer and sends what the socket takes, and
-//! what it does not take is sent first by the next write or by [`LinkWrite::flush`].
+//! what it does not take is sent first by the next write or by `LinkWrite::flush`.
 //!
 //! And how a link listener admits connections, which anyone who can reach it may open: a
 //! Unix-socket peer must run as this process's user ([`same_user`], before anything is read
@@ -573,7 +573,7 @@ impl Admission {
         self.waiting().by_age.len()
     }
 
-    /// Logs why a connection was refused: the first of a burst, then once per [`QUIET`]
+    /// Logs why a connection was refused: the first of a burst, then once per `QUIET`
     /// (anyone who can reach the listener can make it refuse connections).
     pub fn refused(&self, why: &str) {
         let said = self
@@ -681,7 +681,7 @@ impl Acceptor {
 
     /// The next connection `accept` takes. A connection that went away before it was taken
     /// is skipped; any other failure (out of descriptors: the connection stays queued in the
-    /// kernel) is warned of once per burst and tried again after [`ACCEPT_PAUSE`], so that
+    /// kernel) is warned of once per burst and tried again after `ACCEPT_PAUSE`, so that
     /// the listener neither ends nor spins a core while the process has no descriptor to
     /// spare.
     pub async fn next<S, A, F>(&mut self, mut accept: impl FnMut() -> F) -> S
