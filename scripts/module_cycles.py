@@ -18,7 +18,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATH = re.compile(r"\b(crate|super|self)((?:::[a-z_][a-z0-9_]*)+)")
-GROUPED = re.compile(r"\b(crate|super|self)::\{([^}]*)\}", re.S)
+GROUP_START = re.compile(r"\b(crate|super|self)::\{")
 COMMENT = re.compile(r"//.*$", re.M)
 TESTS = re.compile(r"^#\[cfg\(test\)\]\s*\n\s*(pub(\(crate\))? )?mod \w+\s*\{", re.M)
 
@@ -45,6 +45,30 @@ def code_of(text):
     return COMMENT.sub("", text)
 
 
+def group_paths(text, i, prefix=()):
+    """The module paths of a `{...}` group of a use that starts at `text[i]` (just inside the
+    brace), nested groups included (`{a::{X, b}, c}` is a, a::b and c)."""
+    paths, item = [], ""
+    while i < len(text):
+        c = text[i]
+        if c == "{":
+            inner = prefix + tuple(p for p in item.strip().strip(":").split("::") if p)
+            nested, i = group_paths(text, i + 1, inner)
+            paths += nested or [list(inner)]
+            item = ""
+        elif c in ",}":
+            parts = [p for p in item.strip().split("::") if p]
+            if parts and parts[0][0].islower():
+                paths.append(list(prefix) + parts)
+            item = ""
+            if c == "}":
+                return paths, i
+        else:
+            item += c
+        i += 1
+    return paths, i
+
+
 def target(mods, here, base, parts):
     """The deepest module with a file that `base::parts` names, seen from module `here`."""
     if base == "crate":
@@ -64,11 +88,9 @@ def edges(mods):
     for here, file in mods.items():
         text = code_of(open(file, encoding="utf-8").read())
         refs = [(b, p.strip(":").split("::")) for b, p in PATH.findall(text)]
-        for base, inner in GROUPED.findall(text):
-            for item in inner.split(","):
-                item = item.strip()
-                if item and item[0].islower():
-                    refs.append((base, item.split("::")))
+        for m in GROUP_START.finditer(text):
+            paths, _ = group_paths(text, m.end())
+            refs += [(m.group(1), path) for path in paths]
         for base, parts in refs:
             to = target(mods, here, base, parts)
             if to is not None and to != here and to != () and here != ():
