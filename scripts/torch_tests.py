@@ -369,6 +369,35 @@ def case_unedited_cuda(args):
                 f"all-reduces on the chips{'' if ok else ': ' + p.stdout[-800:] + p.stderr[-400:]}")
 
 
+def case_meta_ddp(args):
+    """Meta mode runs DDP (its C++ reducer stood in for, `podsim._meta_ddp`): the unedited
+    nccl/cuda DDP program, 4 MiB of parameters, issues in meta mode the collectives it issues
+    in data mode - the same ops, calls and bytes (the shape check, the broadcast of rank 0's
+    parameters, the buckets rebuilt after the first step, one all-reduce per bucket) - and
+    from the second step its first bucket's all-reduce overlaps the rest of the backward."""
+    runs = {}
+    for mode in ("data", "meta"):
+        p, wall, report = podsim_run(args, "2x2", "unedited_cuda.py", "--steps", "4",
+                                     "--hidden", "1024", flags=["--mode", mode])
+        torch_part = (report or {}).get("torch") or {}
+        if p.returncode or not torch_part.get("ranks"):
+            return False, f"{mode} mode: exit {p.returncode}: {p.stdout[-800:]}{p.stderr[-400:]}"
+        runs[mode] = torch_part
+
+    def calls(part):
+        return [(c["op"], c["calls"], c["bytes"]) for c in part["ranks"][0]["collectives"]]
+
+    steps = runs["meta"]["steps"]
+    hidden = [s["comm_ms"] - s["exposed_comm_ms"] for s in steps]
+    reduces = sum(c for op, c, _ in calls(runs["meta"]) if op == "all-reduce")
+    ok = (calls(runs["data"]) == calls(runs["meta"]) and len(steps) == 4
+          and len(runs["meta"]["ranks"]) == 1 and reduces == 1 + 2 * 3
+          and hidden[0] < 1e-9 and all(h > 0 for h in hidden[1:]))
+    return ok, (f"collectives data {calls(runs['data'])} vs meta {calls(runs['meta'])}; "
+                f"{len(runs['meta']['ranks'])} process in meta mode; hidden communication "
+                f"by step {[round(h, 5) for h in hidden]} ms")
+
+
 def beside_every_rank(args, topology, *script_args, flags=()):
     """llama.py in meta mode on its representatives, and again with every rank a process
     (`job.symmetric=false`): the first run's process and report, each run's step times and
@@ -542,6 +571,8 @@ def main():
         ("replayed steps time as counted ones", lambda: case_replayed_steps(args)),
         ("a batch of another length is caught in replay",
          lambda: case_replayed_steps(args, "--seq-after", "12:8")),
+        ("meta mode: DDP issues data mode's collectives and overlaps its buckets",
+         lambda: case_meta_ddp(args)),
         ("meta mode: one representative times every rank", lambda: case_meta_representative(args)),
         ("podsim study sweeps a torch job", lambda: case_study(args)),
         ("meta mode: a representative per class times an FSDP x TP mesh",

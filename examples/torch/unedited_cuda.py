@@ -11,13 +11,15 @@ import torch.nn as nn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--hidden", type=int, default=32, help="width of the hidden layers")
 args = parser.parse_args()
 
 dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
 rank = dist.get_rank()
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).cuda()
+h = args.hidden
+model = nn.Sequential(nn.Linear(16, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, 4)).cuda()
 ddp = nn.parallel.DistributedDataParallel(model, device_ids=[int(os.environ["LOCAL_RANK"])])
 optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
 generator = torch.Generator().manual_seed(rank)

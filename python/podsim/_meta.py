@@ -16,7 +16,8 @@ Llama-2-7B step under FSDP2 on a 4,096-rank mesh takes about two seconds here (t
   ``False`` (the branch a healthy run takes past a NaN check), text ``<meta>``, a save writes
   nothing. Each use is counted with its line, and the report lists them.
 
-FSDP2 and DTensor see a device mesh of the meta device: three of FSDP2's device checks
+DDP runs with its C++ reducer stood in for (:mod:`podsim._meta_ddp`). FSDP2 and DTensor see a
+device mesh of the meta device: three of FSDP2's device checks
 (its device handle, its refusal of meta parameters, its CUDA stream bookkeeping) are bridged
 here, since on the meta device they have nothing to check.
 """
@@ -27,7 +28,7 @@ import sys
 
 import torch
 
-from . import _functional, _rebind
+from . import _functional, _meta_ddp, _rebind
 from . import torch as backend
 from ._intercept import DeviceMap
 
@@ -244,4 +245,5 @@ def install():
     _multi_tensor_kernels_on_the_meta_device()
     _values_get_stand_ins()
     _functional.install()
+    _meta_ddp.install()
     Fake().__enter__()

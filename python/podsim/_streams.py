@@ -160,9 +160,26 @@ def issued(work):
     """A collective was issued now: it runs on the chip from here, on the current stream (in
     the `strict` and `debug` eager modes it is waited for at once: nothing overlaps)."""
     _issued.append(work)
+    for works in _recordings:
+        works.append(work)
     current_stream().add((work,))
     if _SYNC:
         _compute_waits((work,))
+
+
+@contextlib.contextmanager
+def recording():
+    """The collectives issued inside, collected in a list (what a DDP comm hook issues for
+    its bucket, `podsim._meta_ddp`)."""
+    works = []
+    _recordings.append(works)
+    try:
+        yield works
+    finally:
+        _recordings.remove(works)
+
+
+_recordings = []
 
 
 def waited(work):
