@@ -304,9 +304,10 @@ def case_fault(args, fault, rank, at, want_kind, want_exit, budget_ms):
             problems.append(f"python stack {culprit.get('python_stack')} not at faults.py:{line}")
     if fault == "skip" and f"Rank {rank} made its call at" not in hang.get("explanation", ""):
         problems.append(f"the desync does not name rank {rank}'s call")
-    if fault == "raise":
+    if fault in ("raise", "handled"):
         said = hang.get("explanation", "")
-        if "RuntimeError" not in said or "faults.py:" not in said:
+        error = "RuntimeError" if fault == "raise" else "ValueError"
+        if error not in said or "faults.py:" not in said:
             problems.append(f"the error does not name the exception and its line: {said[:300]}")
         # The steps every rank made before one raised stay in the report: the failing rank's
         # and those of the ranks the failure stopped (each waits in the step after).
@@ -589,6 +590,8 @@ def main():
          lambda: case_fault(args, "deadlock", 4, 5, "stalled_chip", 3, 3000)),
         ("a rank's exception is a program error, its steps kept",
          lambda: case_fault(args, "raise", 2, 4, "program_error", 1, 3000)),
+        ("a rank that prints its error and exits 1 is a program error",
+         lambda: case_fault(args, "handled", 5, 4, "program_error", 1, 3000)),
         ("a killed podsim leaves no rank, stub or rank server", lambda: case_killed_leaves_nothing(args)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
         ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),

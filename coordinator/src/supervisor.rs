@@ -377,7 +377,7 @@ fn rank_exit_verdict(chip: u32, exit: &RankExitReport) -> (HangKind, String) {
         (
             HangKind::ProgramError,
             format!(
-                "Rank {chip} (pid {pid}) {how}{last}: its program failed, the job stopped there. Its traceback is in its [rank {chip}] lines."
+                "Rank {chip} (pid {pid}) {how}{last}: its program failed, the job stopped there. Its traceback or message is in its [rank {chip}] lines."
             ),
         )
     } else {

@@ -1,10 +1,12 @@
 """A training loop that misbehaves on purpose, for podsim's fault tests: rank R, at step S,
 sleeps forever (`--fault sleep`), skips one all-reduce (`--fault skip`), dies
-(`--fault exit`), raises an exception (`--fault raise`), or receives from rank R^1 while that
+(`--fault exit`), raises an exception (`--fault raise`), raises one, prints it and exits 1 as
+frameworks that report their own errors do (`--fault handled`), or receives from rank R^1 while that
 rank receives from it, the other ranks finishing (`--fault deadlock`). Gradients are all-reduced parameter by parameter, so a skipped call meets a
 call of another shape on the other ranks."""
 
 import os
+import sys
 import time
 
 import torch
@@ -14,7 +16,7 @@ import common
 
 
 def extra(p):
-    p.add_argument("--fault", choices=["none", "sleep", "skip", "exit", "raise", "deadlock"], default="none")
+    p.add_argument("--fault", choices=["none", "sleep", "skip", "exit", "raise", "handled", "deadlock"], default="none")
     p.add_argument("--rank", type=int, default=3)
     p.add_argument("--at", type=int, default=5)
 
@@ -34,6 +36,12 @@ for step in range(args.steps):
         os._exit(1)
     if faulty and args.fault == "raise":
         raise RuntimeError(f"rank {rank} gives up at step {step}")
+    if faulty and args.fault == "handled":
+        try:
+            raise ValueError(f"rank {rank} gives up at step {step}")
+        except ValueError as e:
+            print(f"Error executing job: {e}", file=sys.stderr)
+            sys.exit(1)
     if faulty and args.fault == "sleep":
         time.sleep(3600)  # the line a stalled_chip diagnosis must name
     if args.fault == "deadlock" and step == args.at:

@@ -432,20 +432,40 @@ def _exceptions_reach_the_chip():
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        rank = backend._rank
-        if rank is not None and not rank.done:
-            import traceback
-
-            frames = traceback.extract_tb(tb)
-            user = [f for f in frames if not backend.is_library_file(f.filename)]
-            where = (user or frames or [None])[-1]
-            site = f"{where.filename}:{where.lineno} {where.name}" if where else None
-            try:
-                rank.conn.send(
-                    {"op": "raised", "error": f"{kind.__name__}: {value}", "site": site}
-                )
-            except Exception:
-                pass
+        failed(f"{kind.__name__}: {value}", tb)
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def exited(exc):
+    """A program that ends with `sys.exit(code)`, `code` a failure, failed as one that raised
+    (`podsim._prefork` calls this): the report names the exception being handled when it
+    exited - what a framework that prints a traceback and exits 1 (hydra) caught - or else
+    the `sys.exit` call and its line. A rank that dies without Python's say (`os._exit`, a
+    signal) is not this: its peers are left waiting, a dead worker."""
+    if not _installed or exc.code in (None, 0):
+        return
+    cause = exc.__context__
+    if isinstance(cause, Exception):
+        failed(f"{type(cause).__name__}: {cause} (then sys.exit({exc.code!r}))",
+               cause.__traceback__)
+    else:
+        failed(f"sys.exit({exc.code!r})", exc.__traceback__)
+
+
+def failed(error, tb):
+    """Tells the chip the program failed with `error`, at the last frame of its own in `tb`."""
+    rank = backend._rank
+    if rank is None or rank.done:
+        return
+    import traceback
+
+    frames = traceback.extract_tb(tb)
+    user = [f for f in frames if not backend.is_library_file(f.filename)]
+    where = (user or frames or [None])[-1]
+    site = f"{where.filename}:{where.lineno} {where.name}" if where else None
+    try:
+        rank.conn.send({"op": "raised", "error": error, "site": site})
+    except Exception:
+        pass

@@ -235,7 +235,10 @@ def _run_program(args):
             sys.argv = args
             sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
             runpy.run_path(args[0], run_name="__main__")
-    except SystemExit:
+    except SystemExit as e:
+        intercept = sys.modules.get("podsim._intercept")
+        if intercept is not None:
+            intercept.exited(e)
         raise
     except BaseException as e:
         # As `python ARGS` shows it: from the program's first frame, without runpy's.
