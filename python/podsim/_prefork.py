@@ -47,6 +47,7 @@ def serve() -> None:
     selector.register(wake_read, selectors.EVENT_READ)
     stub_of = {}  # child pid -> its stub's connection
     child_of = {}  # a stub's connection -> its child's pid
+    _preload()
     print("ready", flush=True)
     while True:
         for key, _ in selector.select():
@@ -84,6 +85,18 @@ def serve() -> None:
                 except ProcessLookupError:
                     pass
         _reap(stub_of, child_of, selector)
+
+
+def _preload():
+    """Loads, once for every rank, what distributed programs load after their start: DDP,
+    FSDP2 and device meshes each import torch's compiler front end (`torch._dynamo`, 2 s of
+    CPU), which eight ranks on two cores would otherwise import eight times. A program that
+    never needs it costs the server those 2 s, once. Nothing here may start a thread (see the
+    module doc): importing it starts none."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as e:  # a rank that needs it fails on its own, saying why
+        sys.stderr.write(f"podsim rank server: could not preload torch._dynamo: {e}\n")
 
 
 def _reap(stub_of, child_of, selector):
