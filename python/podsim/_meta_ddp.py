@@ -249,6 +249,11 @@ class Reducer:
                 self._mark_ready(i, finalize_when_done=False)
         self._finalize()
 
+    def _set_mixed_precision_param_dtype(self, dtype):
+        raise NotImplementedError(
+            "DDP's mixed_precision option (a private one) is not supported in podsim's meta "
+            "mode; autocast, or parameters in the low precision, are")
+
     def _set_forward_pass_work_handle(self, work, divide_by_initial_world_size):
         pass
 
