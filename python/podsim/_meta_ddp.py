@@ -16,9 +16,9 @@ that issues the collectives they issue, of the sizes and in the order they issue
   results back. The first iteration's buckets are the ones DDP gives (one per dtype unless
   `find_unused_parameters`); before the second forward they are rebuilt in the order the
   gradients became ready, the first of 1 MiB then `bucket_cap_mb` each, as the C++ reducer
-  rebuilds them (rank 0's buckets broadcast to every rank). With `find_unused_parameters`, parameters the forward did not reach are
-  ready at once and the used-parameter map is all-reduced too; with `static_graph`, the first
-  backward reduces everything at its end.
+  rebuilds them (rank 0's buckets broadcast to every rank). With `find_unused_parameters`,
+  parameters the forward did not reach are ready at once and the used-parameter map is
+  all-reduced too; with `static_graph`, the first backward reduces everything at its end.
 - comm hooks (`register_comm_hook`, torch's built-in ones) get a bucket with the same methods
   as torch's `GradBucket`; what they issue is the bucket's communication.
 
