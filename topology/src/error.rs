@@ -18,7 +18,7 @@ pub enum TopologyError {
     ZeroSlices(u32),
     #[error("wraparound is given for {given} axes but the torus has {axes}")]
     WrapLength { given: usize, axes: usize },
-    #[error("unknown hardware preset {0:?} (known: v4, v5e, v5p, v6e)")]
+    #[error("unknown hardware preset {0:?} (known: {known})", known = crate::hardware::PRESETS.join(", "))]
     UnknownHardware(String),
     #[error("hardware field {field} must be a positive finite number, got {value}")]
     BadHardwareValue { field: &'static str, value: f64 },

@@ -257,6 +257,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_unknown_preset_is_refused_naming_every_known_one() {
+        let err = Hardware::preset("v9").unwrap_err().to_string();
+        assert!(err.contains("\"v9\""), "{err}");
+        for known in PRESETS {
+            assert!(Hardware::preset(known).is_ok(), "{known}");
+            assert!(err.contains(known), "{err} does not name {known}");
+        }
+    }
+
+    #[test]
     fn presets_and_overrides() {
         let v5p = Hardware::preset("v5p").unwrap();
         assert_eq!(v5p.ici_bandwidth, 90e9);

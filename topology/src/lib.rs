@@ -3,7 +3,7 @@
 //! - [`Torus`]: one slice's shape (1-3 axes, wraparound per axis), ranks <-> coordinates,
 //!   neighbours and rings.
 //! - [`Pod`] and [`Link`]: several slices joined by DCN, global chip ids, directed links.
-//! - [`Hardware`]: presets (v4, v5e, v5p, v6e) and overrides for the virtual-time model.
+//! - [`Hardware`]: presets (v4, v5e, v5p, v6e, tpu7x) and overrides for the virtual-time model.
 //! - [`Placement`]: chips onto worker processes, minimising links that cross workers.
 //! - [`Group`], [`DeviceMesh`]: which chips a collective spans; named mesh axes.
 #![forbid(unsafe_code)]
