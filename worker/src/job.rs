@@ -8,6 +8,8 @@ pub use podsim_links::{PeerLink, Transport};
 use podsim_topology::{Dir, Group, Hardware, Link, Pod, PodAxis, Route};
 use serde::{Deserialize, Serialize};
 
+pub use podsim_job::heartbeat::{HeartbeatStatus, STRAGGLER_WAITS_CHIPS};
+
 use crate::faults::{FaultEvent, FaultSpec};
 use crate::train::{ChipTrainReport, TrainSpec};
 
@@ -168,22 +170,6 @@ fn default_recorder_entries() -> usize {
 fn default_watchdog_ms() -> u64 {
     watchdog_defaults(0).1
 }
-
-/// What a heartbeat carries: the worker's summary of its chips (see [`crate::Summariser`]), the
-/// waits of its chips for straggler accounting (small workers only) and the faults fired so far.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct HeartbeatStatus {
-    pub summary: crate::watch::Summary,
-    /// Workers of at most `STRAGGLER_WAITS_CHIPS` chips: every waiting chip and the chips it
-    /// waits on, right now (how long each chip holds the others up names stragglers).
-    #[serde(default)]
-    pub waits: Vec<(u32, Vec<u32>)>,
-    pub faults: Vec<FaultEvent>,
-}
-
-/// Up to this many chips a worker's heartbeats list every wait (for stragglers); above it they
-/// carry the summary alone.
-pub const STRAGGLER_WAITS_CHIPS: usize = 2500;
 
 /// One chip's flight recorder as dumped for a diagnosis.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

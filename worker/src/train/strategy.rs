@@ -18,6 +18,8 @@ use podsim_collectives::{Algo, ReduceOp};
 use podsim_topology::{DeviceMesh, Pod};
 use serde::{Deserialize, Serialize};
 
+pub use podsim_job::program::Eager;
+
 use crate::error::WorkerError;
 use crate::train::dtensor::{Mesh, Placement};
 
@@ -42,25 +44,6 @@ podsim_collectives::named_enum!(Strategy, "strategy", {
     Hsdp => "hsdp",
     Tp => "tp",
     FsdpTp => "fsdp+tp",
-});
-
-/// How collectives are issued.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Eager {
-    /// Strict, plus fingerprints compared across the group before every collective and
-    /// replicas compared after every step.
-    Debug,
-    /// Each collective as written (one per parameter), waited for before going on.
-    Strict,
-    /// Coalesced (DDP buckets, FSDP per-layer groups) and overlapped with compute.
-    Fused,
-}
-
-podsim_collectives::named_enum!(Eager, "eager mode", {
-    Debug => "debug",
-    Strict => "strict",
-    Fused => "fused",
 });
 
 /// What a mesh dimension is for.
