@@ -182,3 +182,15 @@ pub struct HeartbeatStatus {
 /// Up to this many chips a worker's heartbeats list every wait (for stragglers); above it they
 /// carry the summary alone.
 pub const STRAGGLER_WAITS_CHIPS: usize = 2500;
+
+/// The watchdog's heartbeat interval and hang timeout, ms, for a worker hosting
+/// `chips_per_worker` chips: the one place these defaults are written (configs, `podsim
+/// bench` and a job description without them all take them from here).
+pub fn watchdog_defaults(chips_per_worker: u32) -> (u64, u64) {
+    // A heartbeat is a bounded summary, but building it reads every chip's recorder: one
+    // every 100 ms up to 10,000 chips a worker, then less often (500 ms at 50,000).
+    let heartbeat = (u64::from(chips_per_worker) / 100).clamp(100, 500);
+    // The worker excuses waits on live local work itself (a chip waiting on a neighbour that
+    // moves is not quiet in that sense), so the timeout need not grow with chips either.
+    (heartbeat, 2000)
+}

@@ -1,56 +1,20 @@
 //! What a worker is asked to run (sent by the coordinator as JSON) and what it reports back.
 
-use podsim_collectives::{
-    Algo, ChipStatus, CollectiveError, Comm, DType, Fingerprint, OpKind, ReduceOp,
-};
+use podsim_collectives::{CollectiveError, Fingerprint, OpKind};
 use podsim_links::FabricSpec;
 pub use podsim_links::{PeerLink, Transport};
 use podsim_topology::{Dir, Group, Hardware, Link, Pod, PodAxis, Route};
 use serde::{Deserialize, Serialize};
 
-pub use podsim_job::heartbeat::{HeartbeatStatus, STRAGGLER_WAITS_CHIPS};
+pub use podsim_job::bench::{BenchCase, buffer_bytes, elements_for_buffer};
+pub use podsim_job::heartbeat::{HeartbeatStatus, STRAGGLER_WAITS_CHIPS, watchdog_defaults};
+pub use podsim_job::reports::{
+    CallRecord, ChipStepReport, CollectiveStep, MAX_CONTROL_MESSAGE_BYTES, RankExitReport,
+    RecorderDump, TraceRequest,
+};
 
 use crate::faults::{FaultEvent, FaultSpec};
 use crate::train::{ChipTrainReport, TrainSpec};
-
-/// One benchmark case (one size).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
-pub struct BenchCase {
-    pub op: OpKind,
-    pub comm: Comm,
-    pub reduce: ReduceOp,
-    /// Elements in each chip's input buffer.
-    pub count: usize,
-    pub meta: bool,
-    pub warmup: usize,
-    pub iters: usize,
-    /// Group rank of the broadcast root.
-    pub root: u32,
-}
-
-/// Elements in each chip's input for a per-chip buffer of `bytes` as nccl-tests counts it
-/// (the whole output buffer for all-gather), in a group of `n`; at least one.
-pub fn elements_for_buffer(op: OpKind, bytes: u64, dtype: DType, n: u32) -> usize {
-    let elem = dtype.size() as u64;
-    let count = match op {
-        OpKind::AllGather => bytes / elem / u64::from(n.max(1)),
-        _ => bytes / elem,
-    };
-    count.max(1) as usize
-}
-
-/// The inverse: the buffer size nccl-tests reports for `count` input elements.
-pub fn buffer_bytes(op: OpKind, count: usize, dtype: DType, n: u32) -> u64 {
-    let bytes = count as u64 * dtype.size() as u64;
-    match op {
-        OpKind::AllGather => bytes * u64::from(n),
-        _ => bytes,
-    }
-}
-
-/// The largest control message either side accepts. A worker's final report carries every
-/// chip's step records: about 700 bytes a chip, 75 MB for 110,592 chips in one worker.
-pub const MAX_CONTROL_MESSAGE_BYTES: usize = 256 << 20;
 
 /// One job, as every worker receives it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -140,25 +104,6 @@ impl JobSpec {
     }
 }
 
-/// Which chips record a trace, and whether their messages are recorded too (flow arrows).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TraceRequest {
-    pub chips: Vec<u32>,
-    pub flows: bool,
-}
-
-/// The watchdog's heartbeat interval and hang timeout, ms, for a worker hosting
-/// `chips_per_worker` chips: the one place these defaults are written (configs, `podsim
-/// bench` and a job description without them all take them from here).
-pub fn watchdog_defaults(chips_per_worker: u32) -> (u64, u64) {
-    // A heartbeat is a bounded summary, but building it reads every chip's recorder: one
-    // every 100 ms up to 10,000 chips a worker, then less often (500 ms at 50,000).
-    let heartbeat = (u64::from(chips_per_worker) / 100).clamp(100, 500);
-    // The worker excuses waits on live local work itself (a chip waiting on a neighbour that
-    // moves is not quiet in that sense), so the timeout need not grow with chips either.
-    (heartbeat, 2000)
-}
-
 fn default_heartbeat_ms() -> u64 {
     watchdog_defaults(0).0
 }
@@ -169,20 +114,6 @@ fn default_recorder_entries() -> usize {
 
 fn default_watchdog_ms() -> u64 {
     watchdog_defaults(0).1
-}
-
-/// One chip's flight recorder as dumped for a diagnosis.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RecorderDump {
-    pub status: ChipStatus,
-    pub entries: Vec<podsim_collectives::RecordEntry>,
-    /// A traced chip's timeline up to the dump.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trace: Option<podsim_collectives::trace::ChipTrace>,
-    /// Where the chip's driving program is in its own code (a PyTorch rank's Python stack,
-    /// `file:line function`, innermost last), when it reports one.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub host_stack: Vec<String>,
 }
 
 /// A failure the watchdog can diagnose, as a worker reports it: a desync (both chips and both
@@ -216,16 +147,6 @@ pub struct FailureReport {
     /// PyTorch jobs: what the failing rank had done until the failure.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub torch: Vec<crate::torch::RankReport>,
-}
-
-/// A PyTorch rank whose process ended before its job did.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RankExitReport {
-    pub pid: u32,
-    /// `exited with code 1`, `was killed by signal 9`.
-    pub how: String,
-    /// Its last lines of standard error.
-    pub stderr_tail: Vec<String>,
 }
 
 fn desync_kind() -> String {
@@ -361,71 +282,6 @@ pub enum Program {
     Train(TrainSpec),
     /// A PyTorch program, one rank process per chip (`podsim run`).
     Torch(crate::torch::TorchSpec),
-}
-
-/// One collective of a script.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct CollectiveStep {
-    pub op: OpKind,
-    /// Per-chip buffer, nccl-tests convention (whole output for all-gather).
-    pub bytes: u64,
-    pub algo: Algo,
-    pub group: Group,
-    pub reduce: ReduceOp,
-    pub root: u32,
-    pub dtype: DType,
-}
-
-impl CollectiveStep {
-    /// Elements in each chip's input for this step on `pod`.
-    pub fn count(&self, pod: &Pod) -> usize {
-        elements_for_buffer(self.op, self.bytes, self.dtype, self.group.size(pod))
-    }
-
-    /// The step as a one-iteration benchmark case (timed once, checked).
-    pub fn case(&self, pod: &Pod, meta: bool) -> BenchCase {
-        BenchCase {
-            op: self.op,
-            comm: Comm {
-                group: self.group,
-                algo: self.algo,
-                dtype: self.dtype,
-                verify: false,
-            },
-            reduce: self.reduce,
-            count: self.count(pod),
-            meta,
-            warmup: 0,
-            iters: 1,
-            root: self.root,
-        }
-    }
-}
-
-/// One timed call on one chip.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct CallRecord {
-    /// Host wall clock at start and end, ns since the Unix epoch.
-    pub wall_start_ns: u64,
-    pub wall_end_ns: u64,
-    /// The chip's virtual clock before and after, ns.
-    pub virtual_start_ns: f64,
-    pub virtual_end_ns: f64,
-    /// Messages this chip sent during the call (simulated message events).
-    #[serde(default)]
-    pub messages: u64,
-}
-
-/// What one chip did for one step or case.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChipStepReport {
-    pub chip: u32,
-    /// Script step (collectives) or case (bench) index.
-    pub step: usize,
-    pub iteration: u32,
-    pub calls: Vec<CallRecord>,
-    pub checked: u64,
-    pub wrong: u64,
 }
 
 /// Everything a worker reports at the end of a job.
