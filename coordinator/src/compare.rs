@@ -16,7 +16,9 @@
 //! Optional columns, read where the file has them (an empty cell is the default):
 //! `weight_dtype` (`f32`, the default, or `bf16`: weights and optimizer state kept in bf16,
 //! MaxText's `weight_dtype`); `attention` (`flash`, the default, or `dot_product`: scores
-//! materialised in HBM, as MaxText ran attention before its flash kernel).
+//! materialised in HBM, as MaxText ran attention before its flash kernel); `replica_sync`
+//! (`after_backward`, the default: the slices' gradient all-reduce once the backward is done,
+//! as XLA compiles MaxText's scanned layers; or `per_layer`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,7 +29,7 @@ use podsim_topology::{Hardware, Pod};
 use podsim_worker::WorkerError;
 use podsim_worker::protocol::Program;
 use podsim_worker::run_program;
-use podsim_worker::train::{AttentionKind, ChipTrainReport, TrainSpec};
+use podsim_worker::train::{AttentionKind, ChipTrainReport, ReplicaSync, TrainSpec};
 use serde::Serialize;
 
 use crate::compare_collectives::{self, CollectiveComparison};
@@ -133,13 +135,19 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
     if dp != slices {
         return Err(row.bad("dcn_dp", &format!("must equal slices ({slices})")));
     }
-    let strategy = match (tp, dp) {
+    let mut strategy = match (tp, dp) {
         (1, 1) => "strategy = \"fsdp\"".to_string(),
         (1, _) => format!("strategy = \"hsdp\"\nreplicas = {dp}"),
         _ => format!(
             "strategy = \"fsdp+tp\"\ntp = {tp}\nreplicas = {dp}\ntp_activations = \"sharded\""
         ),
     };
+    // These are XLA runs of a scanned layer loop: the slices' all-reduce follows the backward
+    // (`ReplicaSync::AfterBackward`), unless the row says otherwise.
+    let sync = row.optional("replica_sync").unwrap_or("after_backward");
+    sync.parse::<ReplicaSync>()
+        .map_err(|why| row.bad("replica_sync", &why))?;
+    strategy.push_str(&format!("\nreplica_sync = {sync:?}"));
     let batch = sequences_per_group(row, tp)?;
     let (mut model, tied) = model_keys(row)?;
     match row.optional("weight_dtype") {

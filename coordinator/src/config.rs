@@ -20,8 +20,8 @@ use podsim_worker::protocol::{DesyncMode, FaultKind, FaultSpec};
 use podsim_worker::tls::{Tls, TlsFiles};
 use podsim_worker::train::strategy::Plan;
 use podsim_worker::train::{
-    AttentionKind, BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy,
-    TpActivations, TrainSpec, TransformerSpec,
+    AttentionKind, BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat,
+    ReplicaSync, Strategy, TpActivations, TrainSpec, TransformerSpec,
 };
 use serde::Deserialize;
 
@@ -371,6 +371,7 @@ table! {
         symmetric: Option<bool>,
         remat: Option<String>,
         tp_activations: Option<String>,
+        replica_sync: Option<String> [train],
         model: Option<RawModel> [train],
         optimizer: Option<RawOptimizer> [train],
         program: Option<String> [torch],
@@ -1573,7 +1574,14 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     let optimizer = optimizer_spec(p, j.optimizer.as_ref());
     let (tp, replicas) = mesh_sizes(p, j, strategy, pod);
     let remat: Option<Remat> = job_value(p, "remat", j.remat.as_deref(), "none");
-    let tp_activations = tp_activations(p, j.tp_activations.as_deref());
+    let tp_activations: Option<TpActivations> = job_value(
+        p,
+        "tp_activations",
+        j.tp_activations.as_deref(),
+        "replicated",
+    );
+    let replica_sync: Option<ReplicaSync> =
+        job_value(p, "replica_sync", j.replica_sync.as_deref(), "per_layer");
     if let (Some(pod), Some(model), true) = (pod, &model, p.list.len() == before) {
         model_sizes(p, model, batch, grad_accum, pod.chips());
     }
@@ -1607,6 +1615,7 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         symmetric: false,
         remat: remat?,
         tp_activations: tp_activations?,
+        replica_sync: replica_sync?,
     })
 }
 
@@ -1769,22 +1778,6 @@ fn missing_model(p: &mut Problems<'_>) -> Option<ModelSpec> {
         "missing: [job.model] widths = [inputs, hidden..., classes], or kind = \"transformer\" with its shape",
     );
     None
-}
-
-/// `[job] tp_activations`: replicated (Megatron) or sharded (MaxText) between TP regions.
-fn tp_activations(p: &mut Problems<'_>, value: Option<&str>) -> Option<TpActivations> {
-    match value.unwrap_or("replicated") {
-        "replicated" => Some(TpActivations::Replicated),
-        "sharded" => Some(TpActivations::Sharded),
-        other => {
-            p.add(
-                "job",
-                Some("tp_activations"),
-                format!("{other:?} is not replicated or sharded"),
-            );
-            None
-        }
-    }
 }
 
 /// `[job] key` parsed from its text (`default` when absent); a bad value is reported.

@@ -239,6 +239,7 @@ mod tests {
                 symmetric: false,
                 remat: Remat::default(),
                 tp_activations: TpActivations::default(),
+                replica_sync: Default::default(),
             }),
             faults: Vec::new(),
             heartbeat_ms: 100,

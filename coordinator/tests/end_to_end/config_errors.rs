@@ -221,7 +221,7 @@ fn train_job_problems_are_all_reported() {
     assert_eq!(code, 0, "{err}");
     // A strategy that does not exist, an unknown key in [job.model], a key of another kind.
     let text = train_config(
-        "iterations = 3\nverify = true\neager = \"lazy\"",
+        "iterations = 3\nverify = true\neager = \"lazy\"\nreplica_sync = \"never\"\ntp_activations = \"split\"",
         "widths = [8, 16, 4]\ndepth = 3",
     )
     .replace("strategy = \"fsdp+tp\"", "strategy = \"zero3\"");
@@ -234,6 +234,8 @@ fn train_job_problems_are_all_reported() {
             "job.verify: applies to kind = \"collectives\" jobs only",
             "job.strategy: unknown strategy \"zero3\"",
             "job.eager: unknown eager mode \"lazy\"",
+            "job.replica_sync: unknown replica sync \"never\" (expected one of per_layer, after_backward)",
+            "job.tp_activations: unknown tp_activations layout \"split\"",
         ],
     );
     // A tensor-parallel degree that does not factor the torus, and a model without layers.

@@ -422,6 +422,7 @@ mod tests {
             symmetric: false,
             remat: Remat::default(),
             tp_activations: TpActivations::default(),
+            replica_sync: Default::default(),
         };
         let pod = Pod::single("2x2".parse().unwrap());
         let base = job_fingerprint(&spec, &pod);

@@ -78,6 +78,9 @@ pub struct TrainSpec {
     /// How activations between tensor-parallel regions are laid out.
     #[serde(default)]
     pub tp_activations: TpActivations,
+    /// When gradients are all-reduced across replicas (HSDP's replicate dimension).
+    #[serde(default)]
+    pub replica_sync: ReplicaSync,
 }
 
 impl TrainSpec {
@@ -128,14 +131,31 @@ pub enum TpActivations {
     Sharded,
 }
 
-impl TpActivations {
-    pub fn name(self) -> &'static str {
-        match self {
-            TpActivations::Replicated => "replicated",
-            TpActivations::Sharded => "sharded",
-        }
-    }
+podsim_collectives::named_enum!(TpActivations, "tp_activations layout", {
+    Replicated => "replicated",
+    Sharded => "sharded",
+});
+
+/// When a sharded strategy's gradients are all-reduced across its replicas (the replicate
+/// dimension of `hsdp` and of `fsdp+tp` with `replicas`, the DCN slices when there are any).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicaSync {
+    /// Each layer's reduce-scattered gradients right after its backward, overlapped with the
+    /// layers still to run (PyTorch's HSDP).
+    #[default]
+    PerLayer,
+    /// All layers' reduce-scattered gradients in one all-reduce once the backward is done,
+    /// as XLA compiles a scanned layer loop: the all-reduce of gradients a loop only
+    /// accumulates is sunk out of the loop (XLA's while-loop all-reduce code motion), so
+    /// nothing is left to hide it and the optimizer waits for it.
+    AfterBackward,
 }
+
+podsim_collectives::named_enum!(ReplicaSync, "replica sync", {
+    PerLayer => "per_layer",
+    AfterBackward => "after_backward",
+});
 
 /// DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`).
 const FIRST_BUCKET_BYTES: u64 = 1 << 20;
@@ -378,6 +398,9 @@ struct Trainer<'a> {
     dp: (usize, usize),
     buckets: Vec<Vec<usize>>,
     next_bucket: usize,
+    /// Reduce-scattered gradients (parameter index, piece) waiting for the replicas'
+    /// all-reduce after the backward (`ReplicaSync::AfterBackward`).
+    unsynced: Vec<(usize, DTensor)>,
     working: Vec<Option<Working>>,
     /// The working copy differs from the stored piece (a data-parallel dimension shards).
     sharded: bool,
@@ -749,6 +772,7 @@ impl<'a> Trainer<'a> {
             dp,
             buckets: buckets(&param_bytes, FIRST_BUCKET_BYTES, cap),
             next_bucket: 0,
+            unsynced: Vec::new(),
             working: (0..layers).map(|_| None).collect(),
             keeps: vec![LayerKeep::default(); layers],
             held: vec![0; layers],
@@ -987,6 +1011,9 @@ impl<'a> Trainer<'a> {
         self.hbm.free(MemKind::Transient, flowing);
         let freed = acts.pop().flatten().map_or(0, |a| a.bytes(self.elem));
         self.hbm.free(MemKind::Activations, freed);
+        if sync {
+            self.sync_replicas(chip).await?;
+        }
         Ok(())
     }
 
@@ -1721,10 +1748,19 @@ impl<'a> Trainer<'a> {
             let mut g =
                 dtensor::reduce_scatter(chip, &[&grads[0], &grads[1]], dim, ReduceOp::Avg, 0)
                     .await?;
-            if let Some(rep) = self.plan.replicate_dim() {
+            let replicas = self.plan.replicate_dim();
+            let later = self.spec.replica_sync == ReplicaSync::AfterBackward;
+            if let (Some(rep), false) = (replicas, later) {
                 g = dtensor::all_reduce(chip, g, rep, ReduceOp::Avg).await?;
             }
             self.tl.end(chip, issued);
+            if replicas.is_some() && later {
+                for (which, g) in g.into_iter().enumerate() {
+                    self.free_unsharded_grad(2 * l + which);
+                    self.unsynced.push((2 * l + which, g));
+                }
+                return Ok(());
+            }
             g.into_iter().map(DTensor::into_local).collect()
         } else if self.plan.replicate_dim().is_some() {
             // DDP: the gradients wait in their buckets.
@@ -1747,12 +1783,34 @@ impl<'a> Trainer<'a> {
 
     /// Parameter `index`'s gradient is synced: it waits for the optimizer.
     fn finish_synced(&mut self, index: usize, g: Payload) {
-        let p = &mut self.params[index];
-        self.hbm.free(
-            MemKind::Transient,
-            std::mem::take(&mut p.unsharded_grad_bytes),
-        );
-        p.synced = Some(g);
+        self.free_unsharded_grad(index);
+        self.params[index].synced = Some(g);
+    }
+
+    /// Parameter `index`'s whole gradient is reduced to this chip's piece: its HBM is free.
+    fn free_unsharded_grad(&mut self, index: usize) {
+        let bytes = std::mem::take(&mut self.params[index].unsharded_grad_bytes);
+        self.hbm.free(MemKind::Transient, bytes);
+    }
+
+    /// `ReplicaSync::AfterBackward`: every layer's reduce-scattered gradients in one
+    /// all-reduce over the replicas, on the reduction stream behind the last reduce-scatter.
+    async fn sync_replicas(&mut self, chip: &mut Chip) -> Result<(), WorkerError> {
+        let Some(rep) = self.plan.replicate_dim() else {
+            return Ok(());
+        };
+        if self.unsynced.is_empty() {
+            return Ok(());
+        }
+        let (indices, grads): (Vec<usize>, Vec<DTensor>) =
+            std::mem::take(&mut self.unsynced).into_iter().unzip();
+        let issued = self.tl.begin(chip, Stream::Reduce, true);
+        let reduced = dtensor::all_reduce(chip, grads, rep, ReduceOp::Avg).await?;
+        self.tl.end(chip, issued);
+        for (i, g) in indices.into_iter().zip(reduced) {
+            self.finish_grad(i, g.into_local());
+        }
+        Ok(())
     }
 
     /// Fused DDP: all-reduces, in bucket order, every bucket whose gradients are all ready.

@@ -63,6 +63,7 @@ fn spec(strategy: Strategy, m: &TransformerSpec, steps: u32) -> TrainSpec {
         symmetric: true,
         remat: Remat::default(),
         tp_activations: TpActivations::Replicated,
+        replica_sync: Default::default(),
     }
 }
 
