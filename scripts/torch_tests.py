@@ -605,12 +605,14 @@ def main():
     for name, case in cases:
         if args.only and args.only not in name:
             continue
+        started = time.monotonic()
         try:
             ok, detail = case()
         except Exception as e:  # a case that breaks is a failure, not the end of the run
             ok, detail = False, f"{type(e).__name__}: {e}"
         failed += not ok
-        print(f"torch test {'ok' if ok else 'FAILED'}: {name}: {detail}", flush=True)
+        took = time.monotonic() - started
+        print(f"torch test {'ok' if ok else 'FAILED'}: {name}: {detail} [{took:.1f} s]", flush=True)
     print(f"torch tests: {len(cases) - failed if not args.only else '-'} passed, {failed} failed")
     sys.exit(failed)
 

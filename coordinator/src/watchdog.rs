@@ -111,8 +111,8 @@ pub struct Watchdog {
     /// Send counters `(chip, link slot)` on worker boundaries, as last reported.
     boundary_sent: HashMap<(ChipId, u8), u64>,
     /// Waits across workers that looked lost: (waiter, link) -> (sent, arrived, first seen,
-    /// the waiter's worker's heartbeat then).
-    suspects: HashMap<(ChipId, Link), (u64, u64, Instant, u64)>,
+    /// the waiter's worker's heartbeat then, the peer).
+    suspects: HashMap<(ChipId, Link), Suspect>,
     /// Small workers' current waits (waiter -> peers), for stragglers.
     waits: BTreeMap<u32, Vec<(ChipId, Vec<ChipId>)>>,
     /// How long each chip held others up: peers waited on it while it waited on no one.
@@ -634,7 +634,9 @@ impl Watchdog {
                 if sent > w.received {
                     let key = (w.waiter, w.link);
                     let (since, beat) = match self.suspects.get(&key) {
-                        Some(&(s, r, since, beat)) if (s, r) == (sent, w.received) => (since, beat),
+                        Some(&(s, r, since, beat, _)) if (s, r) == (sent, w.received) => {
+                            (since, beat)
+                        }
                         _ => (now, v.beats),
                     };
                     // Counted on two hosts at different moments, and a message may sit in the
@@ -643,12 +645,42 @@ impl Watchdog {
                     if beat != v.beats && now.duration_since(since) >= self.timeout / 4 {
                         lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
                     }
-                    suspects.insert(key, (sent, w.received, since, beat));
+                    suspects.insert(key, (sent, w.received, since, beat, w.peer));
                 }
             }
         }
         self.suspects = suspects;
+        if self.cut_still_confirming(&lost, now) {
+            return None;
+        }
         (!lost.is_empty()).then(|| self.lost_finding(&lost))
+    }
+
+    /// Whether one link between two workers is confirmed lost while another link between
+    /// workers is still a suspect: a cut of the network shows on several links (between
+    /// several pairs of workers when it splits them into groups), and on a loaded host their
+    /// confirmations can land a heartbeat apart. Called one lost message, it would send the
+    /// user to a link instead of the network; so the finding waits for the others, at most
+    /// another quarter of the timeout past the first confirmation.
+    fn cut_still_confirming(&self, lost: &[LostMessage], now: Instant) -> bool {
+        let [(peer, link, waiter, ..)] = lost else {
+            return false;
+        };
+        let between_workers = |a: ChipId, b: ChipId| self.worker_of(a) != self.worker_of(b);
+        if !between_workers(*peer, *waiter) {
+            return false;
+        }
+        let confirmed = self.suspects.iter().find(|&(&(w, l), s)| {
+            (w, s.4) == (*waiter, *peer) && l.reverse(self.pod.slice_of(w)) == *link
+        });
+        let Some((&key, &(.., confirmed_since, _, _))) = confirmed else {
+            return false;
+        };
+        let others = self
+            .suspects
+            .iter()
+            .any(|(&(w, l), s)| (w, l) != key && between_workers(w, s.4));
+        others && now.duration_since(confirmed_since) < self.timeout / 2
     }
 
     /// The finding for messages `lost` (sender, its link, receiver, waited since,
@@ -784,6 +816,10 @@ impl Watchdog {
 /// A message sent and never received: its sender, the link as the sender names it, its
 /// receiver, since when (wall ns) the receiver waits, and the collective.
 type LostMessage = (ChipId, Link, ChipId, u64, Fingerprint);
+
+/// A wait across workers that looked lost: sent and arrived counts, when first seen, the
+/// waiter's worker's heartbeat then, and the peer.
+type Suspect = (u64, u64, Instant, u64, ChipId);
 
 /// The chip pairs of `lost` (`3->7`), sorted, at most 8 and how many more.
 fn cut_pairs(lost: &[LostMessage]) -> String {
@@ -1423,6 +1459,48 @@ mod tests {
             (f.kind, f.chip, f.link, f.worker),
             (HangKind::LostMessage, Some(2), Some(MINUS), Some(1))
         );
+    }
+
+    #[test]
+    fn a_cut_between_workers_whose_links_settle_a_heartbeat_apart_is_named_whole() {
+        // Worker 0 holds chips 0 and 1, worker 1 chips 2 and 3, on a ring: two links cross.
+        // Chip 2's fourth message to chip 1 is lost from the start; chip 0's fourth to chip 3
+        // (around the ring), sent a heartbeat later, is lost too, so its suspicion settles
+        // later (a quarter of the timeout, 25 ms, each).
+        let t0 = Instant::now();
+        let mut w = watchdog(&[0, 1], t0);
+        let (mut x, mut y) = (Worker::new(0, &[0, 1], t0), Worker::new(1, &[2, 3], t0));
+        let mut zero = status(0, 5, &[(1, PLUS)]);
+        zero.sent[link_slot(MINUS)] = 3;
+        let mut one = status(1, 5, &[(2, PLUS)]);
+        one.received[link_slot(PLUS)] = 3;
+        let mut two = status(2, 5, &[(3, PLUS)]);
+        two.sent[link_slot(MINUS)] = 4;
+        let mut three = status(3, 5, &[(0, PLUS)]);
+        three.received[link_slot(PLUS)] = 3;
+        let right = [two, three];
+        let ms = Duration::from_millis;
+        let mut beat = |w: &mut Watchdog, zero: &ChipStatus, at| {
+            x.beat(w, &[zero.clone(), one.clone()], at);
+            y.beat(w, &right, at);
+        };
+        beat(&mut w, &zero, t0);
+        assert_eq!(check(&mut w, t0), None);
+        // Chip 0 sends its fourth message (progress), then waits again.
+        zero.sent[link_slot(MINUS)] = 4;
+        zero.progress += 1;
+        for at in [20, 30, 50] {
+            beat(&mut w, &zero, t0 + ms(at));
+            assert_eq!(check(&mut w, t0 + ms(at)), None, "at {at} ms");
+        }
+        // The first link's loss is confirmed (suspected since 30 ms), the second's still
+        // settling (since 50 ms): no verdict yet, where one link alone was a lost message.
+        beat(&mut w, &zero, t0 + ms(60));
+        assert_eq!(check(&mut w, t0 + ms(60)), None);
+        beat(&mut w, &zero, t0 + ms(80));
+        let f = check(&mut w, t0 + ms(80)).unwrap();
+        assert_eq!(f.kind, HangKind::Partition, "{}", f.explanation);
+        assert!(f.explanation.contains("workers 0-1"), "{}", f.explanation);
     }
 
     #[test]
