@@ -90,7 +90,7 @@ phase "python environment"
 # The Python package's own unit tests (wire framing, local reductions, fused kernels): no
 # podsim binary, seconds.
 (cd python && "$py" -m unittest discover -s tests 2>&1) | tee -a "$log"
-PYTHONPATH="$PWD/python" PODSIM_PYTHON="$py" "$py" scripts/torch_tests.py --podsim target/debug/podsim 2>&1 | tee -a "$log"
+PYTHONPATH="$PWD/python" PODSIM_PYTHON="$py" "$py" scripts/torch_tests.py --podsim target/debug/podsim --jobs 2 2>&1 | tee -a "$log"
 phase "python and torch tests"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      /^torch tests:/ { p += $3; f += $5 }

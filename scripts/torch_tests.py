@@ -8,6 +8,7 @@ Each case prints one line; the exit code is the number of failed cases.
 """
 
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -559,10 +560,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--podsim", default=os.path.join(REPO, "target", "debug", "podsim"))
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="cases run at a time (those that time a diagnosis always run alone)")
     ap.add_argument("--fresh-references", action="store_true",
                     help="run torchrun again instead of using its kept results")
     args = ap.parse_args()
     args.podsim = os.path.abspath(args.podsim)
+    # Cases that time a diagnosis or look for processes left behind run last, one at a time
+    # and alone: a second case beside them would load the cores or leave processes they would
+    # count. The others run `--jobs` at a time (each in its own folders and ports): much of a
+    # case's wall is spent waiting (ranks starting, the store, a watchdog).
     cases = [
         ("every supported call is right", lambda: case_api(args)),
         ("every supported call is right on 2 slices", lambda: case_api(args, "2x2", ["--slices", "2"])),
@@ -586,6 +593,8 @@ def main():
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
+    ]
+    timed = [
         # Faults at different ranks and steps: an interior rank, the last rank, and rank 0
         # (which also hosts torch's store).
         ("a sleeping rank is a stalled chip", lambda: case_fault(args, "sleep", 3, 5, "stalled_chip", 3, 3000)),
@@ -601,20 +610,29 @@ def main():
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
         ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),
     ]
-    failed = 0
-    for name, case in cases:
-        if args.only and args.only not in name:
-            continue
+    failed = run_cases([c for c in cases if not args.only or args.only in c[0]], args.jobs)
+    failed += run_cases([c for c in timed if not args.only or args.only in c[0]], 1)
+    total = len(cases) + len(timed)
+    print(f"torch tests: {total - failed if not args.only else '-'} passed, {failed} failed")
+    sys.exit(failed)
+
+
+def run_cases(cases, jobs):
+    """Runs `cases` (name, function), `jobs` at a time, printing each as it ends; returns
+    how many failed."""
+    def one(case):
+        name, fn = case
         started = time.monotonic()
         try:
-            ok, detail = case()
+            ok, detail = fn()
         except Exception as e:  # a case that breaks is a failure, not the end of the run
             ok, detail = False, f"{type(e).__name__}: {e}"
-        failed += not ok
         took = time.monotonic() - started
         print(f"torch test {'ok' if ok else 'FAILED'}: {name}: {detail} [{took:.1f} s]", flush=True)
-    print(f"torch tests: {len(cases) - failed if not args.only else '-'} passed, {failed} failed")
-    sys.exit(failed)
+        return ok
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+        return sum(not ok for ok in pool.map(one, cases))
 
 
 if __name__ == "__main__":
