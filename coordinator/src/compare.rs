@@ -135,19 +135,7 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
     if dp != slices {
         return Err(row.bad("dcn_dp", &format!("must equal slices ({slices})")));
     }
-    let mut strategy = match (tp, dp) {
-        (1, 1) => "strategy = \"fsdp\"".to_string(),
-        (1, _) => format!("strategy = \"hsdp\"\nreplicas = {dp}"),
-        _ => format!(
-            "strategy = \"fsdp+tp\"\ntp = {tp}\nreplicas = {dp}\ntp_activations = \"sharded\""
-        ),
-    };
-    // These are XLA runs of a scanned layer loop: the slices' all-reduce follows the backward
-    // (`ReplicaSync::AfterBackward`), unless the row says otherwise.
-    let sync = row.optional("replica_sync").unwrap_or("after_backward");
-    sync.parse::<ReplicaSync>()
-        .map_err(|why| row.bad("replica_sync", &why))?;
-    strategy.push_str(&format!("\nreplica_sync = {sync:?}"));
+    let strategy = strategy_keys(row, tp, dp)?;
     let batch = sequences_per_group(row, tp)?;
     let (mut model, tied) = model_keys(row)?;
     match row.optional("weight_dtype") {
@@ -187,6 +175,23 @@ kind = "adamw"
         id = row.get("id"),
         remat = row.get("remat"),
     ))
+}
+
+/// The `[job]` keys of a row's parallelism: FSDP within a slice, tensor parallelism with
+/// activations sharded between regions, data parallelism across slices. These are XLA runs of
+/// a scanned layer loop: the slices' all-reduce follows the backward
+/// (`ReplicaSync::AfterBackward`), unless the row's `replica_sync` says otherwise.
+fn strategy_keys(row: &Row<'_>, tp: u64, dp: u64) -> Result<String, String> {
+    let sync = row.optional("replica_sync").unwrap_or("after_backward");
+    sync.parse::<ReplicaSync>()
+        .map_err(|why| row.bad("replica_sync", &why))?;
+    Ok(match (tp, dp) {
+        (1, 1) => "strategy = \"fsdp\"".to_string(),
+        (1, _) => format!("strategy = \"hsdp\"\nreplicas = {dp}\nreplica_sync = {sync:?}"),
+        _ => format!(
+            "strategy = \"fsdp+tp\"\ntp = {tp}\nreplicas = {dp}\ntp_activations = \"sharded\"\nreplica_sync = {sync:?}"
+        ),
+    })
 }
 
 /// Sequences a tensor-parallel group works on per step: `batch_per_chip` x `ici_tp`.

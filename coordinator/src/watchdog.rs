@@ -618,9 +618,7 @@ impl Watchdog {
                 let link = w.link.reverse(self.pod.slice_of(w.waiter));
                 lost.push((w.peer, link, w.waiter, w.since_wall_ns, w.fingerprint));
             }
-            let judged = |w: &&Wait| {
-                counters_judge_wait(&self.pod, w.waiter, w.link, w.peer, w.fingerprint.op)
-            };
+            let judged = |w: &&Wait| counters_judge_wait(&self.pod, w.waiter, w.link, w.peer);
             for w in v.summary.remote.iter().filter(|w| w.stuck).filter(judged) {
                 // Only while nothing is in flight between the two workers: on a loaded host a
                 // message can sit in the transport for seconds.

@@ -479,13 +479,7 @@ impl Summariser {
         suspects: &mut HashMap<(ChipId, usize), (u64, u64, Instant)>,
         status: &impl Fn(usize) -> ChipStatus,
     ) -> Option<(Wait, u64)> {
-        if !counters_judge_wait(
-            &self.pod,
-            wait.waiter,
-            wait.link,
-            wait.peer,
-            wait.fingerprint.op,
-        ) {
+        if !counters_judge_wait(&self.pod, wait.waiter, wait.link, wait.peer) {
             return None;
         }
         let back = link_slot(wait.link.reverse(self.pod.slice_of(wait.waiter)));
