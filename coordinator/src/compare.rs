@@ -185,11 +185,16 @@ fn strategy_keys(row: &Row<'_>, tp: u64, dp: u64) -> Result<String, String> {
     let sync = row.optional("replica_sync").unwrap_or("after_backward");
     sync.parse::<ReplicaSync>()
         .map_err(|why| row.bad("replica_sync", &why))?;
+    let sync = if dp > 1 {
+        format!("\nreplica_sync = {sync:?}")
+    } else {
+        String::new()
+    };
     Ok(match (tp, dp) {
         (1, 1) => "strategy = \"fsdp\"".to_string(),
-        (1, _) => format!("strategy = \"hsdp\"\nreplicas = {dp}\nreplica_sync = {sync:?}"),
+        (1, _) => format!("strategy = \"hsdp\"\nreplicas = {dp}{sync}"),
         _ => format!(
-            "strategy = \"fsdp+tp\"\ntp = {tp}\nreplicas = {dp}\ntp_activations = \"sharded\"\nreplica_sync = {sync:?}"
+            "strategy = \"fsdp+tp\"\ntp = {tp}\nreplicas = {dp}\ntp_activations = \"sharded\"{sync}"
         ),
     })
 }

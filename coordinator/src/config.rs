@@ -1573,6 +1573,19 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     };
     let optimizer = optimizer_spec(p, j.optimizer.as_ref());
     let (tp, replicas) = mesh_sizes(p, j, strategy, pod);
+    let has_replicas = match strategy {
+        Some(Strategy::Hsdp) => true,
+        Some(Strategy::FsdpTp) => replicas > 1,
+        _ => false,
+    };
+    if j.replica_sync.is_some() && strategy.is_some() && !has_replicas {
+        p.add(
+            "job",
+            Some("replica_sync"),
+            "applies to hsdp, and to fsdp+tp with replicas > 1, only: this job has no replicas"
+                .to_string(),
+        );
+    }
     let remat: Option<Remat> = job_value(p, "remat", j.remat.as_deref(), "none");
     let tp_activations: Option<TpActivations> = job_value(
         p,

@@ -238,6 +238,12 @@ fn train_job_problems_are_all_reported() {
             "job.tp_activations: unknown tp_activations layout \"split\"",
         ],
     );
+    // A replica sync where there are no replicas.
+    expect_error(
+        "train-sync",
+        &train_config("replica_sync = \"after_backward\"", "widths = [8, 16, 4]"),
+        &["job.replica_sync: applies to hsdp, and to fsdp+tp with replicas > 1, only"],
+    );
     // A tensor-parallel degree that does not factor the torus, and a model without layers.
     expect_error(
         "train-tp",
