@@ -1573,19 +1573,7 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     };
     let optimizer = optimizer_spec(p, j.optimizer.as_ref());
     let (tp, replicas) = mesh_sizes(p, j, strategy, pod);
-    let has_replicas = match strategy {
-        Some(Strategy::Hsdp) => true,
-        Some(Strategy::FsdpTp) => replicas > 1,
-        _ => false,
-    };
-    if j.replica_sync.is_some() && strategy.is_some() && !has_replicas {
-        p.add(
-            "job",
-            Some("replica_sync"),
-            "applies to hsdp, and to fsdp+tp with replicas > 1, only: this job has no replicas"
-                .to_string(),
-        );
-    }
+    replica_sync_applies(p, j, strategy, replicas);
     let remat: Option<Remat> = job_value(p, "remat", j.remat.as_deref(), "none");
     let tp_activations: Option<TpActivations> = job_value(
         p,
@@ -1791,6 +1779,28 @@ fn missing_model(p: &mut Problems<'_>) -> Option<ModelSpec> {
         "missing: [job.model] widths = [inputs, hidden..., classes], or kind = \"transformer\" with its shape",
     );
     None
+}
+
+/// `[job] replica_sync` is refused where the job has no replicas (it would be ignored).
+fn replica_sync_applies(
+    p: &mut Problems<'_>,
+    j: &RawJob,
+    strategy: Option<Strategy>,
+    replicas: u32,
+) {
+    let has_replicas = match strategy {
+        Some(Strategy::Hsdp) => true,
+        Some(Strategy::FsdpTp) => replicas > 1,
+        _ => false,
+    };
+    if j.replica_sync.is_some() && strategy.is_some() && !has_replicas {
+        p.add(
+            "job",
+            Some("replica_sync"),
+            "applies to hsdp, and to fsdp+tp with replicas > 1, only: this job has no replicas"
+                .to_string(),
+        );
+    }
 }
 
 /// `[job] key` parsed from its text (`default` when absent); a bad value is reported.
