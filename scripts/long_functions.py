@@ -14,7 +14,13 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CRATES = ("proto", "topology", "collectives", "worker", "coordinator")
+
+
+def crates():
+    """The workspace's members, as the top-level Cargo.toml lists them."""
+    text = (ROOT / "Cargo.toml").read_text()
+    members = re.search(r"^members\s*=\s*\[([^\]]*)\]", text, re.M).group(1)
+    return re.findall(r'"([^"]+)"', members)
 FN = re.compile(r"^\s*(pub(\([^)]*\))?\s+)?(const\s+)?(async\s+)?(unsafe\s+)?fn\s+(\w+)")
 
 
@@ -70,7 +76,7 @@ def main():
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     long = []
-    for crate in CRATES:
+    for crate in crates():
         for path in sorted((ROOT / crate).rglob("*.rs")):
             parts = path.relative_to(ROOT / crate).parts
             if parts[0] in ("tests", "benches", "target"):

@@ -14,11 +14,12 @@ use podsim_collectives::trace::ChipTrace;
 use podsim_collectives::{
     Algo, Comm, DType, LocalFabric, OpKind, ReduceOp, Symmetry, mirror_chips,
 };
+use podsim_job::BenchCase;
+use podsim_job::{ChipStepReport, TraceRequest};
+use podsim_job::{buffer_bytes, elements_for_buffer};
+use podsim_programs::job::{JobSpec, Program, Transport};
+use podsim_programs::{enable_traces, run_program};
 use podsim_topology::{Group, Hardware, Pod, Torus};
-use podsim_worker::protocol::BenchCase;
-use podsim_worker::protocol::{ChipStepReport, JobSpec, Program, TraceRequest, Transport};
-use podsim_worker::{buffer_bytes, elements_for_buffer};
-use podsim_worker::{enable_traces, run_program};
 use serde::Serialize;
 
 use crate::launch::{ControlPlane, Launch, Workers, new_token};
@@ -270,7 +271,7 @@ impl BenchPlan {
     /// The benchmark as a job for worker processes.
     pub fn spec(&self, workers: u32) -> JobSpec {
         let (heartbeat_ms, watchdog_ms) =
-            podsim_worker::protocol::watchdog_defaults(self.pod.chips().div_ceil(workers.max(1)));
+            podsim_job::watchdog_defaults(self.pod.chips().div_ceil(workers.max(1)));
         JobSpec {
             name: format!("bench-{}", self.op),
             pod: self.pod.clone(),

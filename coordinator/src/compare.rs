@@ -25,11 +25,11 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use clap::Args;
+use podsim_programs::ProgramError;
+use podsim_programs::job::Program;
+use podsim_programs::run_program;
+use podsim_programs::train::{AttentionKind, ChipTrainReport, ReplicaSync, TrainSpec};
 use podsim_topology::{Hardware, Pod};
-use podsim_worker::WorkerError;
-use podsim_worker::protocol::Program;
-use podsim_worker::run_program;
-use podsim_worker::train::{AttentionKind, ChipTrainReport, ReplicaSync, TrainSpec};
 use serde::Serialize;
 
 use crate::compare_collectives::{self, CollectiveComparison};
@@ -282,7 +282,7 @@ fn predict(
     let Program::Train(spec) = &cfg.program else {
         return Err(format!("row {}: not a training job", row.line));
     };
-    let failed = |e: WorkerError| format!("row {} ({}): {e}", row.line, row.get("id"));
+    let failed = |e: ProgramError| format!("row {} ({}): {e}", row.line, row.get("id"));
     let reports = rt
         .block_on(simulate(&cfg.pod, &cfg.hardware, spec))
         .map_err(failed)?;
@@ -327,7 +327,7 @@ async fn simulate(
     pod: &Pod,
     hardware: &Hardware,
     spec: &TrainSpec,
-) -> Result<Vec<ChipTrainReport>, WorkerError> {
+) -> Result<Vec<ChipTrainReport>, ProgramError> {
     let symmetry = spec.symmetry(pod);
     let spec = TrainSpec {
         symmetric: true,

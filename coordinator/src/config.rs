@@ -11,18 +11,19 @@ use std::ops::{Bound, RangeBounds};
 use std::path::{Path, PathBuf};
 
 use podsim_collectives::{Algo, DType, OpKind, ReduceOp};
-use podsim_topology::{
-    Group, HARDWARE_KEYS, Hardware, HardwareOverrides, Link, MAX_CHIPS, Placement, Pod, Torus,
-};
-use podsim_worker::protocol::{CollectiveStep, JobSpec, Program, Transport};
-use podsim_worker::protocol::{Count, TorchSpec};
-use podsim_worker::protocol::{DesyncMode, FaultKind, FaultSpec};
-use podsim_worker::tls::{Tls, TlsFiles};
-use podsim_worker::train::strategy::Plan;
-use podsim_worker::train::{
+use podsim_job::CollectiveStep;
+use podsim_job::{Count, TorchSpec};
+use podsim_job::{DesyncMode, FaultKind, FaultSpec};
+use podsim_programs::job::{JobSpec, Program, Transport};
+use podsim_programs::train::strategy::Plan;
+use podsim_programs::train::{
     AttentionKind, BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat,
     ReplicaSync, Strategy, TpActivations, TrainSpec, TransformerSpec,
 };
+use podsim_topology::{
+    Group, HARDWARE_KEYS, Hardware, HardwareOverrides, Link, MAX_CHIPS, Placement, Pod, Torus,
+};
+use podsim_worker::tls::{Tls, TlsFiles};
 use serde::Deserialize;
 
 use crate::units::{format_size, parse_size};
@@ -1216,7 +1217,7 @@ fn watchdog_settings(
     let per_worker = pod
         .as_ref()
         .map_or(1, |pod| pod.chips().div_ceil(workers.max(1)));
-    let (heartbeat_ms, timeout_ms) = podsim_worker::protocol::watchdog_defaults(per_worker);
+    let (heartbeat_ms, timeout_ms) = podsim_job::watchdog_defaults(per_worker);
     let heartbeat_ms = watchdog.heartbeat_ms.unwrap_or(heartbeat_ms);
     let wd = Watchdog {
         timeout_ms: watchdog
@@ -1716,10 +1717,10 @@ fn data_mode_bytes(pod: &Pod, program: &Program) -> Option<(u128, String, &'stat
             let (mut replicas, mut data_parallel) = (1u128, 1u128);
             for (role, dim) in plan.roles.iter().zip(plan.mesh.dims()) {
                 let size = dim.size as u128;
-                if *role != podsim_worker::train::strategy::Role::Tensor {
+                if *role != podsim_programs::train::strategy::Role::Tensor {
                     data_parallel *= size;
                 }
-                if *role == podsim_worker::train::strategy::Role::Replicate {
+                if *role == podsim_programs::train::strategy::Role::Replicate {
                     replicas *= size;
                 }
             }
@@ -1957,7 +1958,7 @@ fn check_plan(
             _ => "strategy",
         };
         let reason = match e {
-            podsim_worker::WorkerError::Invalid(m) => m,
+            podsim_programs::ProgramError::Invalid(m) => m,
             other => other.to_string(),
         };
         p.add("job", Some(key), reason);

@@ -13,9 +13,9 @@ use std::pin::Pin;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use podsim_programs::job::{JobSpec, WorkerReport};
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_server::{Control, ControlServer};
-use podsim_worker::protocol::{JobSpec, WorkerReport};
 use podsim_worker::tls::{Tls, TlsFiles};
 
 use crate::supervisor::{Decision, Event, Supervisor};
@@ -56,7 +56,7 @@ pub struct Outcome {
     /// Chips the others spent much of the run waiting on (slow, not hung).
     pub stragglers: Vec<crate::watchdog::Straggler>,
     /// Faults the workers reported firing.
-    pub faults: Vec<podsim_worker::protocol::FaultEvent>,
+    pub faults: Vec<podsim_job::FaultEvent>,
 }
 
 /// Why a job did not finish.
@@ -90,14 +90,14 @@ pub struct HangReport {
     pub finding: Finding,
     /// Per worker, its chips' flight recorders (JSON).
     pub recorders: BTreeMap<u32, serde_json::Value>,
-    pub faults: Vec<podsim_worker::protocol::FaultEvent>,
+    pub faults: Vec<podsim_job::FaultEvent>,
     pub detected_wall_ns: u64,
     /// The step the job failed in (the furthest step a live chip had entered).
     pub step_reached: u64,
     /// Pid of each worker that joined.
     pub pids: BTreeMap<u32, u32>,
     /// PyTorch jobs: what the failing ranks had done until the failure.
-    pub torch: Vec<podsim_worker::protocol::RankReport>,
+    pub torch: Vec<podsim_programs::RankReport>,
 }
 
 /// A worker that joined the control session.
@@ -238,7 +238,7 @@ impl ControlPlane {
         let checked = token.clone();
         let service = tonic::service::interceptor::InterceptedService::new(
             ControlServer::new(ControlService { joined: tx })
-                .max_decoding_message_size(podsim_worker::protocol::MAX_CONTROL_MESSAGE_BYTES),
+                .max_decoding_message_size(podsim_job::MAX_CONTROL_MESSAGE_BYTES),
             move |req: Request<()>| {
                 check_token(&checked, req.metadata())?;
                 Ok(req)

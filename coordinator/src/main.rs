@@ -15,7 +15,7 @@ use podsim_coordinator::recovery::{Recovery, run_with_recovery};
 use podsim_coordinator::study::{self, StudyArgs};
 use podsim_coordinator::trace::TraceArgs;
 use podsim_coordinator::{CliError, JobStatus, report};
-use podsim_worker::protocol::JobSpec;
+use podsim_programs::job::JobSpec;
 use podsim_worker::tls::{Tls, TlsFiles};
 use podsim_worker::{WorkerOptions, run_worker};
 
@@ -371,7 +371,7 @@ fn run_job(
 fn traced_chips(
     cfg: &JobConfig,
     trace: &TraceArgs,
-    spec: &mut podsim_worker::protocol::JobSpec,
+    spec: &mut podsim_programs::job::JobSpec,
 ) -> Result<Vec<u32>, CliError> {
     let mut traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
     let faulty: Vec<u32> = cfg.faults.iter().filter_map(|f| f.chip).collect();

@@ -11,8 +11,8 @@
 
 use std::path::PathBuf;
 
-use podsim_worker::protocol::{JobSpec, Program};
-use podsim_worker::train::checkpoint;
+use podsim_programs::job::{JobSpec, Program};
+use podsim_programs::train::checkpoint;
 
 use crate::launch::{HangReport, LaunchError, Outcome, WorkerInfo};
 use crate::report::Restart;
@@ -198,10 +198,10 @@ fn regrouped(spec: &JobSpec, steps: &[u32]) -> Option<JobSpec> {
 mod tests {
     use std::collections::BTreeMap;
 
-    use podsim_topology::{Hardware, Pod};
-    use podsim_worker::train::{
+    use podsim_programs::train::{
         Eager, MlpSpec, ModelSpec, OptimizerSpec, Remat, Strategy, TpActivations, TrainSpec,
     };
+    use podsim_topology::{Hardware, Pod};
 
     use super::*;
     use crate::watchdog::Finding;
@@ -367,7 +367,7 @@ mod tests {
         let mut spec = train_spec(&dir);
         let torus: podsim_topology::Torus = "4x4".parse().unwrap_or_else(|e| panic!("{e}"));
         spec.pod = Pod::single(torus.set_wrap_all(true));
-        spec.program = Program::Torch(podsim_worker::protocol::TorchSpec {
+        spec.program = Program::Torch(podsim_job::TorchSpec {
             command: vec!["python".into()],
             cwd: None,
             topology: "4x4".into(),
@@ -377,7 +377,7 @@ mod tests {
             intercept: true,
             prefork: false,
             eager: Eager::Fused,
-            count: podsim_worker::protocol::Count::Steady,
+            count: podsim_job::Count::Steady,
             verify_ranks: Vec::new(),
             representative_steps: Vec::new(),
         });

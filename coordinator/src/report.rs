@@ -6,7 +6,8 @@ use std::path::Path;
 
 use hdrhistogram::Histogram;
 use podsim_collectives::trace::{ChipTrace, Span};
-use podsim_worker::protocol::{ChipStepReport, Program};
+use podsim_job::ChipStepReport;
+use podsim_programs::job::Program;
 use serde::{Deserialize, Serialize};
 
 use crate::watchdog::HangKind;
@@ -32,7 +33,7 @@ pub struct Report {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hang: Option<Hang>,
     /// Faults the workers reported firing.
-    pub faults_injected: Vec<podsim_worker::protocol::FaultEvent>,
+    pub faults_injected: Vec<podsim_job::FaultEvent>,
     /// Checkpoints and the restarts after failures (train jobs with `[recovery]`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recovery: Option<Recovery>,
@@ -79,7 +80,7 @@ pub struct TorchRun {
     pub command: Vec<String>,
     /// Step `i` of the job: the slowest rank's step time, with that rank's split.
     pub steps: Vec<TorchStep>,
-    pub ranks: Vec<podsim_worker::protocol::RankReport>,
+    pub ranks: Vec<podsim_programs::RankReport>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -107,7 +108,7 @@ pub struct TorchStep {
 }
 
 /// Each step marked by every rank, as its slowest rank saw it.
-fn torch_steps(ranks: &[podsim_worker::protocol::RankReport], peak_flops: f64) -> Vec<TorchStep> {
+fn torch_steps(ranks: &[podsim_programs::RankReport], peak_flops: f64) -> Vec<TorchStep> {
     let steps = ranks.iter().map(|r| r.steps.len()).min().unwrap_or(0);
     (0..steps)
         .filter_map(|i| {
@@ -147,7 +148,7 @@ fn step_span<'t>(trace: &'t ChipTrace, name: &str) -> Option<&'t Span> {
     trace
         .spans
         .iter()
-        .find(|s| s.track == podsim_worker::STEPS_TRACK && s.name == name)
+        .find(|s| s.track == podsim_programs::STEPS_TRACK && s.name == name)
 }
 
 /// Chip 0's median step and the same step of the traced chip where it took longest.
@@ -158,7 +159,7 @@ fn timelines(traces: &[&ChipTrace]) -> Vec<StepTimeline> {
     let mut steps: Vec<&Span> = first
         .spans
         .iter()
-        .filter(|s| s.track == podsim_worker::STEPS_TRACK && s.name != "setup")
+        .filter(|s| s.track == podsim_programs::STEPS_TRACK && s.name != "setup")
         .filter(|s| s.virtual_end_ns.is_some())
         .collect();
     steps.sort_by(|a, b| span_ns(a).total_cmp(&span_ns(b)));
@@ -192,7 +193,7 @@ fn timeline(trace: &ChipTrace, step: &Span) -> StepTimeline {
     let inside: Vec<TimelineSlice> = trace
         .spans
         .iter()
-        .filter(|s| s.track != podsim_worker::STEPS_TRACK)
+        .filter(|s| s.track != podsim_programs::STEPS_TRACK)
         .filter_map(|s| {
             let e = s.virtual_end_ns?;
             (s.virtual_start_ns >= start && e <= end).then(|| TimelineSlice {
@@ -242,7 +243,7 @@ pub struct WorkerEntry {
     pub bytes_sent: u64,
     /// Each link to another worker and its transport (`tcp`: records over TCP, `grpc`, `uds` or
     /// `shm`).
-    pub links: Vec<podsim_worker::protocol::PeerLink>,
+    pub links: Vec<podsim_programs::job::PeerLink>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -342,7 +343,7 @@ pub struct Restart {
     pub steps_lost: u64,
     /// Newer checkpoints passed over because they did not verify, with why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub checkpoints_skipped: Vec<podsim_worker::train::checkpoint::Skipped>,
+    pub checkpoints_skipped: Vec<podsim_programs::train::checkpoint::Skipped>,
 }
 
 /// Fills `report.recovery` for train jobs that checkpoint: the restarts made, why the last
@@ -482,7 +483,7 @@ pub struct Training {
     pub strategy: String,
     pub eager: String,
     /// The model as configured (`kind` mlp with `widths`, or transformer with its shape).
-    pub model: podsim_worker::train::ModelSpec,
+    pub model: podsim_programs::train::ModelSpec,
     pub parameters: usize,
     pub global_batch: usize,
     /// Model flops of one step on the global batch (6 per weight per token, plus attention).
@@ -523,7 +524,7 @@ pub struct TrainStep {
 pub struct ChipMemory {
     pub chip: u32,
     #[serde(flatten)]
-    pub hbm: podsim_worker::train::HbmReport,
+    pub hbm: podsim_programs::train::HbmReport,
 }
 
 /// Builds the report of a finished (`Ok`) or failed (`Err`) job.
@@ -678,9 +679,9 @@ pub fn add_failed_torch(report: &mut Report, cfg: &JobConfig, hang: &HangReport)
 /// A PyTorch program's ranks and steps; the job's virtual time is its latest rank clock.
 fn torch(
     report: &mut Report,
-    spec: &podsim_worker::protocol::TorchSpec,
+    spec: &podsim_job::TorchSpec,
     peak_flops: f64,
-    mut ranks: Vec<podsim_worker::protocol::RankReport>,
+    mut ranks: Vec<podsim_programs::RankReport>,
 ) {
     ranks.sort_by_key(|r| r.rank);
     report.virtual_s = ranks.iter().map(|r| r.virtual_ns).fold(0.0, f64::max) / 1e9;
@@ -695,7 +696,7 @@ fn torch(
 fn collectives(
     report: &mut Report,
     pod: &podsim_topology::Pod,
-    script: &[podsim_worker::protocol::CollectiveStep],
+    script: &[podsim_job::CollectiveStep],
     iterations: u32,
     steps: &[&ChipStepReport],
 ) {
@@ -736,7 +737,7 @@ fn collectives(
         }
         // The buffer as moved (a whole number of elements), as `podsim bench` reports it.
         let bytes =
-            podsim_worker::buffer_bytes(step.op, step.count(pod), step.dtype, entry.group_size);
+            podsim_job::buffer_bytes(step.op, step.count(pod), step.dtype, entry.group_size);
         let n = entry.calls.len().max(1) as f64;
         let mean_virtual_s = entry.calls.iter().map(|c| c.virtual_s).sum::<f64>() / n;
         entry.virtual_algbw_gbps = crate::bench::algbw_gbps(bytes, mean_virtual_s);
@@ -759,7 +760,7 @@ fn collectives(
 
 /// Samples of one training step over the pod: per data-parallel rank, times ranks, times
 /// micro-batches.
-pub fn global_batch(pod: &podsim_topology::Pod, spec: &podsim_worker::train::TrainSpec) -> usize {
+pub fn global_batch(pod: &podsim_topology::Pod, spec: &podsim_programs::train::TrainSpec) -> usize {
     let data_parallel = spec
         .plan(pod, false)
         .map_or(1, |plan| plan.data_parallel(&vec![0; plan.mesh.ndim()]).0);
@@ -770,10 +771,10 @@ fn training(
     report: &mut Report,
     pod: &podsim_topology::Pod,
     peak_flops: f64,
-    spec: &podsim_worker::train::TrainSpec,
+    spec: &podsim_programs::train::TrainSpec,
     out: &Outcome,
 ) {
-    let mut chips: Vec<&podsim_worker::train::ChipTrainReport> =
+    let mut chips: Vec<&podsim_programs::train::ChipTrainReport> =
         out.reports.iter().flat_map(|r| &r.train).collect();
     chips.sort_by_key(|c| c.chip);
     let steps = train_steps(&chips);
@@ -824,7 +825,7 @@ fn training(
 
 /// Each training step over every chip: the mean loss, the slowest chip's times. Steps by
 /// number: a resumed run reports the steps after its checkpoint.
-fn train_steps(chips: &[&podsim_worker::train::ChipTrainReport]) -> Vec<TrainStep> {
+fn train_steps(chips: &[&podsim_programs::train::ChipTrainReport]) -> Vec<TrainStep> {
     let numbers: std::collections::BTreeSet<u32> = chips
         .iter()
         .flat_map(|c| c.steps.iter().map(|r| r.step))
@@ -832,12 +833,12 @@ fn train_steps(chips: &[&podsim_worker::train::ChipTrainReport]) -> Vec<TrainSte
     numbers
         .into_iter()
         .map(|n| {
-            let records: Vec<&podsim_worker::train::StepRecord> = chips
+            let records: Vec<&podsim_programs::train::StepRecord> = chips
                 .iter()
                 .filter_map(|c| c.steps.iter().find(|r| r.step == n))
                 .collect();
             let losses: Vec<f64> = records.iter().filter_map(|r| r.loss).collect();
-            let max = |f: &dyn Fn(&podsim_worker::train::StepRecord) -> f64| {
+            let max = |f: &dyn Fn(&podsim_programs::train::StepRecord) -> f64| {
                 records.iter().map(|r| f(r)).fold(0.0, f64::max)
             };
             TrainStep {
@@ -863,7 +864,7 @@ fn train_steps(chips: &[&podsim_worker::train::ChipTrainReport]) -> Vec<TrainSte
 /// bit-identical (a job whose replicas differ has wrong results).
 fn training_correctness(
     report: &mut Report,
-    chips: &[&podsim_worker::train::ChipTrainReport],
+    chips: &[&podsim_programs::train::ChipTrainReport],
     adaptive_bound: Option<f64>,
 ) {
     let replicas: Vec<bool> = chips.iter().filter_map(|c| c.replicas_identical).collect();
@@ -925,16 +926,16 @@ pub const REFERENCE_TOLERANCE: f64 = 1e-3;
 /// up to `lr * max(1, (1 - beta1) / sqrt(1 - beta2))` per step (Kingma and Ba's bound on
 /// the update), each run its own way. Weight decay only shrinks a difference. `None` for SGD,
 /// whose steps scale with the gradient.
-pub fn adaptive_rounding_bound(spec: &podsim_worker::train::TrainSpec) -> Option<f64> {
+pub fn adaptive_rounding_bound(spec: &podsim_programs::train::TrainSpec) -> Option<f64> {
     match spec.optimizer {
-        podsim_worker::train::OptimizerSpec::Adamw {
+        podsim_programs::train::OptimizerSpec::Adamw {
             lr, beta1, beta2, ..
         } => {
             let (lr, beta1, beta2) = (f64::from(lr), f64::from(beta1), f64::from(beta2));
             let per_step = lr * ((1.0 - beta1) / (1.0 - beta2).sqrt()).max(1.0);
             Some(2.0 * f64::from(spec.steps) * per_step)
         }
-        podsim_worker::train::OptimizerSpec::Sgd { .. } => None,
+        podsim_programs::train::OptimizerSpec::Sgd { .. } => None,
     }
 }
 
@@ -1097,7 +1098,7 @@ fn summarise_training(s: &mut String, t: &Training, c: &Correctness) {
 
 /// How the ranks' step compute was known, when any step was not counted op by op.
 fn summarise_counting(s: &mut String, t: &TorchRun) {
-    use podsim_worker::protocol::StepCounting;
+    use podsim_programs::StepCounting;
     let states = t
         .ranks
         .iter()
@@ -1307,7 +1308,7 @@ mod tests {
             "{bound}"
         );
         let mut sgd = spec.clone();
-        sgd.optimizer = podsim_worker::train::OptimizerSpec::Sgd {
+        sgd.optimizer = podsim_programs::train::OptimizerSpec::Sgd {
             lr: 0.1,
             momentum: 0.9,
             weight_decay: 0.0,

@@ -8,10 +8,9 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use podsim_job::{HeartbeatStatus, RankExitReport, TorchSpec};
+use podsim_programs::job::{FailureReport, WorkerReport};
 use podsim_proto::v1 as pb;
-use podsim_worker::protocol::{
-    FailureReport, HeartbeatStatus, RankExitReport, TorchSpec, WorkerReport,
-};
 
 use crate::watchdog::{Finding, HangKind, Watchdog};
 
@@ -81,7 +80,7 @@ pub struct Supervisor {
     total: BTreeMap<u32, u64>,
     reports: BTreeMap<u32, WorkerReport>,
     /// PyTorch jobs: what the failing rank had done until its failure.
-    failed_ranks: Vec<podsim_worker::protocol::RankReport>,
+    failed_ranks: Vec<podsim_programs::RankReport>,
 }
 
 impl Supervisor {
@@ -127,7 +126,7 @@ impl Supervisor {
     }
 
     /// PyTorch jobs: what the ranks that failed had done until then.
-    pub fn failed_ranks(&self) -> &[podsim_worker::protocol::RankReport] {
+    pub fn failed_ranks(&self) -> &[podsim_programs::RankReport] {
         &self.failed_ranks
     }
 

@@ -23,8 +23,8 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use podsim_collectives::trace::{Arg, ChipTrace, Span};
 use podsim_collectives::{OpState, link_slot};
+use podsim_job::{RecorderDump, TraceRequest};
 use podsim_topology::{Dir, Link, MAX_AXES, Pod};
-use podsim_worker::protocol::{RecorderDump, TraceRequest};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -187,8 +187,8 @@ const POD_PID: u32 = 2;
 const WALL_PID: u32 = 3;
 /// Tracks a chip may have (the first tracks of each chip keep this order).
 const TRACK_ORDER: [&str; 7] = [
-    podsim_worker::STEPS_TRACK,
-    podsim_worker::COMPUTE_TRACK,
+    podsim_programs::STEPS_TRACK,
+    podsim_programs::COMPUTE_TRACK,
     podsim_collectives::DEFAULT_STREAM,
     "gather",
     "reduce",

@@ -2,7 +2,7 @@
 //! feeds it and acts on what it finds).
 //!
 //! Each worker resolves its own part of the wait-for graph and heartbeats a bounded summary
-//! ([`podsim_worker::protocol::Summary`]): its stuck chips as id ranges, its roots (quiet chips waiting
+//! ([`podsim_job::Summary`]): its stuck chips as id ranges, its roots (quiet chips waiting
 //! on no one) with how many of its chips wait on them, its chips' waits on other workers'
 //! chips, lost messages between its own chips, and send counters on its boundary. The
 //! watchdog joins the summaries, so its cost per heartbeat does not grow with chips:
@@ -21,10 +21,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use podsim_collectives::{Fingerprint, counters_judge_wait, link_slot, wall_ns};
+use podsim_job::FaultEvent;
+use podsim_job::HeartbeatStatus;
+use podsim_job::{Ranges, Root, Summary, Wait};
 use podsim_topology::{ChipId, Link, Pod};
-use podsim_worker::protocol::FaultEvent;
-use podsim_worker::protocol::HeartbeatStatus;
-use podsim_worker::protocol::{Ranges, Root, Summary, Wait};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

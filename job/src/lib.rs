@@ -12,7 +12,7 @@
 //! | [`torch`] | a PyTorch program's job: its command, and how its work is counted |
 //!
 //! The rest of the job (the job spec itself, training programs, the reports that carry
-//! link or training types) is still the worker's (`podsim_worker::protocol` re-exports all of it in one place).
+//! link or training types) lives with the programs (`podsim_programs::job`).
 
 #![forbid(unsafe_code)]
 

@@ -129,6 +129,18 @@ pub enum Request {
     },
 }
 
+impl Request {
+    /// The f32 words the request moves: a meta-mode request names them (`meta`), a receive
+    /// asks for them, any other carries them (`values` of them).
+    pub fn words(&self, meta: Option<u64>, values: usize) -> u64 {
+        match (self, meta) {
+            (Request::Recv { count, .. }, _) => *count,
+            (_, Some(meta)) => meta,
+            _ => values as u64,
+        }
+    }
+}
+
 /// A rank's HBM over a step, as counted at its dispatcher: the peak of its live device bytes
 /// and their split by kind at that moment.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]

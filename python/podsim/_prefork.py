@@ -1,10 +1,10 @@
 """The rank server of a job: one process imports torch and podsim's interceptions once, then
 forks a rank for each chip, so that eight ranks on two cores do not each spend 3-4 s of CPU
-importing torch (`worker/src/torch/ranks.rs` starts it, when the job's command is a Python
+importing torch (`programs/src/torch/ranks.rs` starts it, when the job's command is a Python
 script run with podsim's interceptions).
 
 The worker still starts one process per rank - a stub (`python -S -c STUB ARGS`, no `site`, so
-it starts in milliseconds; `worker/src/torch/stub.py`) - and watches, kills and reaps that
+it starts in milliseconds; `programs/src/torch/stub.py`) - and watches, kills and reaps that
 process as it would the rank. The stub connects here and sends its standard streams (as file
 descriptors), its arguments, environment, working directory and process group. The server
 forks a child that takes them all - it joins the stub's process group, so that killing the

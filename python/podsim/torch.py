@@ -2,7 +2,7 @@
 
 Importing this module registers the backend; under ``podsim run`` a program then calls
 ``dist.init_process_group("podsim")`` as it would with gloo. Each rank is one emulated chip:
-its collectives run on podsim's fabric and algorithms (``worker/src/torch/``), under the
+its collectives run on podsim's fabric and algorithms (``programs/src/torch/``), under the
 chip's virtual clock, flight recorder, fault hooks and desync checks, and the compute the
 rank runs between collectives is counted at torch's dispatcher and charged to the modelled
 hardware. ``step()`` marks the end of a training step for the per-step report.

@@ -1,4 +1,4 @@
-"""The rank server and its stub (`podsim/_prefork.py`, `worker/src/torch/stub.py`) without a
+"""The rank server and its stub (`podsim/_prefork.py`, `programs/src/torch/stub.py`) without a
 podsim binary: a forked rank runs the program as `python ARGS` would - its arguments,
 environment, directory, streams and exit, a signal included - and dies with its stub."""
 
@@ -11,7 +11,7 @@ import time
 import unittest
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STUB = os.path.join(os.path.dirname(PACKAGE), "worker", "src", "torch", "stub.py")
+STUB = os.path.join(os.path.dirname(PACKAGE), "programs", "src", "torch", "stub.py")
 
 PROGRAM = """import os, sys
 print("args", sys.argv, "rank", os.environ.get("RANK"), "cwd", os.getcwd(), "name", __name__,

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use podsim_collectives::faults::{BeforeCollective, FaultHook, OnSend};
 use podsim_collectives::{Fingerprint, Message, OpKind, Payload, wall_ns};
-pub use podsim_job::faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
+use podsim_job::faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
 use podsim_topology::{ChipId, Placement};
 
 /// A worker's faults, consulted by its chips.

@@ -19,14 +19,14 @@ use tonic::Request;
 
 use podsim_collectives::{FlightRecorder, TraceHandle};
 
-use crate::error::WorkerError;
 use crate::faults::FaultPlan;
-use crate::job::{
+use podsim_links::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
+use podsim_programs::ProgramError;
+use podsim_programs::job::{
     FailureReport, HeartbeatStatus, JobSpec, MAX_CONTROL_MESSAGE_BYTES, Program, RecorderDump,
     WorkerReport,
 };
-use crate::programs::{run_program_waiting, total_units};
-use podsim_links::net::{self, NodeFabric, TOKEN_HEADER, insert_header};
+use podsim_programs::{run_program_waiting, total_units};
 
 /// How a worker was started.
 #[derive(Debug, Clone)]
@@ -46,13 +46,13 @@ pub struct WorkerOptions {
     pub tls: Option<podsim_links::tls::Tls>,
 }
 
-fn session_error(e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Session(e.to_string())
+fn session_error(e: impl std::fmt::Display) -> ProgramError {
+    ProgramError::Session(e.to_string())
 }
 
 /// Runs one worker to completion: serve links, join, link up, run the chips under
 /// heartbeats, report.
-pub async fn run(opts: WorkerOptions) -> Result<(), WorkerError> {
+pub async fn run(opts: WorkerOptions) -> Result<(), ProgramError> {
     if opts.watch_stdin {
         tokio::spawn(exit_when_stdin_closes());
     }
@@ -145,7 +145,7 @@ fn local_chips(
             chip.set_faults(faults.clone());
         }
     }
-    crate::programs::enable_traces(&mut chips, spec.trace.as_ref());
+    podsim_programs::enable_traces(&mut chips, spec.trace.as_ref());
     let watched = Watched {
         recorders: chips.iter().map(|c| c.recorder()).collect(),
         traces: chips.iter().map(|c| c.trace_handle()).collect(),
@@ -173,18 +173,18 @@ struct Links {
 }
 
 impl Links {
-    async fn serve(opts: &WorkerOptions) -> Result<Links, WorkerError> {
+    async fn serve(opts: &WorkerOptions) -> Result<Links, ProgramError> {
         let bind = if opts.bind.contains(':') {
             opts.bind.clone()
         } else {
             format!("{}:0", opts.bind)
         };
         let listener = tokio::net::TcpListener::bind(&bind).await.map_err(|e| {
-            WorkerError::Link(format!("cannot bind the link service to {bind}: {e}"))
+            ProgramError::Link(format!("cannot bind the link service to {bind}: {e}"))
         })?;
         let local = listener
             .local_addr()
-            .map_err(|e| WorkerError::Link(e.to_string()))?;
+            .map_err(|e| ProgramError::Link(e.to_string()))?;
         let link_addr = match &opts.advertise {
             Some(host) => format!("{host}:{}", local.port()),
             None => local.to_string(),
@@ -208,7 +208,7 @@ impl Links {
         if let Some(tls) = &opts.tls {
             server = server
                 .tls_config(tls.server())
-                .map_err(|e| WorkerError::Link(podsim_links::tls::chain(&e)))?;
+                .map_err(|e| ProgramError::Link(podsim_links::tls::chain(&e)))?;
         }
         // One port for both: connections that open as record links (inside TLS when the job
         // uses it) become record links and the others go to gRPC.
@@ -249,7 +249,7 @@ struct Session {
 
 impl Session {
     /// Says hello and waits for the job (`Setup`).
-    async fn join(opts: &WorkerOptions, links: &Links) -> Result<Session, WorkerError> {
+    async fn join(opts: &WorkerOptions, links: &Links) -> Result<Session, ProgramError> {
         let endpoint = podsim_links::tls::url(&opts.join, opts.tls.as_ref());
         let mut client =
             connect_control(&endpoint, opts.tls.as_ref(), Duration::from_secs(30)).await?;
@@ -300,7 +300,7 @@ impl Session {
         })
     }
 
-    async fn send(&self, body: pb::worker_msg::Body) -> Result<(), WorkerError> {
+    async fn send(&self, body: pb::worker_msg::Body) -> Result<(), ProgramError> {
         self.to_coord
             .send(pb::WorkerMsg { body: Some(body) })
             .await
@@ -308,14 +308,14 @@ impl Session {
     }
 
     /// Sends every local chip's flight recorder to the coordinator.
-    async fn send_dump(&self, watched: &Watched) -> Result<(), WorkerError> {
+    async fn send_dump(&self, watched: &Watched) -> Result<(), ProgramError> {
         send_dump(&self.to_coord, &watched.recorders, &watched.traces).await
     }
 
     /// Tells the coordinator why the chips failed (structured where it can: a desync, a
     /// corrupted message) and stays until it has read it (it answers with a shutdown), or the
     /// message could die with this process; a diagnosis may ask for the recorders meanwhile.
-    async fn report_failure(&mut self, e: &WorkerError, watched: &Watched) {
+    async fn report_failure(&mut self, e: &ProgramError, watched: &Watched) {
         let error_json = FailureReport::from_error(e)
             .map(|d| FailureReport {
                 faults: watched.faults.events(),
@@ -344,7 +344,7 @@ async fn link_up(
     links: &Links,
     session: &mut Session,
     spec: &JobSpec,
-) -> Result<Arc<NodeFabric>, WorkerError> {
+) -> Result<Arc<NodeFabric>, ProgramError> {
     let me = session.me;
     let fabric = NodeFabric::new(spec.fabric(), me)?;
     let _ = links.fabric.send(Some(fabric.clone()));
@@ -415,7 +415,7 @@ impl Heartbeats {
         watched: &Watched,
         done: Arc<AtomicU64>,
         total: u64,
-    ) -> Result<Heartbeats, WorkerError> {
+    ) -> Result<Heartbeats, ProgramError> {
         let (tx, recorders, faults) = (
             session.to_coord.clone(),
             watched.recorders.clone(),
@@ -432,7 +432,7 @@ impl Heartbeats {
         let mut cpu_wait = podsim_collectives::CpuWaitMeter::new(std::time::Instant::now());
         let beats = async move {
             let mut tick = tokio::time::interval(every);
-            let list_waits = recorders.len() <= crate::job::STRAGGLER_WAITS_CHIPS;
+            let list_waits = recorders.len() <= podsim_programs::job::STRAGGLER_WAITS_CHIPS;
             loop {
                 tick.tick().await;
                 // Messages waiting in a socket while their chips' executor is busy count as
@@ -500,7 +500,7 @@ async fn send_dump(
     to_coord: &mpsc::Sender<pb::WorkerMsg>,
     recorders: &[Arc<FlightRecorder>],
     traces: &[Option<TraceHandle>],
-) -> Result<(), WorkerError> {
+) -> Result<(), ProgramError> {
     let dump: Vec<RecorderDump> = recorders
         .iter()
         .zip(traces)
@@ -524,7 +524,7 @@ async fn send_dump(
 struct Inbound(tonic::Streaming<pb::CoordinatorMsg>);
 
 impl Inbound {
-    async fn next(&mut self) -> Result<pb::coordinator_msg::Body, WorkerError> {
+    async fn next(&mut self) -> Result<pb::coordinator_msg::Body, ProgramError> {
         match self.0.message().await {
             Ok(Some(m)) => m.body.ok_or_else(|| session_error("empty message")),
             Ok(None) => Err(session_error("the coordinator closed the session")),
@@ -553,7 +553,7 @@ async fn connect_control(
     endpoint: &str,
     tls: Option<&podsim_links::tls::Tls>,
     patience: Duration,
-) -> Result<ControlClient<tonic::transport::Channel>, WorkerError> {
+) -> Result<ControlClient<tonic::transport::Channel>, ProgramError> {
     let deadline = tokio::time::Instant::now() + patience;
     let target = tonic::transport::Endpoint::from_shared(endpoint.to_string())
         .map_err(|e| session_error(format!("bad coordinator address {endpoint}: {e}")))?;

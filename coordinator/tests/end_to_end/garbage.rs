@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use podsim_collectives::{Algo, Comm, DType, OpKind, ReduceOp};
 use podsim_coordinator::launch::ControlPlane;
+use podsim_job::BenchCase;
+use podsim_programs::job::{JobSpec, Program};
 use podsim_proto::v1 as pb;
 use podsim_proto::v1::control_client::ControlClient;
 use podsim_proto::v1::link_service_client::LinkServiceClient;
 use podsim_topology::{Group, Hardware, Pod};
-use podsim_worker::protocol::BenchCase;
-use podsim_worker::protocol::{JobSpec, Program};
 use podsim_worker::transport::{self as net, NodeFabric, TOKEN_HEADER, WORKER_HEADER};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::wrappers::ReceiverStream;
@@ -94,7 +94,7 @@ async fn control_service_refuses_garbage_and_keeps_serving() {
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
         let huge = pb::WorkerMsg {
             body: Some(pb::worker_msg::Body::Result(pb::WorkerResult {
-                json: vec![b'x'; podsim_worker::protocol::MAX_CONTROL_MESSAGE_BYTES + (1 << 20)],
+                json: vec![b'x'; podsim_job::MAX_CONTROL_MESSAGE_BYTES + (1 << 20)],
             })),
         };
         assert!(

@@ -15,8 +15,8 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use podsim_programs::job::{JobSpec, Program, Transport};
 use podsim_topology::{Hardware, Pod};
-use podsim_worker::protocol::{JobSpec, Program, Transport};
 use podsim_worker::transport::NodeFabric;
 use podsim_worker::transport::records;
 

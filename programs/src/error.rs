@@ -5,7 +5,7 @@ use thiserror::Error;
 
 /// Why a chip program failed.
 #[derive(Debug, Clone, PartialEq, Error)]
-pub enum WorkerError {
+pub enum ProgramError {
     #[error(transparent)]
     Collective(#[from] CollectiveError),
     #[error("invalid program: {0}")]
@@ -57,28 +57,28 @@ pub enum WorkerError {
     /// the job's report keeps its `torch` section.
     #[error("{error}")]
     TorchFailed {
-        error: Box<WorkerError>,
-        ranks: Vec<crate::torch::RankReport>,
+        error: Box<ProgramError>,
+        ranks: Vec<crate::torch::report::RankReport>,
     },
     #[error("internal error: {0}")]
     Internal(String),
 }
 
-impl From<podsim_links::LinkError> for WorkerError {
-    fn from(e: podsim_links::LinkError) -> WorkerError {
+impl From<podsim_links::LinkError> for ProgramError {
+    fn from(e: podsim_links::LinkError) -> ProgramError {
         match e {
-            podsim_links::LinkError::Invalid(why) => WorkerError::Invalid(why),
-            podsim_links::LinkError::Link(why) => WorkerError::Link(why),
+            podsim_links::LinkError::Invalid(why) => ProgramError::Invalid(why),
+            podsim_links::LinkError::Link(why) => ProgramError::Link(why),
         }
     }
 }
 
-impl WorkerError {
-    /// Whether this is a [`WorkerError::Regroup`] (as it is, or inside the steps it carries).
+impl ProgramError {
+    /// Whether this is a [`ProgramError::Regroup`] (as it is, or inside the steps it carries).
     pub fn is_regroup(&self) -> bool {
         match self {
-            WorkerError::Regroup { .. } => true,
-            WorkerError::TorchFailed { error, .. } => error.is_regroup(),
+            ProgramError::Regroup { .. } => true,
+            ProgramError::TorchFailed { error, .. } => error.is_regroup(),
             _ => false,
         }
     }

@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::common::run_on_chips;
 use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chips};
-use podsim_topology::{Hardware, Pod};
-use podsim_worker::train::{
+use podsim_programs::train::{
     AttentionKind, BlockKind, ChipTrainReport, Eager, MlpKind, ModelSpec, OptimizerSpec, Remat,
     Strategy, TpActivations, TrainSpec, TransformerSpec, train_chip,
 };
+use podsim_topology::{Hardware, Pod};
 
 /// Every output dimension divides by 16: no `torch.chunk` padding on up to 16 chips.
 fn model(d_model: usize, ffn: usize, vocab: usize) -> TransformerSpec {
@@ -226,7 +226,7 @@ fn one_mirrored_chip_predicts_the_step_of_every_chip() {
 }
 
 /// One step of `m` under DDP on one mirrored chip of a 4-chip ring with `remat`.
-fn remat_step(m: &TransformerSpec, remat: &str) -> podsim_worker::train::StepRecord {
+fn remat_step(m: &TransformerSpec, remat: &str) -> podsim_programs::train::StepRecord {
     let mut s = spec(Strategy::Ddp, m, 1);
     s.remat = remat.parse().unwrap();
     run(&s, "4", v5p(), true)[0].0.steps[0].clone()

@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use super::TorchSpec;
 use super::wire::{Frame, MAX_PAYLOAD_BYTES, Reply, Request, read_frame, write_frame};
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use podsim_links::procs::{Group, die_with_parent};
 use podsim_links::socket::{Acceptor, Admission, Limits};
 
@@ -120,9 +120,9 @@ pub async fn start(
     world: u32,
     recorders: &[Arc<FlightRecorder>],
     hardware: &podsim_topology::Hardware,
-) -> Result<(Vec<Rank>, RankGuard), WorkerError> {
+) -> Result<(Vec<Rank>, RankGuard), ProgramError> {
     let (listener, socket) = podsim_links::records::bind_abstract("podsim-ranks")
-        .ok_or_else(|| WorkerError::Invalid("cannot open a Unix socket for the ranks".into()))?;
+        .ok_or_else(|| ProgramError::Invalid("cannot open a Unix socket for the ranks".into()))?;
     let token = random_token();
     let master_port = free_port()?;
     let (kill, kill_rx) = watch::channel(false);
@@ -140,7 +140,7 @@ pub async fn start(
     let mut pending = HashMap::new();
     let mut ranks = Vec::new();
     let Some((program, args)) = spec.command.split_first() else {
-        return Err(WorkerError::Invalid("a torch job needs a command".into()));
+        return Err(ProgramError::Invalid("a torch job needs a command".into()));
     };
     // A rank sees the host its chip sits on in the modelled pod, as a launcher on a TPU VM
     // would start it, whichever worker process runs it here.
@@ -193,7 +193,7 @@ impl RankCommand<'_> {
         rank: u32,
         mut kill: watch::Receiver<bool>,
         guard: &mut RankGuard,
-    ) -> Result<(Rank, oneshot::Sender<RankLink>), WorkerError> {
+    ) -> Result<(Rank, oneshot::Sender<RankLink>), ProgramError> {
         let program = self.program;
         let mut command = tokio::process::Command::new(program);
         match self.server {
@@ -220,7 +220,7 @@ impl RankCommand<'_> {
         die_with_parent(&mut command);
         // On an error, `guard` is dropped: the ranks started so far go with it.
         let mut child = command.spawn().map_err(|e| {
-            WorkerError::Invalid(format!("cannot start rank {rank} ({program}): {e}"))
+            ProgramError::Invalid(format!("cannot start rank {rank} ({program}): {e}"))
         })?;
         let started = Instant::now();
         let pid = child.id().unwrap_or(0);
@@ -390,11 +390,11 @@ async fn start_rank_server(
 
 /// A free loopback port for rank 0's `torch.distributed` store (`MASTER_PORT`). Another
 /// process could take it before rank 0 binds it; rank 0 then fails at start, saying so.
-fn free_port() -> Result<u16, WorkerError> {
+fn free_port() -> Result<u16, ProgramError> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| WorkerError::Invalid(format!("no free port for MASTER_PORT: {e}")))
+        .map_err(|e| ProgramError::Invalid(format!("no free port for MASTER_PORT: {e}")))
 }
 
 fn describe(status: std::io::Result<std::process::ExitStatus>) -> RankExit {
@@ -609,6 +609,22 @@ async fn read_requests(
     }
 }
 
+/// How a rank's exception is told: its first line, at most [`RAISED_CHARS`] characters (torch's
+/// messages can run to pages), and the program's line that raised it.
+pub(super) fn raised(error: &str, site: Option<&str>) -> String {
+    let first = error.lines().next().unwrap_or_default();
+    let shown: String = first.chars().take(RAISED_CHARS).collect();
+    let cut = if shown.len() < error.trim_end().len() {
+        " ..."
+    } else {
+        ""
+    };
+    format!("{shown}{cut} at {}", site.unwrap_or("an unknown line"))
+}
+
+/// Characters of a rank's exception a report shows (its traceback is in the rank's output).
+const RAISED_CHARS: usize = 300;
+
 #[cfg(test)]
 mod tests {
     use std::path::{Path, PathBuf};
@@ -650,7 +666,7 @@ time.sleep(600)
             intercept: false,
             prefork: false,
             eager: crate::train::Eager::Fused,
-            count: super::super::Count::Steady,
+            count: podsim_job::torch::Count::Steady,
             verify_ranks: Vec::new(),
             representative_steps: Vec::new(),
         }

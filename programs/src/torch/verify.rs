@@ -18,7 +18,7 @@ use tokio::sync::Notify;
 use super::TorchSpec;
 use super::ranks::{Rank, exited};
 use super::wire::{Reply, Request};
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 
 /// One collective as ranks are compared on it.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,7 +131,7 @@ pub async fn serve_shadow(
     reference: &Reference,
     representative: u32,
     pod: &Pod,
-) -> Result<(), WorkerError> {
+) -> Result<(), ProgramError> {
     let bound = std::time::Duration::from_secs(spec.connect_timeout_s);
     let link = tokio::select! {
         link = &mut rank.link => link.ok(),
@@ -145,11 +145,11 @@ pub async fn serve_shadow(
     let mut said_bye = false;
     let mut raised = None;
     while let Some(next) = link.requests.recv().await {
-        let (frame, values) = next.map_err(WorkerError::Invalid)?;
-        let words = super::serve::words_of(&frame.request, frame.meta, &values);
+        let (frame, values) = next.map_err(ProgramError::Invalid)?;
+        let words = frame.request.words(frame.meta, values.len());
         match &frame.request {
             Request::Raised { error } => {
-                raised = Some(super::serve::raised(error, frame.site.as_deref()));
+                raised = Some(super::ranks::raised(error, frame.site.as_deref()));
                 continue; // no reply: its exit is reported below
             }
             Request::Bye { .. } => said_bye = true,
@@ -169,7 +169,7 @@ pub async fn serve_shadow(
         let error = match &frame.request {
             Request::Group { ranks, .. } => {
                 let site = frame.site.as_deref();
-                super::serve::declare(pod, spec, rank.rank, ranks, site, true)?.err()
+                super::groups::declare(pod, spec, rank.rank, ranks, site, true)?.err()
             }
             _ => None,
         };
@@ -203,8 +203,8 @@ pub async fn serve_shadow(
     }
 }
 
-fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> WorkerError {
-    WorkerError::AtCallSites {
+fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> ProgramError {
+    ProgramError::AtCallSites {
         error: Box::new(CollectiveError::Mismatch {
             chip: rank,
             mine: mine.fingerprint,
@@ -219,24 +219,24 @@ fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> WorkerErr
 }
 
 /// The shadow ended its program where the representative went on to `theirs`.
-fn desync_missing(rank: u32, seq: usize, representative: u32, theirs: Call) -> WorkerError {
-    WorkerError::Invalid(format!(
+fn desync_missing(rank: u32, seq: usize, representative: u32, theirs: Call) -> ProgramError {
+    ProgramError::Invalid(format!(
         "desync: rank {rank} ended its program after {seq} collectives, where its \
          representative rank {representative} went on to {} at {}",
         theirs.fingerprint, theirs.site
     ))
 }
 
-fn ended_early(rank: u32, mine: &Call, representative: u32, how: &str) -> WorkerError {
-    WorkerError::Invalid(format!(
+fn ended_early(rank: u32, mine: &Call, representative: u32, how: &str) -> ProgramError {
+    ProgramError::Invalid(format!(
         "desync: rank {rank} called {} at {}, but its representative rank {representative} \
          made no such call: it {how}",
         mine.fingerprint, mine.site
     ))
 }
 
-fn shadow_exit(rank: &Rank, how: &str) -> WorkerError {
-    WorkerError::RankExited {
+fn shadow_exit(rank: &Rank, how: &str) -> ProgramError {
+    ProgramError::RankExited {
         chip: rank.rank,
         pid: rank.pid,
         how: how.to_string(),

@@ -19,8 +19,8 @@
 //! ```
 //! use podsim_collectives::{Algo, LocalFabric, ReduceOp, run_chips};
 //! use podsim_topology::{Hardware, Pod};
-//! use podsim_worker::WorkerError;
-//! use podsim_worker::train::{DTensor, Mesh, Placement, Tensor};
+//! use podsim_programs::ProgramError;
+//! use podsim_programs::train::{DTensor, Mesh, Placement, Tensor};
 //!
 //! let pod = Pod::single("2x2".parse().unwrap());
 //! let fabric = LocalFabric::new(pod.clone(), Hardware::preset("v5e").unwrap());
@@ -37,7 +37,7 @@
 //!         let moved = dt.redistribute(&mut chip, &[Placement::Shard(0), Placement::Shard(0)]).await?;
 //!         let summed = moved.redistribute(&mut chip,
 //!             &[Placement::Partial(ReduceOp::Sum), Placement::Shard(0)]).await?;
-//!         Ok::<_, WorkerError>(summed.full_tensor(&mut chip).await? == full)
+//!         Ok::<_, ProgramError>(summed.full_tensor(&mut chip).await? == full)
 //!     }
 //! })).unwrap();
 //! assert!(ok.iter().all(|&same| same));
@@ -48,7 +48,7 @@ use std::fmt;
 use podsim_collectives::{Algo, Chip, Comm, DType, Payload, ReduceOp};
 use podsim_topology::{DeviceMesh, Group, Pod};
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::train::tensor::{Tensor, chunk_len, chunk_start};
 
 /// How a tensor lies along one mesh dimension.
@@ -89,8 +89,8 @@ pub struct Mesh {
 
 impl Mesh {
     /// Lays `axes` (name, size), outermost first, onto the pod (see [`DeviceMesh::new`]).
-    pub fn new(pod: &Pod, axes: &[(&str, u32)], algo: Algo) -> Result<Mesh, WorkerError> {
-        let dm = DeviceMesh::new(pod, axes).map_err(|e| WorkerError::Invalid(e.to_string()))?;
+    pub fn new(pod: &Pod, axes: &[(&str, u32)], algo: Algo) -> Result<Mesh, ProgramError> {
+        let dm = DeviceMesh::new(pod, axes).map_err(|e| ProgramError::Invalid(e.to_string()))?;
         let names: Vec<&str> = axes.iter().map(|(n, _)| *n).collect();
         Mesh::over(pod, &dm, &names, algo)
     }
@@ -102,20 +102,20 @@ impl Mesh {
         device_mesh: &DeviceMesh,
         order: &[&str],
         algo: Algo,
-    ) -> Result<Mesh, WorkerError> {
+    ) -> Result<Mesh, ProgramError> {
         let dims = order
             .iter()
             .map(|name| {
                 let group = device_mesh
                     .group(pod, &[name])
-                    .map_err(|e| WorkerError::Invalid(e.to_string()))?;
+                    .map_err(|e| ProgramError::Invalid(e.to_string()))?;
                 Ok(MeshDim {
                     name: name.to_string(),
                     group,
                     size: group.size(pod) as usize,
                 })
             })
-            .collect::<Result<_, WorkerError>>()?;
+            .collect::<Result<_, ProgramError>>()?;
         Ok(Mesh {
             dims,
             algo,
@@ -194,9 +194,9 @@ impl DTensor {
         mesh: &Mesh,
         placements: &[Placement],
         ndim: usize,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         if placements.len() != mesh.ndim() {
-            return Err(WorkerError::Invalid(format!(
+            return Err(ProgramError::Invalid(format!(
                 "{} placements for a mesh of {} dimensions",
                 placements.len(),
                 mesh.ndim()
@@ -206,7 +206,7 @@ impl DTensor {
             .iter()
             .find(|p| matches!(p, Placement::Shard(d) if *d >= ndim))
         {
-            return Err(WorkerError::Invalid(format!(
+            return Err(ProgramError::Invalid(format!(
                 "{p} of a {ndim}-dimensional tensor"
             )));
         }
@@ -220,11 +220,11 @@ impl DTensor {
         local: Tensor,
         placements: &[Placement],
         shape: &[usize],
-    ) -> Result<DTensor, WorkerError> {
+    ) -> Result<DTensor, ProgramError> {
         DTensor::check_placements(mesh, placements, shape.len())?;
         let want = extent(shape, mesh, placements, &mesh.coords(chip), mesh.ndim());
         if local.shape() != want.as_slice() {
-            return Err(WorkerError::Invalid(format!(
+            return Err(ProgramError::Invalid(format!(
                 "chip {}: a local piece of shape {:?} does not fit {shape:?} placed as {}; expected {want:?}",
                 chip.id(),
                 local.shape(),
@@ -247,7 +247,7 @@ impl DTensor {
         mesh: &Mesh,
         full: &Tensor,
         placements: &[Placement],
-    ) -> Result<DTensor, WorkerError> {
+    ) -> Result<DTensor, ProgramError> {
         DTensor::check_placements(mesh, placements, full.shape().len())?;
         let replicated = DTensor {
             mesh: mesh.clone(),
@@ -293,7 +293,7 @@ impl DTensor {
     }
 
     /// The whole tensor on every chip.
-    pub async fn full_tensor(&self, chip: &mut Chip) -> Result<Tensor, WorkerError> {
+    pub async fn full_tensor(&self, chip: &mut Chip) -> Result<Tensor, ProgramError> {
         let all = vec![Placement::Replicate; self.mesh.ndim()];
         Ok(self.redistribute(chip, &all).await?.local)
     }
@@ -303,7 +303,7 @@ impl DTensor {
         &self,
         chip: &mut Chip,
         target: &[Placement],
-    ) -> Result<DTensor, WorkerError> {
+    ) -> Result<DTensor, ProgramError> {
         DTensor::check_placements(&self.mesh, target, self.shape.len())?;
         let n = self.mesh.ndim();
         let mut cur = self.clone();
@@ -364,7 +364,7 @@ impl DTensor {
 
     /// Applies `target` on every mesh dimension where this tensor is replicated (no
     /// communication); other dimensions must already match.
-    fn place_locally(mut self, chip: &Chip, target: &[Placement]) -> Result<DTensor, WorkerError> {
+    fn place_locally(mut self, chip: &Chip, target: &[Placement]) -> Result<DTensor, ProgramError> {
         let coords = self.mesh.coords(chip);
         for i in 0..self.mesh.ndim() {
             match (self.placements[i], target[i]) {
@@ -378,7 +378,7 @@ impl DTensor {
                     }
                 }
                 (from, to) => {
-                    return Err(WorkerError::Internal(format!(
+                    return Err(ProgramError::Internal(format!(
                         "mesh dimension {i}: {from} -> {to} left for a local step"
                     )));
                 }
@@ -390,9 +390,14 @@ impl DTensor {
 
     /// Shard(d) -> Shard(e) along mesh dimension `i`: every chip sends piece `j` of its
     /// dimension `e` to coordinate `j` and concatenates what it gets along `d`.
-    async fn all_to_all(self, chip: &mut Chip, i: usize, e: usize) -> Result<DTensor, WorkerError> {
+    async fn all_to_all(
+        self,
+        chip: &mut Chip,
+        i: usize,
+        e: usize,
+    ) -> Result<DTensor, ProgramError> {
         let Placement::Shard(d) = self.placements[i] else {
-            return Err(WorkerError::Internal(
+            return Err(ProgramError::Internal(
                 "all-to-all of a tensor that is not sharded".into(),
             ));
         };
@@ -417,7 +422,7 @@ impl DTensor {
                 Ok(t.narrow(d, 0, chunk_len(td, n, src))
                     .narrow(e, 0, chunk_len(te, n, me)))
             })
-            .collect::<Result<Vec<_>, WorkerError>>()?;
+            .collect::<Result<Vec<_>, ProgramError>>()?;
         let mut placements = self.placements.clone();
         placements[i] = Placement::Shard(e);
         Ok(self.with_local(Tensor::cat(d, &pieces)?, &placements))
@@ -435,10 +440,10 @@ fn expect_at(
     i: usize,
     want: impl Fn(Placement) -> bool,
     what: &str,
-) -> Result<(), WorkerError> {
+) -> Result<(), ProgramError> {
     for t in items {
         if i >= t.mesh.ndim() || !want(t.placements[i]) {
-            return Err(WorkerError::Internal(format!(
+            return Err(ProgramError::Internal(format!(
                 "{what} on mesh dimension {i} of a tensor placed as {}",
                 describe(&t.placements)
             )));
@@ -455,7 +460,7 @@ pub async fn gather_shards(
     chip: &mut Chip,
     items: &[&DTensor],
     i: usize,
-) -> Result<Vec<DTensor>, WorkerError> {
+) -> Result<Vec<DTensor>, ProgramError> {
     expect_at(items, i, |p| matches!(p, Placement::Shard(_)), "all-gather")?;
     let Some(first) = items.first() else {
         return Ok(Vec::new());
@@ -503,15 +508,15 @@ pub async fn gather_shards(
                     chunk_len(whole, n, r),
                 ))
             })
-            .collect::<Result<Vec<_>, WorkerError>>()?;
+            .collect::<Result<Vec<_>, ProgramError>>()?;
         offset += len;
         out.push(t.with_local(Tensor::cat(d, &pieces)?, &placements));
     }
     Ok(out)
 }
 
-fn unreachable_shard<T>() -> Result<T, WorkerError> {
-    Err(WorkerError::Internal(
+fn unreachable_shard<T>() -> Result<T, ProgramError> {
+    Err(ProgramError::Internal(
         "placement changed under a collective".into(),
     ))
 }
@@ -524,7 +529,7 @@ pub async fn reduce_scatter(
     i: usize,
     op: ReduceOp,
     d: usize,
-) -> Result<Vec<DTensor>, WorkerError> {
+) -> Result<Vec<DTensor>, ProgramError> {
     expect_at(items, i, |p| p == Placement::Partial(op), "reduce-scatter")?;
     let Some(first) = items.first() else {
         return Ok(Vec::new());
@@ -576,7 +581,7 @@ pub async fn all_reduce(
     items: Vec<DTensor>,
     i: usize,
     op: ReduceOp,
-) -> Result<Vec<DTensor>, WorkerError> {
+) -> Result<Vec<DTensor>, ProgramError> {
     let (pieces, shells) = all_reduce_bucket(chip, items, i, op).await?;
     pieces
         .into_iter()
@@ -600,7 +605,7 @@ pub async fn all_reduce_in_place(
     items: Vec<DTensor>,
     i: usize,
     op: ReduceOp,
-) -> Result<Vec<Payload>, WorkerError> {
+) -> Result<Vec<Payload>, ProgramError> {
     Ok(all_reduce_bucket(chip, items, i, op).await?.0)
 }
 
@@ -613,7 +618,7 @@ async fn all_reduce_bucket(
     items: Vec<DTensor>,
     i: usize,
     op: ReduceOp,
-) -> Result<(Vec<Payload>, Vec<Shell>), WorkerError> {
+) -> Result<(Vec<Payload>, Vec<Shell>), ProgramError> {
     let refs: Vec<&DTensor> = items.iter().collect();
     expect_at(&refs, i, |p| p == Placement::Partial(op), "all-reduce")?;
     let Some(first) = items.first() else {

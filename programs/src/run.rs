@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use podsim_collectives::{Chip, IdleWait, run_chips_waiting};
 
 use crate::bench::bench_chip;
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::job::{BenchCase, ChipStepReport, CollectiveStep, Program, TraceRequest};
 use crate::train::{ChipTrainReport, train_chip};
 
@@ -45,18 +45,18 @@ pub async fn run_program(
     chips: Vec<Chip>,
     program: &Program,
     done: Arc<AtomicU64>,
-) -> Result<ProgramOutput, WorkerError> {
+) -> Result<ProgramOutput, ProgramError> {
     run_program_waiting(chips, program, done, None).await
 }
 
 /// [`run_program`], with what the chip executor's thread does instead of parking (a
 /// worker's: read its links, see `intake`).
-pub(crate) async fn run_program_waiting(
+pub async fn run_program_waiting(
     chips: Vec<Chip>,
     program: &Program,
     done: Arc<AtomicU64>,
     idle: Option<Arc<dyn IdleWait>>,
-) -> Result<ProgramOutput, WorkerError> {
+) -> Result<ProgramOutput, ProgramError> {
     if let Program::Torch(spec) = program {
         let torch = crate::torch::run(chips, spec, done).await?;
         return Ok(ProgramOutput {
@@ -99,7 +99,7 @@ pub(crate) async fn run_program_waiting(
                         train = Some(Box::pin(train_chip(&mut chip, spec, done.clone())).await?);
                     }
                     Program::Torch(_) => {
-                        return Err(WorkerError::Internal("torch programs run apart".into()));
+                        return Err(ProgramError::Internal("torch programs run apart".into()));
                     }
                 }
                 let stats = chip.stats();
@@ -108,7 +108,7 @@ pub(crate) async fn run_program_waiting(
                     stats.bytes_sent.load(Ordering::Relaxed),
                 );
                 let trace = chip.take_trace();
-                Ok::<_, WorkerError>((reports, train, sent, trace))
+                Ok::<_, ProgramError>((reports, train, sent, trace))
             }
         },
         idle,
@@ -132,7 +132,7 @@ async fn iterate_script(
     iteration: u32,
     meta: bool,
     verify: bool,
-) -> Result<Vec<ChipStepReport>, WorkerError> {
+) -> Result<Vec<ChipStepReport>, ProgramError> {
     chip.enter_step(u64::from(iteration)).await;
     let span = chip.trace_open(
         STEPS_TRACK,
@@ -163,7 +163,7 @@ async fn bench_case(
     chip: &mut Chip,
     step: usize,
     case: &BenchCase,
-) -> Result<ChipStepReport, WorkerError> {
+) -> Result<ChipStepReport, ProgramError> {
     let span = chip.trace_open(
         STEPS_TRACK,
         "step",

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 pub use podsim_job::program::Eager;
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::train::dtensor::{Mesh, Placement};
 
 /// A parallel strategy.
@@ -85,11 +85,11 @@ impl Plan {
         replicas: u32,
         algo: Algo,
         verify: bool,
-    ) -> Result<Plan, WorkerError> {
+    ) -> Result<Plan, ProgramError> {
         let chips = pod.chips();
         let divide = |by: u32, what: &str| {
             if by == 0 || !chips.is_multiple_of(by) {
-                Err(WorkerError::Invalid(format!(
+                Err(ProgramError::Invalid(format!(
                     "{what} = {by} does not divide the pod's {chips} chips"
                 )))
             } else {
@@ -127,7 +127,7 @@ impl Plan {
             ),
         };
         let dm = DeviceMesh::new(pod, &axes)
-            .map_err(|e| WorkerError::Invalid(format!("{strategy}: {e}")))?;
+            .map_err(|e| ProgramError::Invalid(format!("{strategy}: {e}")))?;
         let mesh = Mesh::over(pod, &dm, &order, algo)?.verified(verify);
         let has_tp = roles.contains(&Role::Tensor);
         let styles = tp_styles

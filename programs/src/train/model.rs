@@ -25,7 +25,7 @@
 use podsim_collectives::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::train::kernels::{Cost, Kernel};
 use crate::train::mlp::{Grads, MlpSpec};
 use crate::train::remat::Name;
@@ -584,9 +584,9 @@ impl ModelSpec {
 /// Forward of an embedding lookup: `(T, 1)` token ids and a `(d, vocab)` table (stored like a
 /// linear layer's weight, so strategies cut it the same way) give `(T, d)` (meta only). Reads
 /// one column per token and writes it.
-pub fn embedding(x: &Tensor, w: &Tensor) -> Result<(Tensor, Cost), WorkerError> {
+pub fn embedding(x: &Tensor, w: &Tensor) -> Result<(Tensor, Cost), ProgramError> {
     if !(x.is_meta() && w.is_meta()) {
-        return Err(WorkerError::Invalid(
+        return Err(ProgramError::Invalid(
             "embedding layers run in meta mode only".into(),
         ));
     }

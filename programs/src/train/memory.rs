@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 
 /// What a buffer holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -109,10 +109,10 @@ impl Hbm {
         kind: MemKind,
         bytes: u64,
         what: impl FnOnce() -> String,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         let in_use = self.in_use();
         if in_use + bytes > self.capacity {
-            let err = WorkerError::OutOfMemory {
+            let err = ProgramError::OutOfMemory {
                 chip: self.chip,
                 what: what(),
                 need: bytes,
@@ -171,7 +171,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err,
-            WorkerError::OutOfMemory {
+            ProgramError::OutOfMemory {
                 chip: 3,
                 what: "gathered layer 2".into(),
                 need: 30,

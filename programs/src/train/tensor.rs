@@ -8,7 +8,7 @@
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use podsim_collectives::Payload;
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 
 /// Length of `torch.chunk` piece `i` when `size` is cut into `n`: pieces of `ceil(size / n)`,
 /// the last ones shorter or empty (the collectives' own block rule).
@@ -48,22 +48,22 @@ impl Tensor {
     }
 
     /// A data tensor from row-major values.
-    pub fn from_vec(shape: &[usize], values: Vec<f32>) -> Result<Tensor, WorkerError> {
+    pub fn from_vec(shape: &[usize], values: Vec<f32>) -> Result<Tensor, ProgramError> {
         let n = values.len();
         ArrayD::from_shape_vec(IxDyn(shape), values)
             .map(Tensor::Data)
             .map_err(|_| {
-                WorkerError::Invalid(format!(
+                ProgramError::Invalid(format!(
                     "{n} values do not make a tensor of shape {shape:?}"
                 ))
             })
     }
 
     /// Rebuilds a tensor of `shape` from a collective's result.
-    pub fn from_payload(payload: Payload, shape: &[usize]) -> Result<Tensor, WorkerError> {
+    pub fn from_payload(payload: Payload, shape: &[usize]) -> Result<Tensor, ProgramError> {
         let numel: usize = shape.iter().product();
         if payload.len() != numel {
-            return Err(WorkerError::Invalid(format!(
+            return Err(ProgramError::Invalid(format!(
                 "a collective returned {} elements for a tensor of shape {shape:?} ({numel})",
                 payload.len()
             )));
@@ -176,16 +176,16 @@ impl Tensor {
     }
 
     /// Concatenates `parts` along `dim` (all other dimensions equal).
-    pub fn cat(dim: usize, parts: &[Tensor]) -> Result<Tensor, WorkerError> {
+    pub fn cat(dim: usize, parts: &[Tensor]) -> Result<Tensor, ProgramError> {
         let first = parts
             .first()
-            .ok_or_else(|| WorkerError::Invalid("concatenation of no tensors".into()))?;
+            .ok_or_else(|| ProgramError::Invalid("concatenation of no tensors".into()))?;
         let total = parts.iter().map(|p| p.shape()[dim]).sum();
         let views: Option<Vec<_>> = parts.iter().map(|p| p.values().map(|a| a.view())).collect();
         match views {
             Some(views) => ndarray::concatenate(Axis(dim), &views)
                 .map(Tensor::Data)
-                .map_err(|e| WorkerError::Invalid(format!("concatenation along {dim}: {e}"))),
+                .map_err(|e| ProgramError::Invalid(format!("concatenation along {dim}: {e}"))),
             None => Ok(Tensor::Meta(first.with_dim(dim, total))),
         }
     }
@@ -212,7 +212,7 @@ impl Tensor {
         payload: Payload,
         dim: usize,
         shape: &[usize],
-    ) -> Result<Tensor, WorkerError> {
+    ) -> Result<Tensor, ProgramError> {
         let mut moved = shape.to_vec();
         let d = moved.remove(dim);
         moved.insert(0, d);

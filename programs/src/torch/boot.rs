@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 
 const SITECUSTOMIZE: &str = include_str!("sitecustomize.py");
 
@@ -15,11 +15,11 @@ pub struct BootDir(PathBuf);
 
 impl BootDir {
     /// Writes the folder under the system's temporary directory, named for this process.
-    pub fn write() -> Result<BootDir, WorkerError> {
+    pub fn write() -> Result<BootDir, ProgramError> {
         let dir =
             std::env::temp_dir().join(format!("podsim-boot-{}-{}", std::process::id(), unique()));
         let failed = |e: std::io::Error| {
-            WorkerError::Invalid(format!(
+            ProgramError::Invalid(format!(
                 "cannot write the ranks' sitecustomize.py under {}: {e}",
                 dir.display()
             ))

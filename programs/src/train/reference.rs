@@ -2,7 +2,7 @@
 //! data-parallel rank saw in a step, mean loss), with no strategy and no collective. A
 //! strategy is correct when its final parameters match these.
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::train::mlp::{self, Dataset};
 use crate::train::optim::ParamState;
 use crate::train::tensor::Tensor;
@@ -10,9 +10,9 @@ use crate::train::trainer::TrainSpec;
 
 /// Final parameters (weight and bias of each layer in order) of single-chip training with
 /// `data_parallel` replicas' worth of samples per step.
-pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, WorkerError> {
+pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, ProgramError> {
     let model = spec.model.mlp().ok_or_else(|| {
-        WorkerError::Invalid("the single-chip reference trains the MLP only".into())
+        ProgramError::Invalid("the single-chip reference trains the MLP only".into())
     })?;
     let layers = model.layers();
     let mut params: Vec<Tensor> = (0..layers)

@@ -10,13 +10,13 @@ use std::time::Duration;
 
 use podsim_collectives::procfs::stat_fields;
 use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
-use podsim_topology::{Group, Hardware, Pod};
+use podsim_topology::{Hardware, Pod};
 
 use super::ranks::{Rank, RankExit, RankLink, exited};
 use super::verify::{Call, Reference};
 use super::wire::{Compute, DTypeName, Frame, Reply, Request, StepHbm};
 use super::{CallSites, OpTotals, RankReport, RankStep, StepCounting, TorchSpec};
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::train::kernels::{Kernel, hbm_stream_s};
 
 /// How long a rank that said goodbye (or closed its connection) may take to exit.
@@ -293,7 +293,7 @@ pub async fn serve(
     sites: &CallSites,
     reference: Option<&Reference>,
     progress: &Progress,
-) -> Result<RankReport, WorkerError> {
+) -> Result<RankReport, ProgramError> {
     let result = serve_rank(chip, &mut rank, spec, sites, reference, progress).await;
     if let Some(reference) = reference {
         reference.end(match &result {
@@ -311,7 +311,7 @@ async fn serve_rank(
     sites: &CallSites,
     reference: Option<&Reference>,
     progress: &Progress,
-) -> Result<RankReport, WorkerError> {
+) -> Result<RankReport, ProgramError> {
     let mut served = Served::new(rank, progress);
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid, rank.forked);
@@ -352,7 +352,7 @@ async fn serve_rank(
         cpu.end(chip);
         let (frame, values) = match next {
             Some(Ok(request)) => request,
-            Some(Err(e)) => return Err(WorkerError::Invalid(e)),
+            Some(Err(e)) => return Err(ProgramError::Invalid(e)),
             None => break,
         };
         let context = Context {
@@ -370,13 +370,13 @@ async fn serve_rank(
 
 /// `error`, carrying what the rank had done until it (its steps, its collectives): the
 /// report of a failed job keeps them.
-fn with_steps(error: WorkerError, chip: &Chip, mut served: Served) -> WorkerError {
-    if matches!(error, WorkerError::TorchFailed { .. }) {
+fn with_steps(error: ProgramError, chip: &Chip, mut served: Served) -> ProgramError {
+    if matches!(error, ProgramError::TorchFailed { .. }) {
         served.handed_on = true; // the error carries the rank's steps already
         return error;
     }
     served.report.virtual_ns = chip.clock();
-    WorkerError::TorchFailed {
+    ProgramError::TorchFailed {
         error: Box::new(error),
         ranks: vec![served.hand_on()],
     }
@@ -385,7 +385,7 @@ fn with_steps(error: WorkerError, chip: &Chip, mut served: Served) -> WorkerErro
 /// The error that ends the job when `rank` has not connected within the job's bound: what the
 /// rank was doing, as far as this worker can tell (the kernel's view of the process, its last
 /// output), after killing it and what it started.
-fn not_connected(chip: &Chip, rank: &Rank, spec: &TorchSpec, busy: bool) -> WorkerError {
+fn not_connected(chip: &Chip, rank: &Rank, spec: &TorchSpec, busy: bool) -> ProgramError {
     // Looked at before the kill, which changes it.
     let seen = match rank.forked {
         // Its stub only waits for it: what it shows says nothing of the rank.
@@ -414,7 +414,7 @@ fn not_connected(chip: &Chip, rank: &Rank, spec: &TorchSpec, busy: bool) -> Work
         how.push_str(&format!("; its last output: {:?}", line.trim()));
     }
     how.push_str("; podsim killed it and its process group");
-    WorkerError::RankExited {
+    ProgramError::RankExited {
         chip: chip.id(),
         pid: rank.pid,
         how,
@@ -441,7 +441,7 @@ fn finish(
     rank: &Rank,
     mut served: Served,
     exit: Option<RankExit>,
-) -> Result<RankReport, WorkerError> {
+) -> Result<RankReport, ProgramError> {
     match &exit {
         Some(e) if e.success() => {}
         None if served.said_bye => {}
@@ -456,7 +456,7 @@ fn finish(
             } else if !served.report.connected && other.as_ref().is_some_and(|e| e.code.is_some()) {
                 how = format!("{}{how}", TorchSpec::FAILED_BEFORE_CONNECTING);
             }
-            let exited = WorkerError::RankExited {
+            let exited = ProgramError::RankExited {
                 chip: chip.id(),
                 pid: served.report.pid,
                 how,
@@ -485,12 +485,19 @@ async fn handle(
     context: &Context<'_>,
     frame: Frame,
     values: Vec<f32>,
-) -> Result<(), WorkerError> {
+) -> Result<(), ProgramError> {
     served.charge_waits(chip, &frame);
     let answer = match frame.request {
         Request::Group { id, ranks } => {
             let (pod, site) = (chip.pod(), frame.site.as_deref());
-            let group = declare(pod, context.spec, chip.id(), &ranks, site, chip.mirrored())?;
+            let group = super::groups::declare(
+                pod,
+                context.spec,
+                chip.id(),
+                &ranks,
+                site,
+                chip.mirrored(),
+            )?;
             let error = group
                 .map(|g| {
                     served.groups.insert(id, Comm::new(g, context.spec.algo));
@@ -513,11 +520,11 @@ async fn handle(
             (reply(chip, None), None)
         }
         Request::Raised { error } => {
-            served.raised = Some(raised(&error, frame.site.as_deref()));
+            served.raised = Some(super::ranks::raised(&error, frame.site.as_deref()));
             return Ok(()); // no reply: the rank is on its way out
         }
         Request::Hello { .. } | Request::Stack { .. } | Request::Sampler { .. } => {
-            return Err(WorkerError::Invalid(format!(
+            return Err(ProgramError::Invalid(format!(
                 "rank {}: an unexpected {:?} request",
                 served.report.rank, frame.request
             )));
@@ -565,7 +572,7 @@ async fn serve_collective(
     served: &mut Served,
     context: &Context<'_>,
     issue: Issue,
-) -> Result<Result<(Reply, Option<Payload>), Refused>, WorkerError> {
+) -> Result<Result<(Reply, Option<Payload>), Refused>, ProgramError> {
     let Issue {
         request,
         site,
@@ -573,7 +580,7 @@ async fn serve_collective(
         work,
         values,
     } = issue;
-    let words = words_of(&request, meta, &values);
+    let words = request.words(meta, values.len());
     let call = context
         .reference
         .and_then(|_| Call::of(&request, site.as_deref(), words, served.calls));
@@ -596,7 +603,7 @@ async fn serve_collective(
         Err(refused) => return Ok(Err(refused)),
     };
     let result = result.map_err(|e| match e {
-        WorkerError::Collective(c) => context.sites.name(c),
+        ProgramError::Collective(c) => context.sites.name(c),
         other => other,
     })?;
     if let (Some(reference), Some(call)) = (context.reference, call) {
@@ -673,100 +680,6 @@ impl Served {
     }
 }
 
-/// How a rank's exception is told: its first line, at most [`RAISED_CHARS`] characters (torch's
-/// messages can run to pages), and the program's line that raised it.
-pub(super) fn raised(error: &str, site: Option<&str>) -> String {
-    let first = error.lines().next().unwrap_or_default();
-    let shown: String = first.chars().take(RAISED_CHARS).collect();
-    let cut = if shown.len() < error.trim_end().len() {
-        " ..."
-    } else {
-        ""
-    };
-    format!("{shown}{cut} at {}", site.unwrap_or("an unknown line"))
-}
-
-/// Characters of a rank's exception a report shows (its traceback is in the rank's output).
-const RAISED_CHARS: usize = 300;
-
-/// A group request of a rank: the group, unless the ranks do not make one podsim can run
-/// (a refusal the rank raises), or, on the mirror fabric, the job's representatives do not
-/// stand for it ([`WorkerError::Regroup`]: the job runs again with finer classes).
-pub(super) fn declare(
-    pod: &Pod,
-    spec: &TorchSpec,
-    rank: u32,
-    ranks: &[u32],
-    site: Option<&str>,
-    mirrored: bool,
-) -> Result<Result<Group, String>, WorkerError> {
-    let group = match Group::from_members(pod, rank, ranks) {
-        Ok(group) => group,
-        Err(e) => {
-            return Ok(Err(format!(
-                "podsim cannot make a group of ranks {ranks:?}: {e}"
-            )));
-        }
-    };
-    if !mirrored {
-        return Ok(Ok(group));
-    }
-    let symmetry = spec.symmetry(pod);
-    let needed = symmetry.clone().keeping(&group.parts(pod), pod);
-    if needed == symmetry {
-        return Ok(Ok(group));
-    }
-    // Classes exist only for steps that divide their axes (a 4-chip segment of a 6-chip
-    // ring repeats nowhere), and each is a process of this host.
-    let torus = pod.torus();
-    let divides = (0..torus.ndims()).all(|a| torus.dim(a).is_multiple_of(needed.steps()[a]));
-    if !divides || needed.classes() > MAX_REPRESENTATIVES {
-        return Ok(Err(format!(
-            "podsim cannot make a group of ranks {}: it is alike only every {:?} chips along \
-             the torus axes, {}; run every rank with --set job.symmetric=false",
-            shown_ranks(ranks),
-            needed.steps(),
-            match divides {
-                false => "which do not divide the axes".to_string(),
-                true => format!("more than {MAX_REPRESENTATIVES} representative ranks"),
-            }
-        )));
-    }
-    Err(WorkerError::Regroup {
-        steps: needed.steps().to_vec(),
-        why: format!(
-            "rank {rank} made a group of ranks {} at {}, alike only every {:?} chips along \
-             the torus axes",
-            shown_ranks(ranks),
-            site.unwrap_or("an unknown line"),
-            needed.steps()
-        ),
-    })
-}
-
-/// Most representative ranks (processes of this host) a meta-mode job runs: one per class
-/// of ranks alike.
-const MAX_REPRESENTATIVES: u32 = 64;
-
-/// A rank list as a message shows it: the first few, and how many in all.
-fn shown_ranks(ranks: &[u32]) -> String {
-    const SHOWN: usize = 8;
-    if ranks.len() <= SHOWN {
-        return format!("{ranks:?}");
-    }
-    let head: Vec<String> = ranks[..SHOWN].iter().map(u32::to_string).collect();
-    format!("[{}, ... ({} ranks)]", head.join(", "), ranks.len())
-}
-
-/// The f32 words a request moves (a meta-mode request names them; a receive asks for them).
-pub(super) fn words_of(request: &Request, meta: Option<u64>, values: &[f32]) -> u64 {
-    match (request, meta) {
-        (Request::Recv { count, .. }, _) => *count,
-        (_, Some(meta)) => meta,
-        _ => values.len() as u64,
-    }
-}
-
 /// The communication stream a collective runs on: gathers and reductions apart, as on the
 /// chips of podsim's own trainer. Point-to-point and barriers are not streamed: they finish
 /// before the call returns.
@@ -821,7 +734,7 @@ impl Served {
 /// raises it at the call; the job goes on.
 struct Refused(String);
 
-type Done = (OpKind, Result<Option<Payload>, WorkerError>);
+type Done = (OpKind, Result<Option<Payload>, ProgramError>);
 
 async fn collective(
     chip: &mut Chip,

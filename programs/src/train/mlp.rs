@@ -9,7 +9,7 @@
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Ix2};
 use serde::{Deserialize, Serialize};
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 pub use crate::train::kernels::Cost;
 use crate::train::tensor::Tensor;
 
@@ -158,24 +158,24 @@ impl Dataset {
     }
 }
 
-fn view2(t: &Tensor) -> Result<ArrayView2<'_, f32>, WorkerError> {
+fn view2(t: &Tensor) -> Result<ArrayView2<'_, f32>, ProgramError> {
     t.values()
-        .ok_or_else(|| WorkerError::Internal("a meta tensor in a data kernel".into()))?
+        .ok_or_else(|| ProgramError::Internal("a meta tensor in a data kernel".into()))?
         .view()
         .into_dimensionality::<Ix2>()
-        .map_err(|e| WorkerError::Internal(format!("expected a matrix: {e}")))
+        .map_err(|e| ProgramError::Internal(format!("expected a matrix: {e}")))
 }
 
-fn view1(t: &Tensor) -> Result<ArrayView1<'_, f32>, WorkerError> {
+fn view1(t: &Tensor) -> Result<ArrayView1<'_, f32>, ProgramError> {
     t.values()
-        .ok_or_else(|| WorkerError::Internal("a meta tensor in a data kernel".into()))?
+        .ok_or_else(|| ProgramError::Internal("a meta tensor in a data kernel".into()))?
         .view()
         .into_dimensionality()
-        .map_err(|e| WorkerError::Internal(format!("expected a vector: {e}")))
+        .map_err(|e| ProgramError::Internal(format!("expected a vector: {e}")))
 }
 
 /// `x W^T (+ b)`: `x` is `(batch, in)`, `w` is `(out, in)`.
-pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, Cost), WorkerError> {
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, Cost), ProgramError> {
     let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
     let cost = Cost::matmul(m, k, n).plus(if b.is_some() {
         Cost::elementwise(m * n, 1.0, 1.0)
@@ -193,7 +193,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, Cos
 }
 
 /// Adds a bias to `(batch, out)` activations.
-pub fn add_bias(y: &mut Tensor, b: &Tensor) -> Result<Cost, WorkerError> {
+pub fn add_bias(y: &mut Tensor, b: &Tensor) -> Result<Cost, ProgramError> {
     let cost = Cost::elementwise(y.numel(), 1.0, 1.0);
     if let (Tensor::Data(a), false) = (&mut *y, b.is_meta()) {
         *a += &view1(b)?;
@@ -220,7 +220,7 @@ pub fn linear_backward(
     w: &Tensor,
     dy: &Tensor,
     want_dx: bool,
-) -> Result<Grads, WorkerError> {
+) -> Result<Grads, ProgramError> {
     let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
     let weight_cost = Cost::matmul(n, m, k).plus(Cost::elementwise(m * n, 1.0, 0.0));
     let input_cost = if want_dx {
@@ -246,7 +246,7 @@ pub fn linear_backward(
     // The weight gradient is a fresh megabyte-scale result every step that goes on into a
     // collective: written into a pooled buffer it reuses the memory the last one gave back.
     let mut dw = Array2::from_shape_vec((n, k), podsim_collectives::buffer::scratch(n * k))
-        .map_err(|e| WorkerError::Internal(format!("weight gradient buffer: {e}")))?;
+        .map_err(|e| ProgramError::Internal(format!("weight gradient buffer: {e}")))?;
     ndarray::linalg::general_mat_mul(1.0, &dyv.t(), &view2(x)?, 0.0, &mut dw);
     Ok(Grads {
         dw: Tensor::Data(dw.into_dyn()),
@@ -284,7 +284,7 @@ pub fn cross_entropy(
     logits: &Tensor,
     labels: &[usize],
     scale: f32,
-) -> Result<(Option<f64>, Tensor, Cost), WorkerError> {
+) -> Result<(Option<f64>, Tensor, Cost), ProgramError> {
     let cost = Cost::elementwise(logits.numel(), 6.0, 1.0);
     let Tensor::Data(z) = logits else {
         return Ok((None, Tensor::Meta(logits.shape().to_vec()), cost));
@@ -292,7 +292,7 @@ pub fn cross_entropy(
     let z = z
         .view()
         .into_dimensionality::<Ix2>()
-        .map_err(|e| WorkerError::Internal(e.to_string()))?;
+        .map_err(|e| ProgramError::Internal(e.to_string()))?;
     let batch = z.nrows();
     let mut grad = Array2::zeros(z.raw_dim());
     let mut loss = 0.0f64;

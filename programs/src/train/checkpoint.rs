@@ -28,7 +28,7 @@ use podsim_topology::Pod;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::train::TrainSpec;
 
 const EXTENSION: &str = "safetensors";
@@ -98,9 +98,9 @@ pub fn write(
     chip: u32,
     job: &str,
     checkpoint: &Checkpoint,
-) -> Result<(), WorkerError> {
+) -> Result<(), ProgramError> {
     let p = path(dir, step, chip);
-    let fail = |e: String| WorkerError::Invalid(format!("checkpoint {}: {e}", p.display()));
+    let fail = |e: String| ProgramError::Invalid(format!("checkpoint {}: {e}", p.display()));
     if let Some(parent) = p.parent() {
         std::fs::create_dir_all(parent).map_err(|e| fail(e.to_string()))?;
     }
@@ -147,10 +147,10 @@ fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Reads chip `chip`'s checkpoint of job `job` after `step` steps, verified (see
 /// [`verify`]); an error names the file and what is wrong with it.
-pub fn read(dir: &Path, step: u32, chip: u32, job: &str) -> Result<Checkpoint, WorkerError> {
+pub fn read(dir: &Path, step: u32, chip: u32, job: &str) -> Result<Checkpoint, ProgramError> {
     let p = path(dir, step, chip);
     verify(&p, step, chip, job)
-        .map_err(|why| WorkerError::Invalid(format!("checkpoint {}: {why}", p.display())))
+        .map_err(|why| ProgramError::Invalid(format!("checkpoint {}: {why}", p.display())))
 }
 
 /// Reads the file `p` and checks that it is a podsim checkpoint of job `job`, chip `chip`

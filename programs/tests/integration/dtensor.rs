@@ -5,9 +5,9 @@
 
 use crate::common::run_on_chips;
 use podsim_collectives::{Algo, LocalFabric, ReduceOp};
+use podsim_programs::ProgramError;
+use podsim_programs::train::{DTensor, Mesh, Placement, Tensor};
 use podsim_topology::{Hardware, Pod};
-use podsim_worker::WorkerError;
-use podsim_worker::train::{DTensor, Mesh, Placement, Tensor};
 use proptest::prelude::*;
 
 fn tensor(shape: &[usize]) -> Tensor {
@@ -67,7 +67,7 @@ fn check_chain(axes: &[(&'static str, u32)], shape: &[usize], chains: Vec<Vec<Ve
                 let back = dt.full_tensor(&mut chip).await?;
                 assert_eq!(back, full, "chip {} chain {chain:?}", chip.id());
             }
-            Ok::<_, WorkerError>(())
+            Ok::<_, ProgramError>(())
         }
     })
     .unwrap();

@@ -13,8 +13,8 @@ pub use podsim_job::reports::{
     RecorderDump, TraceRequest,
 };
 
-use crate::faults::{FaultEvent, FaultSpec};
 use crate::train::{ChipTrainReport, TrainSpec};
+pub use podsim_job::faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
 
 /// One job, as every worker receives it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -176,8 +176,8 @@ impl FailureReport {
     }
 
     /// The desync inside `e`, if it is one.
-    pub fn from_error(e: &crate::WorkerError) -> Option<FailureReport> {
-        use crate::WorkerError as W;
+    pub fn from_error(e: &crate::ProgramError) -> Option<FailureReport> {
+        use crate::ProgramError as W;
         match e {
             W::AtCallSites {
                 error,

@@ -6,12 +6,12 @@ use std::sync::atomic::AtomicU64;
 
 use crate::common::run_on_chips;
 use podsim_collectives::{Algo, LocalFabric};
-use podsim_topology::{Hardware, Pod};
-use podsim_worker::WorkerError;
-use podsim_worker::train::{
+use podsim_programs::ProgramError;
+use podsim_programs::train::{
     ChipTrainReport, Eager, MlpSpec, ModelSpec, OptimizerSpec, Remat, ReplicaSync, Strategy,
     Tensor, TpActivations, TrainSpec, train_chip_with_parameters,
 };
+use podsim_topology::{Hardware, Pod};
 
 fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
     TrainSpec {
@@ -150,7 +150,7 @@ fn a_chip_over_its_hbm_budget_fails_naming_it() {
         async move { train_chip_with_parameters(&mut chip, &s, Arc::new(AtomicU64::new(0))).await }
     })
     .unwrap_err();
-    let WorkerError::OutOfMemory { what, capacity, .. } = &err else {
+    let ProgramError::OutOfMemory { what, capacity, .. } = &err else {
         panic!("{err}")
     };
     assert_eq!(*capacity, 4000);

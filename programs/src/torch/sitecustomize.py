@@ -1,4 +1,4 @@
-# Written by podsim for the ranks of one job (worker/src/torch/boot.rs): loads podsim's
+# Written by podsim for the ranks of one job (programs/src/torch/boot.rs): loads podsim's
 # torch.distributed backend and its interceptions (podsim._intercept) before the program
 # runs, in the rank itself; the processes a rank starts inherit PODSIM_BOOTED and skip it.
 import os

@@ -14,7 +14,7 @@ use podsim_collectives::{Chip, OpKind, Payload, ReduceOp};
 use podsim_topology::Group;
 use serde::{Deserialize, Serialize};
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::job::{BenchCase, CallRecord};
 
 /// What one chip measured for one case.
@@ -132,7 +132,7 @@ async fn run_once(
     chip: &mut Chip,
     case: &BenchCase,
     input: &Payload,
-) -> Result<Payload, WorkerError> {
+) -> Result<Payload, ProgramError> {
     let comm = &case.comm;
     Ok(match case.op {
         OpKind::AllReduce => chip.all_reduce(comm, input, case.reduce).await?,
@@ -158,7 +158,7 @@ pub async fn bench_chip(
     chip: &mut Chip,
     case: &BenchCase,
     benchmark: bool,
-) -> Result<ChipBench, WorkerError> {
+) -> Result<ChipBench, ProgramError> {
     let n = case.comm.group.size(chip.pod()) as usize;
     let rank = case.comm.group.rank_of(chip.pod(), chip.id()) as usize;
     let input = if case.meta {
@@ -219,10 +219,10 @@ fn check(
     n: usize,
     rank: usize,
     out: &Payload,
-) -> Result<(u64, u64), WorkerError> {
+) -> Result<(u64, u64), ProgramError> {
     let want = Expected::new(case, n, rank);
     if out.len() != want.len() {
-        return Err(WorkerError::Invalid(format!(
+        return Err(ProgramError::Invalid(format!(
             "{} returned {} elements, expected {}",
             case.op,
             out.len(),

@@ -10,15 +10,20 @@
 //!
 //! - [`wire`]: the frames between a rank and its chip;
 //! - [`boot`]: what a rank's interpreter loads before the program (`podsim._intercept`);
+//! - `groups`: the groups a rank asks for, and when meta mode must regroup;
 //! - [`verify`]: ranks run beside a representative to check it stands for them;
 //! - [`ranks`]: starting the rank processes, their output and exits, their connections;
-//! - [`serve`]: a chip serving its rank's requests.
+//! - [`serve`]: a chip serving its rank's requests;
+//! - `report`: what a rank did, as the job's report gives it.
 
 pub mod boot;
+mod groups;
 pub mod ranks;
+pub(crate) mod report;
 pub mod serve;
 pub mod verify;
 pub use podsim_links::rank_wire as wire;
+pub use report::{OpTotals, RankReport, RankStep};
 pub use wire::StepCounting;
 
 use std::collections::HashMap;
@@ -26,72 +31,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use podsim_collectives::{Chip, run_chips};
-use serde::{Deserialize, Serialize};
 
-pub use podsim_job::torch::{Count, TorchSpec};
+pub use podsim_job::torch::TorchSpec;
 
-use crate::error::WorkerError;
-
-/// What one rank did, in virtual time.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct RankReport {
-    pub rank: u32,
-    pub pid: u32,
-    /// How the process ended.
-    pub exit: Option<String>,
-    /// The chip's virtual clock at the end, ns.
-    pub virtual_ns: f64,
-    /// Compute charged from the torch ops the rank ran, ns.
-    pub compute_ns: f64,
-    /// Time in collectives, ns.
-    pub comm_ns: f64,
-    /// Per collective kind: calls, bytes of this rank's inputs, virtual time.
-    pub collectives: Vec<OpTotals>,
-    /// Per step the program marked (`podsim.torch.step()`, or each `optimizer.step()`).
-    pub steps: Vec<RankStep>,
-    /// Whether the rank connected to its chip (created a podsim process group).
-    #[serde(default)]
-    pub connected: bool,
-    /// Meta mode: the values made up for the program, by what and where.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub stand_ins: Vec<wire::StandIn>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct OpTotals {
-    pub op: String,
-    pub calls: u64,
-    pub bytes: u64,
-    pub virtual_ns: f64,
-}
-
-/// One step of a rank, in virtual ns. A collective runs on a communication stream from its
-/// issue and the rank's compute waits for it where the program waits (see
-/// `python/podsim/_streams.py`), so communication overlapped with compute is hidden.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RankStep {
-    pub step_ns: f64,
-    pub compute_ns: f64,
-    pub comm_ns: f64,
-    /// Step time minus compute.
-    pub exposed_comm_ns: f64,
-    /// The rank's peak of live device bytes over the step (0: not counted).
-    #[serde(default)]
-    pub peak_hbm_bytes: u64,
-    /// Those bytes by kind at the peak.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub hbm_by_kind: Vec<(String, u64)>,
-    /// Matmul and attention flops the step executed (recomputation included).
-    #[serde(default)]
-    pub flops: f64,
-    /// Of `flops`, the model's: what activation checkpointing recomputed left out.
-    #[serde(default)]
-    pub model_flops: f64,
-    /// How the step's compute was known: counted op by op, or replayed from the rank's
-    /// steady step (`python/podsim/_replay.py`).
-    #[serde(default)]
-    pub counting: StepCounting,
-}
+use crate::error::ProgramError;
 
 /// Where each rank made its latest call (`file:line function`), so that a desync names the
 /// line of both programs.
@@ -114,14 +57,14 @@ impl CallSites {
     }
 
     /// `error` with both chips' call sites, when it is a disagreement between two chips.
-    pub fn name(&self, error: podsim_collectives::CollectiveError) -> WorkerError {
+    pub fn name(&self, error: podsim_collectives::CollectiveError) -> ProgramError {
         use podsim_collectives::CollectiveError as E;
         let pair = match &error {
             E::Desync { chip, peer, .. } | E::Mismatch { chip, peer, .. } => Some((*chip, *peer)),
             _ => None,
         };
         match pair {
-            Some((chip, peer)) => WorkerError::AtCallSites {
+            Some((chip, peer)) => ProgramError::AtCallSites {
                 mine: self.get(chip),
                 theirs: self.get(peer),
                 error: Box::new(error),
@@ -142,26 +85,26 @@ const SECOND_OPINION: std::time::Duration = std::time::Duration::from_secs(1);
 /// as shadows, each compared with the representative of its class (see [`verify`]).
 /// A failed job's error, carrying also the steps of this worker's ranks that the failure
 /// stopped mid-run (their serving was dropped): the report keeps every rank's work.
-fn with_stopped_ranks(error: WorkerError, progress: &serve::Progress) -> WorkerError {
+fn with_stopped_ranks(error: ProgramError, progress: &serve::Progress) -> ProgramError {
     let stopped = progress.taken();
     if stopped.is_empty() || error.is_regroup() {
         return error;
     }
     let (error, mut ranks) = match error {
-        WorkerError::TorchFailed { error, ranks } => (error, ranks),
+        ProgramError::TorchFailed { error, ranks } => (error, ranks),
         other => (Box::new(other), Vec::new()),
     };
     let failed: Vec<u32> = ranks.iter().map(|r| r.rank).collect();
     ranks.extend(stopped.into_iter().filter(|r| !failed.contains(&r.rank)));
     ranks.sort_by_key(|r| r.rank);
-    WorkerError::TorchFailed { error, ranks }
+    ProgramError::TorchFailed { error, ranks }
 }
 
 pub async fn run(
     chips: Vec<Chip>,
     spec: &TorchSpec,
     done: Arc<AtomicU64>,
-) -> Result<Vec<RankReport>, WorkerError> {
+) -> Result<Vec<RankReport>, ProgramError> {
     let Some(world) = chips.first().map(|c| c.pod().chips()) else {
         return Ok(Vec::new());
     };
@@ -243,7 +186,7 @@ fn start_shadows(
     pod: &podsim_topology::Pod,
 ) -> (
     Vec<tokio::task::JoinHandle<()>>,
-    tokio::sync::mpsc::Receiver<WorkerError>,
+    tokio::sync::mpsc::Receiver<ProgramError>,
 ) {
     let (failed, failure) = tokio::sync::mpsc::channel(1);
     let tasks = shadows
@@ -272,7 +215,7 @@ async fn serve_chips(
     ranks: HashMap<u32, ranks::Rank>,
     references: &HashMap<u32, Arc<verify::Reference>>,
     progress: &serve::Progress,
-) -> Result<Vec<RankReport>, WorkerError> {
+) -> Result<Vec<RankReport>, ProgramError> {
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
     run_chips(chips, |mut chip| {
@@ -284,19 +227,19 @@ async fn serve_chips(
                 .lock()
                 .ok()
                 .and_then(|mut r| r.remove(&chip.id()))
-                .ok_or_else(|| WorkerError::Internal(format!("no rank for chip {}", chip.id())))?;
+                .ok_or_else(|| ProgramError::Internal(format!("no rank for chip {}", chip.id())))?;
             let (checked, progress) = (checked.as_deref(), &progress);
             let report = serve::serve(&mut chip, rank, &spec, &sites, checked, progress).await?;
             done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
-            Ok::<_, WorkerError>(report)
+            Ok::<_, ProgramError>(report)
         }
     })
     .await
 }
 
 /// The error of a job in which no rank created a podsim process group.
-fn went_around_podsim(spec: &TorchSpec) -> WorkerError {
-    WorkerError::Invalid(format!(
+fn went_around_podsim(spec: &TorchSpec) -> ProgramError {
+    ProgramError::Invalid(format!(
         "no rank used podsim: every rank ended without creating a podsim process group, so \
          its collectives (if any) went around the emulated pod{}",
         if spec.intercept {

@@ -22,7 +22,7 @@ use podsim_collectives::{Algo, Chip, Comm, Nanos, Payload, ReduceOp, Symmetry};
 use podsim_topology::{AxisPart, Group, Pod};
 use serde::{Deserialize, Serialize};
 
-use crate::error::WorkerError;
+use crate::error::ProgramError;
 use crate::train::dtensor::{self, DTensor, Mesh, Placement};
 use crate::train::kernels::{Cost, Kernel};
 use crate::train::memory::{Hbm, HbmReport, MemKind};
@@ -86,7 +86,7 @@ pub struct TrainSpec {
 impl TrainSpec {
     /// How this job places its parameters on `pod`: the device mesh and each dimension's
     /// role (`checked`: replicated pieces are compared across their chips, debug mode).
-    pub fn plan(&self, pod: &Pod, checked: bool) -> Result<Plan, WorkerError> {
+    pub fn plan(&self, pod: &Pod, checked: bool) -> Result<Plan, ProgramError> {
         Plan::new(
             pod,
             self.strategy,
@@ -100,7 +100,7 @@ impl TrainSpec {
 
     /// The parts of pod axes the job's device mesh lays its dimensions on (whole axes and,
     /// where the mesh does not factor the pod into whole axes, parts of them).
-    pub fn mesh_parts(&self, pod: &Pod) -> Result<Vec<AxisPart>, WorkerError> {
+    pub fn mesh_parts(&self, pod: &Pod) -> Result<Vec<AxisPart>, ProgramError> {
         Ok(self
             .plan(pod, false)?
             .mesh
@@ -269,7 +269,7 @@ impl Timeline {
         self.flops += cost.flops();
         if chip.tracing() {
             chip.trace_span(
-                crate::programs::COMPUTE_TRACK,
+                crate::run::COMPUTE_TRACK,
                 "kernel",
                 start,
                 chip.clock(),
@@ -548,7 +548,7 @@ pub async fn train_chip(
     chip: &mut Chip,
     spec: &TrainSpec,
     done: Arc<AtomicU64>,
-) -> Result<ChipTrainReport, WorkerError> {
+) -> Result<ChipTrainReport, ProgramError> {
     Ok(train_chip_with_parameters(chip, spec, done).await?.0)
 }
 
@@ -557,9 +557,9 @@ pub async fn train_chip_with_parameters(
     chip: &mut Chip,
     spec: &TrainSpec,
     done: Arc<AtomicU64>,
-) -> Result<(ChipTrainReport, Vec<Tensor>), WorkerError> {
+) -> Result<(ChipTrainReport, Vec<Tensor>), ProgramError> {
     let setup = chip.trace_open(
-        crate::programs::STEPS_TRACK,
+        crate::run::STEPS_TRACK,
         "step",
         || "setup".to_string(),
         Vec::new(),
@@ -633,8 +633,8 @@ pub async fn train_chip_with_parameters(
     Ok((report, full))
 }
 
-fn missing(l: usize) -> WorkerError {
-    WorkerError::Internal(format!("the activations before layer {l} are gone"))
+fn missing(l: usize) -> ProgramError {
+    ProgramError::Internal(format!("the activations before layer {l} are gone"))
 }
 
 fn bits_hash(t: &Tensor) -> u64 {
@@ -647,7 +647,7 @@ async fn first_mismatch(
     chip: &mut Chip,
     comm: &Comm,
     hashes: &[u64],
-) -> Result<Option<(u32, usize)>, WorkerError> {
+) -> Result<Option<(u32, usize)>, ProgramError> {
     let mine: Vec<f32> = hashes.iter().flat_map(|h| word_to_f32s(*h)).collect();
     let width = mine.len();
     let all = chip
@@ -671,7 +671,7 @@ async fn identical_everywhere(
     chip: &mut Chip,
     algo: Algo,
     full: &[Tensor],
-) -> Result<bool, WorkerError> {
+) -> Result<bool, ProgramError> {
     let world = Comm::new(Group::world(chip.pod()), algo);
     let hashes: Vec<u64> = full.iter().map(bits_hash).collect();
     Ok(first_mismatch(chip, &world, &hashes).await?.is_none())
@@ -689,7 +689,7 @@ fn init_params(
     lowered: &[LayerSpec],
     hbm: &mut Hbm,
     stream: u64,
-) -> Result<Vec<Param>, WorkerError> {
+) -> Result<Vec<Param>, ProgramError> {
     let elem = spec.model.dtype().size() as u64;
     let weight = spec.model.weight_dtype().size() as u64;
     let state_bytes = optimizer_held_bytes(elem, weight, spec.optimizer.state_per_param());
@@ -726,7 +726,7 @@ fn init_params(
 }
 
 impl<'a> Trainer<'a> {
-    async fn new(chip: &mut Chip, spec: &'a TrainSpec) -> Result<Trainer<'a>, WorkerError> {
+    async fn new(chip: &mut Chip, spec: &'a TrainSpec) -> Result<Trainer<'a>, ProgramError> {
         let lowered = spec.model.lower();
         let layers = lowered.len();
         let dtype = spec.model.dtype();
@@ -754,7 +754,7 @@ impl<'a> Trainer<'a> {
             (true, _) => None,
             (false, Some(mlp)) => Some(Dataset::new(mlp, spec.seed)),
             (false, None) => {
-                return Err(WorkerError::Invalid(
+                return Err(ProgramError::Invalid(
                     "a transformer model runs in meta mode only".into(),
                 ));
             }
@@ -787,7 +787,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Rank 0's parameters to every data-parallel replica (one coalesced broadcast).
-    async fn broadcast_parameters(&mut self, chip: &mut Chip) -> Result<(), WorkerError> {
+    async fn broadcast_parameters(&mut self, chip: &mut Chip) -> Result<(), ProgramError> {
         let Some(dim) = self.plan.replicate_dim() else {
             return Ok(());
         };
@@ -807,12 +807,12 @@ impl<'a> Trainer<'a> {
         self.spec.eager == Eager::Fused
     }
 
-    async fn step(&mut self, chip: &mut Chip, step: u32) -> Result<StepRecord, WorkerError> {
+    async fn step(&mut self, chip: &mut Chip, step: u32) -> Result<StepRecord, ProgramError> {
         let wall = Instant::now();
         let t0 = chip.clock();
         // Opened now so that a step that never ends shows unfinished.
         let span = chip.trace_open(
-            crate::programs::STEPS_TRACK,
+            crate::run::STEPS_TRACK,
             "step",
             || format!("step {step}"),
             Vec::new(),
@@ -874,7 +874,7 @@ impl<'a> Trainer<'a> {
         labels: &[usize],
         micro_batches: u32,
         sync: bool,
-    ) -> Result<Option<f64>, WorkerError> {
+    ) -> Result<Option<f64>, ProgramError> {
         let layers = self.layers.len();
         let elem = self.elem;
         let blocks = self
@@ -953,7 +953,7 @@ impl<'a> Trainer<'a> {
         mut dz: Tensor,
         mut acts: Vec<Option<Tensor>>,
         sync: bool,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         let layers = self.layers.len();
         let mut flowing = 0;
         self.flow(&mut flowing, dz.bytes(self.elem), layers)?;
@@ -1019,7 +1019,7 @@ impl<'a> Trainer<'a> {
 
     /// The activation gradient now `bytes` (of layer `l`'s backward) replaces the one held in
     /// `flowing`: both are live while the new one is made.
-    fn flow(&mut self, flowing: &mut u64, bytes: u64, l: usize) -> Result<(), WorkerError> {
+    fn flow(&mut self, flowing: &mut u64, bytes: u64, l: usize) -> Result<(), ProgramError> {
         self.hbm.alloc(MemKind::Transient, bytes, || {
             format!("activation gradient of layer {l}")
         })?;
@@ -1035,7 +1035,7 @@ impl<'a> Trainer<'a> {
         l: usize,
         dz: &mut Tensor,
         acts: &[Option<Tensor>],
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         let cost = match self.layers[l].after {
             After::None => Cost::default(),
             After::Relu => {
@@ -1077,7 +1077,7 @@ impl<'a> Trainer<'a> {
         chip: &mut Chip,
         b: usize,
         acts: &[Option<Tensor>],
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         let Some(first) = (0..self.layers.len()).find(|&m| self.layers[m].block == Some(b)) else {
             return Ok(());
         };
@@ -1155,7 +1155,7 @@ impl<'a> Trainer<'a> {
         b: usize,
         last: usize,
         acts: &mut [Option<Tensor>],
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         let now = chip.clock();
         if self.host_ready[b].is_none() && self.host_bytes[b] > 0 {
             self.host_ready[b] = Some(self.tl.host_transfer(chip, self.host_bytes[b], now));
@@ -1223,14 +1223,14 @@ impl<'a> Trainer<'a> {
         t: Tensor,
         width: usize,
         overlap: bool,
-    ) -> Result<(Tensor, Nanos), WorkerError> {
+    ) -> Result<(Tensor, Nanos), ProgramError> {
         let gather = (Placement::Shard(1), Placement::Replicate);
         self.tp_move(chip, t, width, gather, overlap).await
     }
 
     /// Holds layer `l`'s gathered input `g` (ready at `ready`) in HBM for the layer's
     /// recomputation and backward.
-    fn hold_gathered(&mut self, l: usize, g: Tensor, ready: Nanos) -> Result<(), WorkerError> {
+    fn hold_gathered(&mut self, l: usize, g: Tensor, ready: Nanos) -> Result<(), ProgramError> {
         self.hbm.alloc(MemKind::Transient, g.bytes(self.elem), || {
             format!("gathered input of layer {l}")
         })?;
@@ -1240,7 +1240,7 @@ impl<'a> Trainer<'a> {
 
     /// Charges `elems` elements of working memory an op of layer `l` holds only while it runs
     /// (the score matrices of materialised attention): the peak sees them, nothing keeps them.
-    fn workspace(&mut self, l: usize, elems: usize) -> Result<(), WorkerError> {
+    fn workspace(&mut self, l: usize, elems: usize) -> Result<(), ProgramError> {
         if elems == 0 {
             return Ok(());
         }
@@ -1270,7 +1270,7 @@ impl<'a> Trainer<'a> {
         l: usize,
         x: &Tensor,
         pass: Pass,
-    ) -> Result<(Tensor, usize, Option<Tensor>), WorkerError> {
+    ) -> Result<(Tensor, usize, Option<Tensor>), ProgramError> {
         let (matmul_share_of, after_charged) = match pass {
             Pass::Forward => (1.0, true),
             Pass::Recompute { matmul, after } => (matmul, after),
@@ -1343,7 +1343,7 @@ impl<'a> Trainer<'a> {
         z: &mut Tensor,
         pass: Pass,
         charged: bool,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         let cost = match self.layers[l].after {
             After::None => Cost::default(),
             After::Relu => mlp::relu(z),
@@ -1381,7 +1381,7 @@ impl<'a> Trainer<'a> {
         x: &Tensor,
         dz: Tensor,
         dz_ready: Option<Nanos>,
-    ) -> Result<Option<Tensor>, WorkerError> {
+    ) -> Result<Option<Tensor>, ProgramError> {
         let style = self.plan.styles[l];
         let sharded_in = l > 0 && self.sharded_output(l - 1);
         let inputs = self.layers[l].inputs;
@@ -1460,7 +1460,7 @@ impl<'a> Trainer<'a> {
         style: Style,
         inputs: usize,
         sharded_in: bool,
-    ) -> Result<(Tensor, Option<Nanos>), WorkerError> {
+    ) -> Result<(Tensor, Option<Nanos>), ProgramError> {
         if style == Style::Column {
             let to = if sharded_in {
                 Placement::Shard(1)
@@ -1484,7 +1484,7 @@ impl<'a> Trainer<'a> {
 
     /// Layer `l`'s weight and bias gradients, added to what earlier micro-batches left (the
     /// first one held unsharded in HBM until it is reduced).
-    fn accumulate_grads(&mut self, l: usize, grads: [Tensor; 2]) -> Result<(), WorkerError> {
+    fn accumulate_grads(&mut self, l: usize, grads: [Tensor; 2]) -> Result<(), ProgramError> {
         for (which, g) in grads.into_iter().enumerate() {
             let name = self.params[2 * l + which].name.clone();
             let p = &mut self.params[2 * l + which];
@@ -1508,9 +1508,9 @@ impl<'a> Trainer<'a> {
 
     /// Placements over the plan's mesh: `tp` on the tensor-parallel dimension, replicated on
     /// the others (activations are per data-parallel rank).
-    fn tp_placements(&self, tp: Placement) -> Result<Vec<Placement>, WorkerError> {
+    fn tp_placements(&self, tp: Placement) -> Result<Vec<Placement>, ProgramError> {
         let dim = self.plan.tp_dim().ok_or_else(|| {
-            WorkerError::Internal("a tensor-parallel layer without a tp dimension".into())
+            ProgramError::Internal("a tensor-parallel layer without a tp dimension".into())
         })?;
         let mut p = vec![Placement::Replicate; self.plan.mesh.ndim()];
         p[dim] = tp;
@@ -1526,7 +1526,7 @@ impl<'a> Trainer<'a> {
         t: Tensor,
         width: usize,
         placements: (Placement, Placement),
-    ) -> Result<Tensor, WorkerError> {
+    ) -> Result<Tensor, ProgramError> {
         Ok(self.tp_move(chip, t, width, placements, false).await?.0)
     }
 
@@ -1539,7 +1539,7 @@ impl<'a> Trainer<'a> {
         width: usize,
         (from, to): (Placement, Placement),
         overlap: bool,
-    ) -> Result<(Tensor, Nanos), WorkerError> {
+    ) -> Result<(Tensor, Nanos), ProgramError> {
         let from_pl = self.tp_placements(from)?;
         let to_pl = self.tp_placements(to)?;
         let global = [t.shape()[0], width];
@@ -1558,7 +1558,7 @@ impl<'a> Trainer<'a> {
         l: usize,
         v: Tensor,
         width: usize,
-    ) -> Result<Tensor, WorkerError> {
+    ) -> Result<Tensor, ProgramError> {
         if !self.sharded_output(l) {
             return Ok(v);
         }
@@ -1593,7 +1593,7 @@ impl<'a> Trainer<'a> {
         chip: &mut Chip,
         l: usize,
         reserve: u64,
-    ) -> Result<(), WorkerError> {
+    ) -> Result<(), ProgramError> {
         for m in self.unit(l) {
             if self.working[m].is_some() {
                 continue;
@@ -1638,7 +1638,7 @@ impl<'a> Trainer<'a> {
 
     /// Gathers layer `l`'s parameters over the shard dimension (on the gather stream in fused
     /// mode: compute waits only when it needs them).
-    async fn prefetch(&mut self, chip: &mut Chip, l: usize) -> Result<(), WorkerError> {
+    async fn prefetch(&mut self, chip: &mut Chip, l: usize) -> Result<(), ProgramError> {
         let Some(dim) = self.plan.shard_dim() else {
             return Ok(());
         };
@@ -1657,7 +1657,7 @@ impl<'a> Trainer<'a> {
                 .into_iter()
                 .map(DTensor::into_local);
             let (Some(w), Some(b)) = (g.next(), g.next()) else {
-                return Err(WorkerError::Internal(
+                return Err(ProgramError::Internal(
                     "a coalesced gather lost a tensor".into(),
                 ));
             };
@@ -1699,7 +1699,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Makes layer `l`'s working copy available to compute.
-    async fn unshard(&mut self, chip: &mut Chip, l: usize) -> Result<(), WorkerError> {
+    async fn unshard(&mut self, chip: &mut Chip, l: usize) -> Result<(), ProgramError> {
         if !self.sharded {
             return Ok(());
         }
@@ -1717,7 +1717,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Gradient sync of layer `l`'s parameters once its backward is done.
-    async fn sync_layer(&mut self, chip: &mut Chip, l: usize) -> Result<(), WorkerError> {
+    async fn sync_layer(&mut self, chip: &mut Chip, l: usize) -> Result<(), ProgramError> {
         // The layer's backward is done for the step: its gradients are taken, not copied.
         let grads: Vec<DTensor> = (0..2)
             .map(|which| {
@@ -1795,7 +1795,7 @@ impl<'a> Trainer<'a> {
 
     /// `ReplicaSync::AfterBackward`: every layer's reduce-scattered gradients in one
     /// all-reduce over the replicas, on the reduction stream behind the last reduce-scatter.
-    async fn sync_replicas(&mut self, chip: &mut Chip) -> Result<(), WorkerError> {
+    async fn sync_replicas(&mut self, chip: &mut Chip) -> Result<(), ProgramError> {
         let Some(rep) = self.plan.replicate_dim() else {
             return Ok(());
         };
@@ -1814,7 +1814,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Fused DDP: all-reduces, in bucket order, every bucket whose gradients are all ready.
-    async fn issue_ready_buckets(&mut self, chip: &mut Chip) -> Result<(), WorkerError> {
+    async fn issue_ready_buckets(&mut self, chip: &mut Chip) -> Result<(), ProgramError> {
         let Some(dim) = self.plan.replicate_dim() else {
             return Ok(());
         };
@@ -1837,7 +1837,7 @@ impl<'a> Trainer<'a> {
                     Ok(p.stored
                         .with_local(g, &self.plan.gradient(p.layer, p.which)))
                 })
-                .collect::<Result<_, WorkerError>>()?;
+                .collect::<Result<_, ProgramError>>()?;
             let issued = self.tl.begin(chip, Stream::Reduce, true);
             let reduced = dtensor::all_reduce_in_place(chip, grads, dim, ReduceOp::Avg).await?;
             self.tl.end(chip, issued);
@@ -1849,13 +1849,13 @@ impl<'a> Trainer<'a> {
         Ok(())
     }
 
-    fn optimizer_step(&mut self, chip: &mut Chip) -> Result<(), WorkerError> {
+    fn optimizer_step(&mut self, chip: &mut Chip) -> Result<(), ProgramError> {
         let spec: &OptimizerSpec = &self.spec.optimizer;
         let weight = self.spec.model.weight_dtype().size() as u64;
         let (reads, writes) = update_traffic(self.elem, weight, spec.state_per_param());
         for p in &mut self.params {
             let g = p.synced.take().ok_or_else(|| {
-                WorkerError::Internal(format!(
+                ProgramError::Internal(format!(
                     "no synced gradient for {} at the optimizer step",
                     p.name
                 ))
@@ -1863,7 +1863,7 @@ impl<'a> Trainer<'a> {
             let n = p.stored.local().numel();
             let g = g.resolve();
             if g.len() != n {
-                return Err(WorkerError::Internal(format!(
+                return Err(ProgramError::Internal(format!(
                     "a synced gradient of {} elements for {} of {n}",
                     g.len(),
                     p.name
@@ -1887,7 +1887,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Debug mode: chips that hold the same piece of a parameter must hold the same values.
-    async fn check_replicas(&mut self, chip: &mut Chip, step: u32) -> Result<(), WorkerError> {
+    async fn check_replicas(&mut self, chip: &mut Chip, step: u32) -> Result<(), ProgramError> {
         // Group parameters by the mesh dimensions that replicate them, one exchange of
         // hashes per dimension: equal within every replicating dimension is equal across
         // all of them (any two replicas are joined by a chain of one-dimension steps), and a
@@ -1912,7 +1912,7 @@ impl<'a> Trainer<'a> {
                 .collect();
             let comm = Comm::new(group, self.spec.algo).verified(true);
             if let Some((peer, k)) = first_mismatch(chip, &comm, &hashes).await? {
-                return Err(WorkerError::Diverged {
+                return Err(ProgramError::Diverged {
                     step: u64::from(step),
                     detail: format!(
                         "chips {} and {peer} hold different values of {}",
@@ -1952,9 +1952,9 @@ impl<'a> Trainer<'a> {
         c
     }
 
-    fn restore(&mut self, saved: &checkpoint::Checkpoint) -> Result<(), WorkerError> {
+    fn restore(&mut self, saved: &checkpoint::Checkpoint) -> Result<(), ProgramError> {
         let bad = |why: String| {
-            WorkerError::Invalid(format!("a checkpoint that does not fit this job: {why}"))
+            ProgramError::Invalid(format!("a checkpoint that does not fit this job: {why}"))
         };
         let fitting = |name: &str, shape: &[usize]| {
             let t = saved
@@ -1990,7 +1990,7 @@ impl<'a> Trainer<'a> {
     }
 
     /// Every parameter, whole, on every chip (weight and bias of each layer in order).
-    async fn full_parameters(&mut self, chip: &mut Chip) -> Result<Vec<Tensor>, WorkerError> {
+    async fn full_parameters(&mut self, chip: &mut Chip) -> Result<Vec<Tensor>, ProgramError> {
         let mut out = Vec::with_capacity(self.params.len());
         for p in &self.params {
             out.push(p.stored.full_tensor(chip).await?);
