@@ -16,12 +16,12 @@ reduce them on the rank, in rank order, and are charged as the all-gather they a
 """
 
 import atexit
+import faulthandler
 import math
 import os
 import sys
 import threading
 import time
-import traceback
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -160,17 +160,55 @@ class _Rank:
             time.sleep(_STACK_EVERY_S)
             if self.in_call:
                 continue
-            frame = sys._current_frames().get(main)
-            if frame is None:
+            frames = _stack_of(main)
+            if frames is None:
                 return
-            frames = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)]
-            del frame
             if frames != last:
                 try:
                     self.conn.send({"op": "stack", "frames": frames})
                 except Exception:
                     return
                 last = frames
+
+
+# Where the sampler has faulthandler write the threads' stacks (a file in memory: a write
+# there never blocks, as one to a full pipe would with the GIL held).
+_STACKS_FD = None
+
+
+def _stack_of(thread):
+    """Thread `thread`'s stack, outermost call first, as `file:line function` (None once it
+    has ended). faulthandler writes it in C without letting another thread run and without
+    making a frame object: a frame object the sampler held while the program returned from
+    its function would keep that function's tensors alive, and so change the HBM and fused
+    kernels the program is charged (virtual times that differ between runs)."""
+    global _STACKS_FD
+    if _STACKS_FD is None:
+        _STACKS_FD = os.memfd_create("podsim-stacks", os.MFD_CLOEXEC)
+    os.ftruncate(_STACKS_FD, 0)
+    os.lseek(_STACKS_FD, 0, os.SEEK_SET)
+    faulthandler.dump_traceback(_STACKS_FD, all_threads=True)
+    os.lseek(_STACKS_FD, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(_STACKS_FD, 1 << 16):
+        chunks.append(chunk)
+    return parse_thread_stack(b"".join(chunks).decode("utf-8", "replace"), thread)
+
+
+def parse_thread_stack(text, thread):
+    """Thread `thread`'s frames from faulthandler's dump of every thread, outermost first;
+    None when the dump has no such thread."""
+    header = f"0x{thread:016x}"
+    frames, found, inside = [], False, False
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            inside = header in line.split(" (", 1)[0]
+            found = found or inside
+        elif inside and line.startswith('  File "') and '", line ' in line:
+            path, rest = line[len('  File "'):].split('", line ', 1)
+            lineno, _, name = rest.partition(" in ")
+            frames.append(f"{path}:{lineno} {name}")
+    return frames[::-1] if found else None
 
 
 _rank = None
