@@ -23,6 +23,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,6 +234,12 @@ def main():
         print(f"{len(rows) - len(wrong)} of {len(rows)} cases right")
         for r in wrong:
             print(f"  {r['kind']} at {r['where']}: {r['explanation'] or r['found']}")
+    if not args.out:
+        # The cases' reports are kept (and named) only when one was wrong.
+        if wrong:
+            print(f"the cases' reports are kept in {out_root}")
+        else:
+            shutil.rmtree(out_root, ignore_errors=True)
     if args.check and wrong:
         sys.exit(1)
 

@@ -1469,8 +1469,13 @@ mod tests {
         dir
     }
 
+    /// `text` parsed as a study in a folder of its own beside a base config, the folder
+    /// removed after.
     fn parse(name: &str, text: &str) -> Result<Study, ConfigErrors> {
-        Study::parse(&study_dir(name).join("study.toml"), text)
+        let dir = study_dir(name);
+        let parsed = Study::parse(&dir.join("study.toml"), text);
+        let _ = std::fs::remove_dir_all(&dir);
+        parsed
     }
 
     fn errors(name: &str, text: &str) -> String {

@@ -3,6 +3,7 @@ podsim binary: a forked rank runs the program as `python ARGS` would - its argum
 environment, directory, streams and exit, a signal included - and dies with its stub."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +53,7 @@ class RankServer(unittest.TestCase):
         cls.server.wait()
         cls.server.stdout.close()
         cls.server.stderr.close()
+        shutil.rmtree(cls.dir, ignore_errors=True)
 
     def start(self, *args, rank="3"):
         env = dict(os.environ, PODSIM_PREFORK_SOCKET=self.socket, RANK=rank)
