@@ -3,13 +3,25 @@
 # Ends with one line totalling the tests of every test binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Where the time goes: each phase's wall time, printed as it ends and again at the end.
+# Where the time goes: each phase's wall time and the machine's busy CPU seconds over it
+# (from /proc/stat, so that rank processes a rank server reaps count too), printed as it ends
+# and again at the end. A phase with much less CPU than twice its wall leaves a core idle: it
+# mostly waits (watchdogs, heartbeats, ranks starting).
+busy_cpu() {
+    local _ user nice system idle iowait irq softirq steal
+    read -r _ user nice system idle iowait irq softirq steal _ < /proc/stat
+    cpu_now=$(((user + nice + system + irq + softirq + steal) / $(getconf CLK_TCK)))
+}
 phases=""
 phase_start=$SECONDS
+busy_cpu
+phase_cpu=$cpu_now
 phase() {
-    phases+=$(printf '%-24s %4d s\n' "$1" $((SECONDS - phase_start)))$'\n'
-    echo "phase $1: $((SECONDS - phase_start)) s"
+    busy_cpu
+    phases+=$(printf '%-24s %4d s wall %5d s CPU\n' "$1" $((SECONDS - phase_start)) $((cpu_now - phase_cpu)))$'\n'
+    echo "phase $1: $((SECONDS - phase_start)) s wall, $((cpu_now - phase_cpu)) s CPU"
     phase_start=$SECONDS
+    phase_cpu=$cpu_now
 }
 cargo fmt --all --check
 # Cargo.toml's list of build-time crates (compiled unoptimised) against the dependency graph.
@@ -38,19 +50,15 @@ fi
 phase "clippy and test build"
 cargo test --workspace 2>&1 | tee -a "$log"
 phase "tests"
-# Every test whose chips talk across worker processes again, with the links between workers
-# forced over records on TCP, over Unix sockets alone, then over gRPC (the run above takes the
-# default: Unix sockets with large payloads in shared memory between workers on this host):
-# the fault tests whole, and of the tests end to end those of launching, orphans and
-# training. Left out, as the run above covers them whatever the transport: the tests of one
-# worker (torch ranks), of config errors, of one property of training (memory, speed, a
-# falling loss), and `each_transport_...` (every transport in one test).
-# `--workspace`, as above, so that cargo builds nothing again (`-p` alone resolves other
-# features and rebuilt the worker and the coordinator, a minute).
-# The three passes run side by side: they mostly wait for watchdogs and heartbeats (one pass:
-# 51 s wall, 21 s of CPU), and each pass's jobs pick their own ports and folders. Each pass
-# writes its own log, printed whole once all have ended. (Under their load a cut's links are
-# confirmed lost a heartbeat apart; the watchdog waits for the others before it judges.)
+# The transport passes: every test whose chips talk across worker processes again, with the
+# links between workers forced over records on TCP, over Unix sockets alone, then over gRPC
+# (the run above takes the default: Unix sockets with large payloads in shared memory between
+# workers on this host): the fault tests whole, and of the tests end to end those of
+# launching, orphans and training. Left out, as the run above covers them whatever the
+# transport: the tests of one worker (torch ranks), of config errors, of one property of
+# training (memory, speed, a falling loss), and `each_transport_...` (every transport in one
+# test). `--workspace`, as above, so that cargo builds nothing again (`-p` alone resolves
+# other features and rebuilt the worker and the coordinator, a minute).
 transport_pass() {
     export PODSIM_TRANSPORT=$1
     cargo test --workspace --test faults --test stragglers &&
@@ -58,29 +66,36 @@ transport_pass() {
             --skip rank --skip connect_bound --skip each_transport --skip tls_files \
             --skip eighth --skip fused_ddp --skip quickstart --skip hbm_budget
 }
+# The watchdog's fault matrix, bounded: every kind at three places on 8x8x8 over 2 workers
+# (kind and culprit checked; detection times are printed, not enforced on a shared machine),
+# two cases at a time.
+fault_matrix() {
+    python3 scripts/fault_matrix.py --podsim target/debug/podsim --shape 8x8x8 --workers 2 \
+        --deadline 120 --jobs 2 --check
+}
+# The three passes and the matrix run side by side: they mostly wait for watchdogs and
+# heartbeats (alone, the passes take 101 s of wall and 135 s of CPU, the matrix 50 s and
+# 29 s), and each picks its own ports and folders. Each writes its own log, printed whole once
+# all have ended. (Under their load a cut's links are confirmed lost a heartbeat apart; the
+# watchdog waits for the others before it judges.)
 pids=()
 for transport in tcp uds grpc; do
     transport_pass $transport > "$log.$transport" 2>&1 &
     pids+=($!)
 done
+fault_matrix > "$log.matrix" 2>&1 &
+pids+=($!)
 failed=0
-for i in 0 1 2; do
-    wait "${pids[$i]}" || failed=1
+for pid in "${pids[@]}"; do
+    wait "$pid" || failed=1
 done
-for transport in tcp uds grpc; do
-    echo "--- transport pass: $transport"
-    cat "$log.$transport"
-    cat "$log.$transport" >> "$log"
-    rm -f "$log.$transport"
+for part in tcp uds grpc matrix; do
+    if [ $part = matrix ]; then echo "--- fault matrix"; else echo "--- transport pass: $part"; fi
+    cat "$log.$part"
+    cat "$log.$part" >> "$log"
 done
-[ $failed = 0 ] || { echo "a transport pass failed (its log is above)" >&2; exit 1; }
-phase "transport passes"
-# The watchdog's fault matrix, bounded: every kind at three places on 8x8x8 over 2 workers
-# (kind and culprit checked; detection times are printed, not enforced on a shared machine),
-# two cases at a time.
-python3 scripts/fault_matrix.py --podsim target/debug/podsim --shape 8x8x8 --workers 2 \
-    --deadline 120 --jobs 2 --check 2>&1 | tee -a "$log"
-phase "fault matrix"
+[ $failed = 0 ] || { echo "a transport pass or the fault matrix failed (its log is above)" >&2; exit 1; }
+phase "transport passes, fault matrix"
 # The PyTorch backend against torchrun + gloo, and fault tests with Python ranks, in a virtual
 # environment outside the working tree (created once: torch from PyPI, ~3 GB; reused after).
 # torchrun's results are kept outside the tree too (~/.cache/podsim/torch-refs, keyed by the

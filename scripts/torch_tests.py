@@ -512,9 +512,11 @@ def case_replayed_steps(args, *script_args):
     steps counted op by op (`job.count=every`), the steps after rank 0's log lines (a
     `.item()` the steady step does not make) included; a step whose inputs change shape is
     caught and counted from that point (`partial`), and the steps after it are exact again."""
-    # 60 steps: past the first recount (`RECOUNT_EVERY` in python/podsim/_replay.py).
-    p1, _, steady = podsim_run(args, "2x2x2", "ddp.py", "--steps", "60", *script_args)
-    p2, _, every = podsim_run(args, "2x2x2", "ddp.py", "--steps", "60", *script_args,
+    # Past two recounts (`RECOUNT_EVERY` in python/podsim/_replay.py, made 12 here).
+    steps, recount = 30, {"PODSIM_RECOUNT_EVERY": "12"}
+    p1, _, steady = podsim_run(args, "2x2x2", "ddp.py", "--steps", str(steps), *script_args,
+                               extra_env=recount)
+    p2, _, every = podsim_run(args, "2x2x2", "ddp.py", "--steps", str(steps), *script_args,
                               flags=["--set", "job.count=every"])
     if p1.returncode or p2.returncode:
         return False, f"exits {p1.returncode}, {p2.returncode}: {p1.stdout[-600:]}{p2.stdout[-600:]}"
@@ -541,10 +543,13 @@ def case_replayed_steps(args, *script_args):
               and (i, f) != (0, "peak_hbm_bytes")]
     partial = [i for i, k in enumerate(kinds) if k == "partial"]
     # Rank 0 logs at every fifth step, after its end.
-    logged = [i for i in range(6, 60, 5)]
-    ok = (len(a) == len(b) == 60 and not differ
+    logged = [i for i in range(6, steps, 5)]
+    # Counted: the steps until DDP's buckets settle and two agree (four), the logging
+    # variant's first time, the two recounts, and, with a batch of another length, the steps
+    # until two agree again.
+    ok = (len(a) == len(b) == steps and not differ
           and set(partial) <= set(logged + ([changed] if changed else []))
-          and kinds.count("replayed") >= 45)
+          and kinds.count("replayed") >= steps - (7 if not changed else 10))
     return ok, (f"{kinds.count('counted')} counted, {kinds.count('replayed')} replayed, partial "
                 f"{partial}; steps that differ from counting every op: {differ}")
 
@@ -562,6 +567,10 @@ def main():
     ap.add_argument("--only", default=None, help="run the cases whose name contains this")
     ap.add_argument("--jobs", type=int, default=1,
                     help="cases run at a time (those that time a diagnosis always run alone)")
+    ap.add_argument("--part", choices=("all", "untimed", "timed"), default="all",
+                    help="the cases to run: all, those that time nothing, or those that time a "
+                         "diagnosis or count processes (the test command runs the untimed ones "
+                         "beside the Rust tests, the timed ones after, alone)")
     ap.add_argument("--fresh-references", action="store_true",
                     help="run torchrun again instead of using its kept results")
     args = ap.parse_args()
@@ -610,10 +619,20 @@ def main():
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
         ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),
     ]
-    failed = run_cases([c for c in cases if not args.only or args.only in c[0]], args.jobs)
-    failed += run_cases([c for c in timed if not args.only or args.only in c[0]], 1)
+    cases = cases if args.part != "timed" else []
+    timed = timed if args.part != "untimed" else []
+    cases = [c for c in cases if not args.only or args.only in c[0]]
+    timed = [c for c in timed if not args.only or args.only in c[0]]
+    # Every case's folders (reports, parameters) in one, removed when all passed and kept,
+    # named, when one failed.
+    tempfile.tempdir = tempfile.mkdtemp(prefix="podsim-torch-tests-")
+    failed = run_cases(cases, args.jobs) + run_cases(timed, 1)
     total = len(cases) + len(timed)
-    print(f"torch tests: {total - failed if not args.only else '-'} passed, {failed} failed")
+    if failed:
+        print(f"the cases' folders are kept in {tempfile.tempdir}")
+    else:
+        shutil.rmtree(tempfile.tempdir, ignore_errors=True)
+    print(f"torch tests: {total - failed} passed, {failed} failed")
     sys.exit(failed)
 
 

@@ -38,8 +38,9 @@ import torch
 
 # A steady program is counted again every this many steps, to catch a change its torch calls
 # do not show (they show batch shapes, log lines, other collectives). Its cost is one counted
-# step, 3 to 5 times a replayed one, in this many.
-RECOUNT_EVERY = 50
+# step, 3 to 5 times a replayed one, in this many. `PODSIM_RECOUNT_EVERY` sets another (the
+# tests of replay, to meet recounts in fewer steps).
+RECOUNT_EVERY = int(os.environ.get("PODSIM_RECOUNT_EVERY", "50"))
 # Variants of the steady step kept besides it (a step that logs, one that evaluates).
 VARIANTS = 4
 
