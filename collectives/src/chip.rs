@@ -17,10 +17,11 @@ use podsim_topology::{ChipId, Coord, Dir, Group, Hardware, Link, MAX_AXES, Pod, 
 
 use crate::error::CollectiveError;
 use crate::fabric::{Delivery, Expect, Inbox, Message, Router, Tag, WaitForRoom};
+use crate::fabric::{LINK_SLOTS, link_slot};
 use crate::faults::{FaultHook, OnSend};
 use crate::fingerprint::{DType, Fingerprint, OpKind};
 use crate::payload::Payload;
-use crate::recorder::{self, FlightRecorder, LINK_SLOTS, add_own, link_slot};
+use crate::recorder::{self, FlightRecorder, add_own};
 use crate::reduce::ReduceOp;
 use crate::trace::{Arg, ChipTrace, MessageEvent, TraceLog};
 

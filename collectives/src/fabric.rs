@@ -11,13 +11,36 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, Waker};
 
-use podsim_topology::{ChipId, Link};
+use podsim_topology::{ChipId, Link, MAX_AXES};
 use serde::{Deserialize, Serialize};
 
 use crate::error::CollectiveError;
 use crate::fingerprint::Fingerprint;
 use crate::payload::Payload;
-use crate::recorder::{self, Blocked, LINK_SLOTS, link_slot};
+use crate::wall::coarse_wall_ns;
+
+/// Messages over each link of a chip: slots are ICI (axis, direction) then DCN.
+pub const LINK_SLOTS: usize = 2 * MAX_AXES + 1;
+
+/// The counter slot of `link`.
+pub fn link_slot(link: Link) -> usize {
+    match link {
+        Link::Ici { axis, dir } => 2 * usize::from(axis) + dir.index(),
+        Link::Dcn { .. } => 2 * MAX_AXES,
+    }
+}
+
+/// A receive a chip is waiting for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Blocked {
+    /// The link as this chip names it.
+    pub link: Link,
+    /// The chip at the other end.
+    pub peer: ChipId,
+    pub tag: Tag,
+    pub fingerprint: Fingerprint,
+    pub since_wall_ns: u64,
+}
 
 /// Where a message belongs inside its collective: the algorithm lane, phase and step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -353,7 +376,7 @@ impl Future for Receive<'_> {
                     peer: want.src,
                     tag: want.tag,
                     fingerprint: want.fingerprint,
-                    since_wall_ns: recorder::coarse_wall_ns(),
+                    since_wall_ns: coarse_wall_ns(),
                 },
             )
         };

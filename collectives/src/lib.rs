@@ -9,8 +9,9 @@
 //!   send and a receive; `collective`: the collectives as methods on [`Chip`]; `p2p`:
 //!   point-to-point messages between any two chips (`send_to` / `recv_from`);
 //! - `algo`: lanes, phases and schedules (ring, bidirectional ring, torus);
-//! - `fabric`: messages, tags, [`Router`] and [`Inbox`]; `local`: all chips in one process and
-//!   [`run_chips`]; `mirror`: a few chips standing for a symmetric pod;
+//! - `fabric`: messages, tags, [`Router`] and [`Inbox`], the receives a chip waits for and
+//!   its links' counter slots; `local`: all chips in one process and [`run_chips`]; `mirror`:
+//!   a few chips standing for a symmetric pod;
 //! - `executor`: runs chips as futures on a few threads, id order (see [`scheduling_lag`]);
 //!   `run_queue`: how long its threads waited for a CPU ([`CpuWaitMeter`]); [`procfs`]: what
 //!   Linux's `/proc` tells about threads and processes;
@@ -18,8 +19,8 @@
 //!   reduce ops; `bits`: f32 and byte conversions;
 //! - `fingerprint`: op kinds, dtypes and a collective's identity; `recorder`: the flight
 //!   recorder and live status the watchdog reads; [`faults`]: the hook fault injection uses;
-//! - [`trace`]: timelines of sampled chips; [`reference`](mod@reference): naive collectives for tests;
-//!   `error`: [`CollectiveError`].
+//! - [`trace`]: timelines of sampled chips; `wall`: the exact and the coarse wall clock;
+//!   [`reference`](mod@reference): naive collectives for tests; `error`: [`CollectiveError`].
 //!
 //! ```
 //! use podsim_collectives::{Algo, Comm, LocalFabric, Payload, ReduceOp, run_chips};
@@ -61,21 +62,22 @@ mod reduce;
 pub mod reference;
 mod run_queue;
 pub mod trace;
+mod wall;
 
 pub use algo::Algo;
 pub use chip::{Chip, ChipStats, DEFAULT_STREAM, Nanos, PausedTrace, TimeSnapshot, TraceHandle};
 pub use collective::{Comm, chunk_len};
 pub use error::CollectiveError;
 pub use executor::{IdleWait, explore_schedule, scheduling_lag};
-pub use fabric::{Delivery, Inbox, Message, Router, Tag, WaitForRoom};
+pub use fabric::{Blocked, Delivery, Inbox, Message, Router, Tag, WaitForRoom, link_slot};
 pub use fingerprint::{DType, Fingerprint, MAX_TAG as MAX_P2P_TAG, OpKind};
 pub use local::{LocalFabric, LocalRouter, run_chips, run_chips_waiting};
 pub use mirror::{MirrorRouter, Symmetry, mirror_chips, symmetry_obstacles};
 pub use payload::{Payload, Rope, Run};
 pub use recorder::DEFAULT_CAPACITY as DEFAULT_RECORDER_ENTRIES;
 pub use recorder::{
-    Blocked, ChipStatus, FlightRecorder, Glance, OpState, RecordEntry, RunState,
-    counters_judge_wait, link_slot, wall_ns,
+    ChipStatus, FlightRecorder, Glance, OpState, RecordEntry, RunState, counters_judge_wait,
 };
 pub use reduce::ReduceOp;
 pub use run_queue::CpuWaitMeter;
+pub use wall::wall_ns;

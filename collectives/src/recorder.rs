@@ -13,13 +13,13 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use podsim_topology::{ChipId, Link, MAX_AXES, Pod};
+use podsim_topology::{ChipId, Link, Pod};
 use serde::{Deserialize, Serialize};
 
-use crate::fabric::{Inbox, Tag};
+use crate::fabric::{Blocked, Inbox, LINK_SLOTS, link_slot};
 use crate::fingerprint::Fingerprint;
+use crate::wall::{coarse_wall_ns, wall_ns};
 
 /// Adds `n` to a counter that only its chip's task writes (readers only load it): a load and
 /// a store instead of a locked read-modify-write, which at ten million messages a second is
@@ -31,35 +31,8 @@ pub(crate) fn add_own(counter: &AtomicU64, n: u64) {
     );
 }
 
-/// Wall clock with about a millisecond's resolution that costs one atomic load to read: a
-/// background thread refreshes it. Per-message bookkeeping uses it (a system call per message
-/// was a sixth of the per-message cost in meta mode).
-pub fn coarse_wall_ns() -> u64 {
-    static NOW: AtomicU64 = AtomicU64::new(0);
-    static START: std::sync::Once = std::sync::Once::new();
-    START.call_once(|| {
-        NOW.store(wall_ns(), Ordering::Relaxed);
-        let _ = std::thread::Builder::new()
-            .name("podsim-clock".into())
-            .spawn(|| {
-                loop {
-                    NOW.store(wall_ns(), Ordering::Relaxed);
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-            });
-    });
-    NOW.load(Ordering::Relaxed)
-}
-
 /// Collectives a recorder keeps by default.
 pub const DEFAULT_CAPACITY: usize = 2000;
-
-/// Wall clock, ns since the Unix epoch.
-pub fn wall_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
 
 /// A collective's state. (There is no separate "scheduled" state: a chip starts a collective
 /// the moment its program calls it; waiting for peers shows as `blocked` while started.)
@@ -83,21 +56,6 @@ pub struct RecordEntry {
     pub wall_end_ns: Option<u64>,
 }
 
-/// A receive a chip is waiting for.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Blocked {
-    /// The link as this chip names it.
-    pub link: Link,
-    /// The chip at the other end.
-    pub peer: ChipId,
-    pub tag: Tag,
-    pub fingerprint: Fingerprint,
-    pub since_wall_ns: u64,
-}
-
-/// Messages over each link of a chip: slots are ICI (axis, direction) then DCN.
-pub const LINK_SLOTS: usize = 2 * MAX_AXES + 1;
-
 /// Whether the counters of `waiter`'s `link` can tell if the message it waits for from
 /// `peer` was sent: only when `peer` is the chip at the link's far end. A point-to-point
 /// message forwarded further (a pipeline stage's send two axes away leaves on the same link)
@@ -114,14 +72,6 @@ pub fn counters_judge_wait(pod: &Pod, waiter: ChipId, link: Link, peer: ChipId) 
 /// when `other` is the chip at the link's far end (see [`counters_judge_wait`]).
 pub(crate) fn point_to_point_counted(pod: &Pod, me: ChipId, link: Link, other: ChipId) -> bool {
     pod.peer(me, link) == Some(other)
-}
-
-/// The counter slot of `link`.
-pub fn link_slot(link: Link) -> usize {
-    match link {
-        Link::Ici { axis, dir } => 2 * usize::from(axis) + dir.index(),
-        Link::Dcn { .. } => 2 * MAX_AXES,
-    }
 }
 
 /// A chip at a glance: what a heartbeat reads of every chip each time.
@@ -444,6 +394,7 @@ mod tests {
     use std::task::{Context, Poll, Waker};
 
     use super::*;
+    use crate::fabric::Tag;
     use crate::fabric::testing::{expect, message};
     use crate::fingerprint::{DType, OpKind};
     use podsim_topology::Dir;

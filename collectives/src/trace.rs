@@ -10,7 +10,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::nanos::Nanos;
-use crate::recorder::wall_ns;
+use crate::wall::wall_ns;
 
 /// An argument of a slice, shown by the viewer when the slice is selected.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -135,7 +135,7 @@ impl TraceLog {
                 ..ChipTrace::default()
             },
             flows,
-            last_busy: vec![None; crate::recorder::LINK_SLOTS],
+            last_busy: vec![None; crate::fabric::LINK_SLOTS],
         }
     }
 
