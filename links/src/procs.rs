@@ -36,8 +36,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 ///
 /// Linux sends the parent-death signal when the *thread* that forked the child ends, not the
 /// process: call this and `spawn` on a thread that lives as long as the child should (a
-/// worker's main thread, which polls its job).
-pub fn die_with_parent(command: &mut tokio::process::Command) {
+/// worker's main thread, which polls its job). A tokio command passes `as_std_mut()`.
+pub fn die_with_parent(command: &mut Command) {
     let parent = std::process::id() as libc::pid_t;
     command.process_group(0);
     // SAFETY: the hook runs in the child between `fork` and `exec`, where only

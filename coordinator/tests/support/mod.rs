@@ -5,9 +5,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+/// The `podsim` binary, killed should this test's thread end first (a test binary killed, or
+/// one that panicked past its deadline): no job outlives the test that started it.
 pub fn podsim() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_podsim"));
     c.env("RUST_LOG", "warn");
+    podsim_links::procs::die_with_parent(&mut c);
     c
 }
 

@@ -217,7 +217,7 @@ impl RankCommand<'_> {
             .env("GROUP_RANK", (rank / per_host).to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        die_with_parent(&mut command);
+        die_with_parent(command.as_std_mut());
         // On an error, `guard` is dropped: the ranks started so far go with it.
         let mut child = command.spawn().map_err(|e| {
             ProgramError::Invalid(format!("cannot start rank {rank} ({program}): {e}"))
@@ -362,7 +362,7 @@ async fn start_rank_server(
         .env(PREFORK_SOCKET, &socket)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    die_with_parent(&mut command);
+    die_with_parent(command.as_std_mut());
     let mut child = command.spawn().ok()?;
     let group = Arc::new(Group::new(child.id().unwrap_or(0)));
     guard.groups.push(group.clone());
