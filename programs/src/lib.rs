@@ -20,7 +20,6 @@ mod torch;
 pub mod train;
 
 pub use error::ProgramError;
-pub use job::{buffer_bytes, elements_for_buffer};
 pub use run::{
     COMPUTE_TRACK, ProgramOutput, STEPS_TRACK, enable_traces, run_program, run_program_waiting,
     total_units,
