@@ -432,14 +432,32 @@ fn worker(args: &WorkerArgs) -> ! {
     });
 }
 
+/// Log lines on stderr at the levels `RUST_LOG` names, `warn` when it is unset: one level
+/// (`info`) or per-target directives (`warn,podsim_links=debug`). Targets and levels only,
+/// no span or field filters: that is what a user of podsim sets, and the full filter's regular
+/// expressions were the largest part of the logging's build.
+fn init_logging() {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    use tracing_subscriber::{layer::SubscriberExt, util::SubscriberInitExt};
+    let warn = || Targets::new().with_default(LevelFilter::WARN);
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) => spec.parse::<Targets>().unwrap_or_else(|e| {
+            eprintln!(
+                "podsim: RUST_LOG={spec:?} is not a list of target=level ({e}); logging warnings"
+            );
+            warn()
+        }),
+        Err(_) => warn(),
+    };
+    tracing_subscriber::registry()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(filter)
+        .init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging();
     let result = match &cli.command {
         Command::Bench(args) => bench::main(args),
         Command::Study(args) => study::main(args),
