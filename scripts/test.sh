@@ -48,7 +48,10 @@ if grep -q '^warning' "$build_log"; then
     exit 1
 fi
 phase "clippy and test build"
-cargo test --workspace 2>&1 | tee -a "$log"
+# Four tests at a time on two cores: the end-to-end and fault tests mostly wait on the
+# processes they start (heartbeats, watchdogs), so two at a time left a core idle (end to end
+# and faults 100 s -> 73 s of wall for the same CPU; docs/PERFORMANCE.md).
+RUST_TEST_THREADS=4 cargo test --workspace 2>&1 | tee -a "$log"
 phase "tests"
 # The transport passes: every test whose chips talk across worker processes again, with the
 # links between workers forced over records on TCP, over Unix sockets alone, then over gRPC
