@@ -28,10 +28,26 @@ use podsim_collectives::IdleWait;
 use tokio::io::Interest;
 use tokio::sync::watch;
 
-use crate::net::NodeFabric;
 use crate::records::{Drained, RecordReader};
 use crate::shm::Inbound;
 use crate::socket::{RawLink, SocketFd, watch_fd};
+
+/// Where the records read here go: the worker's fabric
+/// ([`NodeFabric`](crate::net::NodeFabric), which owns the [`LinkInputs`]), seen through what
+/// a reader needs of it so that the two do not import each other.
+pub(crate) trait Deliver: std::fmt::Debug + Send + Sync {
+    /// Checks a message that came from worker `peer`.
+    fn decode(
+        &self,
+        env: podsim_proto::v1::Envelope,
+        payload: podsim_collectives::Payload,
+        peer: u32,
+    ) -> Result<podsim_collectives::Message, String>;
+    /// Hands a checked message from worker `peer` to its chip's inbox.
+    fn accept(&self, peer: u32, msg: podsim_collectives::Message) -> Result<(), String>;
+    /// Records a broken link, failing the receives of this worker's chips with `error`.
+    fn link_failed(&self, error: String);
+}
 
 /// One record link into this worker: its socket and its reader.
 #[derive(Debug)]
@@ -53,7 +69,7 @@ impl LinkInput {
 
     /// Delivers what has arrived. `Some(more)` while the link is open (`more`: the budget
     /// ran out before the input did); `None` once it closed or failed (a failure reported).
-    fn drain(&self, fabric: &NodeFabric) -> Option<bool> {
+    fn drain(&self, fabric: &dyn Deliver) -> Option<bool> {
         if self.done.load(Ordering::Acquire) {
             return None;
         }
@@ -61,7 +77,7 @@ impl LinkInput {
     }
 
     /// [`LinkInput::drain`], unless another thread is reading the link right now.
-    fn drain_if_free(&self, fabric: &NodeFabric) {
+    fn drain_if_free(&self, fabric: &dyn Deliver) {
         if self.done.load(Ordering::Acquire) {
             return;
         }
@@ -73,7 +89,7 @@ impl LinkInput {
     fn drain_with(
         &self,
         mut reader: MutexGuard<'_, RecordReader>,
-        fabric: &NodeFabric,
+        fabric: &dyn Deliver,
     ) -> Option<bool> {
         let peer = reader.peer();
         let drained = reader.drain(&self.socket, &mut |env, payload| {
@@ -104,7 +120,7 @@ impl LinkInput {
     }
 
     /// Ends the link: nobody reads it again, and the fabric reports why.
-    fn fail(&self, fabric: &NodeFabric, error: String) {
+    fn fail(&self, fabric: &dyn Deliver, error: String) {
         self.done.store(true, Ordering::Release);
         fabric.link_failed(error);
     }
@@ -141,12 +157,12 @@ pub(crate) struct LinkInputs {
     /// Written to wake the executor's thread from `poll(2)` (none off Linux: no executor
     /// takes the links there, and their tasks read them).
     wake: Option<OwnedFd>,
-    fabric: Weak<NodeFabric>,
+    fabric: Weak<dyn Deliver>,
 }
 
 impl LinkInputs {
     /// The links of `fabric`'s worker (none yet).
-    pub(crate) fn new(fabric: Weak<NodeFabric>) -> LinkInputs {
+    pub(crate) fn new(fabric: Weak<dyn Deliver>) -> LinkInputs {
         LinkInputs {
             links: Mutex::new(Vec::new()),
             claimed: watch::channel(false).0,
@@ -197,7 +213,7 @@ impl LinkInputs {
                 let Some(fabric) = self.fabric.upgrade() else {
                     return;
                 };
-                match link.drain(&fabric) {
+                match link.drain(&*fabric) {
                     None => return,
                     Some(true) => {
                         tokio::task::yield_now().await;
@@ -235,13 +251,13 @@ impl LinkInputs {
         };
         let links = self.links().clone();
         for link in links {
-            link.drain_if_free(&fabric);
+            link.drain_if_free(&*fabric);
         }
     }
 
     fn fail(&self, link: &LinkInput, error: String) {
         match self.fabric.upgrade() {
-            Some(fabric) => link.fail(&fabric, error),
+            Some(fabric) => link.fail(&*fabric, error),
             None => link.done.store(true, Ordering::Release),
         }
     }
@@ -290,7 +306,7 @@ impl LinkInputs {
             // A link that stops at its budget stays pending: the rest next time round, after
             // the executor has run what this delivered.
             if fd.revents != 0 || pending(link) {
-                link.drain(&fabric);
+                link.drain(&*fabric);
             }
         }
     }

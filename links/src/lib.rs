@@ -3,8 +3,11 @@
 //! processes a worker holds to itself. Every other crate says `#![forbid(unsafe_code)]`.
 //!
 //! - [`net`]: one worker's fabric ([`NodeFabric`]): in-memory inboxes for its own chips, one
-//!   link per neighbouring worker, flow control; the gRPC link service;
-//! - [`records`]: the default link, raw records over a Unix socket to a worker on the same host
+//!   link per neighbouring worker, flow control; the gRPC link service; the listeners that
+//!   hand record links to it;
+//! - [`transport`]: how messages between two workers travel, as the job chooses;
+//! - `outgoing`: a message queued for another worker, and why a link is refused;
+//! - [`records`]: the default link (reaching the fabric through its `LinkHost` trait), raw records over a Unix socket to a worker on the same host
 //!   (large payloads through [`shm`], shared-memory regions) or over TCP to another host,
 //!   inside TLS under `[launch.tls]`; [`socket`] hides which stream carries them;
 //! - `intake`: who reads the record links (the chip executor's own thread while it runs);
@@ -21,15 +24,18 @@
 mod error;
 mod intake;
 pub mod net;
+mod outgoing;
 pub mod procs;
 pub mod rank_wire;
 pub mod records;
 pub mod shm;
 pub mod socket;
 pub mod tls;
+pub mod transport;
 pub mod wire;
 #[cfg(test)]
 mod wire_fuzz;
 
 pub use error::LinkError;
-pub use net::{FabricSpec, NodeFabric, PeerLink, TRANSPORT_ENV, Transport};
+pub use net::{FabricSpec, NodeFabric, PeerLink};
+pub use transport::{TRANSPORT_ENV, Transport};

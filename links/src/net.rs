@@ -22,15 +22,19 @@ use podsim_proto::v1::link_service_client::LinkServiceClient;
 use podsim_proto::v1::link_service_server::{LinkService, LinkServiceServer};
 use podsim_topology::{ChipId, Group, Hardware, Placement, Pod, Route};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, watch};
+use tokio::sync::{Notify, Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::LinkError;
-use crate::records;
-use crate::socket::LinkStream;
+use crate::intake::Deliver;
+use crate::outgoing::{Outgoing, Refusal};
+use crate::records::{self, LinkHost};
+use crate::socket::{Limits, LinkStream, same_token};
+use crate::tls::Tls;
+use crate::transport::Transport;
 use crate::wire::{self, MAX_FRAME_BYTES};
 
 /// What a worker's fabric needs of its job: the pod and its hardware, how many workers share
@@ -61,52 +65,6 @@ pub struct PeerLink {
     pub tls: bool,
 }
 
-/// How messages between two workers travel.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Transport {
-    /// Between workers on the same host a Unix domain socket, with large payloads in shared
-    /// memory where both workers can map it; records over TCP to other hosts (inside TLS
-    /// under `[launch.tls]`).
-    #[default]
-    Auto,
-    /// Records over TCP, wherever the peer is (inside TLS under `[launch.tls]`).
-    Tcp,
-    /// A Unix domain socket carrying every byte; a peer on another host is an error.
-    Uds,
-    /// A Unix domain socket with large payloads in shared memory; a peer on another host, or
-    /// a region that cannot be mapped, is an error.
-    Shm,
-    /// gRPC (HTTP/2) over TCP, wherever the peer is.
-    Grpc,
-}
-
-/// The environment variable that sets the default transport (tests run every cross-process
-/// test over each transport in turn with it).
-pub const TRANSPORT_ENV: &str = "PODSIM_TRANSPORT";
-
-podsim_collectives::named_enum!(Transport, "transport", {
-    Auto => "auto",
-    Tcp => "tcp",
-    Uds => "uds",
-    Shm => "shm",
-    Grpc => "grpc",
-});
-
-impl Transport {
-    /// `given` (the config key or flag called `what`), else `PODSIM_TRANSPORT`, else `auto`;
-    /// an unknown name is an error naming where it came from.
-    pub fn choose(given: Option<&str>, what: &str) -> Result<Transport, String> {
-        let from_env = std::env::var(TRANSPORT_ENV).ok();
-        let (name, source) = match (given, from_env.as_deref()) {
-            (Some(name), _) => (name, what),
-            (None, Some(name)) => (name, TRANSPORT_ENV),
-            (None, None) => return Ok(Transport::Auto),
-        };
-        name.parse().map_err(|e| format!("{source}: {e}"))
-    }
-}
-
 /// Bytes of messages that may wait to be sent to one peer worker.
 pub const PEER_BUDGET_BYTES: usize = 128 << 20;
 /// A frame is sent once it holds this many payload bytes (or nothing more is queued).
@@ -114,18 +72,6 @@ const FRAME_TARGET_BYTES: usize = 4 << 20;
 /// Metadata keys of the link and control services.
 pub const TOKEN_HEADER: &str = "x-podsim-token";
 pub const WORKER_HEADER: &str = "x-podsim-worker";
-
-/// A message queued for another worker, holding its share of the queue's room.
-pub(crate) struct Outgoing {
-    pub msg: Message,
-    bytes: usize,
-    /// Bytes of the message's record a chip already wrote to the socket itself (a Unix-socket
-    /// link's direct write that the socket did not take whole); the writer task sends the rest.
-    pub skip: usize,
-    /// Where that direct write put the payload in the link's shared region, if it did.
-    pub lent: Option<crate::shm::Place>,
-    _room: Option<OwnedSemaphorePermit>,
-}
 
 #[derive(Debug)]
 struct Peer {
@@ -151,39 +97,6 @@ impl Peer {
         let _busy = self.writer.mark_busy();
         self.queue.send(o).is_ok()
     }
-}
-
-impl Outgoing {
-    /// A message queued without a share of any queue's room (the link tests' own queues).
-    #[cfg(test)]
-    pub(crate) fn unbudgeted(msg: Message, skip: usize) -> Outgoing {
-        Outgoing {
-            bytes: msg.payload.len() * 4,
-            msg,
-            skip,
-            lent: None,
-            _room: None,
-        }
-    }
-}
-
-impl std::fmt::Debug for Outgoing {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "Outgoing({} -> {}, {} bytes)",
-            self.msg.src, self.msg.dst, self.bytes
-        )
-    }
-}
-
-/// Why a link from a worker is refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum Refusal {
-    #[error("{0}")]
-    NoLink(String),
-    #[error("{0}")]
-    Taken(String),
 }
 
 /// Where a worker's links can be reached.
@@ -279,18 +192,20 @@ impl NodeFabric {
                 (w, peer)
             })
             .collect();
-        Ok(Arc::new_cyclic(|this| NodeFabric {
-            spec,
-            me,
-            placement,
-            inboxes,
-            peers,
-            connected: Mutex::new(HashMap::new()),
-            connected_changed: Notify::new(),
-            link_errors: Mutex::new(Vec::new()),
-            finished: AtomicBool::new(false),
-            inputs: Arc::new(crate::intake::LinkInputs::new(this.clone())),
-            this: this.clone(),
+        Ok(Arc::new_cyclic(|this: &std::sync::Weak<NodeFabric>| {
+            NodeFabric {
+                spec,
+                me,
+                placement,
+                inboxes,
+                peers,
+                connected: Mutex::new(HashMap::new()),
+                connected_changed: Notify::new(),
+                link_errors: Mutex::new(Vec::new()),
+                finished: AtomicBool::new(false),
+                inputs: Arc::new(crate::intake::LinkInputs::new(this.clone() as _)),
+                this: this.clone(),
+            }
         }))
     }
 
@@ -344,22 +259,6 @@ impl NodeFabric {
         self.finished.store(true, Ordering::SeqCst);
     }
 
-    /// Records a link problem and fails every receive of this worker's chips with it, so a
-    /// broken link ends the job with an error instead of a hang.
-    pub(crate) fn link_failed(&self, error: String) {
-        if self.finished.load(Ordering::SeqCst) {
-            return;
-        }
-        tracing::error!("{error}");
-        self.link_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(error.clone());
-        for inbox in self.inboxes.iter().flatten() {
-            inbox.close(&error);
-        }
-    }
-
     /// Waits until streams to every neighbouring worker are up.
     pub async fn wait_connected(&self, timeout: Duration) -> Result<(), LinkError> {
         let wanted = self.peers.len();
@@ -393,21 +292,6 @@ impl NodeFabric {
                 .collect();
             LinkError::Link(format!("no link to workers {missing:?} after {timeout:?}"))
         })
-    }
-
-    /// Takes the queue of messages for `peer`, for the one link that will carry them.
-    pub(crate) fn claim(&self, peer: u32) -> Result<mpsc::UnboundedReceiver<Outgoing>, Refusal> {
-        let Some(p) = self.peers.get(&peer) else {
-            return Err(Refusal::NoLink(format!(
-                "worker {peer} shares no link with worker {}",
-                self.me
-            )));
-        };
-        p.queue_rx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| Refusal::Taken(format!("worker {peer} is already linked")))
     }
 
     fn connected_by(&self, peer: u32, transport: Transport, inside_tls: bool) {
@@ -456,31 +340,6 @@ impl NodeFabric {
         Ok(())
     }
 
-    /// Starts the pumps of a record link to `peer` (see [`crate::records`]), with the shared
-    /// regions its hello settled.
-    pub(crate) fn run_record_link(
-        self: &Arc<Self>,
-        peer: u32,
-        stream: LinkStream,
-        queue: mpsc::UnboundedReceiver<Outgoing>,
-        regions: records::Regions,
-    ) {
-        let (transport, inside_tls) = (regions.transport(&stream), stream.is_tls());
-        let (input, output) = match stream.into_split() {
-            Ok(halves) => halves,
-            Err(e) => return self.link_failed(format!("link from worker {peer}: {e}")),
-        };
-        let Some(p) = self.peers.get(&peer) else {
-            return;
-        };
-        if !p.writer.attach(output, regions.outbound) {
-            return;
-        }
-        tokio::spawn(records::pump_out(queue, p.writer.clone()));
-        self.inputs.add(peer, input, regions.inbound);
-        self.connected_by(peer, transport, inside_tls);
-    }
-
     /// Delivers what has already arrived on this worker's record links, on the calling thread
     /// (see `intake`): the heartbeat's, before it reports who waits on whom.
     pub fn deliver_arrived(&self) {
@@ -491,45 +350,6 @@ impl NodeFabric {
     /// links itself (see `intake`).
     pub fn idle_wait(&self) -> Arc<dyn podsim_collectives::IdleWait> {
         self.inputs.clone()
-    }
-
-    /// How this worker's job asks its links to be carried.
-    pub(crate) fn transport(&self) -> Transport {
-        self.spec.transport
-    }
-
-    /// Checks a message that came from worker `peer` (see [`wire::message`]).
-    pub(crate) fn decode(
-        &self,
-        env: pb::Envelope,
-        payload: podsim_collectives::Payload,
-        peer: u32,
-    ) -> Result<Message, String> {
-        wire::message(
-            env,
-            || Ok(payload),
-            &self.spec.pod,
-            &self.placement,
-            peer,
-            self.me,
-        )
-    }
-
-    /// Hands a checked message from worker `peer` to its chip's inbox.
-    pub(crate) fn accept(&self, peer: u32, msg: Message) -> Result<(), String> {
-        match self.inboxes.get(msg.dst as usize) {
-            Some(Some(inbox)) => {
-                if let Some(p) = self.peers.get(&peer) {
-                    p.arrived.fetch_add(1, Ordering::Relaxed);
-                }
-                inbox.push(msg);
-                Ok(())
-            }
-            _ => Err(format!(
-                "link from worker {peer}: chip {} is not hosted here",
-                msg.dst
-            )),
-        }
     }
 
     /// Links to `peer`, whose addresses are `at`. On this host (automatically, or when the
@@ -676,6 +496,119 @@ pub fn insert_header<T>(
     Ok(())
 }
 
+/// Accepts links from workers on this host for as long as the listener lives, handing each
+/// to the fabric `fabric` holds once the worker has built it (see [`crate::records`]).
+pub async fn serve_records(
+    listener: tokio::net::UnixListener,
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+) {
+    records::serve_with(listener, token, fabric, Limits::default()).await
+}
+
+/// Serves the TCP port of this worker's link service: record links (inside TLS with `tls`)
+/// go to the fabric `fabric` holds, gRPC connections to `grpc` (see [`crate::records`]).
+pub async fn route_tcp(
+    listener: tokio::net::TcpListener,
+    tls: Option<Tls>,
+    token: String,
+    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    grpc: mpsc::Sender<std::io::Result<tokio::net::TcpStream>>,
+) {
+    records::route_tcp_with(listener, tls, token, fabric, grpc, Limits::default()).await
+}
+
+impl LinkHost for NodeFabric {
+    fn transport(&self) -> Transport {
+        self.spec.transport
+    }
+
+    fn claim(&self, peer: u32) -> Result<mpsc::UnboundedReceiver<Outgoing>, Refusal> {
+        let Some(p) = self.peers.get(&peer) else {
+            return Err(Refusal::NoLink(format!(
+                "worker {peer} shares no link with worker {}",
+                self.me
+            )));
+        };
+        p.queue_rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| Refusal::Taken(format!("worker {peer} is already linked")))
+    }
+
+    fn run_record_link(
+        self: &Arc<Self>,
+        peer: u32,
+        stream: LinkStream,
+        queue: mpsc::UnboundedReceiver<Outgoing>,
+        regions: records::Regions,
+    ) {
+        let (transport, inside_tls) = (regions.transport(&stream), stream.is_tls());
+        let (input, output) = match stream.into_split() {
+            Ok(halves) => halves,
+            Err(e) => return self.link_failed(format!("link from worker {peer}: {e}")),
+        };
+        let Some(p) = self.peers.get(&peer) else {
+            return;
+        };
+        if !p.writer.attach(output, regions.outbound) {
+            return;
+        }
+        tokio::spawn(records::pump_out(queue, p.writer.clone()));
+        self.inputs.add(peer, input, regions.inbound);
+        self.connected_by(peer, transport, inside_tls);
+    }
+}
+
+impl Deliver for NodeFabric {
+    fn decode(
+        &self,
+        env: pb::Envelope,
+        payload: podsim_collectives::Payload,
+        peer: u32,
+    ) -> Result<Message, String> {
+        wire::message(
+            env,
+            || Ok(payload),
+            &self.spec.pod,
+            &self.placement,
+            peer,
+            self.me,
+        )
+    }
+
+    fn accept(&self, peer: u32, msg: Message) -> Result<(), String> {
+        match self.inboxes.get(msg.dst as usize) {
+            Some(Some(inbox)) => {
+                if let Some(p) = self.peers.get(&peer) {
+                    p.arrived.fetch_add(1, Ordering::Relaxed);
+                }
+                inbox.push(msg);
+                Ok(())
+            }
+            _ => Err(format!(
+                "link from worker {peer}: chip {} is not hosted here",
+                msg.dst
+            )),
+        }
+    }
+
+    fn link_failed(&self, error: String) {
+        if self.finished.load(Ordering::SeqCst) {
+            return;
+        }
+        tracing::error!("{error}");
+        self.link_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(error.clone());
+        for inbox in self.inboxes.iter().flatten() {
+            inbox.close(&error);
+        }
+    }
+}
+
 impl Router for NodeFabric {
     fn deliver(&self, msg: Message) -> Result<Delivery<'_>, CollectiveError> {
         let dst = msg.dst as usize;
@@ -713,13 +646,7 @@ impl Router for NodeFabric {
             // direct record (256 KiB) per time the link goes from idle to busy: every message
             // after it is queued with room.
             let room = peer.room.clone().try_acquire_many_owned(cost).ok();
-            let rest = Outgoing {
-                msg,
-                bytes,
-                skip,
-                lent,
-                _room: room,
-            };
+            let rest = Outgoing::new(msg, bytes, skip, lent, room);
             peer.queue.send(rest).is_ok()
         };
         let (msg, lent) = match peer.writer.write_if_idle(msg, queue_rest) {
@@ -729,13 +656,7 @@ impl Router for NodeFabric {
         };
         match peer.room.clone().try_acquire_many_owned(cost) {
             Ok(room) => {
-                if !peer.enqueue(Outgoing {
-                    msg,
-                    bytes,
-                    skip: 0,
-                    lent,
-                    _room: Some(room),
-                }) {
+                if !peer.enqueue(Outgoing::new(msg, bytes, 0, lent, Some(room))) {
                     return Err(closed());
                 }
                 Ok(Delivery::Done)
@@ -743,13 +664,7 @@ impl Router for NodeFabric {
             Err(_) => Ok(Delivery::Wait(Box::pin(async move {
                 let room = peer.room.clone().acquire_many_owned(cost).await;
                 let room = room.map_err(|_| closed())?;
-                let queued = peer.enqueue(Outgoing {
-                    msg,
-                    bytes,
-                    skip: 0,
-                    lent,
-                    _room: Some(room),
-                });
+                let queued = peer.enqueue(Outgoing::new(msg, bytes, 0, lent, Some(room)));
                 queued.then_some(()).ok_or_else(closed)
             }))),
         }
@@ -849,16 +764,6 @@ impl LinkService for LinkServer {
         fabric.attach(peer, request.into_inner(), tx)?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx).map(Ok))))
     }
-}
-
-/// Whether two tokens are equal, in time that does not depend on where they differ.
-pub(crate) fn same_token(given: &[u8], token: &[u8]) -> bool {
-    given.len() == token.len()
-        && given
-            .iter()
-            .zip(token)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
 }
 
 /// Checks the job token of a request (constant-time comparison).

@@ -20,7 +20,7 @@
 //! settles it: each side offers its region, says whether it mapped the other's, and lends only
 //! to a peer that mapped.
 //!
-//! Over TCP the records share the worker's link port with gRPC ([`route_tcp`] tells them apart
+//! Over TCP the records share the worker's link port with gRPC ([`route_tcp_with`] tells them apart
 //! by the first bytes) and nothing is shared in memory: the peer may be on another host.
 //!
 //! A connection opens with a hello (magic, version, the dialling worker's id, the job token,
@@ -59,13 +59,14 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, watch};
 
 use crate::LinkError;
-use crate::net::Transport;
-use crate::net::{NodeFabric, Outgoing, same_token};
+use crate::outgoing::{Outgoing, Refusal};
 use crate::shm::{self, Inbound, Outbound, Place, Region};
 use crate::socket::{
-    Acceptor, Admission, DIAL_PATIENCE, Limits, LinkStream, LinkWrite, Pending, RawLink, with_retry,
+    Acceptor, Admission, DIAL_PATIENCE, Limits, LinkStream, LinkWrite, Pending, RawLink,
+    same_token, with_retry,
 };
 use crate::tls::Tls;
+use crate::transport::Transport;
 use crate::wire::MAX_FRAME_BYTES;
 
 const HELLO_MAGIC: &[u8; 8] = b"PODSIMLK";
@@ -160,21 +161,36 @@ fn connect(_name: &str) -> io::Result<UnixStream> {
     ))
 }
 
-/// Accepts links from workers on this host for as long as the listener lives.
-pub async fn serve(
-    listener: tokio::net::UnixListener,
-    token: String,
-    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
-) {
-    serve_with(listener, token, fabric, Limits::default()).await
+/// What a record link needs of the worker's fabric it joins: the transport the job asked for,
+/// the queue of messages for a peer, and where a link goes once its hello has settled it.
+/// [`NodeFabric`](crate::net::NodeFabric), which starts the listeners, is the one
+/// implementation: through this the links reach the fabric without importing it.
+pub(crate) trait LinkHost: Send + Sync + 'static {
+    /// How the job asks its links to be carried.
+    fn transport(&self) -> Transport;
+    /// Takes the queue of messages for `peer`, for the one link that will carry them.
+    fn claim(&self, peer: u32) -> Result<mpsc::UnboundedReceiver<Outgoing>, Refusal>;
+    /// Starts the pumps of the record link to `peer`, with the shared regions its hello
+    /// settled.
+    fn run_record_link(
+        self: &Arc<Self>,
+        peer: u32,
+        stream: LinkStream,
+        queue: mpsc::UnboundedReceiver<Outgoing>,
+        regions: Regions,
+    );
 }
 
-/// [`serve`] with `limits` on the connections that wait for their hello. Each is answered on
-/// a task of its own, so that one that is slow to say hello holds up nobody else.
-pub(crate) async fn serve_with(
+/// The fabric a listener hands its links to: none until the worker has built it.
+pub(crate) type Host<H> = watch::Receiver<Option<Arc<H>>>;
+
+/// Accepts links from workers on this host for as long as the listener lives, with `limits`
+/// on the connections that wait for their hello. Each is answered on a task of its own, so
+/// that one that is slow to say hello holds up nobody else.
+pub(crate) async fn serve_with<H: LinkHost>(
     listener: tokio::net::UnixListener,
     token: String,
-    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    fabric: Host<H>,
     limits: Limits,
 ) {
     let admission = Admission::new(limits);
@@ -200,10 +216,10 @@ pub(crate) async fn serve_with(
 
 /// [`answer`] within the handshake's time limit; a refusal or a hello that never ends is
 /// logged (the dialler hears the reason itself).
-async fn answer_bounded(
+async fn answer_bounded<H: LinkHost>(
     stream: LinkStream,
     token: String,
-    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    fabric: Host<H>,
     pending: Pending,
 ) {
     let what = match (stream.is_tls(), stream.is_tcp()) {
@@ -294,10 +310,10 @@ impl Regions {
 /// The listening side of a hello: checks it (within `pending`'s deadline, its place given up
 /// once the hello proved the peer one of the job's), waits for the job's fabric, settles the
 /// shared regions, attaches the link.
-async fn answer(
+async fn answer<H: LinkHost>(
     mut stream: LinkStream,
     token: &str,
-    mut fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    mut fabric: Host<H>,
     mut pending: Pending,
 ) -> Result<(), String> {
     let checked = pending.within(async {
@@ -623,23 +639,13 @@ async fn handshake(
 /// hello (without `tls`) or with the TLS preamble (with it) becomes a record link
 /// (`answer`), the other of the two is refused with a reason, and any other (gRPC's HTTP/2
 /// preface, or a TLS handshake for gRPC) is handed to the gRPC server through `grpc`.
-pub async fn route_tcp(
+/// `limits` bound the connections that have neither said a record hello nor been handed to
+/// gRPC. Each is routed on a task of its own.
+pub(crate) async fn route_tcp_with<H: LinkHost>(
     listener: tokio::net::TcpListener,
     tls: Option<Tls>,
     token: String,
-    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
-    grpc: mpsc::Sender<io::Result<TcpStream>>,
-) {
-    route_tcp_with(listener, tls, token, fabric, grpc, Limits::default()).await
-}
-
-/// [`route_tcp`] with `limits` on the connections that have neither said a record hello nor
-/// been handed to gRPC. Each is routed on a task of its own.
-pub(crate) async fn route_tcp_with(
-    listener: tokio::net::TcpListener,
-    tls: Option<Tls>,
-    token: String,
-    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    fabric: Host<H>,
     grpc: mpsc::Sender<io::Result<TcpStream>>,
     limits: Limits,
 ) {
@@ -654,13 +660,13 @@ pub(crate) async fn route_tcp_with(
     }
 }
 
-/// Routes one connection to the link port by what it opens with (see [`route_tcp`]), within
+/// Routes one connection to the link port by what it opens with (see [`route_tcp_with`]), within
 /// `pending`'s deadline until it is a record link's hello or gRPC's.
-async fn route(
+async fn route<H: LinkHost>(
     stream: TcpStream,
     tls: Option<Tls>,
     token: String,
-    fabric: watch::Receiver<Option<Arc<NodeFabric>>>,
+    fabric: Host<H>,
     grpc: mpsc::Sender<io::Result<TcpStream>>,
     mut pending: Pending,
 ) {
@@ -1374,6 +1380,7 @@ fn payload_len(has_values: bool, len: u64) -> Result<usize, String> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::net::NodeFabric;
     use crate::wire;
     use podsim_collectives::{DType, Fingerprint, OpKind, ReduceOp, Tag};
 
@@ -1755,7 +1762,7 @@ pub(crate) mod tests {
     /// worker shutting down).
     type NoFabric = watch::Sender<Option<Arc<NodeFabric>>>;
 
-    /// A link port on loopback routed by `route_tcp` (with `tls` or without): its address,
+    /// A link port on loopback routed by `route_tcp_with` (with `tls` or without): its address,
     /// the receiving end of what it hands to gRPC, and its fabric.
     async fn link_port(
         tls: Option<Tls>,
@@ -1766,12 +1773,13 @@ pub(crate) mod tests {
         let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
         let (fabric_tx, fabric) = watch::channel(None);
         let (grpc_tx, grpc_rx) = mpsc::channel(4);
-        tokio::spawn(route_tcp(
+        tokio::spawn(route_tcp_with::<NodeFabric>(
             listener,
             tls,
             "job-token".into(),
             fabric,
             grpc_tx,
+            Limits::default(),
         ));
         (addr.to_string(), grpc_rx, fabric_tx)
     }

@@ -811,6 +811,16 @@ fn peer_uid(_socket: &impl AsRawFd) -> io::Result<u32> {
     ))
 }
 
+/// Whether two tokens are equal, in time that does not depend on where they differ.
+pub(crate) fn same_token(given: &[u8], token: &[u8]) -> bool {
+    given.len() == token.len()
+        && given
+            .iter()
+            .zip(token)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,7 @@ pub mod transport {
     /// Record links: the Unix-socket listener between workers on one host, and the router of
     /// the TCP link port.
     pub mod records {
-        pub use podsim_links::records::{bind, route_tcp, serve};
+        pub use podsim_links::net::{route_tcp, serve_records as serve};
+        pub use podsim_links::records::bind;
     }
 }

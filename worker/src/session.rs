@@ -193,7 +193,7 @@ impl Links {
         // Workers on this host reach this one over a Unix socket (see `records`).
         let link_local = match podsim_links::records::bind() {
             Some((listener, name)) => {
-                tokio::spawn(podsim_links::records::serve(
+                tokio::spawn(podsim_links::net::serve_records(
                     listener,
                     opts.token.clone(),
                     fabric_rx.clone(),
@@ -213,7 +213,7 @@ impl Links {
         // One port for both: connections that open as record links (inside TLS when the job
         // uses it) become record links and the others go to gRPC.
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(16);
-        tokio::spawn(podsim_links::records::route_tcp(
+        tokio::spawn(podsim_links::net::route_tcp(
             listener,
             opts.tls.clone(),
             opts.token.clone(),
