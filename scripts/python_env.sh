@@ -11,12 +11,16 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv" >&2
 fi
 py="$venv/bin/python"
-if ! "$py" -c "import torch" 2>/dev/null; then
+# Found without being imported (importing torch alone takes seconds); an installation that is
+# there but broken fails the tests that import it, saying why.
+if ! "$py" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('numpy')))" 2>/dev/null; then
     "$py" -m pip install --quiet --disable-pip-version-check torch numpy >&2
 fi
-# An installed podsim (`pip install ./python`, or a .pth an older version of this script wrote)
-# would shadow the tree's package: removed.
-"$py" -m pip uninstall --quiet --yes podsim >/dev/null 2>&1 || true
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# An installed podsim (`pip install ./python`, or a .pth an older version of this script wrote)
+# would shadow the tree's package: removed (pip is asked only when one is there).
+if compgen -G "$site/podsim-*.dist-info" >/dev/null; then
+    "$py" -m pip uninstall --quiet --yes podsim >/dev/null 2>&1 || true
+fi
 rm -f "$site/podsim-tree.pth"
 echo "$py"
