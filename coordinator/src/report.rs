@@ -221,6 +221,10 @@ pub struct JobInfo {
     pub kind: String,
     pub mode: String,
     pub config: String,
+    /// The podsim command line that wrote this report, `--set` overrides included: how to run
+    /// the same job again.
+    #[serde(default)]
+    pub command: Vec<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -591,6 +595,7 @@ fn empty(cfg: &JobConfig) -> Report {
             kind: cfg.kind().to_string(),
             mode: cfg.mode().to_string(),
             config: cfg.source.display().to_string(),
+            command: std::env::args().collect(),
         },
         topology: TopologyInfo {
             shape: pod.torus().to_string(),

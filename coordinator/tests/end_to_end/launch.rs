@@ -118,6 +118,16 @@ fn each_transport_moves_the_same_values_in_the_same_virtual_time() {
             String::from_utf8_lossy(&out.stderr)
         );
         let r = report(&dir);
+        let command: Vec<&str> = r["job"]["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|a| a.as_str())
+            .collect();
+        assert!(
+            command.ends_with(&["--set", set.as_str()]),
+            "{transport}: {command:?}"
+        );
         assert_eq!(r["correctness"]["wrong_elements"], 0, "{transport}");
         assert!(r["correctness"]["elements_checked"].as_u64().unwrap() > 0);
         for w in r["workers"].as_array().unwrap() {
