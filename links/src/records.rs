@@ -20,8 +20,9 @@
 //! settles it: each side offers its region, says whether it mapped the other's, and lends only
 //! to a peer that mapped.
 //!
-//! Over TCP the records share the worker's link port with gRPC ([`route_tcp_with`] tells them apart
-//! by the first bytes) and nothing is shared in memory: the peer may be on another host.
+//! Over TCP the records share the worker's link port with gRPC
+//! ([`net::route_tcp`](crate::net::route_tcp) tells them apart by the first bytes) and nothing
+//! is shared in memory: the peer may be on another host.
 //!
 //! A connection opens with a hello (magic, version, the dialling worker's id, the job token,
 //! its region offer); the listener answers `OK` (whether it mapped the offered region, its own
