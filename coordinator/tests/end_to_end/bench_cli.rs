@@ -1,28 +1,17 @@
 //! `podsim bench` end to end: the real binary, its JSON rows, its exit codes.
 #![allow(clippy::unwrap_used)]
 
-use std::process::{Command, Output};
-use std::time::{Duration, Instant};
+use std::process::Output;
+use std::time::Duration;
 
+use crate::support::run_bounded;
+
+/// `podsim ARGS` to its end (at most 120 s), as the other end-to-end tests start it: a test
+/// killed mid-run takes it along.
 fn podsim(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_podsim"))
-        .args(args)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start podsim");
-    // Bounded wait: a test must never hang.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if child.try_wait().expect("wait").is_some() {
-            return child.wait_with_output().expect("output");
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("podsim {args:?} did not finish in 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut command = crate::support::podsim();
+    command.args(args);
+    run_bounded(command, Duration::from_secs(120))
 }
 
 #[test]
