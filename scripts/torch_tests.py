@@ -204,34 +204,54 @@ def descendants(pid):
     return found
 
 
-def case_killed_leaves_nothing(args):
-    """`podsim run` killed with SIGKILL while its ranks (forked by the rank server) sleep:
-    the worker, the rank server, the stubs and the forked ranks all go."""
+def case_killed_leaves_nothing(args, shared):
+    """`podsim run` killed with SIGKILL while its ranks (forked by a rank server) sleep: the
+    worker, the stubs and the forked ranks all go, and the job's own rank server; a shared
+    one (`python -m podsim.rank_server`, whose children the ranks are) stays, serving."""
     out = tempfile.mkdtemp(prefix="podsim-torch-")
     program = "import torch.distributed as dist, time\ndist.init_process_group()\ntime.sleep(600)"
+    env = dict(os.environ)
+    if not shared:
+        env.pop("PODSIM_RANK_SERVER", None)
     p = subprocess.Popen([args.podsim, "run", "--topology", "2x2", "--set", "job.prefork=true",
                           "--out", out, "--",
                           sys.executable, "-c", program],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # The worker, the keeper, the rank server, 4 stubs and the 4 ranks it forked.
-    deadline, below = time.time() + 60, []
-    while time.time() < deadline and len(below) < 11:
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    # The worker, the keeper, 4 stubs, and the job's rank server with the 4 ranks it forked
+    # (a shared server's ranks are its children: those in the stubs' process groups).
+    want = 6 if shared else 11
+    deadline, below, forked = time.time() + 60, [], []
+    while time.time() < deadline and (len(below) < want or len(forked) < 4):
         time.sleep(0.2)
         below = descendants(p.pid)
-    # A forked rank keeps the server's command line; its name says what it is.
-    forked = [pid for pid in below if _comm(pid).startswith("podsim-rank")]
+        groups = {pid for pid in below if _pgid(pid) == pid}
+        # A forked rank keeps the server's command line; its name says what it is.
+        forked = [pid for pid in os.listdir("/proc") if pid.isdigit()
+                  and _comm(int(pid)).startswith("podsim-rank") and _pgid(int(pid)) in groups]
+        forked = [int(pid) for pid in forked]
     server = [pid for pid in below if "_prefork.serve" in _cmdline(pid) and pid not in forked]
     p.kill()
     p.wait()
+    watched = set(below) | set(forked)
     deadline = time.time() + 15
-    while time.time() < deadline and any(_alive(pid) for pid in below):
+    while time.time() < deadline and any(_alive(pid) for pid in watched):
         time.sleep(0.1)
-    left = [pid for pid in below if _alive(pid)]
+    left = [pid for pid in watched if _alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    ok = len(below) >= 11 and len(server) == 1 and len(forked) == 4 and not left
-    return ok, (f"{len(below)} processes below podsim ({len(server)} rank server, {len(forked)} "
-                f"ranks it forked), {len(left)} left after SIGKILL {left}")
+    shared_alive = not shared or args.shared_server.poll() is None
+    ok = (len(below) >= want and len(server) == (0 if shared else 1) and len(forked) == 4
+          and not left and shared_alive)
+    return ok, (f"{len(below)} processes below podsim ({len(server)} rank server of its own, "
+                f"{len(forked)} ranks forked), {len(left)} left after SIGKILL {left}"
+                f"{'; the shared server serves on' if shared and shared_alive else ''}")
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def _cmdline(pid):
@@ -616,7 +636,10 @@ def main():
          lambda: case_fault(args, "raise", 2, 4, "program_error", 1, 3000)),
         ("a rank that prints its error and exits 1 is a program error",
          lambda: case_fault(args, "handled", 5, 4, "program_error", 1, 3000)),
-        ("a killed podsim leaves no rank, stub or rank server", lambda: case_killed_leaves_nothing(args)),
+        ("a killed podsim leaves no rank, stub or rank server",
+         lambda: case_killed_leaves_nothing(args, shared=False)),
+        ("a killed podsim leaves no rank of a shared rank server",
+         lambda: case_killed_leaves_nothing(args, shared=True)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
         ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),
     ]
@@ -627,7 +650,15 @@ def main():
     # Every case's folders (reports, parameters) in one, removed when all passed and kept,
     # named, when one failed.
     tempfile.tempdir = tempfile.mkdtemp(prefix="podsim-torch-tests-")
-    failed = run_cases(cases + timed, args.jobs)
+    # One rank server for every podsim run here, as a user's scripted runs share one
+    # (`python -m podsim.rank_server`): torch is imported once, not once per run (5-7 s of
+    # CPU each). The case of a killed podsim checks a job's own server too.
+    args.shared_server = shared_rank_server()
+    try:
+        failed = run_cases(cases + timed, args.jobs)
+    finally:
+        args.shared_server.stdin.close()  # the server ends with its input
+        args.shared_server.wait(timeout=30)
     total = len(cases) + len(timed)
     if failed:
         print(f"the cases' folders are kept in {tempfile.tempdir}")
@@ -635,6 +666,20 @@ def main():
         shutil.rmtree(tempfile.tempdir, ignore_errors=True)
     print(f"torch tests: {total - failed} passed, {failed} failed")
     sys.exit(failed)
+
+
+def shared_rank_server():
+    """Starts `python -m podsim.rank_server` (serving until its input ends) and names it in
+    this process's environment, which every podsim run here inherits."""
+    server = subprocess.Popen([sys.executable, "-m", "podsim.rank_server"], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = server.stdout.readline().strip()
+    name = line.partition("PODSIM_RANK_SERVER=")[2]
+    if not name:
+        server.kill()
+        sys.exit(f"the shared rank server did not start: said {line!r}")
+    os.environ["PODSIM_RANK_SERVER"] = name
+    return server
 
 
 def run_cases(cases, jobs):

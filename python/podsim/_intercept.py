@@ -42,6 +42,21 @@ def device():
     return torch.device("meta" if mode() == "meta" else "cpu")
 
 
+def boot():
+    """Installs every interception before a rank's program runs, or ends the process saying
+    why (exit 2): a program must never run around the pod. The rank's `sitecustomize.py`
+    calls it, and a rank server's forked child (`podsim._prefork`)."""
+    try:
+        install()
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.write("podsim: cannot set up podsim's torch backend (above)\n")
+        sys.stderr.flush()
+        os._exit(2)
+
+
 def install():
     """Installs every interception (once)."""
     global _installed

@@ -1,16 +1,24 @@
-"""The rank server of a job: one process imports torch and podsim's interceptions once, then
-forks a rank for each chip, so that eight ranks on two cores do not each spend 3-4 s of CPU
-importing torch (`programs/src/torch/ranks.rs` starts it, when the job's command is a Python
-script run with podsim's interceptions).
+"""The rank server: one process imports torch once, then forks a rank for each chip, so that
+eight ranks on two cores do not each spend 3-4 s of CPU importing torch
+(`programs/src/torch/ranks.rs` starts one per job, when the job's command is a Python script
+run with podsim's interceptions; `python -m podsim.rank_server` starts one that many jobs
+share).
 
 The worker still starts one process per rank - a stub (`python -S -c STUB ARGS`, no `site`, so
 it starts in milliseconds; `programs/src/torch/stub.py`) - and watches, kills and reaps that
 process as it would the rank. The stub connects here and sends its standard streams (as file
-descriptors), its arguments, environment, working directory and process group. The server
-forks a child that takes them all - it joins the stub's process group, so that killing the
-rank's group kills it - and runs the program as `python ARGS` would. The server tells the stub
-the child's exit, and the stub exits the same way. A stub that goes away takes its child with
-it; the server and its children die with the worker (their parent-death signal).
+descriptors), its interpreter, arguments, environment, working directory and process group.
+The server forks a child that takes them all - it joins the stub's process group, so that
+killing the rank's group kills it - then loads podsim's interceptions for the job's
+environment (meta mode or not, the chip's HBM: nothing of the job is loaded before the fork,
+which is what lets one server serve many jobs) and runs the program as `python ARGS` would.
+The server tells the stub the child's exit, and the stub exits the same way. A stub that goes
+away takes its child with it; the children die with the server (their parent-death signal),
+and a job's server with its worker.
+
+A stub is served only by a server of the same user, the same interpreter and the same
+`PYTHONPATH` (podsim's boot folder aside): a child runs what the server imported, so anything
+else would run the program on another torch or another podsim than the job names.
 
 Single-threaded on purpose: a fork copies only the thread that calls it, and a lock another
 thread held at that moment would stay held in the child for ever."""
@@ -23,6 +31,7 @@ import signal
 import socket
 import struct
 import sys
+from typing import List, Optional
 
 # The stub's request: a 4-byte length, then that many bytes of JSON (the first part arrives
 # with its file descriptors).
@@ -30,84 +39,183 @@ _LENGTH = struct.Struct("!I")
 _MAX_REQUEST = 1 << 22
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+# The server's own OMP_NUM_THREADS when it loaded torch: a child whose job says otherwise
+# sets its own thread count.
+_SERVER_THREADS: Optional[str] = None
 
 
-def serve() -> None:
-    """Serves the stubs until the worker kills this process (or it dies with the worker)."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind("\0" + os.environ["PODSIM_PREFORK_SOCKET"])
-    listener.listen(1024)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    selector.register(wake_read, selectors.EVENT_READ)
-    stub_of = {}  # child pid -> its stub's connection
-    child_of = {}  # a stub's connection -> its child's pid
-    _preload()
-    print("ready", flush=True)
-    while True:
-        for key, _ in selector.select():
-            if key.fileobj is listener:
-                conn, _ = listener.accept()
-                request, fds = _read_request(conn)
-                if request is None:
-                    conn.close()
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    # Never returns: the program's own exit ends this process.
-                    _become(request, fds, [listener, conn, *child_of], selector, wake_read, wake_write)
-                for fd in fds:
-                    os.close(fd)
-                stub_of[pid], child_of[conn] = conn, pid
-                selector.register(conn, selectors.EVENT_READ)
-                _send(conn, f"pid {pid}\n")
-            elif key.fileobj == wake_read:
-                while True:
-                    try:
-                        if not os.read(wake_read, 512):
-                            break
-                    except BlockingIOError:
-                        break
+class _Server:
+    """The server's state: its socket, the stubs it serves and their children, and what ends
+    it (its worker's death, its standard input's end, or its command's exit)."""
+
+    def __init__(self, name: str, watch_stdin: bool) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + name)
+        self.listener.listen(1024)
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+        signal.set_wakeup_fd(self.wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.selector.register(self.wake_read, selectors.EVENT_READ)
+        if watch_stdin:
+            self.selector.register(0, selectors.EVENT_READ)
+        self.stub_of: dict = {}  # child pid -> its stub's connection
+        self.child_of: dict = {}  # a stub's connection -> its child's pid
+        self.command = None  # the command this server was started for, once started
+        self.ended = None  # its exit status, or -1 once standard input has ended
+        # What every child runs: this interpreter and what it imported from this path.
+        self.identity = _identity(sys.executable, os.environ)
+
+    def step(self) -> None:
+        """Handles what is ready: a stub's request, a signal, a stub gone, input's end."""
+        for key, _ in self.selector.select():
+            if key.fileobj is self.listener:
+                self._accept()
+            elif key.fileobj == self.wake_read:
+                _drain(self.wake_read)
+            elif key.fileobj == 0:
+                if not os.read(0, 512):
+                    self.ended = -1
             else:
                 # A stub says nothing after its request: readable means it went away.
                 conn = key.fileobj
-                selector.unregister(conn)
-                pid = child_of.pop(conn)
-                stub_of.pop(pid, None)
+                self.selector.unregister(conn)
+                pid = self.child_of.pop(conn)
+                self.stub_of.pop(pid, None)
                 conn.close()
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        _reap(stub_of, child_of, selector)
+                _kill(pid)
+        status = _reap(self.stub_of, self.child_of, self.selector, self.command)
+        if status is not None:
+            self.ended = status
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        request, fds = _read_request(conn)
+        refusal = request is not None and _refusal(request, self.identity)
+        if request is None or refusal:
+            if refusal:
+                _send(conn, f"refused {refusal}\n")
+            for fd in fds:
+                os.close(fd)  # the stub's streams: held, they would outlive it
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            # Never returns: the program's own exit ends this process.
+            _become(request, fds, [self.listener, conn, *self.child_of], self.selector,
+                    self.wake_read, self.wake_write)
+        for fd in fds:
+            os.close(fd)
+        self.stub_of[pid], self.child_of[conn] = conn, pid
+        self.selector.register(conn, selectors.EVENT_READ)
+        _send(conn, f"pid {pid}\n")
+
+    def close(self) -> None:
+        """Ends every rank still running (their stubs then say the server ended)."""
+        for pid in list(self.stub_of):
+            _kill(pid)
+        self.listener.close()
 
 
-def _preload():
-    """Loads, once for every rank, what distributed programs load after their start: DDP,
-    FSDP2 and device meshes each import torch's compiler front end (`torch._dynamo`, 2 s of
-    CPU), which eight ranks on two cores would otherwise import eight times. A program that
-    never needs it costs the server those 2 s, once. Nothing here may start a thread (see the
-    module doc): importing it starts none."""
+def serve(name: Optional[str] = None, announce: Optional[str] = "ready",
+          watch_stdin: bool = False, command: Optional[List[str]] = None) -> int:
+    """Serves stubs at the abstract socket `name` (the worker's `PODSIM_PREFORK_SOCKET` when
+    none is given), printing `announce` once torch is loaded. A job's server serves until its
+    worker kills it (or dies: its parent-death signal); with `watch_stdin`, until its
+    standard input ends; with a `command`, until that command - started with
+    `PODSIM_RANK_SERVER` naming this server - exits, whose status it then returns."""
+    name = name or os.environ["PODSIM_PREFORK_SOCKET"]
+    server = _Server(name, watch_stdin)
+    _preload()
+    if announce is not None:
+        print(announce, flush=True)
+    if command:
+        import subprocess
+
+        env = dict(os.environ, PODSIM_RANK_SERVER=name)
+        env.pop("PODSIM_BOOTED", None)
+        try:
+            server.command = subprocess.Popen(command, env=env)
+        except OSError as e:
+            sys.stderr.write(f"podsim rank server: cannot run {command[0]}: {e}\n")
+            server.close()
+            return 127
+    while server.ended is None:
+        server.step()
+    server.close()
+    return max(server.ended, 0)
+
+
+def _preload() -> None:
+    """Loads, once for every rank, what distributed programs load after their start: torch,
+    and the compiler front end (`torch._dynamo`, 2 s of CPU) that DDP, FSDP2 and device
+    meshes import, which eight ranks on two cores would otherwise import eight times. A
+    program that never needs it costs the server those 2 s, once. Nothing of a job is
+    loaded (podsim's interceptions read the job's environment: each child loads them), and
+    nothing here may start a thread (see the module doc): importing these starts none."""
+    global _SERVER_THREADS
+    _SERVER_THREADS = os.environ.get("OMP_NUM_THREADS")
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
     try:
         import torch._dynamo  # noqa: F401
     except Exception as e:  # a rank that needs it fails on its own, saying why
         sys.stderr.write(f"podsim rank server: could not preload torch._dynamo: {e}\n")
 
 
-def _reap(stub_of, child_of, selector):
-    """Tells each ended child's stub how it ended."""
+def _identity(python: str, env) -> tuple:
+    """What a rank's process would load: its interpreter and its `PYTHONPATH`, without the
+    job's own boot folder (`programs/src/torch/boot.rs`), which every job names anew."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and not os.path.basename(os.path.normpath(p)).startswith("podsim-boot-")]
+    return os.path.abspath(python), paths
+
+
+def _refusal(request, identity) -> Optional[str]:
+    """Why this server cannot run the stub's rank, or None when it can."""
+    theirs = _identity(str(request.get("python", "")), request.get("env", {}))
+    if theirs == identity:
+        return None
+    return (f"this rank runs {theirs[0]} with PYTHONPATH {os.pathsep.join(theirs[1]) or '(none)'}, "
+            f"the rank server {identity[0]} with {os.pathsep.join(identity[1]) or '(none)'}: "
+            "start the rank server from the job's environment, or unset PODSIM_RANK_SERVER")
+
+
+def _drain(fd: int) -> None:
+    while True:
+        try:
+            if not os.read(fd, 512):
+                return
+        except BlockingIOError:
+            return
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(stub_of, child_of, selector, command) -> Optional[int]:
+    """Tells each ended child's stub how it ended; the `command`'s exit status once it has
+    ended (it is a child too), else None."""
+    ended = None
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return ended
         if pid == 0:
-            return
+            return ended
+        if command is not None and pid == command.pid:
+            command.returncode = os.waitstatus_to_exitcode(status)
+            ended = command.returncode if command.returncode >= 0 else 128 - command.returncode
+            continue
         conn = stub_of.pop(pid, None)
         if conn is None:
             continue
@@ -132,7 +240,13 @@ def _read_request(conn):
     conn.settimeout(10)
     fds = []
     try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        uid = struct.unpack("3i", creds)[1]
+        if uid != os.getuid():
+            raise ValueError(f"a process of user {uid}, not this server's {os.getuid()}")
         data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        if not data and not fds:
+            return None, []  # connected and went away: a worker seeing that the server is up
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} descriptors, not 3")
         while len(data) < _LENGTH.size or len(data) < _LENGTH.size + _LENGTH.unpack_from(data)[0]:
@@ -186,16 +300,37 @@ def _become(request, fds, sockets, selector, *pipe):
         os.environ.update(env)
         if "random" in sys.modules:
             sys.modules["random"].seed()  # each rank its own, as separate processes would be
+        _threads(env.get("OMP_NUM_THREADS"))
         args = list(request["args"])
     except BaseException:
         import traceback
 
         traceback.print_exc()
         os._exit(1)
+    # podsim's interceptions, for this job (as the rank's sitecustomize.py loads them in a
+    # rank that starts its own interpreter).
+    from . import _intercept
+
+    _intercept.boot()
     try:
         _run_program(args)
     except SystemExit as e:
         _exit_forked(e.code)
+
+
+def _threads(wanted: Optional[str]) -> None:
+    """The job's intra-op threads (`OMP_NUM_THREADS`, one per rank when ranks share the host),
+    where the server loaded torch with another count: OpenMP read it then, not now."""
+    if wanted == _SERVER_THREADS:
+        return
+    try:
+        count = int(wanted) if wanted else len(os.sched_getaffinity(0))
+    except ValueError:
+        return  # as OpenMP ignores a count it cannot read
+    if count > 0:
+        import torch
+
+        torch.set_num_threads(count)
 
 
 def _exit_forked(code):

@@ -56,7 +56,7 @@ class RankServer(unittest.TestCase):
         shutil.rmtree(cls.dir, ignore_errors=True)
 
     def start(self, *args, rank="3"):
-        env = dict(os.environ, PODSIM_PREFORK_SOCKET=self.socket, RANK=rank)
+        env = dict(os.environ, PYTHONPATH=PACKAGE, PODSIM_PREFORK_SOCKET=self.socket, RANK=rank)
         return subprocess.Popen(
             [sys.executable, "-S", "-c", self.stub, *args], env=env, cwd=self.dir,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -124,6 +124,63 @@ class RankServer(unittest.TestCase):
         while _alive(rank[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.assertFalse(_alive(rank[0]), "the forked rank outlived its stub")
+
+
+    # What a server runs is what it imported: a stub of another interpreter or another
+    # `PYTHONPATH` is refused, saying why; the job's own environment reaches podsim's boot.
+
+    def test_another_pythonpath_is_refused_saying_why(self):
+        env = dict(os.environ, PYTHONPATH=self.dir, PODSIM_PREFORK_SOCKET=self.socket)
+        p = subprocess.run([sys.executable, "-S", "-c", self.stub, self.program, "0"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("the rank server refused this rank", p.stderr)
+        self.assertIn(f"PYTHONPATH {self.dir}", p.stderr)
+
+    def test_a_boot_folder_is_not_another_path_and_the_job_reaches_the_boot(self):
+        boot = os.path.join(self.dir, "podsim-boot-1-2")
+        program = ("import os, torch, podsim._intercept as i\n"
+                   "print(i._installed, i.mode(), torch.get_num_threads(), os.environ['PODSIM_BOOTED'])")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([boot, PACKAGE]),
+                   PODSIM_PREFORK_SOCKET=self.socket, PODSIM_MODE="meta", OMP_NUM_THREADS="1")
+        p = subprocess.run([sys.executable, "-S", "-c", self.stub, "-c", program], env=env,
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual((p.returncode, p.stdout.strip()), (0, "True meta 1 1"), p.stderr)
+
+
+class Shared(unittest.TestCase):
+    """`python -m podsim.rank_server`: one server for the jobs of a command, or of whoever
+    holds its standard input."""
+
+    def test_a_command_runs_with_the_server_named_and_ends_it_with_its_status(self):
+        env = dict(os.environ, PYTHONPATH=PACKAGE)
+        env.pop("PODSIM_RANK_SERVER", None)
+        with open(STUB) as f:
+            stub = f.read()
+        # The command runs a rank through the server it names, then exits 3.
+        command = ("import os, subprocess, sys\n"
+                   "env = dict(os.environ, PODSIM_PREFORK_SOCKET=os.environ['PODSIM_RANK_SERVER'])\n"
+                   f"p = subprocess.run([sys.executable, '-S', '-c', {stub!r}, '-c', "
+                   "'import os; print(\"rank of\", os.getppid() != 1)'], env=env)\n"
+                   "sys.exit(3 if p.returncode == 0 else 9)")
+        p = subprocess.run([sys.executable, "-m", "podsim.rank_server", sys.executable, "-c",
+                            command], env=env, capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 3, p.stderr)
+        self.assertIn("rank of True", p.stdout)
+
+    def test_without_a_command_it_serves_until_its_input_ends(self):
+        env = dict(os.environ, PYTHONPATH=PACKAGE)
+        p = subprocess.Popen([sys.executable, "-m", "podsim.rank_server"], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            line = p.stdout.readline().strip()
+            self.assertTrue(line.startswith("PODSIM_RANK_SERVER=podsim-rank-server-"), line)
+            p.stdin.close()
+            self.assertEqual(p.wait(timeout=30), 0)
+        finally:
+            p.kill()
+            p.wait()
+            p.stdout.close()
 
 
 def _pgid(pid):

@@ -135,3 +135,33 @@ fn a_python_without_the_backend_is_a_program_error_not_a_hang() {
         assert!(explanation.contains(said), "{explanation}");
     }
 }
+
+/// `PODSIM_RANK_SERVER` naming a rank server that is not running (ended, or mistyped) fails
+/// the job before any rank starts, naming the variable and how to start one: no rank's stub
+/// waits out its connect bound for it.
+#[test]
+fn a_shared_rank_server_that_is_not_running_is_an_error_before_any_rank() {
+    let dir = temp_dir("torch-run-no-shared-server");
+    let mut cmd = podsim();
+    cmd.args(["run", "--topology", "2", "--out"])
+        .arg(&dir)
+        .args(["--", "python3", "-c", "pass"])
+        .env("PODSIM_RANK_SERVER", "podsim-rank-server-that-never-ran");
+    let started = std::time::Instant::now();
+    let out = run_bounded(cmd, Duration::from_secs(120));
+    let said =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{said}");
+    for part in [
+        "PODSIM_RANK_SERVER=\"podsim-rank-server-that-never-ran\"",
+        "no rank server listens there",
+        "python -m podsim.rank_server",
+    ] {
+        assert!(said.contains(part), "{part:?} not in {said}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+}

@@ -156,9 +156,12 @@ pub async fn start(
         python_path: python_path.as_deref(),
         ranks: recorders.len(),
     };
-    let server = match forkable(spec, program, args, recorders.len()) {
-        true => start_rank_server(program, &job, &mut guard).await,
-        false => None,
+    let shared = shared_rank_server()?;
+    let server = match (forkable(spec, program, args), shared) {
+        (false, _) => None,
+        (true, Some(name)) => Some(name),
+        (true, None) if recorders.len() > 1 => start_rank_server(program, &job, &mut guard).await,
+        (true, None) => None,
     };
     let how = RankCommand {
         program,
@@ -270,6 +273,8 @@ impl RankCommand<'_> {
 
 /// The rank server's socket (an abstract Unix socket name), for the stubs.
 const PREFORK_SOCKET: &str = "PODSIM_PREFORK_SOCKET";
+/// A rank server that many jobs share, started by `python -m podsim.rank_server`.
+const RANK_SERVER: &str = "PODSIM_RANK_SERVER";
 /// A forked rank's own process (see `python/podsim/_prefork.py`).
 const STUB: &str = include_str!("stub.py");
 
@@ -327,10 +332,11 @@ impl JobEnv<'_> {
 }
 
 /// Whether the job's ranks are forked by a rank server: with podsim's interceptions (which
-/// the server loads once for all), the job's `prefork` on, more than one rank here, and a
-/// Python interpreter running a script, `-m MODULE` or `-c CODE`. (An interpreter option
-/// before it, such as `-u` or `-X`, would be lost in a fork: such ranks start their own.)
-fn forkable(spec: &TorchSpec, program: &str, args: &[String], ranks: usize) -> bool {
+/// the server loads once for all), the job's `prefork` on, and a Python interpreter running
+/// a script, `-m MODULE` or `-c CODE`. (An interpreter option before it, such as `-u` or
+/// `-X`, would be lost in a fork: such ranks start their own.) A job starts its own server
+/// only for more than one rank here; a shared one serves a single rank too.
+fn forkable(spec: &TorchSpec, program: &str, args: &[String]) -> bool {
     let python = std::path::Path::new(program)
         .file_name()
         .and_then(|n| n.to_str())
@@ -340,7 +346,31 @@ fn forkable(spec: &TorchSpec, program: &str, args: &[String], ranks: usize) -> b
         Some(first) => !first.starts_with('-'),
         None => false,
     };
-    spec.intercept && spec.prefork && ranks > 1 && python && runs_a_program
+    spec.intercept && spec.prefork && python && runs_a_program
+}
+
+/// The rank server many jobs share (`python -m podsim.rank_server`), when
+/// `PODSIM_RANK_SERVER` names one: checked to be listening, so that a server that has ended
+/// is an error here rather than every rank's stub waiting for it.
+fn shared_rank_server() -> Result<Option<String>, ProgramError> {
+    use std::os::linux::net::SocketAddrExt;
+    let Some(name) = std::env::var_os(RANK_SERVER) else {
+        return Ok(None);
+    };
+    let name = name.to_string_lossy().into_owned();
+    let invalid = |why: String| ProgramError::Invalid(format!("{RANK_SERVER}={name:?}: {why}"));
+    if name.is_empty() {
+        return Ok(None);
+    }
+    let address = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+        .map_err(|e| invalid(format!("not a socket name: {e}")))?;
+    std::os::unix::net::UnixStream::connect_addr(&address).map_err(|e| {
+        invalid(format!(
+            "no rank server listens there ({e}): start one with `python -m podsim.rank_server \
+             COMMAND`, or unset {RANK_SERVER}"
+        ))
+    })?;
+    Ok(Some(name))
 }
 
 /// Starts the job's rank server (`python/podsim/_prefork.py`) and waits until it has loaded
@@ -358,7 +388,10 @@ async fn start_rank_server(
         .arg("-c")
         .arg("import podsim._prefork; podsim._prefork.serve()");
     job.apply(&mut command);
+    // The server loads torch, not the job: each forked rank loads podsim's interceptions
+    // for itself (`podsim._prefork`), as a shared server's ranks must.
     command
+        .env("PODSIM_BOOTED", "1")
         .env(PREFORK_SOCKET, &socket)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -30,15 +30,7 @@ def _podsim_boot():
         )
         sys.stderr.flush()
         os._exit(2)
-    try:
-        intercept.install()
-    except Exception:  # the program must not run around podsim
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.write("podsim: cannot set up podsim's torch backend (above)\n")
-        sys.stderr.flush()
-        os._exit(2)
+    intercept.boot()
 
 
 _podsim_boot()

@@ -1,7 +1,7 @@
 # A rank's own process when the job's ranks are forked by a rank server
 # (python/podsim/_prefork.py): run as `python -S -c THIS ARGS` by the worker, which watches,
-# kills and reaps it as the rank. It hands the server its standard streams, arguments,
-# environment, directory and process group, then exits as the forked rank exits.
+# kills and reaps it as the rank. It hands the server its standard streams, interpreter,
+# arguments, environment, directory and process group, then exits as the forked rank exits.
 import json
 import os
 import signal
@@ -22,6 +22,7 @@ while True:
             os._exit(1)
         time.sleep(0.05)
 body = json.dumps({
+    "python": sys.executable,
     "args": sys.argv[1:],
     "env": dict(os.environ),
     "cwd": os.getcwd(),
@@ -36,6 +37,9 @@ while True:
     said += chunk
 for line in said.decode(errors="replace").splitlines():
     what, _, value = line.partition(" ")
+    if what == "refused":
+        sys.stderr.write(f"podsim: the rank server refused this rank: {value}\n")
+        os._exit(2)
     if what == "exit":
         os._exit(int(value))
     if what == "signal":
