@@ -156,12 +156,13 @@ pub async fn start(
         python_path: python_path.as_deref(),
         ranks: recorders.len(),
     };
-    let shared = shared_rank_server()?;
-    let server = match (forkable(spec, program, args), shared) {
-        (false, _) => None,
-        (true, Some(name)) => Some(name),
-        (true, None) if recorders.len() > 1 => start_rank_server(program, &job, &mut guard).await,
-        (true, None) => None,
+    // A shared server is looked for only when the ranks would be forked at all.
+    let forked = forkable(spec, program, args);
+    let shared = if forked { shared_rank_server()? } else { None };
+    let server = match shared {
+        Some(name) => Some(name),
+        None if forked && recorders.len() > 1 => start_rank_server(program, &job, &mut guard).await,
+        None => None,
     };
     let how = RankCommand {
         program,
