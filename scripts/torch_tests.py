@@ -247,6 +247,40 @@ def case_killed_leaves_nothing(args, shared):
                 f"{'; the shared server serves on' if shared and shared_alive else ''}")
 
 
+def case_shared_server_killed(args):
+    """A shared rank server killed while a job's ranks sleep: the job fails at once as a dead
+    worker whose rank says the server ended (not a hang), and nothing of it is left."""
+    server = subprocess.Popen([sys.executable, "-m", "podsim.rank_server"], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        name = server.stdout.readline().strip().partition("PODSIM_RANK_SERVER=")[2]
+        out = tempfile.mkdtemp(prefix="podsim-torch-")
+        program = "import torch.distributed as dist, time\ndist.init_process_group()\ntime.sleep(600)"
+        p = subprocess.Popen([args.podsim, "run", "--topology", "2x2", "--out", out, "--",
+                              sys.executable, "-c", program], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, PODSIM_RANK_SERVER=name))
+        deadline, forked = time.time() + 60, []
+        while time.time() < deadline and len(forked) < 4:
+            time.sleep(0.2)
+            forked = [pid for pid in descendants(server.pid) if _comm(pid).startswith("podsim-rank")]
+        server.kill()
+        killed = time.time()
+        said, _ = p.communicate(timeout=60)
+        took = time.time() - killed
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+        server.stdin.close()
+    with open(os.path.join(out, "report.json")) as f:
+        kind = (json.load(f).get("hang") or {}).get("kind")
+    left = [pid for pid in forked if _alive(pid)]
+    ok = (len(forked) == 4 and p.returncode == 3 and kind == "dead_worker" and not left
+          and "the rank server ended before this rank did" in said)
+    return ok, f"exit {p.returncode} {took:.1f} s after the kill, {kind}, {len(left)} ranks left"
+
+
 def _pgid(pid):
     try:
         return os.getpgid(pid)
@@ -640,6 +674,7 @@ def main():
          lambda: case_killed_leaves_nothing(args, shared=False)),
         ("a killed podsim leaves no rank of a shared rank server",
          lambda: case_killed_leaves_nothing(args, shared=True)),
+        ("a killed shared rank server fails its job at once", lambda: case_shared_server_killed(args)),
         ("a config's stall fault on a torch job", lambda: case_config_fault(args)),
         ("a stalled pipeline stage is named", lambda: case_config_fault(args, "pipeline.py", 5)),
     ]

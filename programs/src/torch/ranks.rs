@@ -79,7 +79,7 @@ pub struct Rank {
     pub started: Instant,
     /// Its process group (the rank and what it started).
     pub group: Arc<Group>,
-    /// Its process is a stub, its program a process the job's rank server forked into the
+    /// Its process is a stub, its program a process a rank server forked into the
     /// stub's group (see [`forkable`]).
     pub forked: bool,
 }
@@ -113,7 +113,7 @@ impl Drop for RankGuard {
 }
 
 /// Starts one process per chip of `recorders` (rank = chip id) and the socket they dial:
-/// each its own interpreter, or a stub for a rank forked by the job's rank server (see
+/// each its own interpreter, or a stub for a rank forked by a rank server (see
 /// [`forkable`]).
 pub async fn start(
     spec: &TorchSpec,

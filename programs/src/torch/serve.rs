@@ -35,7 +35,7 @@ const BUSY_TICKS: u64 = 2;
 /// not take a rank that is slow to arrive for one that stopped.
 struct BusyWatch {
     pid: u32,
-    /// A rank forked by the job's rank server, not yet connected: `pid` is its stub's, which
+    /// A rank forked by a rank server, not yet connected: `pid` is its stub's, which
     /// only waits, and the rank itself is starting (forked, loading the program, or waiting
     /// for a core with the others) - shown as working until its hello gives its own pid. (A
     /// forked rank that never connects is bounded by `connect_timeout_s`.)
@@ -399,7 +399,7 @@ fn not_connected(chip: &Chip, rank: &Rank, spec: &TorchSpec, busy: bool) -> Prog
         spec.connect_timeout_s
     );
     if rank.forked {
-        how.push_str(": it was forked by the job's rank server and had not said hello");
+        how.push_str(": it was forked by a rank server and had not said hello");
     } else if seen.is_empty() {
         how.push_str(": its process could not be looked at");
     } else {

@@ -18,7 +18,7 @@ while True:
         break
     except OSError as e:
         if time.monotonic() > deadline:
-            sys.stderr.write(f"podsim: cannot reach the job's rank server: {e}\n")
+            sys.stderr.write(f"podsim: cannot reach the rank server {os.environ['PODSIM_PREFORK_SOCKET']}: {e}\n")
             os._exit(1)
         time.sleep(0.05)
 body = json.dumps({
@@ -47,5 +47,5 @@ for line in said.decode(errors="replace").splitlines():
         os.kill(os.getpid(), int(value))
         time.sleep(1)
         os._exit(128 + int(value))
-sys.stderr.write("podsim: the job's rank server ended before this rank did\n")
+sys.stderr.write("podsim: the rank server ended before this rank did\n")
 os._exit(1)
