@@ -505,7 +505,8 @@ def case_meta_classes(args):
 
 def case_study(args):
     """`podsim study` sweeps a torch job like any other (scripts/studies/llama_torch.toml, cut
-    to two pod sizes): one row per point with the program's step time."""
+    to two pod sizes): one row per point with the program's step time, the rows' ranks forked
+    from one rank server the study starts and ends."""
     out = tempfile.mkdtemp(prefix="podsim-torch-study-")
     study = os.path.join(out, "study.toml")
     with open(os.path.join(REPO, "scripts", "studies", "llama_torch.toml")) as f:
@@ -516,8 +517,12 @@ def case_study(args):
     text = re.sub(r'(?m)^"job.eager" = .*$', '"job.eager" = ["fused"]', text)
     with open(study, "w") as f:
         f.write(text)
+    # Not this harness's shared server: the study starts one for its rows.
     env = dict(os.environ, PODSIM_PYTHON=sys.executable)
+    env.pop("PODSIM_RANK_SERVER", None)
     p, wall = run([args.podsim, "study", study, "--out", os.path.join(out, "runs")], env)
+    shared = re.search(r"fork from one rank server \(podsim-rank-server-(\d+)-", p.stdout)
+    server_gone = shared is not None and not _alive(int(shared.group(1)))
     rows = []
     path = os.path.join(out, "runs", "results.csv")
     if os.path.exists(path):
@@ -525,8 +530,9 @@ def case_study(args):
         with open(path) as f:
             rows = list(csv.DictReader(f))
     steps = [float(r["step_ms"] or 0) for r in rows if r["status"] == "ok"]
-    ok = p.returncode == 0 and len(steps) == 2 and all(x > 0 for x in steps)
-    return ok, (f"exit {p.returncode}, {len(rows)} rows, step ms {steps}, wall {wall:.1f} s"
+    ok = p.returncode == 0 and len(steps) == 2 and all(x > 0 for x in steps) and server_gone
+    return ok, (f"exit {p.returncode}, {len(rows)} rows, step ms {steps}, wall {wall:.1f} s, "
+                f"one rank server for the rows: {shared is not None}, gone after: {server_gone}"
                 f"{'' if ok else ': ' + p.stdout[-600:] + p.stderr[-300:]}")
 
 

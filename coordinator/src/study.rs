@@ -25,6 +25,7 @@ use crate::csv::csv_line;
 use crate::{CliError, JobStatus};
 
 mod plot;
+mod rank_server;
 
 /// Options of `podsim study`.
 #[derive(Debug, Clone, Args)]
@@ -737,17 +738,50 @@ fn point_command(
     Ok((cmd, log_path))
 }
 
-/// Runs one point as `podsim launch`, output to `dir/launch.log`. Stops (killing the child)
-/// on `timeout` or when `cancel` turns true.
-async fn run_point(
+/// One point's `podsim launch`: the binary, the base config, the point's `--set`s, its
+/// folder, its time bound and the shared rank server its ranks fork from, if any.
+struct PointRun {
     exe: PathBuf,
     base: PathBuf,
     sets: Vec<String>,
     dir: PathBuf,
     timeout: Option<Duration>,
+    server: Option<String>,
+}
+
+impl PointRun {
+    /// Point `p` of `total`, in its folder of the study's output.
+    fn of(study: &Study, p: &Point, total: usize, exe: &Path, server: Option<&str>) -> PointRun {
+        let dir = point_dir(study, p.index, total);
+        PointRun {
+            exe: exe.to_path_buf(),
+            base: study.base.clone(),
+            sets: point_sets(p, &dir),
+            dir,
+            timeout: study.timeout,
+            server: server.map(String::from),
+        }
+    }
+}
+
+/// Runs one point as `podsim launch`, output to `dir/launch.log`. Stops (killing the child)
+/// on `timeout` or when `cancel` turns true.
+async fn run_point(
+    point: PointRun,
     mut cancel: watch::Receiver<bool>,
 ) -> Result<Option<PointOutcome>, String> {
+    let PointRun {
+        exe,
+        base,
+        sets,
+        dir,
+        timeout,
+        server,
+    } = point;
     let (mut cmd, log_path) = point_command(&exe, &base, &sets, &dir)?;
+    if let Some(server) = server {
+        cmd.env("PODSIM_RANK_SERVER", server);
+    }
     let started = Instant::now();
     let mut child = cmd
         .spawn()
@@ -1086,10 +1120,29 @@ pub fn main(args: &StudyArgs) -> Result<JobStatus, CliError> {
     }
     let _lock = crate::outdir::OutputLock::acquire(&study.out, &crate::outdir::this_command())
         .map_err(CliError::Usage)?;
-    run(&study, &points, &expected)
+    let server = rank_server::SharedRankServer::for_rows(&study.base, &study.keys());
+    if let Some(server) = &server {
+        println!(
+            "the points' ranks fork from one rank server ({})",
+            server.name
+        );
+    }
+    run(
+        &study,
+        &points,
+        &expected,
+        server.as_ref().map(|s| s.name.as_str()),
+    )
 }
 
-fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<JobStatus, CliError> {
+/// Runs every point, `study.parallel` at a time, their ranks forked from `rank_server` when
+/// one is named.
+fn run(
+    study: &Study,
+    points: &[Point],
+    expected: &[Expected],
+    rank_server: Option<&str>,
+) -> Result<JobStatus, CliError> {
     let job = |e: String| CliError::Job(e);
     let exe =
         std::env::current_exe().map_err(|e| job(format!("cannot find the podsim binary: {e}")))?;
@@ -1111,16 +1164,11 @@ fn run(study: &Study, points: &[Point], expected: &[Expected]) -> Result<JobStat
         let failure = loop {
             while running.len() < study.parallel && next < total {
                 let p = &points[next];
-                let dir = point_dir(study, p.index, total);
-                let sets = point_sets(p, &dir);
                 running.insert(p.index);
                 progress.started(&point_name(p.index, total), &describe(p), &running, total);
-                let (exe, base, timeout, cancel) =
-                    (exe.clone(), study.base.clone(), study.timeout, cancel_rx.clone());
-                let index = p.index;
-                tasks.spawn(async move {
-                    (index, run_point(exe, base, sets, dir, timeout, cancel).await)
-                });
+                let point = PointRun::of(study, p, total, &exe, rank_server);
+                let (index, cancel) = (p.index, cancel_rx.clone());
+                tasks.spawn(async move { (index, run_point(point, cancel).await) });
                 next += 1;
             }
             let joined = tokio::select! {

@@ -374,6 +374,9 @@ def _run_program(args):
     try:
         if args[:1] == ["-m"] and len(args) >= 2:
             sys.argv = args[1:]
+            # As `python -m` does: the rank's directory first (a shared server's own start
+            # directory otherwise stays there).
+            sys.path[0] = os.getcwd()
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         elif args[:1] == ["-c"] and len(args) >= 2:
             sys.argv = ["-c", *args[2:]]

@@ -157,16 +157,23 @@ class Shared(unittest.TestCase):
         env.pop("PODSIM_RANK_SERVER", None)
         with open(STUB) as f:
             stub = f.read()
-        # The command runs a rank through the server it names, then exits 3.
+        # The command runs a rank through the server it names - `-m` a module of the rank's
+        # own directory, which `python -m` finds there whatever directory the server started
+        # in - then exits 3.
+        ranks_dir = tempfile.mkdtemp(prefix="podsim-shared-")
+        self.addCleanup(shutil.rmtree, ranks_dir, True)
+        with open(os.path.join(ranks_dir, "rankmod.py"), "w") as f:
+            f.write("import os, sys\nprint('rank in', sys.path[0], os.getppid() != 1)\n")
         command = ("import os, subprocess, sys\n"
                    "env = dict(os.environ, PODSIM_PREFORK_SOCKET=os.environ['PODSIM_RANK_SERVER'])\n"
-                   f"p = subprocess.run([sys.executable, '-S', '-c', {stub!r}, '-c', "
-                   "'import os; print(\"rank of\", os.getppid() != 1)'], env=env)\n"
+                   f"p = subprocess.run([sys.executable, '-S', '-c', {stub!r}, '-m', 'rankmod'], "
+                   f"env=env, cwd={ranks_dir!r})\n"
                    "sys.exit(3 if p.returncode == 0 else 9)")
         p = subprocess.run([sys.executable, "-m", "podsim.rank_server", sys.executable, "-c",
-                            command], env=env, capture_output=True, text=True, timeout=120)
+                            command], env=env, capture_output=True, text=True, timeout=120,
+                           cwd=PACKAGE)
         self.assertEqual(p.returncode, 3, p.stderr)
-        self.assertIn("rank of True", p.stdout)
+        self.assertIn(f"rank in {ranks_dir} True", p.stdout)
 
     def test_without_a_command_it_serves_until_its_input_ends(self):
         env = dict(os.environ, PYTHONPATH=PACKAGE)
