@@ -37,23 +37,33 @@ class RankServer(unittest.TestCase):
         cls.program = os.path.join(cls.dir, "program.py")
         with open(cls.program, "w") as f:
             f.write(PROGRAM)
-        cls.socket = f"podsim-test-prefork-{os.getpid()}"
-        env = dict(os.environ, PYTHONPATH=PACKAGE, PODSIM_PREFORK_SOCKET=cls.socket)
+        # A server as a harness holds one (`python -m podsim.rank_server`, serving until its
+        # input ends): a job's own server is the same loop, named by the worker instead.
+        env = dict(os.environ, PYTHONPATH=PACKAGE)
+        env.pop("PODSIM_RANK_SERVER", None)
         cls.server = subprocess.Popen(
-            [sys.executable, "-c", "import podsim._prefork; podsim._prefork.serve()"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "podsim.rank_server"], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        assert cls.server.stdout.readline().strip() == "ready"
+        line = cls.server.stdout.readline().strip()
+        cls.socket = line.partition("PODSIM_RANK_SERVER=")[2]
+        assert cls.socket.startswith("podsim-rank-server-"), line
         with open(STUB) as f:
             cls.stub = f.read()
 
     @classmethod
     def tearDownClass(cls):
-        cls.server.kill()
-        cls.server.wait()
-        cls.server.stdout.close()
-        cls.server.stderr.close()
-        shutil.rmtree(cls.dir, ignore_errors=True)
+        # Its input's end ends it, with status 0.
+        cls.server.stdin.close()
+        try:
+            code = cls.server.wait(timeout=30)
+        finally:
+            cls.server.kill()
+            cls.server.wait()
+            cls.server.stdout.close()
+            cls.server.stderr.close()
+            shutil.rmtree(cls.dir, ignore_errors=True)
+        assert code == 0, f"the server exited {code} when its input ended"
 
     def start(self, *args, rank="3"):
         env = dict(os.environ, PYTHONPATH=PACKAGE, PODSIM_PREFORK_SOCKET=self.socket, RANK=rank)
@@ -149,8 +159,8 @@ class RankServer(unittest.TestCase):
 
 
 class Shared(unittest.TestCase):
-    """`python -m podsim.rank_server`: one server for the jobs of a command, or of whoever
-    holds its standard input."""
+    """`python -m podsim.rank_server COMMAND`: one server for the jobs of a command (the
+    server `RankServer` uses is one held by its standard input)."""
 
     def test_a_command_runs_with_the_server_named_and_ends_it_with_its_status(self):
         env = dict(os.environ, PYTHONPATH=PACKAGE)
@@ -174,20 +184,6 @@ class Shared(unittest.TestCase):
                            cwd=PACKAGE)
         self.assertEqual(p.returncode, 3, p.stderr)
         self.assertIn(f"rank in {ranks_dir} True", p.stdout)
-
-    def test_without_a_command_it_serves_until_its_input_ends(self):
-        env = dict(os.environ, PYTHONPATH=PACKAGE)
-        p = subprocess.Popen([sys.executable, "-m", "podsim.rank_server"], env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            line = p.stdout.readline().strip()
-            self.assertTrue(line.startswith("PODSIM_RANK_SERVER=podsim-rank-server-"), line)
-            p.stdin.close()
-            self.assertEqual(p.wait(timeout=30), 0)
-        finally:
-            p.kill()
-            p.wait()
-            p.stdout.close()
 
 
 def _pgid(pid):
