@@ -14,6 +14,7 @@ anything else is refused, rank by rank, saying why (``podsim._prefork``).
 """
 
 import os
+import shutil
 import signal
 import sys
 from typing import List, Optional
@@ -29,6 +30,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args[:1] in (["-h"], ["--help"]):
         print(__doc__)
         return 0
+    if args and shutil.which(args[0]) is None:
+        # Said before torch is loaded, not after.
+        print(f"podsim rank server: cannot run {args[0]}: not found, or not executable",
+              file=sys.stderr)
+        return 127
     name = f"podsim-rank-server-{os.getpid()}-{os.urandom(6).hex()}"
     if not args:
         return _prefork.serve(name, announce=f"PODSIM_RANK_SERVER={name}", watch_stdin=True)
