@@ -110,17 +110,23 @@ fn a_rank_with_the_wrong_token_is_refused() {
     assert!(stdout.contains("refused: wrong job token"), "{stdout}");
 }
 
+/// `podsim run` of the system's `python3 -c pass` on 2 chips, with interception, into `dir`.
+fn python_pass(dir: &std::path::Path) -> std::process::Command {
+    let mut cmd = podsim();
+    cmd.args(["run", "--topology", "2", "--out"])
+        .arg(dir)
+        .args(["--", "python3", "-c", "pass"]);
+    cmd
+}
+
 /// A Python without podsim's package (here the system's `python3`, run with interception)
 /// fails in every rank before its process group exists: a program error (exit 1) naming why,
 /// not a hang.
 #[test]
 fn a_python_without_the_backend_is_a_program_error_not_a_hang() {
     let dir = temp_dir("torch-run-no-backend");
-    let mut cmd = podsim();
-    cmd.args(["run", "--topology", "2", "--out"])
-        .arg(&dir)
-        .args(["--", "python3", "-c", "pass"])
-        .env_remove("PYTHONPATH");
+    let mut cmd = python_pass(&dir);
+    cmd.env_remove("PYTHONPATH");
     let out = run_bounded(cmd, Duration::from_secs(120));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
@@ -142,11 +148,8 @@ fn a_python_without_the_backend_is_a_program_error_not_a_hang() {
 #[test]
 fn a_shared_rank_server_that_is_not_running_is_an_error_before_any_rank() {
     let dir = temp_dir("torch-run-no-shared-server");
-    let mut cmd = podsim();
-    cmd.args(["run", "--topology", "2", "--out"])
-        .arg(&dir)
-        .args(["--", "python3", "-c", "pass"])
-        .env("PODSIM_RANK_SERVER", "podsim-rank-server-that-never-ran");
+    let mut cmd = python_pass(&dir);
+    cmd.env("PODSIM_RANK_SERVER", "podsim-rank-server-that-never-ran");
     let started = std::time::Instant::now();
     let out = run_bounded(cmd, Duration::from_secs(120));
     let said =
