@@ -41,15 +41,10 @@ impl SharedRankServer {
         let Program::Torch(spec) = &cfg.program else {
             return None;
         };
-        let python = spec.command.first()?;
-        let is_python = Path::new(python)
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with("python"));
-        if !(spec.intercept && spec.prefork && is_python) {
+        if !podsim_programs::forks_ranks(spec) {
             return None;
         }
-        start(python)
+        start(spec.command.first()?)
     }
 }
 

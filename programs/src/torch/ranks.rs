@@ -350,6 +350,15 @@ fn forkable(spec: &TorchSpec, program: &str, args: &[String]) -> bool {
     spec.intercept && spec.prefork && python && runs_a_program
 }
 
+/// Whether the ranks of a job run as `spec` are forked by a rank server (interception and
+/// `prefork` on, a Python interpreter running a program): what `podsim study` asks before it
+/// starts one for its rows.
+pub fn forks_ranks(spec: &TorchSpec) -> bool {
+    spec.command
+        .split_first()
+        .is_some_and(|(program, args)| forkable(spec, program, args))
+}
+
 /// The rank server many jobs share (`python -m podsim.rank_server`), when
 /// `PODSIM_RANK_SERVER` names one: checked to be listening, so that a server that has ended
 /// is an error here rather than every rank's stub waiting for it.
