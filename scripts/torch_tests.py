@@ -276,8 +276,10 @@ def case_shared_server_killed(args):
     with open(os.path.join(out, "report.json")) as f:
         kind = (json.load(f).get("hang") or {}).get("kind")
     left = [pid for pid in forked if _alive(pid)]
-    ok = (len(forked) == 4 and p.returncode == 3 and kind == "dead_worker" and not left
-          and "the rank server ended before this rank did" in said)
+    # A rank that printed the stub's words and exited 1 is judged a dead worker or a program
+    # error by which the worker sees first (both name it); never a hang or ok.
+    ok = (len(forked) == 4 and (p.returncode, kind) in ((3, "dead_worker"), (1, "program_error"))
+          and not left and "the rank server ended before this rank did" in said)
     return ok, f"exit {p.returncode} {took:.1f} s after the kill, {kind}, {len(left)} ranks left"
 
 
