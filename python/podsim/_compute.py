@@ -128,6 +128,11 @@ class Compute(TorchDispatchMode):
                 # wrappers) run nothing on the chip: not counted.
                 return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
+        if not types and _made_by_a_mode_below(out):
+            # A factory (no tensor arguments) answered by a mode under this one: DTensor's
+            # sharding propagation makes its global-shape fake arguments this way, under a
+            # FakeTensorMode. Shapes for torch's own bookkeeping, nothing on the chip.
+            return out
         if self.paused or (self.host_ops_free and not _on_meta(args, out)):
             return out
         kind = self._kinds.get(func)
@@ -222,6 +227,13 @@ class Compute(TorchDispatchMode):
         if self.recomputing:
             done = self._recomputed_attention
             done[key] = done.get(key, 0) + 1
+
+
+def _made_by_a_mode_below(out) -> bool:
+    """Whether a factory's result is a tensor subclass (a fake tensor), not a plain tensor
+    the program gets."""
+    t = out[0] if isinstance(out, (list, tuple)) and out else out
+    return isinstance(t, torch.Tensor) and type(t) is not torch.Tensor
 
 
 def _on_meta(args, out):

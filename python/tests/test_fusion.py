@@ -124,5 +124,27 @@ def memory_free_recomputable(value, source):
         source.untyped_storage()._cdata: (source.nbytes, source.untyped_storage())})}
 
 
+class NotTheChips(unittest.TestCase):
+    def test_fake_tensors_a_mode_above_makes_are_not_hbm(self):
+        """DTensor's sharding propagation makes its global-shape arguments under a
+        FakeTensorMode pushed above the rank's count; in meta mode they are meta tensors like
+        the chip's own, and once counted they put torchtitan's Llama 3 8B optimizer step at
+        95 GiB on 4,096 chips."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        def make():
+            mine = torch.empty(N, device="meta")
+            with FakeTensorMode():
+                fake = torch.empty_strided((N, 1024), (1024, 1), device="meta")
+                fake.add_(1)
+            return mine
+
+        compute = Compute("strict")
+        compute.memory = Memory("meta", 0, "test chip")
+        with compute:
+            mine = make()
+        self.assertEqual(compute.memory.peak, mine.nbytes)  # the plain tensor alone
+
+
 if __name__ == "__main__":
     unittest.main()
