@@ -134,6 +134,11 @@ class DeviceMap(torch.overrides.TorchFunctionMode):
     # costs a Python call per torch call); whether a map is on the stack.
     observer = None
     active = False
+    # The map entered last (the one on the stack), and whether a replayed step may take it
+    # off the stack while an optimizer steps (`podsim._replay`): a map that only renames
+    # accelerators may; meta mode's, which places every new tensor, may not.
+    entered = None
+    can_step_aside = True
 
     def __init__(self, target):
         super().__init__()
@@ -141,6 +146,7 @@ class DeviceMap(torch.overrides.TorchFunctionMode):
 
     def __enter__(self):
         DeviceMap.active = True
+        DeviceMap.entered = self
         return super().__enter__()
 
     def map_device(self, d):
@@ -304,15 +310,20 @@ def _steps_at_optimizer_steps():
                     hbm.classify(p, "parameters")
                     if p.grad is not None:
                         hbm.classify(p.grad, "gradients")
+        rank = backend._rank
+        if depth[0] == 1 and rank is not None and rank.steps is not None:
+            rank.steps.optimizer_step_begins()
 
     def after_optimizer_step(optimizer, args, kwargs):
         depth[0] -= 1
+        rank = backend._rank
+        if depth[0] == 0 and rank is not None and rank.steps is not None:
+            rank.steps.optimizer_step_ends()
         hbm = memory()
         if hbm is not None:
             for state in optimizer.state.values():
                 for value in state.values():
                     hbm.classify(value, "optimizer state")
-        rank = backend._rank
         if rank is not None and not rank.explicit_steps and not rank.done and depth[0] == 0:
             _streams.wait_all()
             rank.call(rank.step_request(auto=True))

@@ -57,6 +57,8 @@ class Fake(DeviceMap):
     """Meta mode's device map: large tensors land on the meta device, whatever device the
     program names; 0-d tensors stay real."""
 
+    can_step_aside = False
+
     def __init__(self):
         super().__init__(META)
 

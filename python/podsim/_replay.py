@@ -27,6 +27,11 @@ What keeps this honest:
 - After a `partial` step one step is counted; if it is the recorded one, replaying goes on,
   otherwise steps are counted until two agree again.
 - Every `RECOUNT_EVERY`-th step is counted again and compared with the recording.
+- A replayed step's outermost `optimizer.step()` runs with the function mode set aside, when
+  the recording made one at the same point: an optimizer makes the same calls on the same
+  parameters every step (its requests are still checked), and the mode costs each of its
+  calls a trip through Python, in a small model a third of the step. Its calls are then
+  taken as the recording's; a request that differs inside it ends replaying (`partial`).
 - `[job] count = "every"` (`--set job.count=every`) counts every step.
 """
 
@@ -62,10 +67,12 @@ class _Recording:
     """A counted step: its requests `[(signature, compute)]`, the running hash after each of
     its torch calls, and its HBM."""
 
-    __slots__ = ("requests", "calls", "hbm")
+    __slots__ = ("requests", "calls", "hbm", "optimizer_steps")
 
-    def __init__(self, requests, calls, hbm):
+    def __init__(self, requests, calls, hbm, optimizer_steps):
         self.requests, self.calls, self.hbm = requests, calls, hbm
+        # The outermost `optimizer.step()`s, as `{first call: end}` indexes into `calls`.
+        self.optimizer_steps = optimizer_steps
 
     def same_work(self, other):
         """The same requests after the same torch calls (HBM aside: a step counted after
@@ -99,11 +106,18 @@ class Steps:
         self.recordings = []
         self.recording = None
         self.since_count = 0
+        # This step's outermost `optimizer.step()`s so far (`_Recording.optimizer_steps`),
+        # the first call of the one running, and the function mode while it is set aside.
+        self.optimizer_steps = {}
+        self.optimizer_from = None
+        self.aside = None
         intercept = sys.modules.get("podsim._intercept")
         if intercept is not None and intercept.DeviceMap.active:
             intercept.DeviceMap.observer = self.called
+            self.mode = intercept.DeviceMap.entered
         else:
-            _Calls(self).__enter__()
+            self.mode = _Calls(self)
+            self.mode.__enter__()
 
     # -- what the rank calls --
 
@@ -133,8 +147,10 @@ class Steps:
         (`counted`, `replayed` or `partial`)."""
         # A replayed step ends at its recording's end: a step request is only ever the last.
         compute = self.take(sig)
+        self._step_back()  # an optimizer step that never ended (it raised, and was caught)
         state = self.state
-        counted = _Recording(self.requests, self.calls, hbm) if state == COUNTED else None
+        counted = (_Recording(self.requests, self.calls, hbm, self.optimizer_steps)
+                   if state == COUNTED else None)
         if self.recording is not None and (
             state != COUNTED or self.resumed or counted.same_work(self.recording)
         ):
@@ -145,6 +161,43 @@ class Steps:
                 counted.hbm = hbm
         self._next_step(counted, state)
         return compute, hbm, state
+
+    def optimizer_step_begins(self):
+        """The outermost `optimizer.step()` begins: counting, where it begins is noted;
+        replaying a recording that began one here, the function mode steps aside."""
+        n = len(self.calls)
+        self.optimizer_from = n
+        if (self.state == REPLAYED
+                and n in self.recording.optimizer_steps
+                and self.mode.can_step_aside
+                and torch.overrides._get_current_function_mode() is self.mode):
+            self.mode.__exit__(None, None, None)
+            self.aside = self.mode
+
+    def optimizer_step_ends(self):
+        """The outermost `optimizer.step()` ends: counting, its calls are noted; replaying
+        with the mode aside, the mode comes back and the recording's calls stand for the
+        step's."""
+        first, self.optimizer_from = self.optimizer_from, None
+        if first is None:
+            return
+        if self.aside is None:
+            if self.state != REPLAYED:
+                self.optimizer_steps[first] = len(self.calls)
+            return
+        self._step_back()
+        end = self.recording.optimizer_steps.get(first)
+        if end is None:  # a variant switched to at a request inside it, which has none here
+            self._diverged(exact=False)
+            return
+        self.calls.extend(self.recording.calls[first:end])
+        self.segment_calls += end - first
+        self.hash = self.calls[-1] if self.calls else 0
+
+    def _step_back(self):
+        if self.aside is not None:
+            self.aside.__enter__()
+            self.aside = None
 
     def called(self, func, args):
         """A torch call (from a torch function mode's handler, called from the program's
@@ -193,6 +246,9 @@ class Steps:
         if _DEBUG:
             print(f"podsim replay: step diverged (exact={exact}, call {len(self.calls)}) at "
                   f"{''.join(traceback.format_stack(limit=8)[:-2])}", file=sys.stderr)
+        if self.aside is not None:  # inside an optimizer step, its calls unseen
+            self._step_back()
+            exact = False
         if torch._C._current_graph_task_id() != -1:  # inside backward
             self.state = PARTIAL
             return
@@ -203,6 +259,7 @@ class Steps:
     def _next_step(self, counted, state):
         """Decides how the next step runs: counted, or replayed from the recording."""
         self.requests, self.calls, self.hash = [], [], 0
+        self.optimizer_steps, self.optimizer_from = {}, None
         fully_counted = state == COUNTED and not self.resumed
         self.since_count = 0 if fully_counted else self.since_count + 1
         steady = self.recordings[0] if self.recordings else None
@@ -262,6 +319,8 @@ _DEBUG = os.environ.get("PODSIM_REPLAY_DEBUG") == "1"
 class _Calls(torch.overrides.TorchFunctionMode):
     """Tells `steps` of every torch call (functions and tensor methods) on this thread, when
     no device map of `podsim._intercept` does."""
+
+    can_step_aside = True
 
     def __init__(self, steps):
         super().__init__()

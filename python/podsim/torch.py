@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.overrides import _get_current_function_mode as _current_function_mode
 
 from . import _streams
 from ._compute import Compute, Memory, price_attention_as_flash, recomputation_apart
@@ -720,14 +721,29 @@ def _uncounted(method):
     def entry(self, *args, **kwargs):
         compute = self._node.compute
         was, compute.paused = compute.paused, True
+        aside = _mode_aside(self._node.steps)
         try:
             return method(self, *args, **kwargs)
         finally:
             compute.paused = was
+            if aside is not None:
+                aside.__enter__()
 
     entry.__name__ = method.__name__
     entry.__doc__ = method.__doc__
     return entry
+
+
+def _mode_aside(steps):
+    """Takes the rank's torch function mode off the stack, when it is on top and may be, for
+    podsim's own work: its calls there are neither the program's (the replay's observer
+    leaves them out) nor on an accelerator, and the mode costs each a trip through Python.
+    Returns the mode to put back, or None."""
+    mode = steps.mode if steps is not None else None
+    if mode is None or not mode.can_step_aside or _current_function_mode() is not mode:
+        return None
+    mode.__exit__(None, None, None)
+    return mode
 
 
 # The entry points torch.distributed calls (named as the C++ trampoline calls them).
