@@ -312,7 +312,9 @@ def _steps_at_optimizer_steps():
                         hbm.classify(p.grad, "gradients")
         rank = backend._rank
         if depth[0] == 1 and rank is not None and rank.steps is not None:
-            rank.steps.optimizer_step_begins()
+            # `args` holds the optimizer first, then a closure if one was given.
+            closure = len(args) > 1 or kwargs.get("closure") is not None
+            rank.steps.optimizer_step_begins(closure)
 
     def after_optimizer_step(optimizer, args, kwargs):
         depth[0] -= 1

@@ -162,12 +162,14 @@ class Steps:
         self._next_step(counted, state)
         return compute, hbm, state
 
-    def optimizer_step_begins(self):
+    def optimizer_step_begins(self, closure=False):
         """The outermost `optimizer.step()` begins: counting, where it begins is noted;
-        replaying a recording that began one here, the function mode steps aside."""
+        replaying a recording that began one here, the function mode steps aside, unless the
+        step was given a closure (which runs the program's forward and backward inside it)."""
         n = len(self.calls)
         self.optimizer_from = n
         if (self.state == REPLAYED
+                and not closure
                 and n in self.recording.optimizer_steps
                 and self.mode.can_step_aside
                 and torch.overrides._get_current_function_mode() is self.mode):

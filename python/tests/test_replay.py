@@ -27,11 +27,12 @@ class OptimizerStepAside(unittest.TestCase):
         if self.steps.counting:
             self.compute.__exit__(None, None, None)
 
-    def step(self, request=None):
-        """One training step; `request`: a request the optimizer makes inside its step.
-        Returns (the function mode while the optimizer stepped, what the step was)."""
+    def step(self, request=None, closure=False):
+        """One training step; `request`: a request the optimizer makes inside its step;
+        `closure`: whether the optimizer is given one. Returns (the function mode while the
+        optimizer stepped, what the step was)."""
         self.model(torch.ones(2, 4)).sum().backward()
-        self.steps.optimizer_step_begins()
+        self.steps.optimizer_step_begins(closure)
         inside = _get_current_function_mode()
         if request is not None:
             self.steps.take(request)
@@ -50,6 +51,11 @@ class OptimizerStepAside(unittest.TestCase):
         # Back on the stack after each; the calls after it (`zero_grad`'s) matched the
         # recording's call by call, or the steps would not have gone on replaying.
         self.assertIs(_get_current_function_mode(), mode)
+
+    def test_a_step_given_a_closure_keeps_the_mode(self):
+        runs = [self.step(closure=True) for _ in range(5)]
+        self.assertEqual([kind for _, kind in runs], [COUNTED] * 3 + [REPLAYED] * 2)
+        self.assertTrue(all(inside is self.steps.mode for inside, _ in runs))
 
     def test_a_request_that_differs_inside_it_ends_replaying(self):
         for _ in range(3):
