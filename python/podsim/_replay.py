@@ -28,7 +28,7 @@ What keeps this honest:
   otherwise steps are counted until two agree again.
 - Every `RECOUNT_EVERY`-th step is counted again and compared with the recording.
 - A replayed step's outermost `optimizer.step()` runs with the function mode set aside, when
-  the recording made one at the same point: an optimizer makes the same calls on the same
+  the recording made one at the same point and it is given no closure: an optimizer makes the same calls on the same
   parameters every step (its requests are still checked), and the mode costs each of its
   calls a trip through Python, in a small model a third of the step. Its calls are then
   taken as the recording's; a request that differs inside it ends replaying (`partial`).
