@@ -28,10 +28,11 @@ What keeps this honest:
   otherwise steps are counted until two agree again.
 - Every `RECOUNT_EVERY`-th step is counted again and compared with the recording.
 - A replayed step's outermost `optimizer.step()` runs with the function mode set aside, when
-  the recording made one at the same point and it is given no closure: an optimizer makes the same calls on the same
-  parameters every step (its requests are still checked), and the mode costs each of its
-  calls a trip through Python, in a small model a third of the step. Its calls are then
-  taken as the recording's; a request that differs inside it ends replaying (`partial`).
+  the recording made one at the same point and it is given no closure: an optimizer makes
+  the same calls on the same parameters every step (its requests are still checked), and the
+  mode costs each of its calls a trip through Python, in a small model a third of the step.
+  Its calls are then taken as the recording's; a request that differs inside it ends
+  replaying (`partial`).
 - `[job] count = "every"` (`--set job.count=every`) counts every step.
 """
 
@@ -168,13 +169,8 @@ class Steps:
         step was given a closure (which runs the program's forward and backward inside it)."""
         n = len(self.calls)
         self.optimizer_from = n
-        if (self.state == REPLAYED
-                and not closure
-                and n in self.recording.optimizer_steps
-                and self.mode.can_step_aside
-                and torch.overrides._get_current_function_mode() is self.mode):
-            self.mode.__exit__(None, None, None)
-            self.aside = self.mode
+        if self.state == REPLAYED and not closure and n in self.recording.optimizer_steps:
+            self.aside = self.mode_aside()
 
     def optimizer_step_ends(self):
         """The outermost `optimizer.step()` ends: counting, its calls are noted; replaying
@@ -195,6 +191,15 @@ class Steps:
         self.calls.extend(self.recording.calls[first:end])
         self.segment_calls += end - first
         self.hash = self.calls[-1] if self.calls else 0
+
+    def mode_aside(self):
+        """Takes the rank's torch function mode off the stack, when it is on top and may
+        leave it; returns it, to be entered again, or None."""
+        mode = self.mode
+        if not mode.can_step_aside or torch.overrides._get_current_function_mode() is not mode:
+            return None
+        mode.__exit__(None, None, None)
+        return mode
 
     def _step_back(self):
         if self.aside is not None:

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.overrides import _get_current_function_mode as _current_function_mode
 
 from . import _streams
 from ._compute import Compute, Memory, price_attention_as_flash, recomputation_apart
@@ -721,7 +720,11 @@ def _uncounted(method):
     def entry(self, *args, **kwargs):
         compute = self._node.compute
         was, compute.paused = compute.paused, True
-        aside = _mode_aside(self._node.steps)
+        # podsim's own work runs without the function mode: its calls are neither the
+        # program's (the replay's observer leaves them out) nor on an accelerator, and the
+        # mode costs each a trip through Python.
+        steps = self._node.steps
+        aside = steps.mode_aside() if steps is not None else None
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -732,18 +735,6 @@ def _uncounted(method):
     entry.__name__ = method.__name__
     entry.__doc__ = method.__doc__
     return entry
-
-
-def _mode_aside(steps):
-    """Takes the rank's torch function mode off the stack, when it is on top and may be, for
-    podsim's own work: its calls there are neither the program's (the replay's observer
-    leaves them out) nor on an accelerator, and the mode costs each a trip through Python.
-    Returns the mode to put back, or None."""
-    mode = steps.mode if steps is not None else None
-    if mode is None or not mode.can_step_aside or _current_function_mode() is not mode:
-        return None
-    mode.__exit__(None, None, None)
-    return mode
 
 
 # The entry points torch.distributed calls (named as the C++ trampoline calls them).
