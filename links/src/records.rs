@@ -124,10 +124,15 @@ pub fn bind() -> Option<(tokio::net::UnixListener, String)> {
 #[cfg(target_os = "linux")]
 pub fn bind_abstract(prefix: &str) -> Option<(tokio::net::UnixListener, String)> {
     use std::os::linux::net::SocketAddrExt;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // The clock alone does not make two names in one process differ: a virtual machine's
+    // clock can read the same for two threads binding at once (a bind then fails).
+    static BOUND: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    let name = format!("{prefix}-{}-{nanos:09}", std::process::id());
+    let n = BOUND.fetch_add(1, Ordering::Relaxed);
+    let name = format!("{prefix}-{}-{n}-{nanos:09}", std::process::id());
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).ok()?;
     let listener = std::os::unix::net::UnixListener::bind_addr(&addr).ok()?;
     listener.set_nonblocking(true).ok()?;
