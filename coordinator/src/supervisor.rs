@@ -184,7 +184,7 @@ impl Supervisor {
                 }
                 Err(e) => Decision::WorkerFailed {
                     id,
-                    reason: format!("unreadable result: {e}"),
+                    reason: format!("unreadable result: {e} (near {:?})", near(&r.json, &e)),
                 },
             },
             Body::Failure(f) => match serde_json::from_slice::<FailureReport>(&f.error_json) {
@@ -344,6 +344,14 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
     }
 }
 
+/// The text of `json` around where `e` says it went wrong (a worker's result is one line).
+fn near(json: &[u8], e: &serde_json::Error) -> String {
+    let at = e.column().saturating_sub(1).min(json.len());
+    let from = at.saturating_sub(60);
+    let to = (at + 20).min(json.len());
+    String::from_utf8_lossy(&json[from..to]).into_owned()
+}
+
 /// What a rank's exit on `chip` was (its worker's account `exit`), and the explanation: a
 /// rank that never connected is not a death (it never reached its first collective, and the
 /// job's bound on that ran out); one whose program failed is the program's error; any other
@@ -362,7 +370,7 @@ fn rank_exit_verdict(chip: u32, exit: &RankExitReport) -> (HangKind, String) {
         (
             HangKind::StalledChip,
             format!(
-                "Rank {chip} (pid {pid}) {how}{last}. A rank connects when its program creates the podsim process group (dist.init_process_group(\"podsim\") after import podsim.torch): check what it does before that (its [rank {chip}] lines), or give a slow start more time with [job] connect_timeout_s (podsim run --set job.connect_timeout_s=N)."
+                "Rank {chip} (pid {pid}) {how}{last}. A rank connects when its program creates its process group (dist.init_process_group or init_device_mesh): check what it does before that (its [rank {chip}] lines), or give a slow start more time with [job] connect_timeout_s (podsim run --set job.connect_timeout_s=N)."
             ),
         )
     } else if how.starts_with(TorchSpec::FAILED_BEFORE_CONNECTING) {

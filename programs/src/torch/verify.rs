@@ -16,7 +16,7 @@ use podsim_topology::Pod;
 use tokio::sync::Notify;
 
 use super::TorchSpec;
-use super::ranks::{Rank, exited};
+use super::ranks::{Rank, RankLink, exited};
 use super::wire::{Reply, Request};
 use crate::error::ProgramError;
 
@@ -132,15 +132,7 @@ pub async fn serve_shadow(
     representative: u32,
     pod: &Pod,
 ) -> Result<(), ProgramError> {
-    let bound = std::time::Duration::from_secs(spec.connect_timeout_s);
-    let link = tokio::select! {
-        link = &mut rank.link => link.ok(),
-        _ = exited(&mut rank.exit) => None,
-        () = tokio::time::sleep(bound) => None,
-    };
-    let Some(mut link) = link else {
-        return Err(shadow_exit(&rank, "ended without connecting to podsim"));
-    };
+    let mut link = connected(&mut rank, spec).await?;
     let mut seq = 0usize;
     let mut said_bye = false;
     let mut raised = None;
@@ -200,6 +192,45 @@ pub async fn serve_shadow(
             &rank,
             &other.map_or("closed its connection".into(), |e| e.to_string()),
         )),
+    }
+}
+
+/// Shadow rank `rank`'s connection, once it has made its process group; the error when it
+/// exits first (its program's failure when it exits with an error code) or takes longer than
+/// the job's bound (then it is killed).
+async fn connected(rank: &mut Rank, spec: &TorchSpec) -> Result<RankLink, ProgramError> {
+    let bound = std::time::Duration::from_secs(spec.connect_timeout_s);
+    let start = tokio::select! {
+        link = &mut rank.link => Ok(link.ok()),
+        exit = exited(&mut rank.exit) => Err(Some(exit)),
+        () = tokio::time::sleep(bound) => Err(None),
+    };
+    match start {
+        Ok(Some(link)) => Ok(link),
+        Ok(None) => Err(shadow_exit(rank, "closed its connection to podsim")),
+        // Its program failed before its first collective (an import, its arguments): the
+        // program's error, as for a representative.
+        Err(Some(Some(exit))) if exit.code.is_some_and(|c| c != 0) => {
+            let how = format!("{}{exit}", TorchSpec::FAILED_BEFORE_CONNECTING);
+            Err(shadow_exit(rank, &how))
+        }
+        Err(Some(exit)) => {
+            let how = exit.map_or("exited".into(), |e| e.to_string());
+            Err(shadow_exit(
+                rank,
+                &format!("{how} without connecting to podsim"),
+            ))
+        }
+        Err(None) => {
+            rank.group.kill();
+            let how = format!(
+                "{} {} s (job.connect_timeout_s) of its start; podsim killed it and its \
+                 process group",
+                TorchSpec::NOT_CONNECTED,
+                spec.connect_timeout_s
+            );
+            Err(shadow_exit(rank, &how))
+        }
     }
 }
 
