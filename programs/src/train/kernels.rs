@@ -95,6 +95,9 @@ impl Kernel {
         else {
             return (0.0, 0.0);
         };
+        if seq == 0 {
+            return (0.0, 0.0); // an empty sequence: no block to compute
+        }
         let seq = seq as f64;
         let edge = block.min(seq);
         let per_side = (seq / edge).ceil();
@@ -287,5 +290,22 @@ mod tests {
         let k = attn(true, false);
         let per_flop = |hw: &Hardware| (k.time_ns(hw, 2.0) - 1000.0) * hw.peak_flops;
         assert!((per_flop(&v6e) / per_flop(&hw) - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn attention_over_an_empty_sequence_is_its_fixed_cost() {
+        let hw = v5p();
+        for causal in [false, true] {
+            let empty = Kernel::Attention {
+                seqs: 2,
+                seq: 0,
+                heads: 8.0,
+                head_dim: 128,
+                causal,
+                backward: false,
+            };
+            assert_eq!(empty.time_ns(&hw, 2.0), hw.kernel_overhead_ns);
+            assert_eq!(empty.flops(), 0.0);
+        }
     }
 }
