@@ -42,6 +42,8 @@ _FREE = {
 
 def _matmul_shapes(packet, args):
     """`(m, k, n, batch)` of a matrix product, or None."""
+    if packet is _GROUPED_MM:
+        return _grouped_shapes(args[0], args[1], args[2] if len(args) > 2 else None)
     if packet in (aten.mm,):
         a, b = args[0], args[1]
         return a.shape[0], a.shape[1], b.shape[1], 1
@@ -57,6 +59,31 @@ def _matmul_shapes(packet, args):
     return None
 
 
+# A matrix product per group (a mixture of experts' experts), groups cut by offsets.
+_GROUPED_MM = getattr(aten, "_grouped_mm", None)
+
+
+def _grouped_shapes(a, b, offs):
+    """`(m, k, n, groups)` of `torch._grouped_mm(a, b, offs)`, the groups taken as equal:
+    the offsets are data (a router's choice, unknown in meta mode), and the sum over the
+    groups is the same work whatever they are.
+
+    - 2-D `a` `(M, K)` by 3-D `b` `(G, K, N)`: `a`'s rows cut into G groups;
+    - 3-D `a` `(G, M, K)` by 2-D `b` `(K, N)`: `b`'s columns cut into G groups;
+    - 2-D by 2-D: the contraction `K` cut into G groups (a weight's gradient), out `(G, M, N)`;
+    - 3-D by 3-D: a batched product.
+    """
+    if a.dim() == 3 and b.dim() == 3:
+        return a.shape[1], a.shape[2], b.shape[2], a.shape[0]
+    groups = offs.shape[0] if offs is not None else (b.shape[0] if b.dim() == 3 else a.shape[0])
+    groups = max(int(groups), 1)
+    if a.dim() == 2 and b.dim() == 3:
+        return a.shape[0] / groups, a.shape[1], b.shape[2], groups
+    if a.dim() == 3:
+        return a.shape[1], a.shape[2], b.shape[1] / groups, groups
+    return a.shape[0], a.shape[1] / groups, b.shape[1], groups
+
+
 def _tensor_bytes(x):
     if isinstance(x, torch.Tensor):
         return x.nbytes
@@ -68,7 +95,7 @@ def _tensor_bytes(x):
 # What each op is, decided once per op overload: 0 costs nothing, 1 is a matrix product,
 # 2 a pass over its tensors.
 _FREE_KIND, _MATMUL_KIND, _PASS_KIND = 0, 1, 2
-_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm} | ({_GROUPED_MM} - {None})
 
 
 # Collectives (and their waits) are the chip's communication, timed on the fabric.
@@ -147,7 +174,8 @@ class Compute(TorchDispatchMode):
             if kind == _MATMUL_KIND:
                 self.reads(args)
                 m, k, n, batch = _matmul_shapes(func.overloadpacket, args)
-                key = (int(m), int(k), int(n), args[-1].element_size())
+                # `args[1]`: the second factor (`addmm`'s and `baddbmm`'s first is the bias).
+                key = (round(m), round(k), round(n), args[1].element_size())
                 self._matmuls[key] = self._matmuls.get(key, 0) + int(batch)
                 if self.recomputing:
                     done = self._recomputed_matmuls
