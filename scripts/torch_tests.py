@@ -613,15 +613,61 @@ def case_replayed_steps(args, *script_args):
 def case_around_podsim(args):
     """A program whose collectives go around podsim (gloo, no interception) is an error: the
     smallest such program, an all-reduce over gloo (a model would only add import time)."""
-    out = tempfile.mkdtemp(prefix="podsim-torch-")
     program = ("import torch, torch.distributed as dist\n"
                "dist.init_process_group('gloo')\n"
                "dist.all_reduce(torch.ones(4))\n"
                "dist.destroy_process_group()")
-    p, wall = run([args.podsim, "run", "--topology", "2", "--no-intercept", "--out", out, "--",
-                   sys.executable, "-c", program])
+    p, wall, _ = run_inline(args, program, "--topology", "2", "--no-intercept")
     said = "no rank used podsim" in p.stdout + p.stderr
     return p.returncode != 0 and said, f"exit {p.returncode}; said why: {said}"
+
+
+def run_inline(args, program, *flags):
+    """`podsim run` of a program given as text (`python -c`): (process, wall, report's
+    status)."""
+    out = tempfile.mkdtemp(prefix="podsim-torch-")
+    p, wall = run([args.podsim, "run", *flags, "--out", out, "--", sys.executable, "-c",
+                   program])
+    path = os.path.join(out, "report.json")
+    status = None
+    if os.path.exists(path):
+        with open(path) as f:
+            status = json.load(f).get("status")
+    return p, wall, status
+
+
+def case_verified_rank_fails_early(args):
+    """Meta mode: a verified rank whose program fails before its process group (its arguments,
+    an import) is a program error naming the rank and its exit, not a dead worker."""
+    program = ("import os, sys\n"
+               "if os.environ['RANK'] == '5': sys.exit('bad arguments')\n"
+               "import torch.distributed as dist\n"
+               "dist.init_process_group('nccl')\n"
+               "dist.barrier()\n"
+               "dist.destroy_process_group()")
+    p, wall, status = run_inline(args, program, "--topology", "2x2x2", "--mode", "meta",
+                                 "--verify-ranks", "5")
+    text = p.stdout + p.stderr
+    named = re.search(r"Rank 5 \(pid \d+\) failed before it created its process group: it "
+                      r"exited with code 1 \(its last words: \"bad arguments\"\)", text)
+    ok = p.returncode != 0 and status == "error" and named is not None
+    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
+
+
+def case_meta_autocast(args):
+    """Meta mode: autocast for the device a tensor is on (`x.device.type`, as a mixture of
+    experts' router writes it) casts as on the accelerator."""
+    program = ("import torch, torch.distributed as dist\n"
+               "dist.init_process_group('nccl')\n"
+               "x = torch.randn(256, 256, device='cuda')\n"
+               "with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):\n"
+               "    y = x @ x\n"
+               "assert y.dtype == torch.bfloat16, y.dtype\n"
+               "dist.all_reduce(y)\n"
+               "dist.destroy_process_group()")
+    p, wall, status = run_inline(args, program, "--topology", "2x2", "--mode", "meta")
+    ok = p.returncode == 0 and status == "ok"
+    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}"
 
 
 def main():
@@ -665,6 +711,9 @@ def main():
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
+        ("meta mode: a verified rank failing before its process group is a program error",
+         lambda: case_verified_rank_fails_early(args)),
+        ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
     ]
     timed = [
         # Faults at different ranks and steps: an interior rank, the last rank, and rank 0

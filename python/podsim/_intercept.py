@@ -189,11 +189,13 @@ def _devices_are_podsims():
     torch.Tensor.cuda = lambda self, device=None, non_blocking=False, memory_format=None: self.to(
         target
     )
-    # Autocast for an accelerator runs as the CPU's (which has bf16): the same casts.
+    # Autocast for an accelerator runs as the CPU's (which has bf16): the same casts. So
+    # does autocast for podsim's own device, which a program names as `x.device.type`
+    # ("meta" in meta mode, where torch has no autocast).
     amp_init = torch.amp.autocast_mode.autocast.__init__
 
     def autocast_init(self, device_type, *args, **kwargs):
-        if _maps_to_podsim(device_type):
+        if _maps_to_podsim(device_type) or device_type == target.type:
             device_type = "cpu"
         amp_init(self, device_type, *args, **kwargs)
 

@@ -10,6 +10,10 @@ Llama-2-7B step under FSDP2 on a 4,096-rank mesh takes about two seconds here (t
 - 0-dimensional tensors keep real values on the CPU (an optimizer's step count, a loss scale):
   bookkeeping that divides by ``1 - beta**step`` must see a real step, and a 0-d CPU tensor
   mixes with tensors of any device;
+- integer tensors made on the CPU (up to ``HOST_INTEGERS`` elements) keep real values too:
+  the host's own work, such as a batch's random offsets into a token file
+  (``data[i:i + block_size]`` with ``i`` from ``torch.randint``) or a sampler's permutation,
+  which with stand-in values would cut empty batches and price a model on no tokens;
 - tensors made from data (``torch.tensor(list)``, ``from_numpy``) stay real until moved;
 - what needs a value of a meta tensor (``.item()``, ``print(loss)``, ``if x > 0``,
   ``torch.save``) gets a stand-in: numbers are 1 (divides safely, a valid size), truth values
@@ -28,7 +32,7 @@ import sys
 
 import torch
 
-from . import _functional, _meta_ddp, _rebind
+from . import _functional, _meta_autocast, _meta_ddp, _rebind
 from . import torch as backend
 from ._intercept import DeviceMap
 
@@ -67,13 +71,15 @@ class Fake(DeviceMap):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        args, kwargs = _meta_autocast.casts(func, args, kwargs)
         name = getattr(func, "__name__", "")
         if _is_factory(func):
-            asked_meta = _is_meta(kwargs.get("device"))
+            asked = kwargs.get("device")
+            asked_meta = _is_meta(asked)
             kwargs["device"] = META
             with _untracked(asked_meta):
                 out = func(*args, **kwargs)
-            if out.dim() == 0:  # bookkeeping keeps its value
+            if out.dim() == 0 or _host_integers(asked, out):  # keeps its values
                 kwargs["device"] = "cpu"
                 return func(*args, **kwargs)
             return out
@@ -83,6 +89,20 @@ class Fake(DeviceMap):
         if "device" in kwargs:
             kwargs["device"] = META
         return func(*args, **kwargs)
+
+
+# The most elements an integer tensor made on the CPU keeps real (a sampler's permutation of
+# 16 million samples is 128 MB of the host's memory).
+HOST_INTEGERS = 1 << 24
+
+
+def _host_integers(asked, out):
+    """Whether factory result `out` (made on the meta device, `asked` for `asked`) is integer
+    data the host makes for itself: asked on the CPU, not floating point, not too large."""
+    if out.is_floating_point() or out.is_complex() or out.numel() > HOST_INTEGERS:
+        return False
+    device = torch.device(asked) if asked is not None else torch.get_default_device()
+    return device.type == "cpu"
 
 
 def _is_meta(device):
@@ -246,6 +266,7 @@ def install():
     _fsdp_on_the_meta_device()
     _multi_tensor_kernels_on_the_meta_device()
     _values_get_stand_ins()
+    _meta_autocast.install()
     _functional.install()
     _meta_ddp.install()
     Fake().__enter__()
