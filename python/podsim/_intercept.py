@@ -202,6 +202,30 @@ def _devices_are_podsims():
     torch.amp.autocast_mode.autocast.__init__ = autocast_init
     _meshes_on(target.type)
     _ddp_without_device_ids()
+    _recomputation_under_the_map()
+
+
+def _recomputation_under_the_map():
+    """Autograd runs a backward without the torch function modes its forward ran under, so a
+    function `torch.utils.checkpoint` recomputes there would hand "cuda" to torch itself (and
+    in meta mode make real tensors, or fail to move one to the host): the recomputation runs
+    under the rank's device map again, as its forward did."""
+    import torch.utils.checkpoint as cp
+
+    original = cp.checkpoint
+
+    def checkpoint(function, *args, **kwargs):
+        def run(*a, **k):
+            mode = DeviceMap.entered
+            if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+                return function(*a, **k)
+            with mode:
+                return function(*a, **k)
+
+        return original(run, *args, **kwargs)
+
+    # Imported by name before the rank connects, by programs and torch's checkpoint wrapper.
+    _rebind.everywhere(original, checkpoint, ("checkpoint", "torch_utils_checkpoint"))
 
 
 def _ddp_without_device_ids():
