@@ -654,6 +654,58 @@ def case_verified_rank_fails_early(args):
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
 
 
+# A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
+# counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
+# moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
+MOE_PROGRAM = """
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.utils.checkpoint import checkpoint
+dist.init_process_group("nccl")
+n, T, D, E, K = dist.get_world_size(), 512, 64, 8, 2
+router = torch.nn.Linear(D, E).cuda()
+experts = torch.nn.Parameter(torch.randn(E // n, D, D, device="cuda") / D ** 0.5)
+
+def layer(x):
+    ids = router(x).topk(K, dim=-1).indices
+    routing = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter_(-1, ids, True)
+    counts = routing.sum(dim=0)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts)
+    send = counts.view(n, -1).sum(dim=1).tolist()
+    recv = received.view(n, -1).sum(dim=1).tolist()
+    order = torch.argsort(ids.view(-1), stable=True)
+    routed = x[order // K]
+    group = dist.group.WORLD
+    out = funcol.all_to_all_single_autograd(routed, recv, send, group)
+    out = torch.relu(out @ experts.mean(0))
+    back = funcol.all_to_all_single_autograd(out, send, recv, group)
+    return torch.zeros(T, D, device="cuda").index_add(0, order // K, back)
+
+x = torch.randn(T, D, device="cuda", requires_grad=True)
+y = checkpoint(layer, x, use_reentrant=False)
+y.square().mean().backward()
+dist.destroy_process_group()
+"""
+
+
+def case_moe_counts(args, mode):
+    """A mixture of experts' routed all-to-all runs in `mode`; in meta mode its split sizes are
+    balanced counts, listed as stand-ins."""
+    out = tempfile.mkdtemp(prefix="podsim-torch-")
+    p, wall = run([args.podsim, "run", "--topology", "2x2", "--mode", mode, "--out", out, "--",
+                   sys.executable, "-c", MOE_PROGRAM])
+    report = {}
+    if os.path.exists(os.path.join(out, "report.json")):
+        with open(os.path.join(out, "report.json")) as f:
+            report = json.load(f)
+    ranks = (report.get("torch") or {}).get("ranks") or [{}]
+    balanced = [s for s in ranks[0].get("stand_ins", []) if "balanced counts" in s[0]]
+    ok = p.returncode == 0 and report.get("status") == "ok" and (mode == "data") != bool(balanced)
+    return ok, (f"exit {p.returncode}, status {report.get('status')}, balanced counts at "
+                f"{[s[1] for s in balanced]}, wall {wall:.1f} s{'' if ok else ': ' + (p.stdout + p.stderr)[-500:]}")
+
+
 def case_meta_autocast(args):
     """Meta mode: autocast for the device a tensor is on (`x.device.type`, as a mixture of
     experts' router writes it) casts as on the accelerator."""
@@ -714,6 +766,10 @@ def main():
         ("meta mode: a verified rank failing before its process group is a program error",
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
+        ("a mixture of experts' routed all-to-all, checkpointed (data mode)",
+         lambda: case_moe_counts(args, "data")),
+        ("meta mode: a mixture of experts' routed all-to-all gets balanced counts",
+         lambda: case_moe_counts(args, "meta")),
     ]
     timed = [
         # Faults at different ranks and steps: an interior rank, the last rank, and rank 0

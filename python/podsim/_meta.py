@@ -32,7 +32,7 @@ import sys
 
 import torch
 
-from . import _functional, _meta_autocast, _meta_ddp, _rebind
+from . import _functional, _meta_autocast, _meta_counts, _meta_ddp, _rebind
 from . import torch as backend
 from ._intercept import DeviceMap
 
@@ -70,7 +70,12 @@ class Fake(DeviceMap):
         return META
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        out = self._run(func, args, kwargs or {})
+        if func in _meta_counts.RULES or (type(out) is torch.Tensor and not out.is_floating_point()):
+            _meta_counts.carry(func, args, kwargs or {}, out)
+        return out
+
+    def _run(self, func, args, kwargs):
         args, kwargs = _meta_autocast.casts(func, args, kwargs)
         name = getattr(func, "__name__", "")
         if _is_factory(func):
@@ -165,7 +170,9 @@ def _stand_in(method, value):
 
     def patched(self, *args, **kwargs):
         if self.is_meta:  # a DTensor on a meta mesh too
-            stand_ins[(method, _site())] += 1
+            counted = _meta_counts.mean_of(self) is not None and not self.is_floating_point()
+            what = f"{method} (balanced counts)" if counted else method
+            stand_ins[(what, _site())] += 1
             return value(self, *args, **kwargs)
         return real(self, *args, **kwargs)
 
@@ -174,11 +181,18 @@ def _stand_in(method, value):
 
 
 def _number(t, *args, **kwargs):
-    return 1 if not t.dtype.is_floating_point else 1.0
+    if t.dtype.is_floating_point:
+        return 1.0
+    counts = _meta_counts.balanced(t) if t.numel() == 1 else None
+    return 1 if counts is None else int(counts.reshape(()).item())
 
 
 def _ones(t):
-    """Real ones of `t`'s shape and dtype, on the CPU (made outside meta mode's rules)."""
+    """Real values for `t`, on the CPU (made outside meta mode's rules): its balanced counts
+    when it carries them (`podsim._meta_counts`), else ones of its shape and dtype."""
+    counts = None if t.is_floating_point() else _meta_counts.balanced(t)
+    if counts is not None:
+        return counts
     with torch._C.DisableTorchFunction():
         return torch.ones(t.shape, dtype=t.dtype)
 
@@ -186,8 +200,8 @@ def _ones(t):
 def _values_get_stand_ins():
     _stand_in("item", _number)
     _stand_in("__float__", lambda t: 1.0)
-    _stand_in("__int__", lambda t: 1)
-    _stand_in("__index__", lambda t: 1)
+    _stand_in("__int__", lambda t: int(_number(t)))
+    _stand_in("__index__", lambda t: int(_number(t)))
     _stand_in("__bool__", lambda t: False)
     _stand_in("tolist", lambda t: _ones(t).tolist())
     _stand_in("__format__", lambda t, spec: format(_number(t), spec) if t.dim() == 0 else "<meta>")

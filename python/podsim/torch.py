@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _streams
+from . import _meta_counts, _streams
 from ._compute import Compute, Memory, price_attention_as_flash, recomputation_apart
 from ._replay import Steps, signature
 from ._wire import Connection, PodsimError
@@ -574,6 +574,8 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     def allreduce(self, tensors, opts):
         for t in tensors:
             self._all_reduce_into(t, opts.reduceOp)
+        if self._node.meta and opts.reduceOp == dist.ReduceOp.SUM:
+            _meta_counts.carry_collective(tensors, tensors, self.size())
         return self._done(tensors)
 
     def allreduce_coalesced(self, tensors, opts):
@@ -583,6 +585,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         for outs, inp in zip(output_tensors, input_tensors):
             rows = self._all_gather_words(inp)
             if inp.is_meta:
+                _meta_counts.carry_collective(outs, [inp])
                 continue
             for o, r in zip(outs, rows):
                 o.copy_(_from_words(r, inp).view(o.shape))
@@ -591,6 +594,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts):
         rows = self._all_gather_words(input)
         if input.is_meta:
+            _meta_counts.carry_collective([output], [input])
             return self._done([output])
         parts = [_from_words(r, input).reshape(-1) for r in rows]
         output.copy_(torch.cat(parts).view(output.shape))
@@ -661,10 +665,14 @@ class ProcessGroupPodsim(dist.ProcessGroup):
             blocks_out = list(torch.split(output.reshape(output.shape[0], -1), outs))
         equal = not input_split_sizes and not output_split_sizes
         self._all_to_all_blocks(blocks_out, blocks_in, equal)
+        if self._node.meta:
+            _meta_counts.carry_collective([output], [input])
         return self._done([output])
 
     def alltoall(self, output_tensors, input_tensors, opts):
         self._all_to_all_blocks(output_tensors, input_tensors)
+        if self._node.meta:
+            _meta_counts.carry_collective(output_tensors, input_tensors)
         return self._done(output_tensors)
 
     def _all_to_all_blocks(self, outs, ins, equal=False):

@@ -1,0 +1,161 @@
+"""Balanced counts in meta mode: sizes a program reads from data it cannot see.
+
+A mixture of experts routes each token to its top-k experts, counts the tokens each expert
+got (``routing_map.sum(...)``, ``histc``), exchanges the counts with an all-to-all, and reads
+them back (``.tolist()``) as the split sizes of the all-to-all that moves the tokens. In meta
+mode the router's choice is not computed, so stand-in ones would cut splits that do not add
+up to the tokens (torch refuses them) or price the experts on a handful of rows.
+
+Here an integer or boolean tensor derived from such data carries the value every element has
+on average (``_podsim_mean``), from where it is known: all zeros, then ``scatter_`` of k
+values per row of E (k / E each), a histogram of n values in b bins (n / b each), sums over
+dimensions, views, moves and collectives (every rank alike, as meta mode's ranks are). What
+reads its values gets them spread evenly with the exact total (``round(mean * numel)``):
+balanced routing, the load a capacity plan assumes, listed in the report as a stand-in.
+"""
+
+import torch
+import torch.nn.functional as F
+
+_MEAN = "_podsim_mean"
+
+
+def mean_of(t):
+    """The mean value carried by tensor `t`, or None."""
+    return getattr(t, _MEAN, None) if isinstance(t, torch.Tensor) else None
+
+
+def _set(t, mean):
+    if isinstance(t, torch.Tensor) and mean is not None:
+        setattr(t, _MEAN, float(mean))
+
+
+def _counting(t):
+    return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()
+
+
+def _filled(value):
+    def rule(func, args, kwargs, out):
+        if _counting(out):
+            _set(out, value)
+
+    return rule
+
+
+def _full(func, args, kwargs, out):
+    """`full(size, v)`, `full_like(t, v)`, `new_full(size, v)`: the fill value second."""
+    value = args[1] if len(args) > 1 else kwargs.get("fill_value")
+    if _counting(out) and isinstance(value, (bool, int, float)):
+        _set(out, value)
+
+
+def _scatter(func, args, kwargs, out):
+    """`self.scatter_(dim, index, value | src)`: k written values a row of E, distinct (a
+    top-k's experts), over the row's mean."""
+    self, dim, index = args[0], args[1], args[2]
+    m = mean_of(self)
+    value = args[3] if len(args) > 3 else kwargs.get("value", kwargs.get("src"))
+    v = mean_of(value) if isinstance(value, torch.Tensor) else value
+    if m is None or v is None or isinstance(v, complex):
+        return
+    share = index.shape[dim] / max(self.shape[dim], 1)
+    accumulate = func.__name__.startswith("scatter_add")
+    _set(out, m + v * share if accumulate else m + (float(v) - m) * share)
+
+
+def _histc(func, args, kwargs, out):
+    bins = args[1] if len(args) > 1 else kwargs.get("bins", 100)
+    _set(out, args[0].numel() / max(bins, 1))
+
+
+def _one_hot(func, args, kwargs, out):
+    if out.shape[-1]:
+        _set(out, 1.0 / out.shape[-1])
+
+
+def _summed(func, args, kwargs, out):
+    m = mean_of(args[0])
+    if m is not None and out.numel():
+        _set(out, m * args[0].numel() / out.numel())
+
+
+def _same(func, args, kwargs, out):
+    m = mean_of(args[0])
+    if m is None:
+        return
+    for t in out if isinstance(out, (list, tuple)) else (out,):
+        _set(t, m)
+
+
+def _joined(func, args, kwargs, out):
+    parts = args[0]
+    means = [mean_of(p) for p in parts]
+    if parts and None not in means:
+        total = sum(p.numel() for p in parts)
+        _set(out, sum(m * p.numel() for m, p in zip(means, parts)) / max(total, 1))
+
+
+def _rules():
+    T = torch.Tensor
+    same = (T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.contiguous, T.clone,
+            torch.clone, T.to, T.cpu, T.long, T.int, T.detach, T.unsqueeze, T.squeeze,
+            T.permute, T.transpose, T.t, T.split, torch.split, T.chunk, torch.chunk, T.unbind,
+            torch.unbind, T.expand, T.view_as, T.reshape_as)
+    rules = {f: _same for f in same}
+    rules.update({f: _filled(0.0) for f in (torch.zeros, torch.zeros_like, T.new_zeros)})
+    rules.update({f: _filled(1.0) for f in (torch.ones, torch.ones_like, T.new_ones)})
+    rules.update({f: _full for f in (torch.full, torch.full_like, T.new_full)})
+    rules.update({f: _scatter for f in (T.scatter_, T.scatter, torch.scatter, T.scatter_add_,
+                                        T.scatter_add, torch.scatter_add)})
+    rules.update({f: _histc for f in (torch.histc, T.histc)})
+    rules.update({f: _summed for f in (torch.sum, T.sum)})
+    rules.update({f: _joined for f in (torch.cat, torch.concat, torch.stack)})
+    rules[F.one_hot] = _one_hot
+    return rules
+
+
+RULES = _rules()
+
+
+def carry(func, args, kwargs, out):
+    """After `func(*args, **kwargs)` gave `out` in meta mode: the mean its result carries.
+    A function without a rule (a framework's own collective, whose inside runs with meta
+    mode's function mode off) that gives an integer tensor of as many elements as one
+    tracked argument, and of its dtype, moved or permuted those counts: the same mean (a
+    comparison, of another dtype, is not counts)."""
+    rule = RULES.get(func)
+    try:
+        if rule is not None:
+            rule(func, args, kwargs, out)
+        elif _counting(out) and mean_of(out) is None:
+            means = {mean_of(a) for a in args if mean_of(a) is not None
+                     and a.numel() == out.numel() and a.dtype == out.dtype}
+            if len(means) == 1:
+                _set(out, means.pop())
+    except Exception:  # a mean is a hint: never a reason for the program to fail
+        pass
+
+
+def carry_collective(outs, ins, factor=1):
+    """A collective of podsim's backend moved `ins` into `outs` (lists, position for
+    position, or one input for every output): every rank holds the same means, so each
+    output has its input's, times `factor` for a sum over the ranks."""
+    for i, o in enumerate(outs):
+        m = mean_of(ins[i] if len(ins) == len(outs) else ins[0])
+        if m is not None:
+            _set(o, m * factor)
+
+
+def balanced(t):
+    """`t`'s values spread evenly with its mean's total, as a real tensor; None when `t`
+    carries no mean."""
+    m = mean_of(t)
+    if m is None:
+        return None
+    n = t.numel()
+    total = round(m * n)
+    base, extra = divmod(total, n) if n else (0, 0)
+    with torch._C.DisableTorchFunction():
+        values = torch.full((n,), base, dtype=torch.int64)
+        values[:extra] += 1
+        return values.view(t.shape).to(t.dtype)
