@@ -682,16 +682,26 @@ def layer(x):
     back = funcol.all_to_all_single_autograd(out, send, recv, group)
     return torch.zeros(T, D, device="cuda").index_add(0, order // K, back)
 
+def local_experts(x):
+    # Hugging Face's loop over the experts a batch hit: sizes read from a one-hot mask.
+    ids = router(x).topk(K, dim=-1).indices
+    mask = torch.nn.functional.one_hot(ids, num_classes=E).permute(2, 1, 0)
+    out = torch.zeros_like(x)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+        pos, token = torch.where(mask[e[0]])
+        out.index_add_(0, token, x[token] @ experts[0])
+    return out
+
 x = torch.randn(T, D, device="cuda", requires_grad=True)
-y = checkpoint(layer, x, use_reentrant=False)
+y = checkpoint(layer, x, use_reentrant=False) + local_experts(x)
 y.square().mean().backward()
 dist.destroy_process_group()
 """
 
 
 def case_moe_counts(args, mode):
-    """A mixture of experts' routed all-to-all runs in `mode`; in meta mode its split sizes are
-    balanced counts, listed as stand-ins."""
+    """A mixture of experts' routed all-to-all and a loop over the experts hit run in `mode`;
+    in meta mode the split sizes are balanced counts and the loop's sizes stand-ins, listed."""
     out = tempfile.mkdtemp(prefix="podsim-torch-")
     p, wall = run([args.podsim, "run", "--topology", "2x2", "--mode", mode, "--out", out, "--",
                    sys.executable, "-c", MOE_PROGRAM])
@@ -700,10 +710,15 @@ def case_moe_counts(args, mode):
         with open(os.path.join(out, "report.json")) as f:
             report = json.load(f)
     ranks = (report.get("torch") or {}).get("ranks") or [{}]
-    balanced = [s for s in ranks[0].get("stand_ins", []) if "balanced counts" in s[0]]
-    ok = p.returncode == 0 and report.get("status") == "ok" and (mode == "data") != bool(balanced)
+    stand_ins = ranks[0].get("stand_ins", [])
+    balanced = [s[1] for s in stand_ins if "balanced counts" in s[0]]
+    sized = sorted({s[0] for s in stand_ins if "(its size)" in s[0]})
+    meta = mode == "meta"
+    ok = (p.returncode == 0 and report.get("status") == "ok"
+          and bool(balanced) == meta and (sized == ["nonzero (its size)", "where (its size)"]) == meta)
     return ok, (f"exit {p.returncode}, status {report.get('status')}, balanced counts at "
-                f"{[s[1] for s in balanced]}, wall {wall:.1f} s{'' if ok else ': ' + (p.stdout + p.stderr)[-500:]}")
+                f"{balanced}, sizes stood in for: {sized}, wall {wall:.1f} s"
+                f"{'' if ok else ': ' + (p.stdout + p.stderr)[-500:]}")
 
 
 def case_meta_autocast(args):
@@ -768,7 +783,7 @@ def main():
         ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
         ("a mixture of experts' routed all-to-all, checkpointed (data mode)",
          lambda: case_moe_counts(args, "data")),
-        ("meta mode: a mixture of experts' routed all-to-all gets balanced counts",
+        ("meta mode: a mixture of experts gets balanced counts and stand-in sizes",
          lambda: case_moe_counts(args, "meta")),
     ]
     timed = [

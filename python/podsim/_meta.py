@@ -18,7 +18,9 @@ Llama-2-7B step under FSDP2 on a 4,096-rank mesh takes about two seconds here (t
 - what needs a value of a meta tensor (``.item()``, ``print(loss)``, ``if x > 0``,
   ``torch.save``) gets a stand-in: numbers are 1 (divides safely, a valid size), truth values
   ``False`` (the branch a healthy run takes past a NaN check), text ``<meta>``, a save writes
-  nothing. Each use is counted with its line, and the report lists them.
+  nothing. Each use is counted with its line, and the report lists them;
+- sizes that are data (``nonzero``, ``torch.where(mask)``, ``x[mask]``) get stand-ins too
+  (``podsim._meta_shapes``), and so do counts a router makes (``podsim._meta_counts``).
 
 DDP runs with its C++ reducer stood in for (:mod:`podsim._meta_ddp`). FSDP2 and DTensor see a
 device mesh of the meta device: three of FSDP2's device checks
@@ -32,7 +34,7 @@ import sys
 
 import torch
 
-from . import _functional, _meta_autocast, _meta_counts, _meta_ddp, _rebind
+from . import _functional, _meta_autocast, _meta_counts, _meta_ddp, _meta_shapes, _rebind
 from . import torch as backend
 from ._intercept import DeviceMap
 
@@ -70,6 +72,15 @@ class Fake(DeviceMap):
         return META
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _meta_shapes.FUNCTIONS:
+            out = _meta_shapes.stand_in(func, args, kwargs or {})
+            if out is not NotImplemented:
+                if isinstance(out, _meta_shapes.Read):
+                    out = out.out
+                else:
+                    stand_ins[(f"{func.__name__} (its size)", _site())] += 1
+                _meta_counts.carry(func, args, kwargs or {}, out)
+                return out
         out = self._run(func, args, kwargs or {})
         if func in _meta_counts.RULES or (type(out) is torch.Tensor and not out.is_floating_point()):
             _meta_counts.carry(func, args, kwargs or {}, out)

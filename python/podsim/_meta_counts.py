@@ -95,12 +95,33 @@ def _joined(func, args, kwargs, out):
         _set(out, sum(m * p.numel() for m, p in zip(means, parts)) / max(total, 1))
 
 
+_COMPARE = {"gt": lambda a, b: a > b, "ge": lambda a, b: a >= b, "lt": lambda a, b: a < b,
+            "le": lambda a, b: a <= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b}
+
+
+def _compared(func, args, kwargs, out):
+    """`x > c` (and the other comparisons with a number): counts (a mean of 1 or more, every
+    element alike when balanced) compare as their mean does; a mask (a share of ones) keeps
+    its share where the comparison picks its ones, the rest where it picks its zeros."""
+    m, c = mean_of(args[0]), args[1] if len(args) > 1 else None
+    name = func.__name__.strip("_").replace("greater_equal", "ge").replace("greater", "gt")
+    name = name.replace("less_equal", "le").replace("less", "lt").replace("not_equal", "ne")
+    op = _COMPARE.get(name)
+    if m is None or op is None or not isinstance(c, (bool, int, float)):
+        return
+    if m >= 1:
+        _set(out, 1.0 if op(m, c) else 0.0)
+    elif op(1, c) != op(0, c):  # the comparison tells ones from zeros
+        _set(out, m if op(1, c) else 1.0 - m)
+
+
 def _rules():
     T = torch.Tensor
     same = (T.view, T.reshape, torch.reshape, T.flatten, torch.flatten, T.contiguous, T.clone,
             torch.clone, T.to, T.cpu, T.long, T.int, T.detach, T.unsqueeze, T.squeeze,
             T.permute, T.transpose, T.t, T.split, torch.split, T.chunk, torch.chunk, T.unbind,
-            torch.unbind, T.expand, T.view_as, T.reshape_as)
+            torch.unbind, T.expand, T.view_as, T.reshape_as, T.__getitem__, T.select,
+            torch.select, T.narrow, torch.narrow)
     rules = {f: _same for f in same}
     rules.update({f: _filled(0.0) for f in (torch.zeros, torch.zeros_like, T.new_zeros)})
     rules.update({f: _filled(1.0) for f in (torch.ones, torch.ones_like, T.new_ones)})
@@ -111,6 +132,12 @@ def _rules():
     rules.update({f: _summed for f in (torch.sum, T.sum)})
     rules.update({f: _joined for f in (torch.cat, torch.concat, torch.stack)})
     rules[F.one_hot] = _one_hot
+    for name in _COMPARE:
+        for f in (getattr(torch, name), getattr(T, name), getattr(T, f"__{name}__")):
+            rules[f] = _compared
+    for f in (torch.greater, torch.greater_equal, torch.less, torch.less_equal,
+              torch.not_equal):
+        rules[f] = _compared
     return rules
 
 

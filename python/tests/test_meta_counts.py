@@ -65,9 +65,19 @@ class BalancedCounts(unittest.TestCase):
         with Tracking():
             counts = routed_counts()
             moved = torch.roll(counts, 1)  # no rule: as many elements, the same counts
-            flags = counts > 0  # as many elements too, but truth values, not counts
         self.assertEqual(_meta_counts.mean_of(moved), T * K / E)
-        self.assertIsNone(_meta_counts.mean_of(flags))
+
+    def test_comparisons_of_counts_and_of_masks(self):
+        with Tracking():
+            counts = routed_counts()
+            mask = torch.nn.functional.one_hot(torch.empty(T, dtype=torch.long, device="meta"), E)
+            every_expert_used = counts > 0  # balanced: every count is its mean
+            none_over = counts > T * K  # and none is over the tokens routed
+            ones, zeros = mask != 0, mask == 0
+        self.assertEqual(_meta_counts.mean_of(every_expert_used), 1.0)
+        self.assertEqual(_meta_counts.mean_of(none_over), 0.0)
+        self.assertEqual(_meta_counts.mean_of(ones), 1 / E)
+        self.assertEqual(_meta_counts.mean_of(zeros), 1 - 1 / E)
 
     def test_floating_point_data_carries_nothing(self):
         with Tracking():
