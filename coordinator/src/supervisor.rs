@@ -361,7 +361,8 @@ fn rank_exit_verdict(chip: u32, exit: &RankExitReport) -> (HangKind, String) {
         .stderr_tail
         .iter()
         .rev()
-        .find(|l| !l.trim().is_empty())
+        // A line with words: not a frame's rule (argument parsers draw boxes around errors).
+        .find(|l| l.chars().any(char::is_alphanumeric))
         .map_or(String::new(), |l| {
             format!(" (its last words: {:?})", l.trim())
         });
@@ -406,6 +407,28 @@ mod tests {
     use podsim_topology::Pod;
 
     use super::*;
+
+    #[test]
+    fn a_ranks_last_words_are_its_last_line_with_words() {
+        let exit = RankExitReport {
+            pid: 7,
+            how: format!("{}exited with code 2", TorchSpec::FAILED_BEFORE_CONNECTING),
+            stderr_tail: [
+                "╭─ Value error ──╮",
+                "│ Error parsing Config: bad flag │",
+                "╰────────────────╯",
+                "",
+            ]
+            .map(String::from)
+            .to_vec(),
+        };
+        let (kind, said) = rank_exit_verdict(3, &exit);
+        assert_eq!(kind, HangKind::ProgramError);
+        assert!(
+            said.contains("(its last words: \"│ Error parsing Config: bad flag │\")"),
+            "{said}"
+        );
+    }
 
     /// A supervisor of 2 workers (pids 100, 101) on a ring of 4 chips.
     fn two_workers() -> Supervisor {
