@@ -721,6 +721,34 @@ def case_moe_counts(args, mode):
                 f"{'' if ok else ': ' + (p.stdout + p.stderr)[-500:]}")
 
 
+# Values a program puts on the device and reads back, as torch's pipelining and samplers do.
+VALUES_PROGRAM = """
+import pickle, torch, torch.distributed as dist
+dist.init_process_group("nccl")
+n = dist.get_world_size()
+with torch.random.fork_rng(device_type="cuda"):
+    torch.manual_seed(1)
+vote = torch.tensor([0], dtype=torch.int32, device="cuda")
+dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+counts = torch.tensor([1.0, 0.0, 2.0], device="cuda")
+dist.all_reduce(counts)
+data = torch.ByteTensor(torch.UntypedStorage.from_buffer(pickle.dumps("ok"), dtype=torch.uint8))
+assert vote.item() == 0, vote.item()
+assert counts.tolist() == [n * 1.0, 0.0, n * 2.0], counts.tolist()
+assert pickle.loads(data.numpy().tobytes()) == "ok"
+dist.destroy_process_group()
+"""
+
+
+def case_values_on_the_device(args, mode):
+    """Small values put on the device keep them through collectives in meta mode (every rank
+    alike), the accelerator's RNG state can be saved and restored, and a legacy constructor's
+    host tensor stays on the host."""
+    p, wall, status = run_inline(args, VALUES_PROGRAM, "--topology", "2x2", "--mode", mode)
+    ok = p.returncode == 0 and status == "ok"
+    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-400:]}"
+
+
 def case_meta_autocast(args):
     """Meta mode: autocast for the device a tensor is on (`x.device.type`, as a mixture of
     experts' router writes it) casts as on the accelerator."""
@@ -781,6 +809,9 @@ def main():
         ("meta mode: a verified rank failing before its process group is a program error",
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
+        ("values put on the device (data mode)", lambda: case_values_on_the_device(args, "data")),
+        ("meta mode: values put on the device are read back",
+         lambda: case_values_on_the_device(args, "meta")),
         ("a mixture of experts' routed all-to-all, checkpointed (data mode)",
          lambda: case_moe_counts(args, "data")),
         ("meta mode: a mixture of experts gets balanced counts and stand-in sizes",

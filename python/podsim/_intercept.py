@@ -179,8 +179,18 @@ def _devices_are_podsims():
     cuda.set_device = lambda d: None
     cuda.current_device = _local_rank
     cuda.device_count = lambda: int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # The accelerator has no generator of its own here (random ops run on the CPU's, or on
+    # none in meta mode): seeding it does nothing, and its state, which a program saves and
+    # restores around work (`torch.random.fork_rng`, pipelining's stage setup), is opaque
+    # bytes that restoring leaves alone.
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None
+    cuda.seed = cuda.seed_all = lambda: None
+    cuda.initial_seed = torch.initial_seed
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.get_rng_state_all = lambda: [torch.get_rng_state() for _ in range(cuda.device_count())]
+    cuda.set_rng_state = lambda new_state, device="cuda": None
+    cuda.set_rng_state_all = lambda new_states: None
     cuda.is_bf16_supported = lambda including_emulation=True: True
     cuda.get_device_name = lambda device=None: os.environ.get("PODSIM_HARDWARE", "podsim")
     _device_memory.install()

@@ -36,7 +36,7 @@ import torch
 
 from . import _functional, _meta_autocast, _meta_counts, _meta_ddp, _meta_shapes, _rebind
 from . import torch as backend
-from ._intercept import DeviceMap
+from ._intercept import DeviceMap, _maps_to_podsim
 
 META = torch.device("meta")
 
@@ -87,6 +87,14 @@ class Fake(DeviceMap):
         return out
 
     def _run(self, func, args, kwargs):
+        if isinstance(func, torch._ops.OpOverload):
+            # An aten op called from a dispatch mode's handler (podsim's count, autograd's
+            # checkpoint): what it was asked for was placed already, and a host tensor it
+            # makes (a byte tensor a legacy constructor fills from a storage) stays there.
+            # Only an accelerator it names is podsim's.
+            if _maps_to_podsim(kwargs.get("device")):
+                kwargs["device"] = META
+            return func(*args, **kwargs)
         args, kwargs = _meta_autocast.casts(func, args, kwargs)
         name = getattr(func, "__name__", "")
         if _is_factory(func):
@@ -102,6 +110,10 @@ class Fake(DeviceMap):
         # `Tensor.cuda` and `pin_memory` are replaced outright (`podsim._intercept`).
         if name in ("to", "cpu") and args and isinstance(args[0], torch.Tensor):
             return _moved(func, args, kwargs)
+        if name in _FROM_DATA and kwargs.get("device") is not None:
+            # Data put on the device: made on the host, then moved (keeping small values).
+            kwargs["device"] = "cpu"
+            return _moved(torch.Tensor.to, (func(*args, **kwargs), META), {})
         if "device" in kwargs:
             kwargs["device"] = META
         return func(*args, **kwargs)
@@ -163,7 +175,10 @@ def _moved(func, args, kwargs):
         kwargs["device"] = META
     if dtype is not None:
         kwargs["dtype"] = dtype
-    return torch.Tensor.to(t, **kwargs) if kwargs else t
+    out = torch.Tensor.to(t, **kwargs) if kwargs else t
+    if out.is_meta and not t.is_meta:
+        _meta_counts.keep_values(out, t)
+    return out
 
 
 def _site():
@@ -182,7 +197,11 @@ def _stand_in(method, value):
     def patched(self, *args, **kwargs):
         if self.is_meta:  # a DTensor on a meta mesh too
             counted = _meta_counts.mean_of(self) is not None and not self.is_floating_point()
-            what = f"{method} (balanced counts)" if counted else method
+            what = method
+            if _meta_counts.values_of(self) is not None:
+                what = f"{method} (values moved to the device, alike on every rank)"
+            elif counted:
+                what = f"{method} (balanced counts)"
             stand_ins[(what, _site())] += 1
             return value(self, *args, **kwargs)
         return real(self, *args, **kwargs)
@@ -192,18 +211,21 @@ def _stand_in(method, value):
 
 
 def _number(t, *args, **kwargs):
-    if t.dtype.is_floating_point:
-        return 1.0
-    counts = _meta_counts.balanced(t) if t.numel() == 1 else None
-    return 1 if counts is None else int(counts.reshape(()).item())
+    known = _ones(t) if t.numel() == 1 else None
+    if known is not None:
+        return known.reshape(()).item()
+    return 1.0 if t.dtype.is_floating_point else 1
 
 
 def _ones(t):
-    """Real values for `t`, on the CPU (made outside meta mode's rules): its balanced counts
-    when it carries them (`podsim._meta_counts`), else ones of its shape and dtype."""
-    counts = None if t.is_floating_point() else _meta_counts.balanced(t)
-    if counts is not None:
-        return counts
+    """Real values for `t`, on the CPU (made outside meta mode's rules): its known values or
+    balanced counts when it carries them (`podsim._meta_counts`), else ones of its shape and
+    dtype."""
+    known = _meta_counts.values_of(t)
+    if known is None and not t.is_floating_point():
+        known = _meta_counts.balanced(t)
+    if known is not None:
+        return known.clone()
     with torch._C.DisableTorchFunction():
         return torch.ones(t.shape, dtype=t.dtype)
 

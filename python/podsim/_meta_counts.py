@@ -12,12 +12,35 @@ values per row of E (k / E each), a histogram of n values in b bins (n / b each)
 dimensions, views, moves and collectives (every rank alike, as meta mode's ranks are). What
 reads its values gets them spread evenly with the exact total (``round(mean * numel)``):
 balanced routing, the load a capacity plan assumes, listed in the report as a stand-in.
+
+A small tensor of real values moved to the device (a flag every rank votes with,
+``torch.tensor([ok], device="cuda")`` then ``all_reduce(MIN)`` and ``.item()``, as torch's
+pipelining decides how its stages agree on shapes) keeps them beside it (``_podsim_values``):
+they follow reshapes and podsim's collectives (every rank holding the same), and are what a
+read gives, in place of a stand-in.
 """
 
 import torch
 import torch.nn.functional as F
 
 _MEAN = "_podsim_mean"
+_VALUES = "_podsim_values"
+
+# The most elements a tensor moved to the device keeps its values for (flags, small counts).
+KNOWN_VALUES = 4096
+
+
+def values_of(t):
+    """The real values meta tensor `t` is known to hold, or None."""
+    return getattr(t, _VALUES, None) if isinstance(t, torch.Tensor) else None
+
+
+def keep_values(t, real):
+    """Meta tensor `t` was made from real tensor `real` (moved to the device): small ones
+    keep their values beside it."""
+    if isinstance(real, torch.Tensor) and not real.is_meta and real.numel() <= KNOWN_VALUES:
+        with torch._C.DisableTorchFunction():
+            setattr(t, _VALUES, real.detach().to("cpu", t.dtype).reshape(t.shape).clone())
 
 
 def mean_of(t):
@@ -80,11 +103,20 @@ def _summed(func, args, kwargs, out):
 
 
 def _same(func, args, kwargs, out):
+    values = values_of(args[0])
+    if values is not None and func.__name__ in _RESHAPES and isinstance(out, torch.Tensor):
+        if out.numel() == values.numel():
+            keep_values(out, values.to(out.dtype))
     m = mean_of(args[0])
     if m is None:
         return
     for t in out if isinstance(out, (list, tuple)) else (out,):
         _set(t, m)
+
+
+# Ops after which the values, in order, are the same ones in another shape or dtype.
+_RESHAPES = {"view", "reshape", "flatten", "contiguous", "clone", "to", "cpu", "long", "int",
+             "detach", "unsqueeze", "squeeze", "view_as", "reshape_as"}
 
 
 def _joined(func, args, kwargs, out):
@@ -165,17 +197,29 @@ def carry(func, args, kwargs, out):
 
 def carry_collective(outs, ins, factor=1):
     """A collective of podsim's backend moved `ins` into `outs` (lists, position for
-    position, or one input for every output): every rank holds the same means, so each
-    output has its input's, times `factor` for a sum over the ranks."""
+    position, or one input for every output): every rank holds the same means and values,
+    so each output has its input's, times `factor` for a sum over the ranks (None: a
+    reduction whose result is not known)."""
     for i, o in enumerate(outs):
-        m = mean_of(ins[i] if len(ins) == len(outs) else ins[0])
+        if factor is None:
+            for attribute in (_MEAN, _VALUES):
+                if hasattr(o, attribute):
+                    delattr(o, attribute)
+            continue
+        source = ins[i] if len(ins) == len(outs) else ins[0]
+        m, values = mean_of(source), values_of(source)
         if m is not None:
             _set(o, m * factor)
+        if values is not None and values.numel() == o.numel():
+            keep_values(o, values * factor if factor != 1 else values)
 
 
 def balanced(t):
-    """`t`'s values spread evenly with its mean's total, as a real tensor; None when `t`
-    carries no mean."""
+    """`t`'s known values, or its values spread evenly with its mean's total, as a real
+    tensor; None when `t` carries neither."""
+    values = values_of(t)
+    if values is not None:
+        return values.clone()
     m = mean_of(t)
     if m is None:
         return None

@@ -325,6 +325,18 @@ def _from_words(words, like, nbytes=None):
     return raw.view(like.dtype).reshape(like.shape)
 
 
+def _alike_ranks_factor(op, ranks):
+    """What a reduction over `ranks` ranks holding the same values multiplies them by: the
+    rank count for a sum, 1 for a mean, maximum or minimum; None for any other (its result
+    is not known)."""
+    if op == dist.ReduceOp.SUM:
+        return ranks
+    # `op == kind` (a `ReduceOp` against a kind), which `in` would not ask.
+    if any(op == kind for kind in (dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN)):
+        return 1
+    return None
+
+
 def _premultiplied(op):
     """`ReduceOp.PREMUL_SUM(f)` (FSDP2's gradient division when a program sets its own
     factor) is a sum of inputs multiplied by `f` first, as NCCL runs it: (SUM, f). Any
@@ -574,8 +586,8 @@ class ProcessGroupPodsim(dist.ProcessGroup):
     def allreduce(self, tensors, opts):
         for t in tensors:
             self._all_reduce_into(t, opts.reduceOp)
-        if self._node.meta and opts.reduceOp == dist.ReduceOp.SUM:
-            _meta_counts.carry_collective(tensors, tensors, self.size())
+        if self._node.meta:
+            _meta_counts.carry_collective(tensors, tensors, _alike_ranks_factor(opts.reduceOp, self.size()))
         return self._done(tensors)
 
     def allreduce_coalesced(self, tensors, opts):
