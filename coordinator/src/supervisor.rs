@@ -339,6 +339,11 @@ fn diagnosed_failure(watchdog: &Watchdog, d: &FailureReport, worker: u32) -> Fin
                 .iter()
                 .map(|(chip, site)| format!(" Rank {chip} made its call at {site}."))
                 .collect::<String>()
+                + if d.verified {
+                    podsim_programs::RUN_EVERY_RANK
+                } else {
+                    ""
+                }
         ),
         effect_wall_ns: podsim_collectives::wall_ns(),
     }

@@ -38,6 +38,8 @@ pub enum ProgramError {
         mine: String,
         peer: u32,
         theirs: String,
+        /// `chip` is a rank verified against its representative `peer` (meta mode).
+        verified: bool,
     },
     /// A PyTorch rank's process ended before its job did (or badly).
     #[error("rank {chip} (pid {pid}) {how}")]

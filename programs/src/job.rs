@@ -147,6 +147,10 @@ pub struct FailureReport {
     /// PyTorch jobs: what the failing rank had done until the failure.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub torch: Vec<crate::torch::RankReport>,
+    /// A desync of a rank verified against its representative (meta mode): the ranks were
+    /// taken as alike, and this one is not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub verified: bool,
 }
 
 fn desync_kind() -> String {
@@ -172,6 +176,7 @@ impl FailureReport {
             sites: Vec::new(),
             representative_steps: Vec::new(),
             torch: Vec::new(),
+            verified: false,
         }
     }
 
@@ -185,9 +190,11 @@ impl FailureReport {
                 mine,
                 peer,
                 theirs,
+                verified,
             } => FailureReport::from_error(&W::Collective((**error).clone())).map(|r| {
                 FailureReport {
                     sites: vec![(*chip, mine.clone()), (*peer, theirs.clone())],
+                    verified: *verified,
                     ..r
                 }
             }),

@@ -24,4 +24,4 @@ pub use run::{
     COMPUTE_TRACK, ProgramOutput, STEPS_TRACK, enable_traces, run_program, run_program_waiting,
     total_units,
 };
-pub use torch::{RankReport, StepCounting, ranks::forks_ranks};
+pub use torch::{RankReport, StepCounting, ranks::forks_ranks, verify::RUN_EVERY_RANK};

@@ -70,6 +70,7 @@ impl CallSites {
                 error: Box::new(error),
                 chip,
                 peer,
+                verified: false,
             },
             None => error.into(),
         }

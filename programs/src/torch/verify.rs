@@ -234,6 +234,12 @@ async fn connected(rank: &mut Rank, spec: &TorchSpec) -> Result<RankLink, Progra
     }
 }
 
+/// Said of a desync between a verified rank and its representative: the ranks were run as
+/// alike, which a program whose ranks differ by design is not.
+pub const RUN_EVERY_RANK: &str = " Meta mode ran one program for the ranks alike with its \
+     representative and checked this rank against it: if the two run different code by design \
+     (pipeline stages, a rank-dependent role), run every rank with --set job.symmetric=false.";
+
 fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> ProgramError {
     ProgramError::AtCallSites {
         error: Box::new(CollectiveError::Mismatch {
@@ -246,6 +252,7 @@ fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> ProgramEr
         mine: mine.site,
         peer: representative,
         theirs: theirs.site,
+        verified: true,
     }
 }
 
@@ -253,7 +260,7 @@ fn desync(rank: u32, mine: Call, representative: u32, theirs: Call) -> ProgramEr
 fn desync_missing(rank: u32, seq: usize, representative: u32, theirs: Call) -> ProgramError {
     ProgramError::Invalid(format!(
         "desync: rank {rank} ended its program after {seq} collectives, where its \
-         representative rank {representative} went on to {} at {}",
+         representative rank {representative} went on to {} at {}.{RUN_EVERY_RANK}",
         theirs.fingerprint, theirs.site
     ))
 }
@@ -261,7 +268,7 @@ fn desync_missing(rank: u32, seq: usize, representative: u32, theirs: Call) -> P
 fn ended_early(rank: u32, mine: &Call, representative: u32, how: &str) -> ProgramError {
     ProgramError::Invalid(format!(
         "desync: rank {rank} called {} at {}, but its representative rank {representative} \
-         made no such call: it {how}",
+         made no such call: it {how}.{RUN_EVERY_RANK}",
         mine.fingerprint, mine.site
     ))
 }
