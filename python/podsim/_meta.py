@@ -82,7 +82,8 @@ class Fake(DeviceMap):
                 _meta_counts.carry(func, args, kwargs or {}, out)
                 return out
         out = self._run(func, args, kwargs or {})
-        if func in _meta_counts.RULES or (type(out) is torch.Tensor and not out.is_floating_point()):
+        if func in _meta_counts.RULES or (type(out) is torch.Tensor and (
+                not out.is_floating_point() or _meta_counts.values_of(out) is not None)):
             _meta_counts.carry(func, args, kwargs or {}, out)
         return out
 

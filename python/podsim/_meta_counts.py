@@ -86,6 +86,24 @@ def _scatter(func, args, kwargs, out):
     _set(out, m + v * share if accumulate else m + (float(v) - m) * share)
 
 
+def _forget(t):
+    for attribute in (_MEAN, _VALUES):
+        if hasattr(t, attribute):
+            delattr(t, attribute)
+
+
+def _added(func, args, kwargs, out):
+    """`a + b` (or `a += b`, `a.add_(b)`): the means add; values are not followed."""
+    a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
+    ma = mean_of(a)
+    mb = mean_of(b) if isinstance(b, torch.Tensor) else b
+    in_place = out is a
+    if in_place:
+        _forget(out)
+    if ma is not None and isinstance(mb, (int, float)) and not isinstance(mb, bool):
+        _set(out, ma + mb)
+
+
 def _histc(func, args, kwargs, out):
     bins = args[1] if len(args) > 1 else kwargs.get("bins", 100)
     _set(out, args[0].numel() / max(bins, 1))
@@ -164,6 +182,8 @@ def _rules():
     rules.update({f: _summed for f in (torch.sum, T.sum)})
     rules.update({f: _joined for f in (torch.cat, torch.concat, torch.stack)})
     rules[F.one_hot] = _one_hot
+    for f in (torch.add, T.add, T.add_, T.__add__, T.__radd__, T.__iadd__):
+        rules[f] = _added
     for name in _COMPARE:
         for f in (getattr(torch, name), getattr(T, name), getattr(T, f"__{name}__")):
             rules[f] = _compared
@@ -186,6 +206,8 @@ def carry(func, args, kwargs, out):
     try:
         if rule is not None:
             rule(func, args, kwargs, out)
+        elif getattr(func, "__name__", "").endswith("_") and out is (args[0] if args else None):
+            _forget(out)  # written in place by an op without a rule: what it held is gone
         elif _counting(out) and mean_of(out) is None:
             means = {mean_of(a) for a in args if mean_of(a) is not None
                      and a.numel() == out.numel() and a.dtype == out.dtype}
@@ -202,9 +224,7 @@ def carry_collective(outs, ins, factor=1):
     reduction whose result is not known)."""
     for i, o in enumerate(outs):
         if factor is None:
-            for attribute in (_MEAN, _VALUES):
-                if hasattr(o, attribute):
-                    delattr(o, attribute)
+            _forget(o)
             continue
         source = ins[i] if len(ins) == len(outs) else ins[0]
         m, values = mean_of(source), values_of(source)

@@ -79,6 +79,17 @@ class BalancedCounts(unittest.TestCase):
         self.assertEqual(_meta_counts.mean_of(ones), 1 / E)
         self.assertEqual(_meta_counts.mean_of(zeros), 1 - 1 / E)
 
+    def test_in_place_writes_keep_what_they_know_and_forget_the_rest(self):
+        with Tracking():
+            counts = routed_counts()
+            total = torch.zeros(E, dtype=torch.long, device="meta")
+            total.add_(counts)
+            total.add_(counts)
+            overwritten = routed_counts()
+            overwritten.copy_(torch.empty(E, dtype=torch.long, device="meta"))
+        self.assertEqual(_meta_counts.mean_of(total), 2 * T * K / E)
+        self.assertIsNone(_meta_counts.mean_of(overwritten))
+
     def test_floating_point_data_carries_nothing(self):
         with Tracking():
             x = torch.zeros_like(torch.empty(8, device="meta"))
