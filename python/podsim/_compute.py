@@ -78,6 +78,8 @@ def _grouped_shapes(a, b, offs):
     groups = offs.shape[0] if offs is not None else (b.shape[0] if b.dim() == 3 else a.shape[0])
     groups = max(int(groups), 1)
     if a.dim() == 2 and b.dim() == 3:
+        if a.shape[0] < groups:  # fewer rows than groups: as many products of one row
+            return 1, a.shape[1], b.shape[2], a.shape[0]
         return a.shape[0] / groups, a.shape[1], b.shape[2], groups
     if a.dim() == 3:
         return a.shape[1], a.shape[2], b.shape[1] / groups, groups

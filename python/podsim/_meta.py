@@ -82,7 +82,9 @@ class Fake(DeviceMap):
                 _meta_counts.carry(func, args, kwargs or {}, out)
                 return out
         out = self._run(func, args, kwargs or {})
-        if func in _meta_counts.RULES or (type(out) is torch.Tensor and (
+        if func is torch.Tensor.__setitem__:
+            _meta_counts.forget(args[0])  # written in place; it returns nothing
+        elif func in _meta_counts.RULES or (type(out) is torch.Tensor and (
                 not out.is_floating_point() or _meta_counts.values_of(out) is not None)):
             _meta_counts.carry(func, args, kwargs or {}, out)
         return out
@@ -111,10 +113,14 @@ class Fake(DeviceMap):
         # `Tensor.cuda` and `pin_memory` are replaced outright (`podsim._intercept`).
         if name in ("to", "cpu") and args and isinstance(args[0], torch.Tensor):
             return _moved(func, args, kwargs)
-        if name in _FROM_DATA and kwargs.get("device") is not None:
-            # Data put on the device: made on the host, then moved (keeping small values).
+        if (name in _FROM_DATA and kwargs.get("device") is not None
+                and not (args and isinstance(args[0], torch.Tensor))):
+            # Data put on the device: made on the host, then moved (keeping small values),
+            # a leaf as asked.
             kwargs["device"] = "cpu"
-            return _moved(torch.Tensor.to, (func(*args, **kwargs), META), {})
+            grad = kwargs.pop("requires_grad", False)
+            out = _moved(torch.Tensor.to, (func(*args, **kwargs), META), {})
+            return out.requires_grad_() if grad else out
         if "device" in kwargs:
             kwargs["device"] = META
         return func(*args, **kwargs)

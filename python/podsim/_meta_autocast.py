@@ -66,7 +66,8 @@ def casts(func, args, kwargs):
     else:
         return args, kwargs
     cast = [_cast(a, dtype) for a in args]
-    return cast, {k: _cast(v, dtype) for k, v in kwargs.items()}
+    # An `out=` buffer is the caller's: written as it is.
+    return cast, {k: v if k == "out" else _cast(v, dtype) for k, v in kwargs.items()}
 
 
 def _cast(x, dtype):

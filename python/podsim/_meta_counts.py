@@ -80,13 +80,14 @@ def _scatter(func, args, kwargs, out):
     value = args[3] if len(args) > 3 else kwargs.get("value", kwargs.get("src"))
     v = mean_of(value) if isinstance(value, torch.Tensor) else value
     if m is None or v is None or isinstance(v, complex):
+        forget(out)
         return
     share = index.shape[dim] / max(self.shape[dim], 1)
     accumulate = func.__name__.startswith("scatter_add")
     _set(out, m + v * share if accumulate else m + (float(v) - m) * share)
 
 
-def _forget(t):
+def forget(t):
     for attribute in (_MEAN, _VALUES):
         if hasattr(t, attribute):
             delattr(t, attribute)
@@ -97,9 +98,12 @@ def _added(func, args, kwargs, out):
     a, b = args[0], args[1] if len(args) > 1 else kwargs.get("other")
     ma = mean_of(a)
     mb = mean_of(b) if isinstance(b, torch.Tensor) else b
+    alpha = kwargs.get("alpha", 1)
+    if isinstance(mb, (int, float)) and isinstance(alpha, (int, float)):
+        mb = mb * alpha
     in_place = out is a
     if in_place:
-        _forget(out)
+        forget(out)
     if ma is not None and isinstance(mb, (int, float)) and not isinstance(mb, bool):
         _set(out, ma + mb)
 
@@ -159,9 +163,9 @@ def _compared(func, args, kwargs, out):
     op = _COMPARE.get(name)
     if m is None or op is None or not isinstance(c, (bool, int, float)):
         return
-    if m >= 1:
+    if not 0 < m < 1:  # counts (or a constant): every element is its mean
         _set(out, 1.0 if op(m, c) else 0.0)
-    elif op(1, c) != op(0, c):  # the comparison tells ones from zeros
+    elif op(1, c) != op(0, c):  # a mask's share of ones, told from its zeros
         _set(out, m if op(1, c) else 1.0 - m)
 
 
@@ -196,19 +200,30 @@ def _rules():
 RULES = _rules()
 
 
+def _outside_torch(func):
+    """Whether `func` is a framework's own function, not one of torch's (whose results a
+    rule above describes, or whose values differ from their arguments': `cumsum`, `* 2`)."""
+    module = getattr(func, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] != "torch"
+
+
 def carry(func, args, kwargs, out):
     """After `func(*args, **kwargs)` gave `out` in meta mode: the mean its result carries.
     A function without a rule (a framework's own collective, whose inside runs with meta
     mode's function mode off) that gives an integer tensor of as many elements as one
     tracked argument, and of its dtype, moved or permuted those counts: the same mean (a
-    comparison, of another dtype, is not counts)."""
+    comparison, of another dtype, is not counts). A tensor written in place or through
+    `out=` forgets what it held first."""
+    written = kwargs.get("out")
+    if isinstance(written, torch.Tensor):
+        forget(written)
     rule = RULES.get(func)
     try:
         if rule is not None:
             rule(func, args, kwargs, out)
         elif getattr(func, "__name__", "").endswith("_") and out is (args[0] if args else None):
-            _forget(out)  # written in place by an op without a rule: what it held is gone
-        elif _counting(out) and mean_of(out) is None:
+            forget(out)  # written in place by an op without a rule: what it held is gone
+        elif _counting(out) and mean_of(out) is None and _outside_torch(func):
             means = {mean_of(a) for a in args if mean_of(a) is not None
                      and a.numel() == out.numel() and a.dtype == out.dtype}
             if len(means) == 1:
@@ -222,12 +237,20 @@ def carry_collective(outs, ins, factor=1):
     position, or one input for every output): every rank holds the same means and values,
     so each output has its input's, times `factor` for a sum over the ranks (None: a
     reduction whose result is not known)."""
+    try:
+        _carry_collective(outs, ins, factor)
+    except Exception:  # a hint: never a reason for the collective to fail
+        pass
+
+
+def _carry_collective(outs, ins, factor):
+    # Read before anything is forgotten: an all-reduce's output is its input.
+    known = [(mean_of(s), values_of(s)) for s in (ins if len(ins) == len(outs) else ins[:1])]
     for i, o in enumerate(outs):
+        forget(o)
         if factor is None:
-            _forget(o)
             continue
-        source = ins[i] if len(ins) == len(outs) else ins[0]
-        m, values = mean_of(source), values_of(source)
+        m, values = known[i] if len(known) == len(outs) else known[0]
         if m is not None:
             _set(o, m * factor)
         if values is not None and values.numel() == o.numel():

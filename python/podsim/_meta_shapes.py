@@ -12,7 +12,7 @@ meta mode. Each now gets a stand-in of a defined size, listed in the report with
 - any other mask keeps every element, the assumption torch's own fake kernel for ``nonzero``
   makes, which prices the most work the program could do.
 
-``x[mask]`` and ``masked_select`` give the first rows of ``x`` (a view: gradients flow), the
+``x[mask]`` and ``masked_select`` give a copy of the first rows of ``x`` (gradients flow), the
 size the mask keeps; ``x[i]`` with a 0-d meta tensor ``i`` reads ``i``'s stand-in value; ``bincount(x, minlength=n)`` gives ``n`` counts of ``x``'s elements
 spread evenly.
 """
@@ -56,7 +56,8 @@ def _rows(x, mask):
     k = mask.dim()
     if tuple(mask.shape) != tuple(x.shape[:k]):
         return NotImplemented
-    return x.reshape(-1, *x.shape[k:]).narrow(0, 0, kept(mask))
+    # A copy, as torch's gather is: writing to it leaves `x` alone.
+    return x.reshape(-1, *x.shape[k:]).narrow(0, 0, kept(mask)).clone()
 
 
 def _getitem(args, kwargs):
@@ -67,7 +68,8 @@ def _getitem(args, kwargs):
         # A 0-d index (a row of `nonzero`'s result) torch would read with `.item()` in C++,
         # where meta mode's stand-in cannot answer: read here, where it can (the value's
         # stand-in is listed; the size is not one).
-        return Read(x[int(index)])
+        i, n = int(index), x.shape[0] if x.dim() else 0
+        return Read(x[min(max(i, -n), n - 1)] if n else x[i])
     return NotImplemented
 
 

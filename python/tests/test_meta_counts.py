@@ -26,6 +26,11 @@ def routed_counts():
     return routing_map.sum(dim=0)
 
 
+def exchange(counts):
+    """A framework's own collective (not one of torch's): as many counts, moved."""
+    return counts
+
+
 class BalancedCounts(unittest.TestCase):
     def test_a_routing_maps_counts_are_the_tokens_spread_evenly(self):
         with Tracking():
@@ -64,7 +69,8 @@ class BalancedCounts(unittest.TestCase):
     def test_a_function_without_a_rule_that_moves_counts_keeps_their_mean(self):
         with Tracking():
             counts = routed_counts()
-            moved = torch.roll(counts, 1)  # no rule: as many elements, the same counts
+            moved = torch.roll(counts, 1)
+        _meta_counts.carry(exchange, (counts,), {}, moved)  # as meta mode's mode would
         self.assertEqual(_meta_counts.mean_of(moved), T * K / E)
 
     def test_comparisons_of_counts_and_of_masks(self):
@@ -89,6 +95,21 @@ class BalancedCounts(unittest.TestCase):
             overwritten.copy_(torch.empty(E, dtype=torch.long, device="meta"))
         self.assertEqual(_meta_counts.mean_of(total), 2 * T * K / E)
         self.assertIsNone(_meta_counts.mean_of(overwritten))
+
+    def test_values_that_differ_from_their_arguments_carry_no_mean(self):
+        with Tracking():
+            counts = routed_counts()
+            offsets, doubled = counts.cumsum(0), counts * 2
+            negative = torch.full((E,), -100, device="meta") > 0
+        self.assertIsNone(_meta_counts.mean_of(offsets))
+        self.assertIsNone(_meta_counts.mean_of(doubled))
+        self.assertEqual(_meta_counts.mean_of(negative), 0.0)
+
+    def test_subtracting_in_place_with_alpha(self):
+        with Tracking():
+            counts = routed_counts()
+            left = counts.clone().add_(counts, alpha=-1)
+        self.assertEqual(_meta_counts.mean_of(left), 0.0)
 
     def test_floating_point_data_carries_nothing(self):
         with Tracking():
