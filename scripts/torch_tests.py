@@ -625,17 +625,16 @@ def case_around_podsim(args):
 
 
 def run_inline(args, program, *flags):
-    """`podsim run` of a program given as text (`python -c`): (process, wall, report's
-    status)."""
+    """`podsim run` of a program given as text (`python -c`): (process, wall, its report or
+    `{}`)."""
     out = tempfile.mkdtemp(prefix="podsim-torch-")
     p, wall = run([args.podsim, "run", *flags, "--out", out, "--", sys.executable, "-c",
                    program])
     path = os.path.join(out, "report.json")
-    status = None
-    if os.path.exists(path):
-        with open(path) as f:
-            status = json.load(f).get("status")
-    return p, wall, status
+    if not os.path.exists(path):
+        return p, wall, {}
+    with open(path) as f:
+        return p, wall, json.load(f)
 
 
 def case_verified_rank_fails_early(args):
@@ -647,8 +646,9 @@ def case_verified_rank_fails_early(args):
                "dist.init_process_group('nccl')\n"
                "dist.barrier()\n"
                "dist.destroy_process_group()")
-    p, wall, status = run_inline(args, program, "--topology", "2x2x2", "--mode", "meta",
+    p, wall, report = run_inline(args, program, "--topology", "2x2x2", "--mode", "meta",
                                  "--verify-ranks", "5")
+    status = report.get("status")
     text = p.stdout + p.stderr
     named = re.search(r"Rank 5 \(pid \d+\) failed before it created its process group: it "
                       r"exited with code 1 \(its last words: \"bad arguments\"\)", text)
@@ -704,13 +704,7 @@ dist.destroy_process_group()
 def case_moe_counts(args, mode):
     """A mixture of experts' routed all-to-all and a loop over the experts hit run in `mode`;
     in meta mode the split sizes are balanced counts and the loop's sizes stand-ins, listed."""
-    out = tempfile.mkdtemp(prefix="podsim-torch-")
-    p, wall = run([args.podsim, "run", "--topology", "2x2", "--mode", mode, "--out", out, "--",
-                   sys.executable, "-c", MOE_PROGRAM])
-    report = {}
-    if os.path.exists(os.path.join(out, "report.json")):
-        with open(os.path.join(out, "report.json")) as f:
-            report = json.load(f)
+    p, wall, report = run_inline(args, MOE_PROGRAM, "--topology", "2x2", "--mode", mode)
     ranks = (report.get("torch") or {}).get("ranks") or [{}]
     stand_ins = ranks[0].get("stand_ins", [])
     balanced = [s[1] for s in stand_ins if "balanced counts" in s[0]]
@@ -746,7 +740,8 @@ def case_values_on_the_device(args, mode):
     """Small values put on the device keep them through collectives in meta mode (every rank
     alike), the accelerator's RNG state can be saved and restored, and a legacy constructor's
     host tensor stays on the host."""
-    p, wall, status = run_inline(args, VALUES_PROGRAM, "--topology", "2x2", "--mode", mode)
+    p, wall, report = run_inline(args, VALUES_PROGRAM, "--topology", "2x2", "--mode", mode)
+    status = report.get("status")
     ok = p.returncode == 0 and status == "ok"
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-400:]}"
 
@@ -762,7 +757,8 @@ def case_meta_autocast(args):
                "assert y.dtype == torch.bfloat16, y.dtype\n"
                "dist.all_reduce(y)\n"
                "dist.destroy_process_group()")
-    p, wall, status = run_inline(args, program, "--topology", "2x2", "--mode", "meta")
+    p, wall, report = run_inline(args, program, "--topology", "2x2", "--mode", "meta")
+    status = report.get("status")
     ok = p.returncode == 0 and status == "ok"
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}"
 
