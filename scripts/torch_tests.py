@@ -153,6 +153,15 @@ def steps_per_s(text):
     return float(m[-1]) if m else None
 
 
+# How far a bf16 program's trained parameters may be from torchrun + gloo's. podsim sums a
+# reduction in its torus algorithm's order, gloo in its ring's (chunk k from rank k-1 down to
+# k): f32 sums that differ in their last bit, which bf16 parameters and activations round apart
+# (2^-8 relative) and three steps carry on: the llama's differ by up to 2.1e-4 after 3 steps at
+# 8 ranks (1.1e-4 at 4; bit for bit on some hosts), where f32 programs stay within 3e-7. Gradients that differ show far above it: the same llama trained on half the batch per
+# rank ends 4 % away (the largest tensor's difference, 4 ranks).
+BF16_TOL = 1e-3
+
+
 def case_same_as_gloo(args, script, topology, tol=1e-6, script_args=()):
     tmp = tempfile.mkdtemp(prefix="podsim-torch-")
     mine, theirs = os.path.join(tmp, "podsim.pt"), os.path.join(tmp, "gloo.pt")
@@ -788,9 +797,10 @@ def main():
         ("fsdp2 matches gloo", lambda: case_same_as_gloo(args, "fsdp.py", "2x2x2")),
         ("dtensor and tp match gloo", lambda: case_same_as_gloo(args, "dtensor.py", "4x2")),
         ("pipeline (send/recv) matches gloo", lambda: case_same_as_gloo(args, "pipeline.py", "2x2x2")),
-        ("an unedited llama (gloo, FSDP2, bf16) matches gloo", lambda: case_same_as_gloo(args, "llama.py", "2x2x2", tol=1e-5)),
+        ("an unedited llama (gloo, FSDP2, bf16) matches gloo",
+         lambda: case_same_as_gloo(args, "llama.py", "2x2x2", tol=BF16_TOL)),
         ("an unedited llama under FSDP2 x tensor parallel (data mode) matches gloo",
-         lambda: case_same_as_gloo(args, "llama.py", "4x2", tol=1e-5, script_args=("--tp", "2"))),
+         lambda: case_same_as_gloo(args, "llama.py", "4x2", tol=BF16_TOL, script_args=("--tp", "2"))),
         ("replayed steps time as counted ones", lambda: case_replayed_steps(args)),
         ("a batch of another length is caught in replay",
          lambda: case_replayed_steps(args, "--seq-after", "12:8")),
