@@ -17,7 +17,7 @@ use podsim_job::{DesyncMode, FaultKind, FaultSpec};
 use podsim_programs::job::{JobSpec, Program, Transport};
 use podsim_programs::train::strategy::Plan;
 use podsim_programs::train::{
-    AttentionKind, BlockKind, Eager, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat,
+    AttentionKind, BlockKind, Eager, GradReduce, MlpKind, MlpSpec, ModelSpec, OptimizerSpec, Remat,
     ReplicaSync, Strategy, TpActivations, TrainSpec, TransformerSpec,
 };
 use podsim_topology::{
@@ -373,6 +373,8 @@ table! {
         remat: Option<String>,
         tp_activations: Option<String>,
         replica_sync: Option<String> [train],
+        grad_reduce: Option<String> [train],
+        reduce_dtype: Option<String> [train],
         model: Option<RawModel> [train],
         optimizer: Option<RawOptimizer> [train],
         program: Option<String> [torch],
@@ -1584,6 +1586,7 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     );
     let replica_sync: Option<ReplicaSync> =
         job_value(p, "replica_sync", j.replica_sync.as_deref(), "per_layer");
+    let reduction = sharded_reduction(p, j, strategy);
     if let (Some(pod), Some(model), true) = (pod, &model, p.list.len() == before) {
         model_sizes(p, model, batch, grad_accum, pod.chips());
     }
@@ -1618,6 +1621,8 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
         remat: remat?,
         tp_activations: tp_activations?,
         replica_sync: replica_sync?,
+        grad_reduce: reduction?.0,
+        reduce_dtype: reduction?.1,
     })
 }
 
@@ -1802,6 +1807,38 @@ fn replica_sync_applies(
                 .to_string(),
         );
     }
+}
+
+/// `[job] grad_reduce` and `reduce_dtype`; refused where nothing is reduce-scattered (they
+/// would be ignored).
+fn sharded_reduction(
+    p: &mut Problems<'_>,
+    j: &RawJob,
+    strategy: Option<Strategy>,
+) -> Option<(GradReduce, Option<DType>)> {
+    let sharded = matches!(
+        strategy,
+        Some(Strategy::Fsdp | Strategy::Hsdp | Strategy::FsdpTp)
+    );
+    for (key, set) in [
+        ("grad_reduce", j.grad_reduce.is_some()),
+        ("reduce_dtype", j.reduce_dtype.is_some()),
+    ] {
+        if set && strategy.is_some() && !sharded {
+            p.add(
+                "job",
+                Some(key),
+                "applies to fsdp, hsdp and fsdp+tp only: this strategy reduce-scatters no gradients"
+                    .to_string(),
+            );
+        }
+    }
+    let grad_reduce = job_value(p, "grad_reduce", j.grad_reduce.as_deref(), "per_layer");
+    let reduce_dtype = match j.reduce_dtype.as_deref() {
+        None => Some(None),
+        Some(text) => job_value(p, "reduce_dtype", Some(text), "").map(Some),
+    };
+    Some((grad_reduce?, reduce_dtype?))
 }
 
 /// `[job] key` parsed from its text (`default` when absent); a bad value is reported.

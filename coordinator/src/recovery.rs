@@ -240,6 +240,8 @@ mod tests {
                 remat: Remat::default(),
                 tp_activations: TpActivations::default(),
                 replica_sync: Default::default(),
+                grad_reduce: Default::default(),
+                reduce_dtype: None,
             }),
             faults: Vec::new(),
             heartbeat_ms: 100,

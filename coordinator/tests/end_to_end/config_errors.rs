@@ -244,6 +244,24 @@ fn train_job_problems_are_all_reported() {
         &train_config("replica_sync = \"after_backward\"", "widths = [8, 16, 4]"),
         &["job.replica_sync: applies to hsdp, and to fsdp+tp with replicas > 1, only"],
     );
+    // FSDP2's gradient reduction: unknown values, and a strategy that reduce-scatters nothing.
+    expect_error(
+        "train-reduce",
+        &train_config(
+            "grad_reduce = \"per_block\"\nreduce_dtype = \"f16\"",
+            "widths = [8, 16, 4]",
+        ),
+        &[
+            "job.grad_reduce: unknown gradient reduction \"per_block\" (expected one of per_layer, per_unit)",
+            "job.reduce_dtype: unknown dtype \"f16\"",
+        ],
+    );
+    expect_error(
+        "train-reduce-ddp",
+        &train_config("grad_reduce = \"per_unit\"", "widths = [8, 16, 4]")
+            .replace("strategy = \"fsdp+tp\"", "strategy = \"ddp\""),
+        &["job.grad_reduce: applies to fsdp, hsdp and fsdp+tp only"],
+    );
     // A tensor-parallel degree that does not factor the torus, and a model without layers.
     expect_error(
         "train-tp",

@@ -423,6 +423,8 @@ mod tests {
             remat: Remat::default(),
             tp_activations: TpActivations::default(),
             replica_sync: Default::default(),
+            grad_reduce: Default::default(),
+            reduce_dtype: None,
         };
         let pod = Pod::single("2x2".parse().unwrap());
         let base = job_fingerprint(&spec, &pod);

@@ -292,6 +292,15 @@ impl DTensor {
         }
     }
 
+    /// The same tensor, its collectives moving elements of `dtype` (a gradient reduced in
+    /// another dtype than it was computed in; bytes differ in meta mode only).
+    pub fn in_dtype(self, dtype: DType) -> DTensor {
+        DTensor {
+            mesh: self.mesh.with_dtype(dtype),
+            ..self
+        }
+    }
+
     /// The whole tensor on every chip.
     pub async fn full_tensor(&self, chip: &mut Chip) -> Result<Tensor, ProgramError> {
         let all = vec![Placement::Replicate; self.mesh.ndim()];

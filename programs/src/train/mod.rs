@@ -34,6 +34,6 @@ pub use remat::Remat;
 pub use strategy::{Eager, Strategy};
 pub use tensor::Tensor;
 pub use trainer::{
-    ChipTrainReport, ReplicaSync, StepRecord, TpActivations, TrainSpec, train_chip,
+    ChipTrainReport, GradReduce, ReplicaSync, StepRecord, TpActivations, TrainSpec, train_chip,
     train_chip_with_parameters,
 };

@@ -30,10 +30,13 @@
 //! The named policies, and the tensors each keeps, are MaxText's (`remat_policy` and its decoder's
 //! checkpoint names). Dot-product attention recomputes its scores under every policy: none names
 //! them. PyTorch's words for the same things map onto these: `checkpoint` (each block wrapped in
-//! `torch.utils.checkpoint` / `checkpoint_wrapper`) is `full`; `selective:OP,...` (selective
-//! activation checkpointing that saves the named ops' outputs) saves `mm` (every matmul, i.e.
-//! `minimal`) or the projections by their usual module names (`q_proj`/`wq`, `k_proj`/`wk`,
-//! `v_proj`/`wv`, `o_proj`, `gate_proj`/`up_proj`/`w1`/`w3`, `down_proj`/`w2`).
+//! `torch.utils.checkpoint` / `checkpoint_wrapper`) keeps what `full` keeps; `selective:OP,...`
+//! (selective activation checkpointing that saves the named ops' outputs) saves `mm` (every
+//! matmul, i.e. `minimal`) or the projections by their usual module names (`q_proj`/`wq`,
+//! `k_proj`/`wk`, `v_proj`/`wv`, `o_proj`, `gate_proj`/`up_proj`/`w1`/`w3`, `down_proj`/`w2`).
+//! They differ from MaxText's in one thing, how the recomputation holds memory: PyTorch's
+//! recomputed forward saves what each op's backward reads, all at once (autograd), where XLA
+//! schedules recomputation with the backward ([`Remat::autograd`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -123,6 +126,13 @@ pub struct Remat {
     /// No rematerialisation: every activation, named or not, stays on the device.
     pub everything: bool,
     kept: Vec<(Name, Keep)>,
+    /// Recomputation as PyTorch's `torch.utils.checkpoint` runs it (the `checkpoint` and
+    /// `selective:` policies): the block's forward again as its backward begins, each op of it
+    /// saving what its own backward reads (autograd's saved tensors), held until that op's
+    /// backward. Under the others (`jax.checkpoint`), the compiler schedules recomputation
+    /// with the backward and only the recomputed outputs are counted.
+    #[serde(default)]
+    pub autograd: bool,
 }
 
 impl Default for Remat {
@@ -131,6 +141,7 @@ impl Default for Remat {
             text: "none".into(),
             everything: true,
             kept: Name::ALL.iter().map(|n| (*n, Keep::Device)).collect(),
+            autograd: false,
         }
     }
 }
@@ -152,6 +163,7 @@ impl Remat {
             text: text.into(),
             everything: false,
             kept: kept.into_iter().collect(),
+            autograd: false,
         }
     }
 
@@ -189,7 +201,11 @@ impl FromStr for Remat {
                 text: t.into(),
                 ..Remat::default()
             },
-            "full" | "checkpoint" => Remat::on_device(t, |_| false),
+            "full" => Remat::on_device(t, |_| false),
+            "checkpoint" => Remat {
+                autograd: true,
+                ..Remat::on_device(t, |_| false)
+            },
             "minimal" => Remat::on_device(t, Name::is_weight_matmul),
             "save_dot_except_mlpwi" => {
                 Remat::on_device(t, |n| n.is_weight_matmul() && n != Name::MlpWi)
@@ -230,23 +246,10 @@ impl FromStr for Remat {
                     }
                     Remat::of(t, kept)
                 } else if let Some(list) = t.strip_prefix("selective:") {
-                    let mut kept = Vec::new();
-                    for op in list.split(',').map(str::trim) {
-                        if op == "mm" || op == "aten.mm" {
-                            kept.extend(
-                                Name::ALL
-                                    .into_iter()
-                                    .filter(|n| n.is_weight_matmul())
-                                    .map(|n| (n, Keep::Device)),
-                            );
-                            continue;
-                        }
-                        let names = Name::parse(op).ok_or_else(|| {
-                            format!("selective checkpointing of {op:?}: not an op podsim knows (mm, {})", known_names())
-                        })?;
-                        kept.extend(names.iter().map(|n| (*n, Keep::Device)));
+                    Remat {
+                        autograd: true,
+                        ..Remat::of(t, selectively_saved(list)?)
                     }
-                    Remat::of(t, kept)
                 } else {
                     return Err(format!(
                         "unknown remat policy {t:?} (none, full, minimal, minimal_with_context, \
@@ -259,6 +262,31 @@ impl FromStr for Remat {
             }
         })
     }
+}
+
+/// What PyTorch's selective activation checkpointing of the ops in `list` (`mm`, or module
+/// names) saves.
+fn selectively_saved(list: &str) -> Result<Vec<(Name, Keep)>, String> {
+    let mut kept = Vec::new();
+    for op in list.split(',').map(str::trim) {
+        if op == "mm" || op == "aten.mm" {
+            kept.extend(
+                Name::ALL
+                    .into_iter()
+                    .filter(|n| n.is_weight_matmul())
+                    .map(|n| (n, Keep::Device)),
+            );
+            continue;
+        }
+        let names = Name::parse(op).ok_or_else(|| {
+            format!(
+                "selective checkpointing of {op:?}: not an op podsim knows (mm, {})",
+                known_names()
+            )
+        })?;
+        kept.extend(names.iter().map(|n| (*n, Keep::Device)));
+    }
+    Ok(kept)
 }
 
 fn known_names() -> String {

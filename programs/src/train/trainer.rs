@@ -13,12 +13,13 @@
 //! collectives' durations) and exposed communication (step time minus compute: what overlap
 //! did not hide).
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use podsim_collectives::bits::{fnv1a_f32, word_to_f32s};
-use podsim_collectives::{Algo, Chip, Comm, Nanos, Payload, ReduceOp, Symmetry};
+use podsim_collectives::{Algo, Chip, Comm, DType, Nanos, Payload, ReduceOp, Symmetry};
 use podsim_topology::{AxisPart, Group, Pod};
 use serde::{Deserialize, Serialize};
 
@@ -81,6 +82,13 @@ pub struct TrainSpec {
     /// When gradients are all-reduced across replicas (HSDP's replicate dimension).
     #[serde(default)]
     pub replica_sync: ReplicaSync,
+    /// How a sharded strategy's gradients go into their reduce-scatters.
+    #[serde(default)]
+    pub grad_reduce: GradReduce,
+    /// The dtype gradients are reduced in (FSDP2's `MixedPrecisionPolicy(reduce_dtype=...)`);
+    /// none: the model's compute dtype, from the gradient buffers themselves.
+    #[serde(default)]
+    pub reduce_dtype: Option<DType>,
 }
 
 impl TrainSpec {
@@ -155,6 +163,28 @@ pub enum ReplicaSync {
 podsim_collectives::named_enum!(ReplicaSync, "replica sync", {
     PerLayer => "per_layer",
     AfterBackward => "after_backward",
+});
+
+/// How a sharded strategy (fsdp, hsdp, fsdp+tp) hands its gradients to the reduce-scatter, in
+/// `fused` mode (`strict` and `debug` reduce each parameter's as written).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradReduce {
+    /// Each layer's gradients once its backward is done, reduced from the gradient buffers
+    /// themselves (XLA: a weight's reduce-scatter follows the matmul that made its gradient).
+    #[default]
+    PerLayer,
+    /// PyTorch FSDP2: once a unit's backward is done (a whole transformer block, or one layer
+    /// outside blocks), its gradients are copied into one flat input in `reduce_dtype`, padded
+    /// to the group, and freed; one reduce-scatter reduces the unit. The input stays allocated
+    /// until the next unit's reduction is issued (FSDP2 keeps it until the next post-backward
+    /// waits on the reduce-scatter).
+    PerUnit,
+}
+
+podsim_collectives::named_enum!(GradReduce, "gradient reduction", {
+    PerLayer => "per_layer",
+    PerUnit => "per_unit",
 });
 
 /// DDP's first bucket (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`).
@@ -417,6 +447,8 @@ struct Trainer<'a> {
     /// backward reads it (the backward's residual is that very tensor: nothing gathers it
     /// twice).
     regathered: Vec<Option<(Tensor, Nanos)>>,
+    /// HBM of the last flat reduce-scatter input FSDP2's copy-in allocated, still held.
+    reduce_input: u64,
 }
 
 /// What one layer keeps between forward and backward under the job's remat policy, for a
@@ -779,6 +811,7 @@ impl<'a> Trainer<'a> {
             host_ready: Vec::new(),
             host_bytes: Vec::new(),
             regathered: (0..layers).map(|_| None).collect(),
+            reduce_input: 0,
         };
         if spec.strategy == Strategy::Ddp && !spec.symmetric {
             t.broadcast_parameters(chip).await?;
@@ -983,13 +1016,7 @@ impl<'a> Trainer<'a> {
             self.unshard(chip, l).await?;
             let unit = self.unit(l);
             if self.overlapped() && unit.start > 0 && self.spec.reshard_after_forward {
-                // This unit's layers still to run hold their unsharded gradients, and their
-                // working copies when not gathered yet, one layer at a time (each is released
-                // and reduced before the next).
-                let reserve = (unit.start..=l)
-                    .map(|m| self.gathered_bytes(chip, m) + self.on_demand_bytes(chip, m))
-                    .max()
-                    .unwrap_or(0);
+                let reserve = self.backward_reserve(chip, l);
                 self.prefetch_ahead(chip, unit.start - 1, reserve).await?;
             }
             let x = acts[l].take().ok_or_else(|| missing(l))?;
@@ -999,8 +1026,8 @@ impl<'a> Trainer<'a> {
             self.hbm.free(MemKind::Activations, self.held[l]);
             self.held[l] = 0;
             self.release(l);
-            if sync {
-                self.sync_layer(chip, l).await?;
+            if sync && let Some(reduced) = self.reduced_after(l) {
+                self.sync_layers(chip, reduced).await?;
             }
             dz = match dx {
                 Some(dx) => dx,
@@ -1009,6 +1036,8 @@ impl<'a> Trainer<'a> {
             self.flow(&mut flowing, dz.bytes(self.elem), l)?;
         }
         self.hbm.free(MemKind::Transient, flowing);
+        self.hbm
+            .free(MemKind::Transient, std::mem::take(&mut self.reduce_input));
         let freed = acts.pop().flatten().map_or(0, |a| a.bytes(self.elem));
         self.hbm.free(MemKind::Activations, freed);
         if sync {
@@ -1101,24 +1130,34 @@ impl<'a> Trainer<'a> {
         self.hold_gathered(start, g, ready)
     }
 
+    /// What layer `l`'s backward reads of what its forward made (`z`, from `matmul_width` of
+    /// the matmul's columns on this chip): its output, the op-after's input where that op's
+    /// backward needs it (attention's q, k, v; an activation's gate and up projections), and
+    /// the residual. A policy that keeps everything keeps all of it; a recomputed layer holds
+    /// it again from its recomputation to its backward.
+    fn backward_reads(&self, l: usize, z: &Tensor, matmul_width: usize) -> u64 {
+        let layer = &self.layers[l];
+        let rows = z.shape()[0];
+        let matmul_bytes = (rows * matmul_width) as u64 * self.elem;
+        let op_input = match layer.after {
+            After::Attention(_) | After::Activation(_) | After::ParallelCore { .. } => matmul_bytes,
+            _ => 0,
+        };
+        let share = matmul_width as f64 / layer.outputs.max(1) as f64;
+        let residual = model::after_residual_elems(layer, rows, share) as u64 * self.elem;
+        z.bytes(self.elem) + op_input + residual
+    }
+
     /// What layer `l` keeps for backward, given its output `z` (on this chip) and the width of
     /// its matmul's output here.
     fn keep_of(&self, l: usize, z: &Tensor, matmul_width: usize) -> LayerKeep {
         let layer = &self.layers[l];
         let rows = z.shape()[0];
-        let out_bytes = z.bytes(self.elem);
-        let matmul_bytes = (rows * matmul_width) as u64 * self.elem;
-        // Ops whose backward needs their input keep it too (attention, MLP activations).
-        let op_input = match layer.after {
-            After::Attention(_) | After::Activation(_) | After::ParallelCore { .. } => matmul_bytes,
-            _ => 0,
-        };
         let remat = &self.spec.remat;
         let share = matmul_width as f64 / layer.outputs.max(1) as f64;
         if remat.everything || layer.block.is_none() {
-            let residual = model::after_residual_elems(layer, rows, share) as u64 * self.elem;
             return LayerKeep {
-                device: out_bytes + op_input + residual,
+                device: self.backward_reads(l, z, matmul_width),
                 output: true,
                 ..LayerKeep::default()
             };
@@ -1177,18 +1216,27 @@ impl<'a> Trainer<'a> {
                 matmul: keep.recompute_matmul,
                 after: keep.recompute_after,
             };
-            let (z, _, gathered) = self.layer_forward(chip, l, &x, pass).await?;
+            let (z, width, gathered) = self.layer_forward(chip, l, &x, pass).await?;
             acts[l] = Some(x);
             if let Some(g) = gathered {
                 let now = chip.clock();
                 self.hold_gathered(l, g, now)?;
             }
+            // Until its backward the layer holds its recomputed output; under autograd's
+            // recomputation, everything that backward reads, as if it had been kept.
+            let bytes = if self.spec.remat.autograd {
+                self.backward_reads(l, &z, width)
+                    .saturating_sub(keep.device)
+            } else if keep.output {
+                0
+            } else {
+                z.bytes(self.elem)
+            };
+            self.hbm.alloc(MemKind::Activations, bytes, || {
+                format!("recomputed activations of layer {l}")
+            })?;
+            self.held[l] += bytes;
             if !keep.output {
-                let bytes = z.bytes(self.elem);
-                self.hbm.alloc(MemKind::Activations, bytes, || {
-                    format!("recomputed activations of layer {l}")
-                })?;
-                self.held[l] += bytes;
                 acts[l + 1] = Some(z);
             }
         }
@@ -1716,38 +1764,98 @@ impl<'a> Trainer<'a> {
         }
     }
 
-    /// Gradient sync of layer `l`'s parameters once its backward is done.
-    async fn sync_layer(&mut self, chip: &mut Chip, l: usize) -> Result<(), ProgramError> {
-        // The layer's backward is done for the step: its gradients are taken, not copied.
-        let grads: Vec<DTensor> = (0..2)
+    /// The layers whose gradients are reduced once layer `l`'s backward is done: `l`'s own, or
+    /// under `GradReduce::PerUnit` (fused mode, a sharded strategy) its unit's once the unit's
+    /// first layer, the last the backward reaches, is done.
+    fn reduced_after(&self, l: usize) -> Option<Range<usize>> {
+        if self.per_unit_reduction() {
+            let unit = self.unit(l);
+            (unit.start == l).then_some(unit)
+        } else {
+            Some(l..l + 1)
+        }
+    }
+
+    fn per_unit_reduction(&self) -> bool {
+        self.spec.grad_reduce == GradReduce::PerUnit
+            && self.overlapped()
+            && self.plan.shard_dim().is_some()
+    }
+
+    /// What the backward of layer `l`'s unit will still allocate from `l` on, which a prefetch
+    /// of the unit before it must leave room for: the unsharded gradients, and the working
+    /// copies not gathered yet. Reduced a layer at a time, one layer's at most; reduced per
+    /// unit, the unit's gradients add up, and its reduce-scatter input joins them at its end.
+    fn backward_reserve(&self, chip: &Chip, l: usize) -> u64 {
+        let unit = self.unit(l);
+        let each =
+            (unit.start..=l).map(|m| self.gathered_bytes(chip, m) + self.on_demand_bytes(chip, m));
+        if self.per_unit_reduction() {
+            let input: u64 = unit.clone().map(|m| self.reduce_input_bytes(chip, m)).sum();
+            each.sum::<u64>() + input
+        } else {
+            each.max().unwrap_or(0)
+        }
+    }
+
+    /// Bytes layer `l`'s gradients take in a flat reduce-scatter input: each padded to whole
+    /// pieces of the shard group, in the reduce dtype.
+    fn reduce_input_bytes(&self, chip: &Chip, l: usize) -> u64 {
+        let Some(dim) = self.plan.shard_dim() else {
+            return 0;
+        };
+        let n = self.plan.mesh.dims()[dim].size;
+        let reduce = self.spec.reduce_dtype.unwrap_or(self.spec.model.dtype());
+        (0..2)
             .map(|which| {
-                let p = &mut self.params[2 * l + which];
+                let shape = self.compute_shape(chip, l, which);
+                let rest: usize = shape.iter().skip(1).product();
+                let rows = shape.first().map_or(1, |r| r.div_ceil(n) * n);
+                (rows * rest * reduce.size()) as u64
+            })
+            .sum()
+    }
+
+    /// Gradient sync of the parameters of `layers` once their backward is done.
+    async fn sync_layers(
+        &mut self,
+        chip: &mut Chip,
+        layers: Range<usize>,
+    ) -> Result<(), ProgramError> {
+        // The layers' backward is done for the step: their gradients are taken, not copied.
+        let indices: Vec<usize> = layers.clone().flat_map(|l| [2 * l, 2 * l + 1]).collect();
+        let grads: Vec<DTensor> = indices
+            .iter()
+            .map(|&index| {
+                let p = &mut self.params[index];
                 let g = p
                     .grad
                     .take()
                     .unwrap_or_else(|| Tensor::zeros(p.stored.local().shape(), self.spec.meta));
-                p.stored.with_local(g, &self.plan.gradient(l, which))
+                p.stored
+                    .with_local(g, &self.plan.gradient(index / 2, index % 2))
             })
             .collect();
         let synced: Vec<Tensor> = if !self.overlapped() {
             // As written: one collective (or one chain of them) per parameter, bias first
             // (reverse parameter order, as DDP sees them become ready).
-            let mut out = vec![None, None];
-            for which in [1, 0] {
+            let mut out = Vec::with_capacity(grads.len());
+            for (&index, g) in indices.iter().zip(&grads).rev() {
                 let issued = self.tl.begin(chip, Stream::Reduce, false);
-                let g = grads[which]
-                    .redistribute(chip, &self.plan.stored(l, which))
+                let g = g
+                    .redistribute(chip, &self.plan.stored(index / 2, index % 2))
                     .await?;
                 self.tl.end(chip, issued);
-                out[which] = Some(g.into_local());
+                out.push(g.into_local());
             }
-            out.into_iter().flatten().collect()
+            out.reverse();
+            out
         } else if let Some(dim) = self.plan.shard_dim() {
-            // FSDP: the layer's gradients in one reduce-scatter (then HSDP's all-reduce).
+            // FSDP: the layers' gradients in one reduce-scatter (then HSDP's all-reduce).
+            let grads = self.copy_into_reduce_input(chip, layers, &indices, grads)?;
             let issued = self.tl.begin(chip, Stream::Reduce, true);
-            let mut g =
-                dtensor::reduce_scatter(chip, &[&grads[0], &grads[1]], dim, ReduceOp::Avg, 0)
-                    .await?;
+            let items: Vec<&DTensor> = grads.iter().collect();
+            let mut g = dtensor::reduce_scatter(chip, &items, dim, ReduceOp::Avg, 0).await?;
             let replicas = self.plan.replicate_dim();
             let later = self.spec.replica_sync == ReplicaSync::AfterBackward;
             if let (Some(rep), false) = (replicas, later) {
@@ -1755,26 +1863,74 @@ impl<'a> Trainer<'a> {
             }
             self.tl.end(chip, issued);
             if replicas.is_some() && later {
-                for (which, g) in g.into_iter().enumerate() {
-                    self.free_unsharded_grad(2 * l + which);
-                    self.unsynced.push((2 * l + which, g));
+                for (&index, g) in indices.iter().zip(g) {
+                    self.free_unsharded_grad(index);
+                    self.unsynced.push((index, g));
                 }
                 return Ok(());
             }
             g.into_iter().map(DTensor::into_local).collect()
         } else if self.plan.replicate_dim().is_some() {
             // DDP: the gradients wait in their buckets.
-            for (which, g) in grads.into_iter().enumerate() {
-                self.params[2 * l + which].synced = Some(g.into_local().into_payload());
+            for (&index, g) in indices.iter().zip(grads) {
+                self.params[index].synced = Some(g.into_local().into_payload());
             }
             return self.issue_ready_buckets(chip).await;
         } else {
             grads.into_iter().map(DTensor::into_local).collect()
         };
-        for (which, g) in synced.into_iter().enumerate() {
-            self.finish_grad(2 * l + which, g);
+        for (&index, g) in indices.iter().zip(synced) {
+            self.finish_grad(index, g);
         }
         Ok(())
+    }
+
+    /// FSDP2's copy-in, under `GradReduce::PerUnit` or a `reduce_dtype` other than the compute
+    /// dtype: `grads` (of `layers`, parameters `indices`) are copied into one flat
+    /// reduce-scatter input in the reduce dtype and their buffers freed; the input is held
+    /// until the next copy-in, or the backward's end. Otherwise they are reduced where they
+    /// are, in the compute dtype.
+    fn copy_into_reduce_input(
+        &mut self,
+        chip: &mut Chip,
+        layers: Range<usize>,
+        indices: &[usize],
+        grads: Vec<DTensor>,
+    ) -> Result<Vec<DTensor>, ProgramError> {
+        let compute = self.spec.model.dtype();
+        let reduce = self.spec.reduce_dtype.unwrap_or(compute);
+        if self.spec.grad_reduce == GradReduce::PerLayer && reduce == compute {
+            return Ok(grads);
+        }
+        let bytes: u64 = layers
+            .clone()
+            .map(|l| self.reduce_input_bytes(chip, l))
+            .sum();
+        // One pass: the gradients read in the compute dtype, the input written in the reduce's.
+        let elems = (bytes / reduce.size() as u64) as usize;
+        let written = reduce.size() as f64 / compute.size() as f64;
+        let what = || {
+            format!(
+                "reduce-scatter input of layers {}..{}",
+                layers.start, layers.end
+            )
+        };
+        self.tl.compute(
+            chip,
+            Cost::elementwise_rw(elems, 0.0, 1.0, written),
+            self.hbm.in_use(),
+            what,
+        );
+        // FSDP2 frees the previous input once this post-backward has waited on its
+        // reduce-scatter, before it allocates the next.
+        self.hbm
+            .free(MemKind::Transient, std::mem::take(&mut self.reduce_input));
+        self.hbm.alloc(MemKind::Transient, bytes, what)?;
+        self.reduce_input = bytes;
+        for &index in indices {
+            self.free_unsharded_grad(index);
+        }
+        Ok(grads.into_iter().map(|g| g.in_dtype(reduce)).collect())
     }
 
     fn finish_grad(&mut self, index: usize, g: Tensor) {

@@ -44,6 +44,8 @@ fn spec(strategy: Strategy, eager: Eager) -> TrainSpec {
         remat: Remat::default(),
         tp_activations: TpActivations::Replicated,
         replica_sync: Default::default(),
+        grad_reduce: Default::default(),
+        reduce_dtype: None,
     }
 }
 

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::common::run_on_chips;
 use podsim_collectives::{Algo, Chip, DType, LocalFabric, mirror_chips};
 use podsim_programs::train::{
-    AttentionKind, BlockKind, ChipTrainReport, Eager, MlpKind, ModelSpec, OptimizerSpec, Remat,
-    Strategy, TpActivations, TrainSpec, TransformerSpec, train_chip,
+    AttentionKind, BlockKind, ChipTrainReport, Eager, GradReduce, MlpKind, ModelSpec,
+    OptimizerSpec, Remat, Strategy, TpActivations, TrainSpec, TransformerSpec, train_chip,
 };
 use podsim_topology::{Hardware, Pod};
 
@@ -64,6 +64,8 @@ fn spec(strategy: Strategy, m: &TransformerSpec, steps: u32) -> TrainSpec {
         remat: Remat::default(),
         tp_activations: TpActivations::Replicated,
         replica_sync: Default::default(),
+        grad_reduce: Default::default(),
+        reduce_dtype: None,
     }
 }
 
@@ -569,4 +571,69 @@ fn a_prefetch_that_would_not_fit_waits_instead_of_running_out_of_memory() {
     let mut smaller = v5p();
     smaller.hbm_bytes = (low - 1) as f64;
     assert!(first(run(&fsdp, "4", smaller, true)).hbm.oom.is_some());
+}
+
+#[test]
+fn fsdp2_reduces_in_its_reduce_dtype_a_whole_block_at_once() {
+    let m = model(64, 128, 128);
+    let p = ModelSpec::Transformer(m.clone()).parameters() as f64;
+    let (n, bf16, f32) = (4.0, 2.0, 4.0);
+    let fsdp2 = |reduce: Option<DType>, per_unit: bool| {
+        let mut s = spec(Strategy::Fsdp, &m, 1);
+        s.reduce_dtype = reduce;
+        if per_unit {
+            s.grad_reduce = GradReduce::PerUnit;
+        }
+        s
+    };
+    // The gathers (forward and backward) move bf16; the gradients go in f32: every gradient
+    // once, whether a layer or a block at a time (no padding on 4 chips).
+    let sent = |s: &TrainSpec| {
+        let one = run(s, "4", v5p(), false)[0].1;
+        let mut two = s.clone();
+        two.steps = 2;
+        (run(&two, "4", v5p(), false)[0].1 - one) as f64
+    };
+    let f32_reduce = sent(&fsdp2(Some(DType::F32), true));
+    assert_eq!(f32_reduce, (2.0 * bf16 + f32) * p * (n - 1.0) / n);
+    assert_eq!(sent(&fsdp2(Some(DType::F32), false)), f32_reduce);
+    // Memory: a block's gradients wait for its end, then its f32 copy (twice their bytes)
+    // is held beside the next block's backward.
+    let peak = |s: &TrainSpec| run(s, "4", v5p(), true)[0].0.hbm.peak_bytes;
+    let (per_layer, per_unit) = (peak(&fsdp2(None, false)), peak(&fsdp2(None, true)));
+    let widened = peak(&fsdp2(Some(DType::F32), true));
+    assert!(
+        per_layer < per_unit && per_unit < widened,
+        "{per_layer} {per_unit} {widened}"
+    );
+    // The mirror holds with blocks reduced whole, replicas included.
+    for strategy in [Strategy::Fsdp, Strategy::Hsdp] {
+        let mut s = fsdp2(Some(DType::F32), true);
+        s.strategy = strategy;
+        s.steps = 2;
+        s.algo = Algo::Torus;
+        mirror_matches_every_chip(&s, "4x4", &format!("{strategy} per unit"));
+    }
+}
+
+#[test]
+fn torch_checkpoint_holds_what_its_recomputed_block_saves_for_backward() {
+    // The same recomputation as `full` (the same time), but the recomputed forward saves what
+    // each op's backward reads, as autograd does: q, k, v for attention, the MLP's input to
+    // its activation, held together until their backward.
+    let m = model(256, 1024, 512);
+    let step = |remat: &str| {
+        let mut s = spec(Strategy::Ddp, &m, 1);
+        s.remat = remat.parse().unwrap();
+        let r = run(&s, "4", v5p(), true)[0].0.clone();
+        (r.steps[0].virtual_ns, r.hbm.peak_bytes)
+    };
+    let ((full_ns, full_peak), (torch_ns, torch_peak)) = (step("full"), step("checkpoint"));
+    assert_eq!(full_ns, torch_ns);
+    // At least the last block's attention input (q, k, v of 2 x 64 tokens, bf16) on top.
+    let qkv = 2 * 64 * 3 * 256 * 2;
+    assert!(
+        torch_peak >= full_peak + qkv,
+        "full {full_peak}, checkpoint {torch_peak}"
+    );
 }
