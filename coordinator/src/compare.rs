@@ -16,7 +16,9 @@
 //! Optional columns, read where the file has them (an empty cell is the default):
 //! `weight_dtype` (`f32`, the default, or `bf16`: weights and optimizer state kept in bf16,
 //! MaxText's `weight_dtype`); `attention` (`flash`, the default, or `dot_product`: scores
-//! materialised in HBM, as MaxText ran attention before its flash kernel); `replica_sync`
+//! materialised in HBM, as MaxText ran attention before its flash kernel); `bias` (`true`, the
+//! default the constants were calibrated with: every matmul adds a bias; `false`: none);
+//! `replica_sync`
 //! (`after_backward`, the default: the slices' gradient all-reduce once the backward is done,
 //! as XLA compiles MaxText's scanned layers; or `per_layer`).
 
@@ -147,6 +149,11 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         a.parse::<AttentionKind>()
             .map_err(|why| row.bad("attention", &why))?;
         model.push_str(&format!("attention = {a:?}\n"));
+    }
+    match row.optional("bias") {
+        None => {}
+        Some(b @ ("true" | "false")) => model.push_str(&format!("bias = {b}\n")),
+        Some(_) => return Err(row.bad("bias", "expected true or false")),
     }
     Ok(format!(
         r#"name = "compare-{id}"

@@ -406,6 +406,7 @@ table! {
         tied_embeddings: Option<bool> [transformer],
         dtype: Option<String> [transformer],
         weight_dtype: Option<String> [transformer],
+        bias: Option<bool> [transformer],
     }
 }
 
@@ -749,6 +750,7 @@ fn transformer_spec(p: &mut Problems<'_>, m: &RawModel) -> TransformerSpec {
         seq: need(p, "seq", m.seq),
         dtype,
         weight_dtype,
+        bias: m.bias.unwrap_or(true),
     }
 }
 

@@ -213,16 +213,22 @@ pub struct Grads {
     pub input_cost: Cost,
 }
 
-/// Gradients of `y = x W^T + b` given `dy`: `dW = dy^T x`, `db = sum_rows dy` and, when
-/// asked, `dx = dy W`.
+/// Gradients of `y = x W^T + b` given `dy`: `dW = dy^T x`, `db = sum_rows dy` (charged when
+/// the layer has a bias) and, when asked, `dx = dy W`.
 pub fn linear_backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
     want_dx: bool,
+    bias: bool,
 ) -> Result<Grads, ProgramError> {
     let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-    let weight_cost = Cost::matmul(n, m, k).plus(Cost::elementwise(m * n, 1.0, 0.0));
+    let bias_cost = if bias {
+        Cost::elementwise(m * n, 1.0, 0.0)
+    } else {
+        Cost::default()
+    };
+    let weight_cost = Cost::matmul(n, m, k).plus(bias_cost);
     let input_cost = if want_dx {
         Cost::matmul(m, n, k)
     } else {
@@ -332,7 +338,7 @@ mod tests {
         };
         let (y, _) = linear(&x, &w, Some(&b)).unwrap();
         let (_, dy, _) = cross_entropy(&y, &labels, 1.0).unwrap();
-        let dw = linear_backward(&x, &w, &dy, false).unwrap().dw;
+        let dw = linear_backward(&x, &w, &dy, false, true).unwrap().dw;
         let h = 1e-3;
         let mut wp = w.clone();
         wp.values_mut().unwrap()[[1, 2]] += h;

@@ -37,7 +37,7 @@ pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, Prog
             if l + 1 < layers {
                 mlp::relu_backward(&mut dz, &acts[l + 1]);
             }
-            let g = mlp::linear_backward(&acts[l], &params[2 * l], &dz, l > 0)?;
+            let g = mlp::linear_backward(&acts[l], &params[2 * l], &dz, l > 0, true)?;
             grads[2 * l] = Some(g.dw);
             grads[2 * l + 1] = Some(g.db);
             if let Some(dx) = g.dx {

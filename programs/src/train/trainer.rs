@@ -1336,7 +1336,7 @@ impl<'a> Trainer<'a> {
         };
         let x = gathered.as_ref().unwrap_or(x);
         let [w, b] = working(&self.working, &self.params, l);
-        let bias = (style != Style::Row).then_some(b);
+        let bias = (style != Style::Row && self.layers[l].bias).then_some(b);
         // The watchdog sees a chip inside a kernel as computing, not as stuck.
         chip.recorder().compute_started();
         let (mut z, cost) = match self.layers[l].kind {
@@ -1350,7 +1350,8 @@ impl<'a> Trainer<'a> {
             || format!("{} {}", self.layers[l].name, pass.name()),
         );
         if style == Style::Row {
-            // Each chip holds a partial sum over its slice of the input features.
+            // Each chip holds a partial sum over its slice of the input features; the bias
+            // (if any) is added once the sum is whole.
             let to = if self.sharded_output(l) {
                 Placement::Shard(1)
             } else {
@@ -1360,16 +1361,18 @@ impl<'a> Trainer<'a> {
             z = self
                 .tp_redistribute(chip, z, width, (Placement::Partial(ReduceOp::Sum), to))
                 .await?;
-            let [_, b] = working(&self.working, &self.params, l);
-            let b = b.clone();
-            let b = self.tp_piece(chip, l, b, width).await?;
-            let cost = mlp::add_bias(&mut z, &b)?;
-            self.tl.compute(
-                chip,
-                matmul_share(cost, matmul_share_of),
-                self.hbm.in_use(),
-                || format!("{} {} (bias)", self.layers[l].name, pass.name()),
-            );
+            if self.layers[l].bias {
+                let [_, b] = working(&self.working, &self.params, l);
+                let b = b.clone();
+                let b = self.tp_piece(chip, l, b, width).await?;
+                let cost = mlp::add_bias(&mut z, &b)?;
+                self.tl.compute(
+                    chip,
+                    matmul_share(cost, matmul_share_of),
+                    self.hbm.in_use(),
+                    || format!("{} {} (bias)", self.layers[l].name, pass.name()),
+                );
+            }
         } else if self.sharded_output(l) {
             // The embedding's output, cut to this chip's features (no communication).
             let width = z.shape()[1];
@@ -1471,8 +1474,14 @@ impl<'a> Trainer<'a> {
             weight_cost,
             input_cost,
         } = match self.layers[l].kind {
-            LayerKind::Linear => mlp::linear_backward(x, w, &dz, l > 0)?,
+            LayerKind::Linear => mlp::linear_backward(x, w, &dz, l > 0, self.layers[l].bias)?,
             LayerKind::Embedding => model::embedding_backward(x, w),
+        };
+        // A layer without a bias has a bias parameter of no elements, and so its gradient.
+        let db = if self.layers[l].bias {
+            db
+        } else {
+            Tensor::zeros(&[0], self.spec.meta)
         };
         self.tl.compute(chip, input_cost, self.hbm.in_use(), || {
             format!("{} backward (input gradient)", self.layers[l].name)
@@ -1715,10 +1724,14 @@ impl<'a> Trainer<'a> {
                 .redistribute(chip, &self.plan.compute(l, 0))
                 .await?
                 .into_local();
-            let b = b
-                .redistribute(chip, &self.plan.compute(l, 1))
-                .await?
-                .into_local();
+            // A layer without a bias has nothing to gather for it.
+            let b = if b.shape().iter().product::<usize>() == 0 {
+                b.local().clone()
+            } else {
+                b.redistribute(chip, &self.plan.compute(l, 1))
+                    .await?
+                    .into_local()
+            };
             [w, b]
         };
         let ready = self.tl.end(chip, issued);
@@ -1841,6 +1854,11 @@ impl<'a> Trainer<'a> {
             // (reverse parameter order, as DDP sees them become ready).
             let mut out = Vec::with_capacity(grads.len());
             for (&index, g) in indices.iter().zip(&grads).rev() {
+                if g.shape().iter().product::<usize>() == 0 {
+                    // The bias of a layer without one: nothing to reduce.
+                    out.push(g.local().clone());
+                    continue;
+                }
                 let issued = self.tl.begin(chip, Stream::Reduce, false);
                 let g = g
                     .redistribute(chip, &self.plan.stored(index / 2, index % 2))
@@ -2030,12 +2048,14 @@ impl<'a> Trainer<'a> {
                 p.state.step(spec, param, g);
             }
             let name = &p.name;
-            self.tl.compute(
-                chip,
-                Cost::elementwise_rw(n, spec.flops_per_param(), reads, writes),
-                self.hbm.in_use(),
-                || format!("optimizer {name}"),
-            );
+            if n > 0 {
+                self.tl.compute(
+                    chip,
+                    Cost::elementwise_rw(n, spec.flops_per_param(), reads, writes),
+                    self.hbm.in_use(),
+                    || format!("optimizer {name}"),
+                );
+            }
             p.grad = None;
         }
         self.next_bucket = 0;

@@ -31,6 +31,7 @@ fn model(d_model: usize, ffn: usize, vocab: usize) -> TransformerSpec {
         seq: 64,
         dtype: DType::Bf16,
         weight_dtype: DType::F32,
+        bias: false,
     }
 }
 
@@ -236,7 +237,10 @@ fn remat_step(m: &TransformerSpec, remat: &str) -> podsim_programs::train::StepR
 
 #[test]
 fn full_remat_recomputes_one_forward_of_every_block_but_its_tail() {
-    let m = model(64, 128, 128);
+    let m = TransformerSpec {
+        bias: true,
+        ..model(64, 128, 128)
+    };
     let (t, d, f, q, qkv, seq, layers) = (128.0, 64.0, 128.0, 64.0, 192.0, 64.0, 2.0);
     // Hand count of one block's forward: the four matmuls, their biases, RoPE on q and k,
     // causal attention (QK^T and PV over half the scores), GELU, two residual + norm passes.
@@ -636,4 +640,31 @@ fn torch_checkpoint_holds_what_its_recomputed_block_saves_for_backward() {
         torch_peak >= full_peak + qkv,
         "full {full_peak}, checkpoint {torch_peak}"
     );
+}
+
+#[test]
+fn a_model_without_biases_has_none_to_store_add_or_move() {
+    let plain = model(64, 128, 128);
+    let biased = TransformerSpec {
+        bias: true,
+        ..plain.clone()
+    };
+    let params = |m: &TransformerSpec| ModelSpec::Transformer(m.clone()).parameters();
+    // One bias per product: embedding, 4 per block, LM head, each as wide as its output.
+    let outputs = 64 + 2 * (3 * 64 + 64 + 128 + 64) + 128;
+    assert_eq!(params(&biased) - params(&plain), outputs);
+    for strategy in [Strategy::Ddp, Strategy::Fsdp, Strategy::FsdpTp] {
+        for eager in [Eager::Fused, Eager::Strict] {
+            let step = |m: &TransformerSpec| {
+                let mut s = spec(strategy, m, 1);
+                s.eager = eager;
+                (s.tp, s.replicas) = (2, 1);
+                run(&s, "4", v5p(), false)[0].0.steps[0].clone()
+            };
+            let (without, with) = (step(&plain), step(&biased));
+            // The bias adds (forward) and their gradients (backward) are the difference.
+            assert!(without.compute_ns < with.compute_ns, "{strategy} {eager:?}");
+            assert!(without.flops < with.flops, "{strategy} {eager:?}");
+        }
+    }
 }
