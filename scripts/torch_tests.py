@@ -157,8 +157,9 @@ def steps_per_s(text):
 # reduction in its torus algorithm's order, gloo in its ring's (chunk k from rank k-1 down to
 # k): f32 sums that differ in their last bit, which bf16 parameters and activations round apart
 # (2^-8 relative) and three steps carry on: the llama's differ by up to 2.1e-4 after 3 steps at
-# 8 ranks (1.1e-4 at 4; bit for bit on some hosts), where f32 programs stay within 3e-7. Gradients that differ show far above it: the same llama trained on half the batch per
-# rank ends 4 % away (the largest tensor's difference, 4 ranks).
+# 8 ranks (1.1e-4 at 4; bit for bit on some hosts), where f32 programs stay within 3e-7.
+# Gradients that differ show far above it: the same llama trained on half the batch per rank
+# ends 4 % away (the largest tensor's difference, 4 ranks).
 BF16_TOL = 1e-3
 
 

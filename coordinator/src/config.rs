@@ -1588,7 +1588,7 @@ fn train(p: &mut Problems<'_>, j: &RawJob, pod: Option<&Pod>, meta: bool) -> Opt
     );
     let replica_sync: Option<ReplicaSync> =
         job_value(p, "replica_sync", j.replica_sync.as_deref(), "per_layer");
-    let reduction = sharded_reduction(p, j, strategy);
+    let reduction = sharded_reduction(p, j, (strategy, eager), meta);
     if let (Some(pod), Some(model), true) = (pod, &model, p.list.len() == before) {
         model_sizes(p, model, batch, grad_accum, pod.chips());
     }
@@ -1811,12 +1811,14 @@ fn replica_sync_applies(
     }
 }
 
-/// `[job] grad_reduce` and `reduce_dtype`; refused where nothing is reduce-scattered (they
-/// would be ignored).
+/// `[job] grad_reduce` and `reduce_dtype`; refused where they would be ignored: a strategy
+/// that reduce-scatters nothing, an eager mode that reduces each parameter as written, and (for
+/// `reduce_dtype`) data mode, whose collectives move f32 values whatever the dtype.
 fn sharded_reduction(
     p: &mut Problems<'_>,
     j: &RawJob,
-    strategy: Option<Strategy>,
+    (strategy, eager): (Option<Strategy>, Option<Eager>),
+    meta: bool,
 ) -> Option<(GradReduce, Option<DType>)> {
     let sharded = matches!(
         strategy,
@@ -1826,13 +1828,23 @@ fn sharded_reduction(
         ("grad_reduce", j.grad_reduce.is_some()),
         ("reduce_dtype", j.reduce_dtype.is_some()),
     ] {
-        if set && strategy.is_some() && !sharded {
-            p.add(
-                "job",
-                Some(key),
-                "applies to fsdp, hsdp and fsdp+tp only: this strategy reduce-scatters no gradients"
-                    .to_string(),
-            );
+        let why = if !set {
+            None
+        } else if strategy.is_some() && !sharded {
+            Some(
+                "applies to fsdp, hsdp and fsdp+tp only: this strategy reduce-scatters no gradients",
+            )
+        } else if eager.is_some_and(|e| e != Eager::Fused) {
+            Some(
+                "applies to eager = \"fused\" only: strict and debug reduce each parameter as written",
+            )
+        } else if key == "reduce_dtype" && !meta {
+            Some("applies in meta mode only: data mode's collectives move f32 values")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            p.add("job", Some(key), why.to_string());
         }
     }
     let grad_reduce = job_value(p, "grad_reduce", j.grad_reduce.as_deref(), "per_layer");

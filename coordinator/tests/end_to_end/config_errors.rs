@@ -262,6 +262,21 @@ fn train_job_problems_are_all_reported() {
             .replace("strategy = \"fsdp+tp\"", "strategy = \"ddp\""),
         &["job.grad_reduce: applies to fsdp, hsdp and fsdp+tp only"],
     );
+    // Where they would be ignored: strict mode reduces each parameter as written, data mode
+    // moves f32 values.
+    expect_error(
+        "train-reduce-strict",
+        &train_config(
+            "eager = \"strict\"\ngrad_reduce = \"per_unit\"",
+            "widths = [8, 16, 4]",
+        ),
+        &["job.grad_reduce: applies to eager = \"fused\" only"],
+    );
+    expect_error(
+        "train-reduce-data",
+        &train_config("reduce_dtype = \"f32\"", "widths = [8, 16, 4]"),
+        &["job.reduce_dtype: applies in meta mode only"],
+    );
     // A tensor-parallel degree that does not factor the torus, and a model without layers.
     expect_error(
         "train-tp",

@@ -1725,7 +1725,7 @@ impl<'a> Trainer<'a> {
                 .await?
                 .into_local();
             // A layer without a bias has nothing to gather for it.
-            let b = if b.shape().iter().product::<usize>() == 0 {
+            let b = if !self.layers[l].bias {
                 b.local().clone()
             } else {
                 b.redistribute(chip, &self.plan.compute(l, 1))
@@ -1796,19 +1796,45 @@ impl<'a> Trainer<'a> {
     }
 
     /// What the backward of layer `l`'s unit will still allocate from `l` on, which a prefetch
-    /// of the unit before it must leave room for: the unsharded gradients, and the working
-    /// copies not gathered yet. Reduced a layer at a time, one layer's at most; reduced per
-    /// unit, the unit's gradients add up, and its reduce-scatter input joins them at its end.
+    /// of the unit before it must leave room for: the unsharded gradients, the working copies
+    /// not gathered yet (released a layer at a time: the largest), and the reduce-scatter
+    /// input of FSDP2's copy-in (less the one it replaces, freed first). Reduced a layer at a
+    /// time, one layer's gradients and input at most; per unit, the unit's gradients add up
+    /// and its input joins them at its end.
     fn backward_reserve(&self, chip: &Chip, l: usize) -> u64 {
         let unit = self.unit(l);
-        let each =
-            (unit.start..=l).map(|m| self.gathered_bytes(chip, m) + self.on_demand_bytes(chip, m));
+        let copies_in = self.copies_into_reduce_input();
+        let input = |m: usize| {
+            if copies_in {
+                self.reduce_input_bytes(chip, m)
+            } else {
+                0
+            }
+        };
+        let layers = unit.start..=l;
         if self.per_unit_reduction() {
-            let input: u64 = unit.clone().map(|m| self.reduce_input_bytes(chip, m)).sum();
-            each.sum::<u64>() + input
+            let grads: u64 = layers.clone().map(|m| self.gathered_bytes(chip, m)).sum();
+            let gathers = layers.map(|m| self.on_demand_bytes(chip, m)).max();
+            let whole: u64 = unit.map(input).sum();
+            grads + gathers.unwrap_or(0) + whole.saturating_sub(self.reduce_input)
         } else {
-            each.max().unwrap_or(0)
+            layers
+                .map(|m| {
+                    self.gathered_bytes(chip, m)
+                        + self.on_demand_bytes(chip, m)
+                        + input(m).saturating_sub(self.reduce_input)
+                })
+                .max()
+                .unwrap_or(0)
         }
+    }
+
+    /// Gradients go through FSDP2's copy-in: reduced per unit, or in a dtype other than the
+    /// compute dtype.
+    fn copies_into_reduce_input(&self) -> bool {
+        let compute = self.spec.model.dtype();
+        self.spec.grad_reduce == GradReduce::PerUnit
+            || self.spec.reduce_dtype.is_some_and(|d| d != compute)
     }
 
     /// Bytes layer `l`'s gradients take in a flat reduce-scatter input: each padded to whole
@@ -1854,7 +1880,7 @@ impl<'a> Trainer<'a> {
             // (reverse parameter order, as DDP sees them become ready).
             let mut out = Vec::with_capacity(grads.len());
             for (&index, g) in indices.iter().zip(&grads).rev() {
-                if g.shape().iter().product::<usize>() == 0 {
+                if index % 2 == 1 && !self.layers[index / 2].bias {
                     // The bias of a layer without one: nothing to reduce.
                     out.push(g.local().clone());
                     continue;
@@ -1917,7 +1943,7 @@ impl<'a> Trainer<'a> {
     ) -> Result<Vec<DTensor>, ProgramError> {
         let compute = self.spec.model.dtype();
         let reduce = self.spec.reduce_dtype.unwrap_or(compute);
-        if self.spec.grad_reduce == GradReduce::PerLayer && reduce == compute {
+        if !self.copies_into_reduce_input() {
             return Ok(grads);
         }
         let bytes: u64 = layers

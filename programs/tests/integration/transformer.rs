@@ -610,6 +610,31 @@ fn fsdp2_reduces_in_its_reduce_dtype_a_whole_block_at_once() {
         per_layer < per_unit && per_unit < widened,
         "{per_layer} {per_unit} {widened}"
     );
+    // Prefetches leave room for the copy-in: once a chip holds what the job needs, more
+    // memory never makes it run out (a prefetch that forgot the copy-in would go ahead and
+    // leave the copy-in no room).
+    for (reduce, per_unit) in [
+        (Some(DType::F32), false),
+        (None, true),
+        (Some(DType::F32), true),
+    ] {
+        let s = fsdp2(reduce, per_unit);
+        let fits = |bytes: u64| {
+            let mut hw = v5p();
+            hw.hbm_bytes = bytes as f64;
+            run(&s, "4", hw, true)[0].0.hbm.oom.is_none()
+        };
+        let high = peak(&s);
+        let steps = 40;
+        let verdicts: Vec<bool> = (0..=steps)
+            .map(|i| fits(high / 2 + high / 2 * i / steps))
+            .collect();
+        let first = verdicts.iter().position(|f| *f).unwrap();
+        assert!(
+            verdicts[first..].iter().all(|f| *f),
+            "{reduce:?} {per_unit}: {verdicts:?}"
+        );
+    }
     // The mirror holds with blocks reduced whole, replicas included.
     for strategy in [Strategy::Fsdp, Strategy::Hsdp] {
         let mut s = fsdp2(Some(DType::F32), true);
