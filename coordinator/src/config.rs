@@ -1030,13 +1030,177 @@ fn required<T: for<'de> Deserialize<'de> + Ranges>(
         p.add(name, None, format!("missing [{name}] table"));
         return None;
     };
-    let mut section: T = v
-        .clone()
-        .try_into()
-        .map_err(|e: toml::de::Error| p.add(name, None, e.message().to_string()))
-        .ok()?;
+    let mut section: T = match v.clone().try_into() {
+        Ok(section) => section,
+        Err(e) => {
+            report_type_errors::<T>(p, name, v.clone(), e);
+            return None;
+        }
+    };
     section.check_ranges(p, name);
     Some(section)
+}
+
+/// Reports every value of section `name` that does not read as its key's type, each naming
+/// its key and line: toml stops at the first (`error`) and names no key when it reads from a
+/// `Value`, so each is found ([`error_at`]), reported and taken away in turn; a
+/// required key missing is said of the table that lacks it.
+fn report_type_errors<T: for<'de> Deserialize<'de>>(
+    p: &mut Problems<'_>,
+    name: &str,
+    mut value: toml::Value,
+    error: toml::de::Error,
+) {
+    // The table `path` names, as [`Problems::add`] spells it.
+    fn table_name(name: &str, path: &[String]) -> String {
+        let mut table = name.to_string();
+        for step in path {
+            if step.starts_with('#') {
+                table.push_str(step);
+            } else {
+                table = format!("{table}.{step}");
+            }
+        }
+        table
+    }
+    // Each costs a few reads of the section: past this many, the rest are left to a later run.
+    const SHOWN: usize = 20;
+    let mut error = Some(error);
+    let mut removed = Vec::new();
+    for _ in 0..SHOWN {
+        let Some(e) = error.take() else {
+            return;
+        };
+        let missing = e.message().strip_prefix("missing field ");
+        if missing.is_some_and(|k| removed.contains(&k.trim_matches('`').to_string())) {
+            return; // taken away here
+        }
+        let Some(mut path) = error_at::<T>(&value, missing.is_none()) else {
+            p.add(name, None, e.message().to_string());
+            return;
+        };
+        if missing.is_some() {
+            // A required key missing is the fault of the table that lacks it.
+            p.add(&table_name(name, &path), None, e.message().to_string());
+            return;
+        }
+        let Some(key) = path.pop() else {
+            return;
+        };
+        p.add(
+            &table_name(name, &path),
+            Some(&key),
+            e.message().to_string(),
+        );
+        let Some(t) = table_at(&mut value, &path) else {
+            return;
+        };
+        t.remove(&key);
+        removed.push(key);
+        error = value.clone().try_into::<T>().err();
+    }
+    if let Some(e) = error {
+        p.add(
+            name,
+            None,
+            format!("{} (and maybe more after the {SHOWN} above)", e.message()),
+        );
+    }
+}
+
+/// The table at `path` under `v` (keys, and `#i` for the i-th entry of an array of tables).
+fn table_at<'v>(v: &'v mut toml::Value, path: &[String]) -> Option<&'v mut toml::Table> {
+    let mut v = v;
+    for step in path {
+        v = match step.strip_prefix('#') {
+            Some(i) => v.as_array_mut()?.get_mut(i.parse::<usize>().ok()?)?,
+            None => v.as_table_mut()?.get_mut(step)?,
+        };
+    }
+    v.as_table_mut()
+}
+
+/// Where a section's error is, as a path of keys (and `#i` for the i-th entry of an array of
+/// tables). A value of the wrong type (`leaves`): the deepest key without which the section
+/// reads, or fails with another message - the message is about the first value toml could not
+/// read, so taking that one key away changes it, and taking any other away (another bad one
+/// included) does not. A missing key (not `leaves`): the deepest table that, taken away,
+/// changes the message.
+fn error_at<T: for<'de> Deserialize<'de>>(
+    value: &toml::Value,
+    leaves: bool,
+) -> Option<Vec<String>> {
+    fn message<T: for<'de> Deserialize<'de>>(v: &toml::Value) -> Option<String> {
+        v.clone()
+            .try_into::<T>()
+            .err()
+            .map(|e: toml::de::Error| e.message().to_string())
+    }
+    fn search<T: for<'de> Deserialize<'de>>(
+        root: &toml::Value,
+        first: &Option<String>,
+        path: Vec<String>,
+        leaves: bool,
+    ) -> Option<Vec<String>> {
+        let mut probe = root.clone();
+        let table = table_at(&mut probe, &path)?.clone();
+        for (key, v) in &table {
+            let tables = v.as_array().filter(|l| l.iter().all(toml::Value::is_table));
+            if !leaves && !v.is_table() && tables.is_none() {
+                continue;
+            }
+            let mut without = root.clone();
+            table_at(&mut without, &path)?.remove(key);
+            if message::<T>(&without) == *first {
+                continue;
+            }
+            let mut inner = [path.clone(), vec![key.clone()]].concat();
+            if let Some(list) = tables {
+                let entry = first_failing_entry::<T>(root, first, &path, key, list.len());
+                inner.push(format!("#{entry}"));
+            }
+            let here = if leaves {
+                [path.clone(), vec![key.clone()]].concat()
+            } else {
+                inner.clone()
+            };
+            return search::<T>(root, first, inner, leaves).or(Some(here));
+        }
+        None
+    }
+    // The entry of the array of tables `key` (at `path`, `len` entries) the error is about: toml
+    // reads entries in order, so the array cut to its first `m` entries still fails so exactly
+    // when it holds that entry. Found by bisection: a config of many entries (collectives)
+    // costs a few reads, not one per entry.
+    fn first_failing_entry<T: for<'de> Deserialize<'de>>(
+        root: &toml::Value,
+        first: &Option<String>,
+        path: &[String],
+        key: &str,
+        len: usize,
+    ) -> usize {
+        let fails_within = |m: usize| {
+            let mut cut = root.clone();
+            if let Some(list) = table_at(&mut cut, path)
+                .and_then(|t| t.get_mut(key))
+                .and_then(toml::Value::as_array_mut)
+            {
+                list.truncate(m);
+            }
+            message::<T>(&cut) == *first
+        };
+        let (mut lo, mut hi) = (1, len.max(1));
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if fails_within(mid) {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        lo - 1
+    }
+    search::<T>(value, &message::<T>(value), Vec::new(), leaves)
 }
 
 /// The ranges of the tables inside `[job]`: the model, the optimizer, each collective.

@@ -59,6 +59,53 @@ fn unknown_key_names_file_line_and_field() {
 }
 
 #[test]
+fn a_value_of_the_wrong_type_names_its_key_and_line() {
+    // toml reads a section whole and names no key; podsim finds the one at fault, nested
+    // tables and arrays of tables included.
+    let text = train_config("steps = \"many\"", "widths = [8, 16, 4]\nbias = \"yes\"");
+    let steps = text.lines().position(|l| l.starts_with("steps")).unwrap() + 1;
+    expect_error(
+        "wrong-type",
+        &text,
+        &[&format!(
+            "job.toml:{steps}: job.steps: invalid type: string \"many\", expected u32"
+        )],
+    );
+    let nested = train_config("", "widths = \"wide\"");
+    let widths = nested
+        .lines()
+        .position(|l| l.starts_with("widths"))
+        .unwrap()
+        + 1;
+    expect_error(
+        "wrong-type-nested",
+        &nested,
+        &[&format!(
+            "job.toml:{widths}: job.model.widths: invalid type"
+        )],
+    );
+    // Every value of the wrong type in one run; in an array of tables, the entry; a missing
+    // key, the table that lacks it.
+    let text = base().replace(
+        "op = \"all-to-all\"",
+        "op = \"all-to-all\"\nroot = \"zero\"",
+    );
+    expect_error(
+        "wrong-type-entry",
+        &text.replace("iterations = ", "iterations = \"x\"\n#"),
+        &[
+            "job.collectives[1].root: invalid type: string \"zero\", expected u32",
+            "job.iterations: invalid type: string \"x\"",
+        ],
+    );
+    expect_error(
+        "missing-in-entry",
+        &base().replacen("op = \"all-to-all\"", "", 1),
+        &["job.collectives[1]: missing field `op`"],
+    );
+}
+
+#[test]
 fn unknown_key_in_a_collective_entry() {
     let text = base().replace(
         "op = \"all-to-all\"",
