@@ -575,6 +575,30 @@ def case_out_of_hbm(args):
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {said.group(0)[:300] if said else text[-400:]}"
 
 
+def case_trace(args):
+    """`podsim run --trace`: a timeline of the program's chips, its collectives and the
+    compute between them, as `podsim launch` writes one; tracing moves no virtual time."""
+    trace = os.path.join(tempfile.mkdtemp(prefix="podsim-torch-"), "trace.json")
+    p, wall, traced = podsim_run(args, "2x2", "ddp.py", "--steps", "3",
+                                 flags=("--trace", trace))
+    _, _, plain = podsim_run(args, "2x2", "ddp.py", "--steps", "3")
+    if p.returncode != 0 or not os.path.exists(trace):
+        return False, f"exit {p.returncode}, no trace: {p.stdout[-400:]}{p.stderr[-400:]}"
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    # Each chip's tracks are threads named "chip N [coordinates] ...".
+    track_chip = {(e["pid"], e["tid"]): e["args"]["name"].split()[1] for e in events
+                  if e.get("name") == "thread_name" and e["args"]["name"].startswith("chip ")}
+    chips = {track_chip.get((e["pid"], e["tid"])) for e in spans} - {None}
+    compute = sum(1 for e in spans if e["name"] == "the rank's kernels")
+    collectives = sum(1 for e in spans if e["name"].startswith(("all-", "reduce-")))
+    steps = lambda r: [s["virtual_ms"] for s in r["torch"]["steps"]]
+    ok = len(chips) == 4 and compute > 0 and collectives > 0 and steps(traced) == steps(plain)
+    return ok, (f"{len(chips)} chips traced, {compute} compute spans, {collectives} collective "
+                f"spans; steps {steps(traced)} ms, untraced {steps(plain)} ms; wall {wall:.1f} s")
+
+
 def case_replayed_steps(args, *script_args):
     """Steps replayed from the steady one have the virtual times, compute and HBM of the same
     steps counted op by op (`job.count=every`), the steps after rank 0's log lines (a
@@ -803,6 +827,7 @@ def main():
         ("an unedited llama under FSDP2 x tensor parallel (data mode) matches gloo",
          lambda: case_same_as_gloo(args, "llama.py", "4x2", tol=BF16_TOL, script_args=("--tp", "2"))),
         ("replayed steps time as counted ones", lambda: case_replayed_steps(args)),
+        ("podsim run --trace draws the program's chips", lambda: case_trace(args)),
         ("a batch of another length is caught in replay",
          lambda: case_replayed_steps(args, "--seq-after", "12:8")),
         ("an unedited nccl/cuda DDP program runs, and in meta mode issues data mode's "

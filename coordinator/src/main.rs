@@ -482,7 +482,7 @@ fn main() -> ExitCode {
             JobStatus::Ok
         }),
         Command::Run(args) => podsim_coordinator::run::config(args)
-            .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &TraceArgs::default())),
+            .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
         Command::Launch(args) => load(&args.config)
             .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
         Command::Coordinator(args) => load(&args.config).and_then(|cfg| {

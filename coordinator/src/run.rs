@@ -42,6 +42,9 @@ pub struct RunArgs {
     /// Any other config field, e.g. `--set job.algo="ring"` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
+    /// A timeline of the run (`--trace FILE`), as `podsim launch` writes one.
+    #[command(flatten)]
+    pub trace: crate::trace::TraceArgs,
     /// The program every rank runs, after `--`: `-- python train.py ARGS...`.
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<String>,

@@ -58,9 +58,10 @@ pub async fn run_program_waiting(
     idle: Option<Arc<dyn IdleWait>>,
 ) -> Result<ProgramOutput, ProgramError> {
     if let Program::Torch(spec) = program {
-        let torch = crate::torch::run(chips, spec, done).await?;
+        let (torch, traces) = crate::torch::run(chips, spec, done).await?;
         return Ok(ProgramOutput {
             torch,
+            traces,
             ..ProgramOutput::default()
         });
     }

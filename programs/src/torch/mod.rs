@@ -30,6 +30,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use podsim_collectives::trace::ChipTrace;
 use podsim_collectives::{Chip, run_chips};
 
 pub use podsim_job::torch::TorchSpec;
@@ -105,9 +106,9 @@ pub async fn run(
     chips: Vec<Chip>,
     spec: &TorchSpec,
     done: Arc<AtomicU64>,
-) -> Result<Vec<RankReport>, ProgramError> {
+) -> Result<(Vec<RankReport>, Vec<ChipTrace>), ProgramError> {
     let Some(world) = chips.first().map(|c| c.pod().chips()) else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), Vec::new()));
     };
     let pod = chips[0].pod().clone();
     let shadows = shadow_ranks(&chips, spec, world);
@@ -155,11 +156,14 @@ pub async fn run(
     {
         return Err(e);
     }
-    let reports = reports.map_err(|e| with_stopped_ranks(e, &progress))?;
+    let (reports, traces): (Vec<RankReport>, Vec<Option<ChipTrace>>) = reports
+        .map_err(|e| with_stopped_ranks(e, &progress))?
+        .into_iter()
+        .unzip();
     if !reports.is_empty() && reports.iter().all(|r| !r.connected) {
         return Err(went_around_podsim(spec));
     }
-    Ok(reports)
+    Ok((reports, traces.into_iter().flatten().collect()))
 }
 
 /// The `--verify-ranks` ranks this worker runs besides its chips' (only when its chips
@@ -216,7 +220,7 @@ async fn serve_chips(
     ranks: HashMap<u32, ranks::Rank>,
     references: &HashMap<u32, Arc<verify::Reference>>,
     progress: &serve::Progress,
-) -> Result<Vec<RankReport>, ProgramError> {
+) -> Result<Vec<(RankReport, Option<ChipTrace>)>, ProgramError> {
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
     run_chips(chips, |mut chip| {
@@ -232,7 +236,7 @@ async fn serve_chips(
             let (checked, progress) = (checked.as_deref(), &progress);
             let report = serve::serve(&mut chip, rank, &spec, &sites, checked, progress).await?;
             done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
-            Ok::<_, ProgramError>(report)
+            Ok::<_, ProgramError>((report, chip.take_trace()))
         }
     })
     .await

@@ -698,7 +698,15 @@ impl Served {
             return;
         }
         let ns = compute_ns(compute, chip.hardware());
+        // The rank's kernels since its last request, one span on a traced chip's timeline.
+        let span = chip.trace_open(
+            crate::COMPUTE_TRACK,
+            "compute",
+            || "the rank's kernels".to_string(),
+            Vec::new(),
+        );
         chip.compute(ns);
+        chip.trace_close(span);
         self.report.compute_ns += ns;
         self.step_compute_ns += ns;
         self.step_flops += compute_flops(compute);
