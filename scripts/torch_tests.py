@@ -690,6 +690,27 @@ def case_verified_rank_fails_early(args):
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
 
 
+
+def case_representative_raises_beside_shadows(args):
+    """Meta mode: a representative's exception, in a mesh of four classes with shadows of
+    classes 1 and 2, is the program error naming it - not a desync of a shadow left waiting
+    for calls its stopped representative never makes, nor a hang (both were so)."""
+    program = ("import os, torch, torch.distributed as dist\n"
+               "from torch.distributed.device_mesh import init_device_mesh\n"
+               "n = int(os.environ['WORLD_SIZE'])\n"
+               "mesh = init_device_mesh('cuda', (n // 4, 4), mesh_dim_names=('dp', 'tp'))\n"
+               "x = torch.ones(8, device='cuda')\n"
+               "dist.all_reduce(x, group=mesh['tp'].get_group())\n"
+               "if dist.get_rank() == 0: raise RuntimeError('boom')\n"
+               "dist.all_reduce(x)\n")
+    p, wall, report = run_inline(args, program, "--topology", "4x4x4", "--mode", "meta",
+                                 "--verify-ranks", "21,42")
+    status = report.get("status")
+    text = p.stdout + p.stderr
+    named = re.search(r"Rank 0 \(pid \d+\) raised RuntimeError: boom at <string>:7", text)
+    ok = p.returncode != 0 and status == "error" and named is not None
+    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
+
 # A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
 # counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
 # moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
@@ -842,6 +863,8 @@ def main():
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
         ("meta mode: a verified rank failing before its process group is a program error",
          lambda: case_verified_rank_fails_early(args)),
+        ("meta mode: a representative's exception beside shadows of other classes is its error",
+         lambda: case_representative_raises_beside_shadows(args)),
         ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
         ("values put on the device (data mode)", lambda: case_values_on_the_device(args, "data")),
         ("meta mode: values put on the device are read back",

@@ -147,19 +147,25 @@ pub async fn run(
             };
         }
     };
+    let reports = match reports {
+        Ok(reports) => reports,
+        Err(e) => {
+            // The representatives' failure is the job's; the shadows stop with it (their
+            // processes go with the job's when `_guard` drops).
+            for task in &shadow_tasks {
+                task.abort();
+            }
+            return Err(with_stopped_ranks(e, &progress));
+        }
+    };
     // The representatives ended: a shadow's desync is still the job's failure.
     for task in shadow_tasks {
         let _ = task.await;
     }
-    if let Ok(e) = failure.try_recv()
-        && !matches!(&reports, Err(rep) if rep.is_regroup())
-    {
+    if let Ok(e) = failure.try_recv() {
         return Err(e);
     }
-    let (reports, traces): (Vec<RankReport>, Vec<Option<ChipTrace>>) = reports
-        .map_err(|e| with_stopped_ranks(e, &progress))?
-        .into_iter()
-        .unzip();
+    let (reports, traces): (Vec<RankReport>, Vec<Option<ChipTrace>>) = reports.into_iter().unzip();
     if !reports.is_empty() && reports.iter().all(|r| !r.connected) {
         return Err(went_around_podsim(spec));
     }

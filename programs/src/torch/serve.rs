@@ -294,14 +294,27 @@ pub async fn serve(
     reference: Option<&Reference>,
     progress: &Progress,
 ) -> Result<RankReport, ProgramError> {
+    let ending = EndsReference(reference);
     let result = serve_rank(chip, &mut rank, spec, sites, reference, progress).await;
-    if let Some(reference) = reference {
-        reference.end(match &result {
-            Ok(_) => "ended its program".to_string(),
-            Err(e) => format!("failed: {e}"),
-        });
+    if let Some(reference) = ending.0 {
+        match &result {
+            Ok(_) => reference.end("ended its program".to_string(), false),
+            Err(e) => reference.end(format!("failed: {e}"), true),
+        }
     }
     result
+}
+
+/// Ends a representative's [`Reference`] when its serving is dropped mid-run (another rank's
+/// failure ended the job): its shadows must not wait for calls that will never come.
+struct EndsReference<'a>(Option<&'a Reference>);
+
+impl Drop for EndsReference<'_> {
+    fn drop(&mut self) {
+        if let Some(reference) = self.0 {
+            reference.end("stopped when the job failed".to_string(), true);
+        }
+    }
 }
 
 async fn serve_rank(

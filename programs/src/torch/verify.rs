@@ -84,8 +84,17 @@ impl Call {
 #[derive(Debug, Default)]
 pub struct Reference {
     calls: Mutex<Vec<Call>>,
-    ended: Mutex<Option<String>>,
+    ended: Mutex<Option<Ended>>,
     changed: Notify,
+}
+
+/// How a representative's program ended, as its shadows learn it.
+#[derive(Debug, Clone)]
+pub struct Ended {
+    /// Its last line or exit, said after "it".
+    pub how: String,
+    /// It failed: that failure is the job's error, which the representatives report.
+    pub failed: bool,
 }
 
 impl Reference {
@@ -96,17 +105,18 @@ impl Reference {
         self.changed.notify_waiters();
     }
 
-    /// The representative's program ended (`how`: its last line or exit).
-    pub fn end(&self, how: String) {
+    /// The representative's program ended (`how`: its last line or exit); the first ending
+    /// told is kept.
+    pub fn end(&self, how: String, failed: bool) {
         if let Ok(mut ended) = self.ended.lock() {
-            ended.get_or_insert(how);
+            ended.get_or_insert(Ended { how, failed });
         }
         self.changed.notify_waiters();
     }
 
     /// The representative's `seq`-th call, once it made it; `Err` with how it ended if it
     /// ended before.
-    async fn call(&self, seq: usize) -> Result<Call, String> {
+    async fn call(&self, seq: usize) -> Result<Call, Ended> {
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
@@ -148,10 +158,15 @@ pub async fn serve_shadow(
             _ => {}
         }
         if let Some(mine) = Call::of(&frame.request, frame.site.as_deref(), words, seq as u64) {
-            let theirs = reference
-                .call(seq)
-                .await
-                .map_err(|how| ended_early(rank.rank, &mine, representative, &how))?;
+            let theirs = match reference.call(seq).await {
+                Ok(theirs) => theirs,
+                // The representative's failure ends the job and is its error; this shadow
+                // only stopped with it.
+                Err(ended) if ended.failed => return Ok(()),
+                Err(ended) => {
+                    return Err(ended_early(rank.rank, &mine, representative, &ended.how));
+                }
+            };
             if mine.fingerprint != theirs.fingerprint {
                 return Err(desync(rank.rank, mine, representative, theirs));
             }
