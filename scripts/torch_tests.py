@@ -711,6 +711,57 @@ def case_representative_raises_beside_shadows(args):
     ok = p.returncode != 0 and status == "error" and named is not None
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
 
+
+# Object collectives with rank-dependent objects (a pickle's length differs by rank) and a
+# distributed checkpoint of an FSDP2 model, as training scripts gather metrics, share a
+# config and save.
+OBJECTS_PROGRAM = """
+import os, sys, torch, torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("nccl")
+r, n = dist.get_rank(), dist.get_world_size()
+got = [None] * n
+dist.all_gather_object(got, {"rank": r, "name": "x" * r})
+assert len(got) == n and all(set(g) == {"rank", "name"} for g in got), got[:2]
+gathered = [None] * n if r == 0 else None
+dist.gather_object(("loss", 1.0), gathered, dst=0)
+assert r != 0 or gathered == [("loss", 1.0)] * n, gathered
+config = [{"lr": 3e-4, "steps": 2}] if r == 0 else [None]
+dist.broadcast_object_list(config, src=0)
+assert r != 0 or config == [{"lr": 3e-4, "steps": 2}], config
+mine = [None]
+dist.scatter_object_list(mine, [{"shard": i} for i in range(n)] if r == 0 else None, src=0)
+assert r != 0 or mine == [{"shard": 0}], mine
+model = torch.nn.Linear(64, 64, device="cuda")
+fully_shard(model)
+model(torch.randn(8, 64, device="cuda")).sum().backward()
+dcp.save({"model": model.state_dict()}, checkpoint_id=sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+def case_object_collectives(args, mode):
+    """Object collectives and a torch.distributed.checkpoint save: real in data mode; in meta
+    mode (ranks verified against their representative) every rank's object is its own, a
+    save writes nothing, and the report lists the stand-ins - before, torch's unpickler met
+    the meta device's missing bytes (EOFError) and a save failed."""
+    out = tempfile.mkdtemp(prefix="podsim-torch-ckpt-")
+    checkpoint = os.path.join(out, "checkpoint")
+    flags = (["--topology", "2x2"] if mode == "data"
+             else ["--topology", "4x4x4", "--mode", "meta", "--verify-ranks", "21,42"])
+    p, wall, report = run_inline(args, OBJECTS_PROGRAM.replace("sys.argv[1]", repr(checkpoint)),
+                                 *flags)
+    status = report.get("status")
+    saved = os.path.isdir(checkpoint) and any(f.endswith(".distcp") for f in os.listdir(checkpoint))
+    listed = {what for rank in report.get("torch", {}).get("ranks", [])
+              for what, _, _ in rank.get("stand_ins", [])}
+    want_listed = {"torch.distributed.checkpoint.save"} if mode == "meta" else set()
+    ok = (p.returncode == 0 and status == "ok" and saved == (mode == "data")
+          and want_listed <= listed)
+    return ok, (f"exit {p.returncode}, status {status}, checkpoint written: {saved}, stand-ins "
+                f"{sorted(listed)}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}")
+
 # A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
 # counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
 # moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
@@ -865,6 +916,10 @@ def main():
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: a representative's exception beside shadows of other classes is its error",
          lambda: case_representative_raises_beside_shadows(args)),
+        ("object collectives and a checkpoint save (data mode)",
+         lambda: case_object_collectives(args, "data")),
+        ("meta mode: object collectives and a checkpoint save",
+         lambda: case_object_collectives(args, "meta")),
         ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
         ("values put on the device (data mode)", lambda: case_values_on_the_device(args, "data")),
         ("meta mode: values put on the device are read back",

@@ -34,7 +34,8 @@ import sys
 
 import torch
 
-from . import _functional, _meta_autocast, _meta_counts, _meta_ddp, _meta_shapes, _rebind
+from . import _functional, _meta_autocast, _meta_counts, _meta_ddp, _meta_objects, _meta_shapes
+from . import _rebind
 from . import torch as backend
 from ._intercept import DeviceMap, _maps_to_podsim
 
@@ -323,4 +324,5 @@ def install():
     _meta_autocast.install()
     _functional.install()
     _meta_ddp.install()
+    _meta_objects.install(lambda what: stand_ins.update([(what, _site())]))
     Fake().__enter__()
