@@ -762,6 +762,68 @@ def case_object_collectives(args, mode):
     return ok, (f"exit {p.returncode}, status {status}, checkpoint written: {saved}, stand-ins "
                 f"{sorted(listed)}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}")
 
+
+# FSDP1 (the `FullyShardedDataParallel` wrapper, one unit per block), as Hugging Face
+# accelerate and Lightning still wrap a model; torch refuses it on the CPU ("FSDP needs a
+# non-CPU accelerator device"), so the reference is one process training on the global
+# batch (`reference` in argv).
+FSDP1_PROGRAM = """
+import functools, sys, torch, torch.nn as nn, torch.nn.functional as F
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+D, V, T, B, STEPS, N = 64, 128, 16, 2, 3, 4
+class Block(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.norm, s.up, s.down = nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+    def forward(s, x):
+        return x + s.down(F.gelu(s.up(s.norm(x))))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Embedding(V, D), Block(), Block(), nn.Linear(D, V))
+reference = sys.argv[-1] == "reference"
+if reference:
+    ranks = range(N)
+else:
+    dist.init_process_group("nccl")
+    ranks = [dist.get_rank()]
+    torch.cuda.set_device(dist.get_rank())
+    model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.cuda.current_device())
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+gens = {r: torch.Generator().manual_seed(r) for r in ranks}
+for step in range(STEPS):
+    xs = {r: torch.randint(0, V, (B, T), generator=gens[r]).cuda() if not reference
+          else torch.randint(0, V, (B, T), generator=gens[r]) for r in ranks}
+    losses = {r: F.cross_entropy(model(x).flatten(0, 1), torch.roll(x, -1, 1).flatten())
+              for r, x in xs.items()}
+    (sum(losses.values()) / len(losses)).backward()
+    opt.step(); opt.zero_grad()
+    if 0 in losses:
+        print(f"loss {losses[0].item():.7f}", flush=True)
+"""
+
+
+def case_fsdp1(args, mode):
+    """FSDP1 runs: data mode's losses are one process's on the global batch; meta mode at 64
+    chips completes. Before, FSDP1 refused podsim's device ("does not support CPU only
+    execution"), then failed to free the storages a collective had read ("Trying to resize
+    storage that is not resizable"), and in meta mode tried to materialise its parameters."""
+    if mode == "data":
+        ref = subprocess.run([sys.executable, "-c", FSDP1_PROGRAM, "reference"],
+                             capture_output=True, text=True, timeout=DEADLINE_S)
+        want = [float(x) for x in re.findall(r"^loss (\S+)", ref.stdout, re.M)]
+        flags = ["--topology", "2x2"]
+    else:
+        want, flags = None, ["--topology", "4x4x4", "--mode", "meta"]
+    p, wall, report = run_inline(args, FSDP1_PROGRAM, *flags)
+    got = [float(x) for x in re.findall(r"^\[rank 0\] loss (\S+)", p.stdout + p.stderr, re.M)]
+    steps = len(report.get("torch", {}).get("ranks", [{}])[0].get("steps", []))
+    same = want is None or (len(want) == len(got) == 3 and all(
+        abs(a - b) <= 1e-5 * abs(a) for a, b in zip(want, got)))
+    ok = p.returncode == 0 and report.get("status") == "ok" and steps == 3 and same
+    return ok, (f"exit {p.returncode}, status {report.get('status')}, steps {steps}, losses "
+                f"{got} vs one process {want}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}")
+
 # A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
 # counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
 # moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
@@ -920,6 +982,9 @@ def main():
          lambda: case_object_collectives(args, "data")),
         ("meta mode: object collectives and a checkpoint save",
          lambda: case_object_collectives(args, "meta")),
+        ("FSDP1 matches one process on the global batch (data mode)",
+         lambda: case_fsdp1(args, "data")),
+        ("meta mode: FSDP1", lambda: case_fsdp1(args, "meta")),
         ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
         ("values put on the device (data mode)", lambda: case_values_on_the_device(args, "data")),
         ("meta mode: values put on the device are read back",

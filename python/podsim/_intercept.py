@@ -411,6 +411,11 @@ def _streams_are_podsims():
         if getattr(module, "_get_device_handle", None) in (handle_of, device_handle):
             fsdp = name.startswith("torch.distributed.fsdp._fully_shard")
             module._get_device_handle = fsdp_device_handle if fsdp else device_handle
+        if name == "torch.distributed.fsdp._common_utils":
+            # FSDP1: its device is podsim's, whatever the program named.
+            module._FSDPDeviceHandle.from_device = classmethod(lambda cls, device: _streams.HANDLE)
+        if name == "torch.distributed.fsdp._init_utils":
+            module._get_compute_device = lambda *args, **kwargs: DeviceMap.entered.target
         if name == "torch.distributed.fsdp._fully_shard._fsdp_collectives":
             record = module.record_grad_output_stream
             module.record_grad_output_stream = (

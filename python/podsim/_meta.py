@@ -262,10 +262,14 @@ def _fsdp_on_the_meta_device():
     they were materialised has nothing to check (its device handle and stream bookkeeping
     are podsim's streams: `podsim._intercept`). FSDP2 cuts each parameter into one piece per
     rank to keep one: at 110,592 ranks that is 110,592 tensors per parameter, minutes per
-    layer; the pieces are made when asked for instead (the same views)."""
+    layer; the pieces are made when asked for instead (the same views). FSDP1 would
+    materialise meta parameters (`reset_parameters`, a `param_init_fn`): there are no values
+    to give them."""
+    from torch.distributed.fsdp import _init_utils
     from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_param_group
 
     _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    _init_utils._need_to_materialize_module = lambda *args, **kwargs: (False, False)
     _fsdp_common._chunk_with_empty = _LazyChunks
     _fsdp_param._chunk_with_empty = _LazyChunks
 

@@ -4,6 +4,7 @@ Each frame: a 16-byte header (``PDT1``, the JSON length as u32, the payload leng
 little-endian), a JSON object, then the payload: float32 values in the host's byte order.
 """
 
+import ctypes
 import json
 import os
 import socket
@@ -96,5 +97,13 @@ class Connection:
 
 
 def _bytes_of(tensor):
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.numpy()).cast("B")
+    """The bytes of a contiguous CPU tensor, without a copy, the tensor itself untouched: not
+    through `tensor.numpy()`, which marks its storage as not resizable for good, and FSDP
+    frees and refills the storages it hands a collective (`UntypedStorage.resize_`; FSDP1
+    failed with "Trying to resize storage that is not resizable")."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    window = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    window.tensor = tensor  # the memory lives as long as the view
+    return memoryview(window).cast("B")

@@ -112,6 +112,21 @@ class Framing(unittest.TestCase):
         self.assertIs(back, out)
         self.assertTrue(torch.equal(out, torch.ones(4)))
 
+    def test_the_callers_tensors_stay_resizable(self):
+        # FSDP frees and refills the storages it hands a collective; a view of a tensor
+        # through numpy would have made them unresizable for good.
+        def echo(chip, conn):
+            request, payload = chip.read_frame(conn)
+            conn.sendall(frame({}, payload))
+
+        chip, connection = self.connect(echo)
+        values, out = torch.arange(16, dtype=torch.float32), torch.zeros(16)
+        connection.call({"op": "echo"}, values, out=out)
+        self.assertTrue(torch.equal(out, values))
+        for t in (values, out):
+            self.assertTrue(t.untyped_storage().resizable())
+            t.untyped_storage().resize_(0)
+
     def test_an_error_reply_is_raised_with_the_chips_words(self):
         connection = self.answering(frame({"error": "group 9 does not exist"}))
         with self.assertRaisesRegex(PodsimError, "group 9 does not exist"):
