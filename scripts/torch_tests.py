@@ -824,6 +824,21 @@ def case_fsdp1(args, mode):
     return ok, (f"exit {p.returncode}, status {report.get('status')}, steps {steps}, losses "
                 f"{got} vs one process {want}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}")
 
+
+def case_cpu_offload_refused(args):
+    """Meta mode refuses FSDP2's CPU offload by name (it would count host-resident shards as
+    HBM), where torch said its parameters "should be materialized on CPU"."""
+    program = ("import torch, torch.distributed as dist\n"
+               "from torch.distributed.fsdp import fully_shard, CPUOffloadPolicy\n"
+               "dist.init_process_group('nccl')\n"
+               "m = fully_shard(torch.nn.Linear(64, 64), offload_policy=CPUOffloadPolicy())\n"
+               "m(torch.randn(8, 64))\n")
+    p, wall, report = run_inline(args, program, "--topology", "2x2", "--mode", "meta")
+    text = p.stdout + p.stderr
+    named = "meta mode does not model FSDP2's CPU offload" in text
+    ok = p.returncode == 1 and report.get("status") == "error" and named
+    return ok, f"exit {p.returncode}, status {report.get('status')}, named: {named}: {text[-300:]}"
+
 # A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
 # counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
 # moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
@@ -985,6 +1000,8 @@ def main():
         ("FSDP1 matches one process on the global batch (data mode)",
          lambda: case_fsdp1(args, "data")),
         ("meta mode: FSDP1", lambda: case_fsdp1(args, "meta")),
+        ("meta mode: FSDP2's CPU offload is refused by name",
+         lambda: case_cpu_offload_refused(args)),
         ("meta mode: autocast on the tensor's own device", lambda: case_meta_autocast(args)),
         ("values put on the device (data mode)", lambda: case_values_on_the_device(args, "data")),
         ("meta mode: values put on the device are read back",

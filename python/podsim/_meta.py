@@ -269,9 +269,23 @@ def _fsdp_on_the_meta_device():
     from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param, _fsdp_param_group
 
     _fsdp_param_group.FSDPParamGroup._validate_no_meta_params = lambda self: None
+    _fsdp_param_group.FSDPParamGroup._validate_cpu_offload_params = _cpu_offload_refused
     _init_utils._need_to_materialize_module = lambda *args, **kwargs: (False, False)
     _fsdp_common._chunk_with_empty = _LazyChunks
     _fsdp_param._chunk_with_empty = _LazyChunks
+
+
+def _cpu_offload_refused(group):
+    """FSDP2's CPU offload in meta mode: its shards would live in host memory and cross PCIe
+    every step, and here they would be counted as HBM with no transfer priced; refused by
+    name instead of torch's "should be materialized on CPU"."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(group.offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            "podsim: meta mode does not model FSDP2's CPU offload (offload_policy="
+            "CPUOffloadPolicy()): host-resident shards and their PCIe copies are not counted. "
+            "Run it without the offload policy (HBM then holds the shards), or in data mode")
 
 
 class _LazyChunks:
