@@ -839,6 +839,32 @@ def case_cpu_offload_refused(args):
     ok = p.returncode == 1 and report.get("status") == "error" and named
     return ok, f"exit {p.returncode}, status {report.get('status')}, named: {named}: {text[-300:]}"
 
+
+def case_torchrun_command(args):
+    """`podsim run -- python -m torch.distributed.run --nproc-per-node 4 ... train.py` runs
+    the script once per chip, as podsim launches ranks; torchrun's options are named as left
+    out. Before, each chip started a torchrun of its own, whose ranks failed far from the
+    cause ("nccl2 requires at least one CUDA device")."""
+    out = tempfile.mkdtemp(prefix="podsim-torch-")
+    script = os.path.join(out, "train.py")
+    with open(script, "w") as f:
+        f.write("import torch, torch.distributed as dist\n"
+                "dist.init_process_group('nccl')\n"
+                "x = torch.ones(4, device='cuda')\n"
+                "dist.all_reduce(x)\n"
+                "assert x.tolist() == [4.0] * 4, x\n"
+                "dist.destroy_process_group()\n")
+    p, wall = run([args.podsim, "run", "--topology", "2x2", "--out", out, "--", sys.executable,
+                   "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                   script])
+    with open(os.path.join(out, "report.json")) as f:
+        report = json.load(f)
+    ranks = len(report.get("torch", {}).get("ranks", []))
+    noted = "torchrun's own options were left out: --nproc-per-node 4 --standalone" in p.stderr
+    ok = p.returncode == 0 and report.get("status") == "ok" and ranks == 4 and noted
+    return ok, (f"exit {p.returncode}, status {report.get('status')}, {ranks} ranks, noted: "
+                f"{noted}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}")
+
 # A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
 # counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
 # moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
@@ -987,6 +1013,8 @@ def main():
         ("meta mode: a representative per class times an FSDP x TP mesh",
          lambda: case_meta_classes(args)),
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
+        ("a torchrun command line runs its script once per chip",
+         lambda: case_torchrun_command(args)),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
         ("meta mode: a verified rank failing before its process group is a program error",

@@ -35,6 +35,7 @@ pub mod status;
 pub mod study;
 pub mod supervisor;
 pub mod toml_lines;
+pub mod torchrun;
 pub mod trace;
 pub mod units;
 pub mod watchdog;

@@ -1153,7 +1153,8 @@ fn summarise_torch(s: &mut String, t: &TorchRun) {
             ));
         }
     }
-    for r in t.ranks.iter().take(1) {
+    // A rank that made no collective (it failed first) has nothing to list.
+    for r in t.ranks.iter().take(1).filter(|r| !r.collectives.is_empty()) {
         let ops: Vec<String> = r
             .collectives
             .iter()

@@ -57,7 +57,20 @@ fn quoted(s: &str) -> String {
 
 /// The job `podsim run` launches, checked as a config file is.
 pub fn config(args: &RunArgs) -> Result<JobConfig, CliError> {
-    let Some((program, rest)) = args.command.split_first() else {
+    let command = match crate::torchrun::unwrapped(&args.command).map_err(CliError::Usage)? {
+        Some(unwrapped) => {
+            eprintln!(
+                "podsim: running torchrun's program itself (`{}`), one rank per chip of {}; \
+                 torchrun's own options were left out: {}",
+                unwrapped.command.join(" "),
+                args.topology,
+                unwrapped.dropped.join(" ")
+            );
+            unwrapped.command
+        }
+        None => args.command.clone(),
+    };
+    let Some((program, rest)) = command.split_first() else {
         return Err(CliError::Usage(
             "podsim run needs a command after --".into(),
         ));

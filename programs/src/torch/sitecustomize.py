@@ -25,8 +25,9 @@ def _podsim_boot():
     except ImportError as e:
         sys.stderr.write(
             f"podsim: this Python ({sys.executable}) cannot load podsim's torch backend: {e}. "
-            "Install it into this environment (pip install ./python), or point PODSIM_PYTHON "
-            "at a Python that has it.\n"
+            "Install it into this environment (pip install ./python), or run a Python that "
+            "has it (the command after `podsim run --`, or $PODSIM_PYTHON for a config's "
+            "program.py).\n"
         )
         sys.stderr.flush()
         os._exit(2)
