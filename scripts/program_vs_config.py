@@ -7,8 +7,8 @@ HBM side by side.
 llama.py is written as torchtitan writes a Llama: FSDP2 per block with bf16 parameters and f32
 gradient reduction, each block under `torch.utils.checkpoint`, no biases, AdamW. As a config
 (configs/gpt2_fsdp_meta.toml with `--set`s): `strategy = "fsdp"`, `grad_reduce = "per_unit"`,
-`reduce_dtype = "f32"`, `remat = "checkpoint"`, `[job.model] bias = false`, `mlp = "swiglu"`,
-bf16 with f32 weights.
+`reduce_dtype = "f32"`, `remat = "checkpoint"`, `[job.model] bias = false`, `upcast = true`
+(its RMSNorm computes in f32), `mlp = "swiglu"`, bf16 with f32 weights.
 
     python3 scripts/program_vs_config.py --podsim target/debug/podsim \
         --python ~/.cache/podsim/torch-venv/bin/python --model 7b --topology 16x16x16
@@ -57,6 +57,7 @@ def config_sets(shape, args):
         "job.model.ffn": shape["ffn"], "job.model.vocab": shape["vocab"],
         "job.model.seq": args.seq, "job.model.mlp": '"swiglu"',
         "job.model.weight_dtype": '"f32"', "job.model.bias": "false",
+        "job.model.upcast": "true",
     }
     return [a for k, v in keys.items() for a in ("--set", f"{k}={v}")]
 

@@ -407,6 +407,7 @@ table! {
         dtype: Option<String> [transformer],
         weight_dtype: Option<String> [transformer],
         bias: Option<bool> [transformer],
+        upcast: Option<bool> [transformer],
     }
 }
 
@@ -751,6 +752,7 @@ fn transformer_spec(p: &mut Problems<'_>, m: &RawModel) -> TransformerSpec {
         dtype,
         weight_dtype,
         bias: m.bias.unwrap_or(true),
+        upcast: m.upcast.unwrap_or(false),
     }
 }
 

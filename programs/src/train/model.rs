@@ -135,6 +135,13 @@ pub struct TransformerSpec {
     /// add charged on every product (docs/PERFORMANCE.md, "Biases"), so the default keeps it.
     #[serde(default = "charged")]
     pub bias: bool,
+    /// The model's code computes its norms in f32 (`x.float()`), as PyTorch's Llamas do
+    /// (torchtitan's, Hugging Face's), and autograd keeps each norm's f32 input for backward.
+    /// `false` (the default): norms save the model's dtype only, as XLA fuses MaxText's into
+    /// their neighbours. Memory only: the copies' HBM traffic is not charged (see
+    /// [`upcast_elems`]).
+    #[serde(default)]
+    pub upcast: bool,
 }
 
 fn charged() -> bool {
@@ -211,6 +218,8 @@ pub struct LayerSpec {
     pub after_names: Vec<(Name, usize)>,
     /// The product adds a bias; without one the layer's bias parameter has no elements.
     pub bias: bool,
+    /// Its op-after keeps f32 copies for backward ([`TransformerSpec::upcast`]).
+    pub upcast: bool,
 }
 
 impl std::fmt::Display for ModelSpec {
@@ -383,6 +392,7 @@ impl TransformerSpec {
         ));
         for layer in &mut out {
             layer.bias = self.bias;
+            layer.upcast = self.upcast;
         }
         out
     }
@@ -497,6 +507,7 @@ fn layer_spec(
         out_names: Vec::new(),
         after_names: Vec::new(),
         bias: true,
+        upcast: false,
     }
 }
 
@@ -538,6 +549,7 @@ impl ModelSpec {
                                 Vec::new()
                             },
                             bias: true,
+                            upcast: false,
                         }
                     })
                     .collect()
@@ -707,6 +719,21 @@ pub fn after_residual_elems(layer: &LayerSpec, t: usize, share: f64) -> usize {
     materialized(layer.after).map_or(0, |a| score_rows(&a, t, share) * a.seq.max(1))
 }
 
+/// f32 elements the op after `layer` keeps for backward beyond its output when the model
+/// upcasts its norms ([`TransformerSpec::upcast`]), on `t` tokens with `width` of the layer's
+/// output on this chip: a norm's f32 input (`x.float()`, which `pow` and the scaling `mul`
+/// save). Rotary embeddings computed in f32 save nothing wider than their input (their
+/// products save the cos and sin tables). Under torch's activation checkpointing a recomputed
+/// block holds them again until its backward. Their HBM traffic (one more f32 write in
+/// forward and read in backward per norm) is not charged: the kernel model's constants were
+/// set on programs that fuse them.
+pub fn upcast_elems(layer: &LayerSpec, t: usize, width: usize) -> usize {
+    match layer.after {
+        After::ResidualNorm if layer.upcast => t * width,
+        _ => 0,
+    }
+}
+
 /// Score-sized elements a materialised attention holds while it runs, beyond what it keeps for
 /// backward, on `t` tokens with `in_width` of the op's input on this chip: `S` and `P` in
 /// forward; `dP` and `dS` in backward, and `P` itself when rematerialisation recomputed it
@@ -846,6 +873,7 @@ mod tests {
             dtype: DType::Bf16,
             weight_dtype: DType::F32,
             bias: false,
+            upcast: false,
         }
     }
 
@@ -882,6 +910,7 @@ mod tests {
             dtype: DType::Bf16,
             weight_dtype: DType::F32,
             bias: false,
+            upcast: false,
         };
         let d = 10240;
         let block = d * 3 * 8192 + 8192 * d + 2 * d * 32768;
@@ -919,6 +948,7 @@ mod tests {
             dtype: DType::F32,
             weight_dtype: DType::F32,
             bias: true,
+            upcast: false,
         });
         let layers = m.lower();
         assert_eq!(layers.len(), 4 * 2 + 2);

@@ -1145,7 +1145,8 @@ impl<'a> Trainer<'a> {
         };
         let share = matmul_width as f64 / layer.outputs.max(1) as f64;
         let residual = model::after_residual_elems(layer, rows, share) as u64 * self.elem;
-        z.bytes(self.elem) + op_input + residual
+        let upcast = model::upcast_elems(layer, rows, z.shape()[1]) as u64 * 4;
+        z.bytes(self.elem) + op_input + residual + upcast
     }
 
     /// What layer `l` keeps for backward, given its output `z` (on this chip) and the width of

@@ -32,6 +32,7 @@ fn model(d_model: usize, ffn: usize, vocab: usize) -> TransformerSpec {
         dtype: DType::Bf16,
         weight_dtype: DType::F32,
         bias: false,
+        upcast: false,
     }
 }
 
@@ -692,4 +693,35 @@ fn a_model_without_biases_has_none_to_store_add_or_move() {
             assert!(without.flops < with.flops, "{strategy} {eager:?}");
         }
     }
+}
+
+#[test]
+fn an_upcast_norm_keeps_its_f32_input_for_backward() {
+    // PyTorch's Llama norms compute in f32 (`x.float()`), and autograd keeps that copy: two
+    // norms a block, each its (tokens, d_model) input in f32. Memory only: the same step.
+    let plain = model(256, 1024, 512);
+    let upcast = TransformerSpec {
+        upcast: true,
+        ..plain.clone()
+    };
+    let step = |m: &TransformerSpec, remat: &str| {
+        let mut s = spec(Strategy::Ddp, m, 1);
+        s.remat = remat.parse().unwrap();
+        let r = run(&s, "4", v5p(), true)[0].0.clone();
+        (r.steps[0].virtual_ns, r.hbm.peak_by_kind["activations"])
+    };
+    let copies_per_block = 2 * (2 * 64) * 256 * 4;
+    let (ns, kept) = step(&plain, "none");
+    let (upcast_ns, upcast_kept) = step(&upcast, "none");
+    assert_eq!(ns, upcast_ns);
+    // Every block keeps everything (the peak at the end of the forward).
+    assert_eq!(upcast_kept - kept, 2 * copies_per_block as u64);
+    // Under torch's checkpoint only the recomputed block holds them, until its backward.
+    let (_, recomputed) = step(&plain, "checkpoint");
+    let (_, upcast_recomputed) = step(&upcast, "checkpoint");
+    let extra = upcast_recomputed - recomputed;
+    assert!(
+        extra > 0 && extra <= copies_per_block as u64,
+        "checkpoint: {extra} more bytes"
+    );
 }
