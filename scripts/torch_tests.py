@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -865,6 +866,65 @@ def case_torchrun_command(args):
     return ok, (f"exit {p.returncode}, status {report.get('status')}, {ranks} ranks, noted: "
                 f"{noted}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-300:]}")
 
+
+# The mp.spawn launch (pytorch/examples' ddp-tutorial-series `multigpu.py`): run as `python
+# train.py`, it spawns one process per device, each naming its rank and world size. With
+# `reference` in argv it runs the same on gloo and the CPU (torch's own spawn).
+SPAWN_PROGRAM = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+CPU = sys.argv[-1] == "reference"
+def main(rank, world_size, steps):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", sys.argv[1]
+    if not CPU:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if CPU else "nccl", rank=rank, world_size=world_size)
+    device = "cpu" if CPU else rank
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 4).to(device))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        model(torch.randn(8, 16, generator=g).to(device)).square().mean().backward()
+        opt.step(); opt.zero_grad()
+    print(f"rank {rank} final {sum(p.sum() for p in model.parameters()).item():.7f}", flush=True)
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    world_size = 4 if CPU else torch.cuda.device_count()
+    mp.spawn(main, args=(world_size, 3), nprocs=world_size)
+"""
+
+
+def free_port():
+    """A loopback port nothing listens on now (for a reference run's own rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def case_spawned_ranks(args):
+    """A program that starts its ranks with torch.multiprocessing.spawn runs one rank per
+    chip (each podsim process runs its own index) and trains as under torch's spawn on gloo;
+    on a pod of more chips than it spawns it is an error naming both counts. Before, the
+    spawned children ran outside podsim ("Found no NVIDIA driver")."""
+    out = tempfile.mkdtemp(prefix="podsim-torch-")
+    script = os.path.join(out, "spawned.py")
+    with open(script, "w") as f:
+        f.write(SPAWN_PROGRAM)
+    ref = subprocess.run([sys.executable, script, str(free_port()), "reference"],
+                         capture_output=True, text=True, timeout=DEADLINE_S)
+    # The reference's four processes share a stream: lines can run into each other.
+    finals = lambda text: sorted(re.findall(r"rank (\d) final (-?\d+\.\d{7})", text))
+    p, wall = run([args.podsim, "run", "--topology", "2x2", "--out", out, "--", sys.executable,
+                   script, "0"])
+    big, _ = run([args.podsim, "run", "--topology", "2x2x2", "--out", out + "-8", "--",
+                  sys.executable, script, "0"])
+    named = "init_process_group(world_size=4) on a pod of 8 chips" in big.stdout + big.stderr
+    want, got = finals(ref.stdout), finals(p.stdout)
+    ok = p.returncode == 0 and len(want) == 4 and got == want and big.returncode != 0 and named
+    return ok, (f"exit {p.returncode}, finals {got} vs torch's spawn {want}; 8 chips: exit "
+                f"{big.returncode}, named {named}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-200:]}")
+
 # A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
 # counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
 # moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
@@ -1015,6 +1075,7 @@ def main():
         ("a program around podsim is an error", lambda: case_around_podsim(args)),
         ("a torchrun command line runs its script once per chip",
          lambda: case_torchrun_command(args)),
+        ("a program that spawns its ranks runs one per chip", lambda: case_spawned_ranks(args)),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
         ("meta mode: a verified rank failing before its process group is a program error",

@@ -69,6 +69,7 @@ def install():
     _streams_are_podsims()
     _compile_runs_eagerly()
     _exceptions_reach_the_chip()
+    _spawn_runs_this_rank()
     if mode() == "meta":
         from . import _meta
 
@@ -101,11 +102,60 @@ def _every_group_is_podsims():
             kwargs["store"] = dist.HashStore()
             kwargs.setdefault("rank", int(os.environ["RANK"]))
             kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
+        _check_world(kwargs.get("rank"), kwargs.get("world_size"))
         return start(backend.BACKEND, *args, **kwargs)
 
     # `DeviceMesh` makes the default group with its own copy of the function.
     _rebind.everywhere(start, init_process_group, ("init_process_group",))
 
+
+
+def _check_world(rank, world_size):
+    """A rank and world size the program names itself (a spawned program's own count) must be
+    the pod's: one rank per chip."""
+    pod_rank, pod_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size not in (None, -1) and int(world_size) != pod_world:
+        raise RuntimeError(
+            f"podsim: init_process_group(world_size={world_size}) on a pod of {pod_world} "
+            f"chips: podsim runs one rank per chip, so the program must ask for {pod_world} "
+            f"ranks (or run on a topology of {world_size} chips)")
+    if rank not in (None, -1) and int(rank) != pod_rank:
+        raise RuntimeError(
+            f"podsim: init_process_group(rank={rank}) in the process podsim started as rank "
+            f"{pod_rank}: a program naming its ranks must give each process its RANK")
+
+
+def _spawn_runs_this_rank():
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` and `start_processes`, how a program run
+    as `python train.py` starts its ranks (pytorch/examples' `multigpu.py`), in podsim's
+    processes: podsim has started one process per chip already, so with `nprocs` the host's
+    chips (`torch.cuda.device_count()`) each process runs `fn(LOCAL_RANK, *args)` itself,
+    once. (Spawned as asked, the children started outside podsim's interception and failed
+    with "Found no NVIDIA driver".) Another count spawns as asked: helpers are not ranks."""
+    import torch.multiprocessing as mp
+
+    spawning = importlib.import_module("torch.multiprocessing.spawn")
+
+    real_start = spawning.start_processes
+
+    class _Ran:
+        """What `join=False` returns: the rank's function has run already."""
+
+        def join(self, timeout=None, grace_period=None):
+            return True
+
+    def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn",
+                        *rest, **kwargs):
+        if nprocs != int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+            return real_start(fn, args, nprocs, join, daemon, start_method, *rest, **kwargs)
+        fn(int(os.environ["LOCAL_RANK"]), *args)
+        return None if join else _Ran()
+
+    def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+        return start_processes(fn, args, nprocs, join, daemon, start_method)
+
+    for module in (mp, spawning):
+        module.start_processes, module.spawn = start_processes, spawn
 
 
 # ---- devices -------------------------------------------------------------------------------
