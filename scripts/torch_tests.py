@@ -925,6 +925,29 @@ def case_spawned_ranks(args):
     return ok, (f"exit {p.returncode}, finals {got} vs torch's spawn {want}; 8 chips: exit "
                 f"{big.returncode}, named {named}, wall {wall:.1f} s: {(p.stdout + p.stderr)[-200:]}")
 
+
+def case_cuda_events_time(args, mode):
+    """`torch.cuda.Event(enable_timing=True)` around a program's work reads the modelled time:
+    around everything, the run's virtual time; around nothing, zero. It read 0.0 always."""
+    program = ("import torch, torch.distributed as dist\n"
+               "dist.init_process_group('nccl')\n"
+               "e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]\n"
+               "e[0].record()\n"
+               "x = torch.randn(1024, 1024, device='cuda')\n"
+               "for _ in range(4): x = x @ x\n"
+               "dist.all_reduce(x)\n"
+               "e[1].record(); e[2].record(); torch.cuda.synchronize()\n"
+               "print('elapsed', e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2]), flush=True)\n"
+               "dist.destroy_process_group()\n")
+    p, wall, report = run_inline(args, program, "--topology", "2x2", "--mode", mode)
+    found = re.search(r"\[rank 0\] elapsed (\S+) (\S+)", p.stdout)
+    whole, none = (float(found[1]), float(found[2])) if found else (None, None)
+    virtual_ms = report.get("virtual_s", 0) * 1e3
+    ok = (p.returncode == 0 and whole is not None and whole > 0 and none == 0
+          and abs(whole - virtual_ms) <= 0.01 * virtual_ms)
+    return ok, (f"exit {p.returncode}: events {whole} and {none} ms, the run's virtual time "
+                f"{virtual_ms:.4f} ms: {(p.stdout + p.stderr)[-200:]}")
+
 # A mixture of experts with expert parallelism, routed as torchtitan routes it: each rank's
 # counts of tokens per expert exchanged, read back as the split sizes of the all-to-all that
 # moves the tokens; its layer checkpointed, with a tensor made on "cuda" inside.
@@ -1076,6 +1099,10 @@ def main():
         ("a torchrun command line runs its script once per chip",
          lambda: case_torchrun_command(args)),
         ("a program that spawns its ranks runs one per chip", lambda: case_spawned_ranks(args)),
+        ("CUDA events time virtual milliseconds (data mode)",
+         lambda: case_cuda_events_time(args, "data")),
+        ("meta mode: CUDA events time virtual milliseconds",
+         lambda: case_cuda_events_time(args, "meta")),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
         ("meta mode: a verified rank failing before its process group is a program error",

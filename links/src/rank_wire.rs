@@ -107,6 +107,10 @@ pub enum Request {
         #[serde(default)]
         counting: StepCounting,
     },
+    /// The chip's clock where the rank's compute stream is (a timing event recorded:
+    /// `torch.cuda.Event(enable_timing=True).record()`): the reply's `clock_ns`, after the
+    /// frame's compute and waits.
+    Clock,
     /// The rank's Python stack while it is outside podsim calls (no reply).
     Stack {
         frames: Vec<String>,
@@ -417,6 +421,10 @@ mod tests {
             .expect("ok")
             .expect("a frame");
         assert_eq!(f.request, Request::Sampler { thread: 4242 });
+        let (f, _) = read(&frame(r#"{"op":"clock","compute":{"pass_bytes":8}}"#, &[]))
+            .expect("ok")
+            .expect("a frame");
+        assert_eq!((f.request, f.compute.pass_bytes), (Request::Clock, 8));
     }
 
     #[test]

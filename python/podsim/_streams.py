@@ -26,14 +26,21 @@ _SYNC = os.environ.get("PODSIM_EAGER", "fused") in ("strict", "debug")
 
 
 class Event:
-    """The collectives pending on a stream when the event was recorded."""
+    """The collectives pending on a stream when the event was recorded; with
+    `enable_timing`, the chip's virtual clock there, so `elapsed_time` is the modelled time
+    between two events (a program that times its steps with CUDA events reads virtual
+    milliseconds, as it would read the device's)."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **_):
         self.works = ()
+        self.timing = enable_timing
+        self.clock_ns = None
 
     def record(self, stream=None):
         stream = stream if stream is not None else current_stream()
         self.works = stream.outstanding()
+        if self.timing:
+            self.clock_ns = _clock_ns()
 
     def wait(self, stream=None):
         (stream if stream is not None else current_stream()).wait_event(self)
@@ -45,7 +52,24 @@ class Event:
         return True
 
     def elapsed_time(self, end_event):
+        """Milliseconds of virtual time from this event to `end_event` (torch's unit)."""
+        if self.clock_ns is None or end_event.clock_ns is None:
+            raise RuntimeError(
+                "podsim: elapsed_time needs two events created with enable_timing=True and "
+                "recorded (as torch.cuda.Event requires)")
+        return (end_event.clock_ns - self.clock_ns) / 1e6
+
+
+def _clock_ns():
+    """The chip's clock where the rank's compute stream is now (a round trip carrying the
+    compute run since the previous request); 0 before the rank has a process group."""
+    from . import torch as backend
+
+    rank = backend._rank
+    if rank is None or rank.done:
         return 0.0
+    rank.call({"op": "clock"})
+    return rank.clock_ns
 
 
 class Stream:

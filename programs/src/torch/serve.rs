@@ -518,6 +518,7 @@ async fn handle(
                 .err();
             (reply(chip, error), None)
         }
+        Request::Clock => (reply(chip, None), None),
         Request::Step {
             hbm,
             auto,
