@@ -730,10 +730,10 @@ dist.gather_object(("loss", 1.0), gathered, dst=0)
 assert r != 0 or gathered == [("loss", 1.0)] * n, gathered
 config = [{"lr": 3e-4, "steps": 2}] if r == 0 else [None]
 dist.broadcast_object_list(config, src=0)
-assert r != 0 or config == [{"lr": 3e-4, "steps": 2}], config
+assert config == [{"lr": 3e-4, "steps": 2}], config
 mine = [None]
 dist.scatter_object_list(mine, [{"shard": i} for i in range(n)] if r == 0 else None, src=0)
-assert r != 0 or mine == [{"shard": 0}], mine
+assert mine == [{"shard": r}], mine
 model = torch.nn.Linear(64, 64, device="cuda")
 fully_shard(model)
 model(torch.randn(8, 64, device="cuda")).sum().backward()
@@ -744,9 +744,10 @@ dist.destroy_process_group()
 
 def case_object_collectives(args, mode):
     """Object collectives and a torch.distributed.checkpoint save: real in data mode; in meta
-    mode (ranks verified against their representative) every rank's object is its own, a
-    save writes nothing, and the report lists the stand-ins - before, torch's unpickler met
-    the meta device's missing bytes (EOFError) and a save failed."""
+    mode (ranks verified against their representative) a gathered object is each rank's own,
+    the verified ranks receive rank 0's broadcast and scatter, a save writes nothing, and the
+    report lists the save - before, torch's unpickler met the meta device's missing bytes
+    (EOFError) and a save failed."""
     out = tempfile.mkdtemp(prefix="podsim-torch-ckpt-")
     checkpoint = os.path.join(out, "checkpoint")
     flags = (["--topology", "2x2"] if mode == "data"

@@ -107,6 +107,17 @@ pub enum Request {
         #[serde(default)]
         counting: StepCounting,
     },
+    /// Meta mode: the rank, source of its `key`-th object broadcast or scatter
+    /// (`broadcast_object_list`), hands its pickle (the payload) to the job's other processes.
+    PostObjects {
+        key: u64,
+    },
+    /// Meta mode: global rank `src`'s pickle for the rank's `key`-th object broadcast or
+    /// scatter, as the reply's payload; none when `src` runs no process of the job.
+    FetchObjects {
+        key: u64,
+        src: u32,
+    },
     /// The chip's clock where the rank's compute stream is (a timing event recorded:
     /// `torch.cuda.Event(enable_timing=True).record()`): the reply's `clock_ns`, after the
     /// frame's compute and waits.

@@ -12,9 +12,12 @@ replaced:
   not on the length of its pickle (an object that holds the rank's number pickles longer on
   rank 1234 than on rank 0);
 - its result is the one of ranks alike, as meta mode's collectives of values are: every
-  rank's object is a copy of this rank's own; a rank that receives from another (broadcast,
-  scatter) and is not the source keeps the list it passed, and the report lists the call
-  and its line.
+  rank's object is a copy of this rank's own;
+- a broadcast or scatter from a source that is one of the job's processes (rank 0, a
+  representative, a verified rank) carries the source's real pickle to the others through
+  the worker (`programs/src/torch/objects.rs`), so `[config] if rank == 0 else [None]`
+  gives every process the config; a receiver whose source is a rank its representative
+  stands for keeps the list it passed, and the report lists the call and its line.
 
 ``torch.distributed.checkpoint``'s ``save``, ``async_save`` and ``load`` write and read
 nothing, as ``torch.save`` does not: a meta tensor has no values to write, and a checkpoint's
@@ -27,6 +30,8 @@ way, and docs/TORCH.md says why pipelining does not run in meta mode.
 
 import copy
 import functools
+import pickle
+import struct
 
 import torch
 import torch.distributed as dist
@@ -80,7 +85,10 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
                           weights_only=False):
     src_in_group, is_src = _source(src, group_src, group)
     _exchange_sizes("broadcast", len(object_list), group, group_src=src_in_group)
-    if not is_src:
+    sent = _handed_over(list(object_list) if is_src else None, src_in_group, group)
+    if sent is not None:
+        object_list[:] = sent
+    elif not is_src:
         _note("broadcast_object_list (kept the list this rank passed)")
 
 
@@ -88,11 +96,44 @@ def scatter_object_list(scatter_object_output_list, scatter_object_input_list=No
                         group=None, group_src=None, weights_only=False):
     src_in_group, is_src = _source(src, group_src, group)
     _exchange_sizes("broadcast", 1, group, group_src=src_in_group)
-    if is_src:
-        mine = scatter_object_input_list[dist.get_rank(group)]
-        scatter_object_output_list[0] = _alike(mine)
+    sent = _handed_over(list(scatter_object_input_list) if is_src else None, src_in_group, group)
+    if sent is not None:
+        scatter_object_output_list[0] = sent[dist.get_rank(group)]
     else:
         _note("scatter_object_list (kept the list this rank passed)")
+
+
+# Sourced object calls (broadcasts, scatters) this process has made: the key under which a
+# source's pickle is handed over, alike in every process of the job.
+_sourced = 0
+
+
+def _handed_over(sent, src_in_group, group):
+    """The source's objects (`sent` when this process is the source, which posts them): a
+    copy for the source, the source's pickle for a receiver, `None` when the source is no
+    process of the job."""
+    from . import torch as backend
+
+    global _sourced
+    key, _sourced = _sourced, _sourced + 1
+    rank = backend._rank
+    if rank is None:
+        return None
+    with torch._C.DisableTorchFunction():
+        if sent is not None:
+            data = pickle.dumps(sent)
+            framed = struct.pack("<Q", len(data)) + data
+            framed += bytes(-len(framed) % 4)
+            rank.call({"op": "post_objects", "key": key},
+                      torch.frombuffer(bytearray(framed), dtype=torch.uint8).view(torch.float32))
+            return pickle.loads(data)
+        src = dist.get_global_rank(group or dist.group.WORLD, src_in_group)
+        words = rank.call({"op": "fetch_objects", "key": key, "src": src})
+        if words is None:
+            return None
+        raw = words.view(torch.uint8).numpy().tobytes()
+        (length,) = struct.unpack_from("<Q", raw)
+        return pickle.loads(raw[8:8 + length])
 
 
 def _skipped(name, result):

@@ -18,6 +18,7 @@
 
 pub mod boot;
 mod groups;
+mod objects;
 pub mod ranks;
 pub(crate) mod report;
 pub mod serve;
@@ -130,11 +131,14 @@ pub async fn run(
         .iter()
         .map(|&s| (class_of(s), Arc::new(verify::Reference::default())))
         .collect();
+    let board = Arc::new(objects::Board::new(
+        chips.iter().map(Chip::id).chain(shadows.iter().copied()),
+    ));
     let shadow_ranks: Vec<_> = shadows.iter().filter_map(|s| ranks.remove(s)).collect();
     let (shadow_tasks, mut failure) =
-        start_shadows(shadow_ranks, spec, &references, &class_of, &pod);
+        start_shadows(shadow_ranks, spec, &references, &class_of, &pod, &board);
     let progress = serve::Progress::default();
-    let served = serve_chips(chips, spec, done, ranks, &references, &progress);
+    let served = serve_chips(chips, spec, done, ranks, &references, &board, &progress);
     tokio::pin!(served);
     let reports = tokio::select! {
         reports = &mut served => reports,
@@ -195,6 +199,7 @@ fn start_shadows(
     references: &HashMap<u32, Arc<verify::Reference>>,
     class_of: &dyn Fn(u32) -> u32,
     pod: &podsim_topology::Pod,
+    board: &Arc<objects::Board>,
 ) -> (
     Vec<tokio::task::JoinHandle<()>>,
     tokio::sync::mpsc::Receiver<ProgramError>,
@@ -206,8 +211,14 @@ fn start_shadows(
             let rep = class_of(rank.rank);
             let reference = references[&rep].clone();
             let (spec, failed, pod) = (spec.clone(), failed.clone(), pod.clone());
+            let board = board.clone();
             tokio::spawn(async move {
-                if let Err(e) = verify::serve_shadow(rank, &spec, &reference, rep, &pod).await {
+                let shadow = verify::Shadow {
+                    representative: rep,
+                    reference: &reference,
+                    board: &board,
+                };
+                if let Err(e) = verify::serve_shadow(rank, &spec, &shadow, &pod).await {
                     // The first failure is the job's; a later shadow's must not wait for a
                     // reader (the job waits for every shadow task at its end).
                     let _ = failed.try_send(e);
@@ -225,13 +236,14 @@ async fn serve_chips(
     done: Arc<AtomicU64>,
     ranks: HashMap<u32, ranks::Rank>,
     references: &HashMap<u32, Arc<verify::Reference>>,
+    board: &Arc<objects::Board>,
     progress: &serve::Progress,
 ) -> Result<Vec<(RankReport, Option<ChipTrace>)>, ProgramError> {
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
     run_chips(chips, |mut chip| {
         let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
-        let progress = progress.clone();
+        let (progress, board) = (progress.clone(), board.clone());
         let (sites, checked) = (sites.clone(), references.get(&chip.id()).cloned());
         async move {
             let rank = ranks
@@ -240,7 +252,8 @@ async fn serve_chips(
                 .and_then(|mut r| r.remove(&chip.id()))
                 .ok_or_else(|| ProgramError::Internal(format!("no rank for chip {}", chip.id())))?;
             let (checked, progress) = (checked.as_deref(), &progress);
-            let report = serve::serve(&mut chip, rank, &spec, &sites, checked, progress).await?;
+            let report =
+                serve::serve(&mut chip, rank, &spec, &sites, checked, &board, progress).await?;
             done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
             Ok::<_, ProgramError>((report, chip.take_trace()))
         }

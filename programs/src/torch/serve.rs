@@ -12,6 +12,7 @@ use podsim_collectives::procfs::stat_fields;
 use podsim_collectives::{Chip, CollectiveError, Comm, OpKind, Payload};
 use podsim_topology::{Hardware, Pod};
 
+use super::objects::{Board, EndsOnBoard};
 use super::ranks::{Rank, RankExit, RankLink, exited};
 use super::verify::{Call, Reference};
 use super::wire::{Compute, DTypeName, Frame, Reply, Request, StepHbm};
@@ -292,10 +293,18 @@ pub async fn serve(
     spec: &TorchSpec,
     sites: &CallSites,
     reference: Option<&Reference>,
+    board: &Board,
     progress: &Progress,
 ) -> Result<RankReport, ProgramError> {
     let ending = EndsReference(reference);
-    let result = serve_rank(chip, &mut rank, spec, sites, reference, progress).await;
+    let _board_ends = EndsOnBoard(board, chip.id());
+    let context = Context {
+        spec,
+        sites,
+        reference,
+        board,
+    };
+    let result = serve_rank(chip, &mut rank, &context, progress).await;
     if let Some(reference) = ending.0 {
         match &result {
             Ok(_) => reference.end("ended its program".to_string(), false),
@@ -320,11 +329,10 @@ impl Drop for EndsReference<'_> {
 async fn serve_rank(
     chip: &mut Chip,
     rank: &mut Rank,
-    spec: &TorchSpec,
-    sites: &CallSites,
-    reference: Option<&Reference>,
+    context: &Context<'_>,
     progress: &Progress,
 ) -> Result<RankReport, ProgramError> {
+    let spec = context.spec;
     let mut served = Served::new(rank, progress);
     // A rank importing torch is as busy as one computing: watched from the start.
     let mut cpu = BusyWatch::new(rank.pid, rank.forked);
@@ -368,12 +376,7 @@ async fn serve_rank(
             Some(Err(e)) => return Err(ProgramError::Invalid(e)),
             None => break,
         };
-        let context = Context {
-            spec,
-            sites,
-            reference,
-        };
-        if let Err(e) = handle(chip, &mut served, &mut link, &context, frame, values).await {
+        if let Err(e) = handle(chip, &mut served, &mut link, context, frame, values).await {
             return Err(with_steps(e, chip, served));
         }
     }
@@ -489,6 +492,8 @@ struct Context<'a> {
     spec: &'a TorchSpec,
     sites: &'a CallSites,
     reference: Option<&'a Reference>,
+    /// Meta mode's object broadcasts between the job's processes.
+    board: &'a Board,
 }
 
 async fn handle(
@@ -519,6 +524,14 @@ async fn handle(
             (reply(chip, error), None)
         }
         Request::Clock => (reply(chip, None), None),
+        Request::PostObjects { key } => {
+            context.board.post(chip.id(), key, values);
+            (reply(chip, None), None)
+        }
+        Request::FetchObjects { key, src } => {
+            let words = context.board.fetch(src, key).await;
+            (reply(chip, None), words.map(Payload::from_vec))
+        }
         Request::Step {
             hbm,
             auto,

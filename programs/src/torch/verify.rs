@@ -11,13 +11,14 @@
 
 use std::sync::Mutex;
 
-use podsim_collectives::{CollectiveError, DType, Fingerprint, OpKind, ReduceOp};
+use podsim_collectives::{CollectiveError, DType, Fingerprint, OpKind, Payload, ReduceOp};
 use podsim_topology::Pod;
 use tokio::sync::Notify;
 
 use super::TorchSpec;
+use super::objects::{Board, EndsOnBoard};
 use super::ranks::{Rank, RankLink, exited};
-use super::wire::{Reply, Request};
+use super::wire::{Frame, Reply, Request};
 use crate::error::ProgramError;
 
 /// One collective as ranks are compared on it.
@@ -132,16 +133,29 @@ impl Reference {
     }
 }
 
-/// Serves shadow rank `rank`: every request is answered at once (meta mode moves no values),
-/// every collective compared with the representative's of the same index. Ends when the rank
-/// exits; an error is the desync, or the rank's failure.
+/// What a shadow is served against: its representative's calls, and the job's object
+/// broadcasts.
+pub struct Shadow<'a> {
+    pub representative: u32,
+    pub reference: &'a Reference,
+    pub board: &'a Board,
+}
+
+/// Serves shadow rank `rank`: every request is answered at once (meta mode moves no values,
+/// but an object broadcast's pickle), every collective compared with the representative's of
+/// the same index. Ends when the rank exits; an error is the desync, or the rank's failure.
 pub async fn serve_shadow(
     mut rank: Rank,
     spec: &TorchSpec,
-    reference: &Reference,
-    representative: u32,
+    shadow: &Shadow<'_>,
     pod: &Pod,
 ) -> Result<(), ProgramError> {
+    let Shadow {
+        representative,
+        reference,
+        board,
+    } = *shadow;
+    let _board_ends = EndsOnBoard(board, rank.rank);
     let mut link = connected(&mut rank, spec).await?;
     let mut seq = 0usize;
     let mut said_bye = false;
@@ -172,19 +186,8 @@ pub async fn serve_shadow(
             }
             seq += 1;
         }
-        // A shadow's groups are judged as its representative's are (it sees the translate).
-        let error = match &frame.request {
-            Request::Group { ranks, .. } => {
-                let site = frame.site.as_deref();
-                super::groups::declare(pod, spec, rank.rank, ranks, site, true)?.err()
-            }
-            _ => None,
-        };
-        let reply = Reply {
-            error,
-            clock_ns: 0.0,
-        };
-        let _ = link.replies.send((reply, None)).await;
+        let answer = answer(&frame, values, rank.rank, spec, board, pod).await?;
+        let _ = link.replies.send(answer).await;
     }
     if let Some(raised) = raised {
         // Its program failed: an error of the program, not a divergence from its class.
@@ -208,6 +211,39 @@ pub async fn serve_shadow(
             &other.map_or("closed its connection".into(), |e| e.to_string()),
         )),
     }
+}
+
+/// A shadow's reply to `frame`: at once, with nothing but a group's verdict (judged as its
+/// representative's is: it sees the translate) or an object broadcast's pickle.
+async fn answer(
+    frame: &Frame,
+    values: Vec<f32>,
+    rank: u32,
+    spec: &TorchSpec,
+    board: &Board,
+    pod: &Pod,
+) -> Result<(Reply, Option<Payload>), ProgramError> {
+    let (error, payload) = match frame.request {
+        Request::Group { ref ranks, .. } => {
+            let site = frame.site.as_deref();
+            let declared = super::groups::declare(pod, spec, rank, ranks, site, true)?;
+            (declared.err(), None)
+        }
+        Request::PostObjects { key } => {
+            board.post(rank, key, values);
+            (None, None)
+        }
+        Request::FetchObjects { key, src } => {
+            let words = board.fetch(src, key).await;
+            (None, words.map(Payload::from_vec))
+        }
+        _ => (None, None),
+    };
+    let reply = Reply {
+        error,
+        clock_ns: 0.0,
+    };
+    Ok((reply, payload))
 }
 
 /// Shadow rank `rank`'s connection, once it has made its process group; the error when it
