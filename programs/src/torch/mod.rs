@@ -29,7 +29,7 @@ pub use wire::StepCounting;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use podsim_collectives::trace::ChipTrace;
 use podsim_collectives::{Chip, run_chips};
@@ -115,30 +115,35 @@ pub async fn run(
     let shadows = shadow_ranks(&chips, spec, world);
     let symmetry = spec.symmetry(&pod);
     let class_of = |rank: u32| symmetry.representative(&pod, rank);
-    let mut recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
-    for &shadow in &shadows {
-        recorders.push(Arc::new(podsim_collectives::FlightRecorder::new(
-            shadow,
-            16,
-            Arc::new(podsim_collectives::Inbox::new()),
-        )));
-    }
+    let recorders = recorders(&chips, &shadows);
     let hardware = chips[0].hardware().clone();
-    let (ranks, _guard) = ranks::start(spec, world, &recorders, &hardware).await?;
+    let (ranks, guard) = ranks::start(spec, world, &recorders, &hardware).await?;
     let mut ranks: HashMap<u32, ranks::Rank> = ranks.into_iter().map(|r| (r.rank, r)).collect();
     // The calls of each representative that a shadow checks.
     let references: HashMap<u32, Arc<verify::Reference>> = shadows
         .iter()
         .map(|&s| (class_of(s), Arc::new(verify::Reference::default())))
         .collect();
+    let quiet = guard.quiet();
     let board = Arc::new(objects::Board::new(
         chips.iter().map(Chip::id).chain(shadows.iter().copied()),
     ));
     let shadow_ranks: Vec<_> = shadows.iter().filter_map(|s| ranks.remove(s)).collect();
-    let (shadow_tasks, mut failure) =
-        start_shadows(shadow_ranks, spec, &references, &class_of, &pod, &board);
+    let (shadow_tasks, mut failure) = start_shadows(
+        shadow_ranks,
+        spec,
+        &references,
+        &class_of,
+        &pod,
+        (&board, &quiet),
+    );
     let progress = serve::Progress::default();
-    let served = serve_chips(chips, spec, done, ranks, &references, &board, &progress);
+    let shared = Shared {
+        references: &references,
+        board: &board,
+        quiet: quiet.clone(),
+    };
+    let served = serve_chips(chips, spec, done, ranks, &shared, &progress);
     tokio::pin!(served);
     let reports = tokio::select! {
         reports = &mut served => reports,
@@ -155,7 +160,7 @@ pub async fn run(
         Ok(reports) => reports,
         Err(e) => {
             // The representatives' failure is the job's; the shadows stop with it (their
-            // processes go with the job's when `_guard` drops).
+            // processes go with the job's when `guard` drops).
             for task in &shadow_tasks {
                 task.abort();
             }
@@ -174,6 +179,19 @@ pub async fn run(
         return Err(went_around_podsim(spec));
     }
     Ok((reports, traces.into_iter().flatten().collect()))
+}
+
+/// A flight recorder per rank process: the chips' own, and a small one for each shadow.
+fn recorders(chips: &[Chip], shadows: &[u32]) -> Vec<Arc<podsim_collectives::FlightRecorder>> {
+    let mut recorders: Vec<_> = chips.iter().map(Chip::recorder).collect();
+    for &shadow in shadows {
+        recorders.push(Arc::new(podsim_collectives::FlightRecorder::new(
+            shadow,
+            16,
+            Arc::new(podsim_collectives::Inbox::new()),
+        )));
+    }
+    recorders
 }
 
 /// The `--verify-ranks` ranks this worker runs besides its chips' (only when its chips
@@ -199,7 +217,7 @@ fn start_shadows(
     references: &HashMap<u32, Arc<verify::Reference>>,
     class_of: &dyn Fn(u32) -> u32,
     pod: &podsim_topology::Pod,
-    board: &Arc<objects::Board>,
+    (board, quiet): (&Arc<objects::Board>, &Arc<AtomicBool>),
 ) -> (
     Vec<tokio::task::JoinHandle<()>>,
     tokio::sync::mpsc::Receiver<ProgramError>,
@@ -211,12 +229,13 @@ fn start_shadows(
             let rep = class_of(rank.rank);
             let reference = references[&rep].clone();
             let (spec, failed, pod) = (spec.clone(), failed.clone(), pod.clone());
-            let board = board.clone();
+            let (board, quiet) = (board.clone(), quiet.clone());
             tokio::spawn(async move {
                 let shadow = verify::Shadow {
                     representative: rep,
                     reference: &reference,
                     board: &board,
+                    quiet: &quiet,
                 };
                 if let Err(e) = verify::serve_shadow(rank, &spec, &shadow, &pod).await {
                     // The first failure is the job's; a later shadow's must not wait for a
@@ -229,31 +248,44 @@ fn start_shadows(
     (tasks, failure)
 }
 
+/// What the representatives' servings share: each one's calls for its shadows, the object
+/// board, and the flag that silences the ranks' output at a regroup.
+struct Shared<'a> {
+    references: &'a HashMap<u32, Arc<verify::Reference>>,
+    board: &'a Arc<objects::Board>,
+    quiet: Arc<AtomicBool>,
+}
+
 /// Serves every representative rank on its chip until all end or one fails.
 async fn serve_chips(
     chips: Vec<Chip>,
     spec: &TorchSpec,
     done: Arc<AtomicU64>,
     ranks: HashMap<u32, ranks::Rank>,
-    references: &HashMap<u32, Arc<verify::Reference>>,
-    board: &Arc<objects::Board>,
+    shared: &Shared<'_>,
     progress: &serve::Progress,
 ) -> Result<Vec<(RankReport, Option<ChipTrace>)>, ProgramError> {
     let ranks = Arc::new(std::sync::Mutex::new(ranks));
     let sites = CallSites::default();
     run_chips(chips, |mut chip| {
         let (spec, done, ranks) = (spec.clone(), done.clone(), ranks.clone());
-        let (progress, board) = (progress.clone(), board.clone());
-        let (sites, checked) = (sites.clone(), references.get(&chip.id()).cloned());
+        let (progress, board) = (progress.clone(), shared.board.clone());
+        let (sites, checked) = (sites.clone(), shared.references.get(&chip.id()).cloned());
+        let quiet = shared.quiet.clone();
         async move {
             let rank = ranks
                 .lock()
                 .ok()
                 .and_then(|mut r| r.remove(&chip.id()))
                 .ok_or_else(|| ProgramError::Internal(format!("no rank for chip {}", chip.id())))?;
-            let (checked, progress) = (checked.as_deref(), &progress);
-            let report =
-                serve::serve(&mut chip, rank, &spec, &sites, checked, &board, progress).await?;
+            let context = serve::Context {
+                spec: &spec,
+                sites: &sites,
+                reference: checked.as_deref(),
+                board: &board,
+                quiet: &quiet,
+            };
+            let report = serve::serve(&mut chip, rank, &context, &progress).await?;
             done.fetch_add(report.steps.len() as u64, Ordering::Relaxed);
             Ok::<_, ProgramError>((report, chip.take_trace()))
         }

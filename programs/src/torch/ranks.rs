@@ -8,7 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -99,8 +99,19 @@ pub async fn exited(exit: &mut watch::Receiver<Option<RankExit>>) -> Option<Rank
 pub struct RankGuard {
     kill: watch::Sender<bool>,
     groups: Vec<Arc<Group>>,
+    /// Set once the job's attempt is abandoned: its ranks' output is no longer shown.
+    quiet: Arc<AtomicBool>,
     /// The ranks' `sitecustomize.py`, removed with the guard.
     _boot: Option<super::boot::BootDir>,
+}
+
+impl RankGuard {
+    /// Set when the job is about to run again with other ranks (a regroup): what these ranks
+    /// say from then on (their connections closing under them) is not the program's, and is
+    /// not shown.
+    pub fn quiet(&self) -> Arc<AtomicBool> {
+        self.quiet.clone()
+    }
 }
 
 impl Drop for RankGuard {
@@ -135,6 +146,7 @@ pub async fn start(
     let mut guard = RankGuard {
         kill,
         groups: Vec::new(),
+        quiet: Arc::default(),
         _boot: boot,
     };
     let mut pending = HashMap::new();
@@ -235,10 +247,11 @@ impl RankCommand<'_> {
         let label = format!("rank {rank}");
         if let Some(out) = child.stdout.take() {
             let tail = Tail::Last(last_output.clone());
-            tokio::spawn(prefix_lines(out, label.clone(), tail));
+            tokio::spawn(prefix_lines(out, label.clone(), tail, guard.quiet.clone()));
         }
         if let Some(err) = child.stderr.take() {
-            tokio::spawn(prefix_lines(err, label, Tail::Lines(stderr_tail.clone())));
+            let tail = Tail::Lines(stderr_tail.clone());
+            tokio::spawn(prefix_lines(err, label, tail, guard.quiet.clone()));
         }
         let (exit_tx, exit) = watch::channel(None);
         let waited = group.clone();
@@ -421,7 +434,12 @@ async fn start_rank_server(
     }
     if let Some(err) = child.stderr.take() {
         let tail = Tail::Lines(Arc::new(Mutex::new(VecDeque::new())));
-        tokio::spawn(prefix_lines(err, "rank server".into(), tail));
+        tokio::spawn(prefix_lines(
+            err,
+            "rank server".into(),
+            tail,
+            Arc::default(),
+        ));
     }
     tokio::spawn(async move {
         while let Ok(Some(_)) = said.next_line().await {}
@@ -472,11 +490,16 @@ enum Tail {
 }
 
 /// Copies a rank's output to the worker's standard output, each line prefixed with its rank
-/// (`[rank 3] ...`), keeping its last lines in `tail`.
-async fn prefix_lines(stream: impl AsyncRead + Unpin, label: String, tail: Tail) {
+/// (`[rank 3] ...`), keeping its last lines in `tail`; once `quiet`, only keeping them.
+async fn prefix_lines(
+    stream: impl AsyncRead + Unpin,
+    label: String,
+    tail: Tail,
+    quiet: Arc<AtomicBool>,
+) {
     let mut lines = BufReader::new(stream).lines();
     while let Ok(Some(line)) = lines.next_line().await {
-        {
+        if !quiet.load(Ordering::Relaxed) {
             let mut out = std::io::stdout().lock();
             let _ = writeln!(out, "[{label}] {line}");
             let _ = out.flush();

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use podsim_collectives::procfs::stat_fields;
@@ -290,21 +290,12 @@ impl Progress {
 pub async fn serve(
     chip: &mut Chip,
     mut rank: Rank,
-    spec: &TorchSpec,
-    sites: &CallSites,
-    reference: Option<&Reference>,
-    board: &Board,
+    context: &Context<'_>,
     progress: &Progress,
 ) -> Result<RankReport, ProgramError> {
-    let ending = EndsReference(reference);
-    let _board_ends = EndsOnBoard(board, chip.id());
-    let context = Context {
-        spec,
-        sites,
-        reference,
-        board,
-    };
-    let result = serve_rank(chip, &mut rank, &context, progress).await;
+    let ending = EndsReference(context.reference);
+    let _board_ends = EndsOnBoard(context.board, chip.id());
+    let result = serve_rank(chip, &mut rank, context, progress).await;
     if let Some(reference) = ending.0 {
         match &result {
             Ok(_) => reference.end("ended its program".to_string(), false),
@@ -488,12 +479,15 @@ fn finish(
 
 /// What every request of a rank is served with: the job, where each rank called from, and
 /// the representative's calls for `--verify-ranks` (when it is one with shadows).
-struct Context<'a> {
-    spec: &'a TorchSpec,
-    sites: &'a CallSites,
-    reference: Option<&'a Reference>,
+pub struct Context<'a> {
+    pub spec: &'a TorchSpec,
+    pub sites: &'a CallSites,
+    pub reference: Option<&'a Reference>,
     /// Meta mode's object broadcasts between the job's processes.
-    board: &'a Board,
+    pub board: &'a Board,
+    /// Set when a group makes the job run again (a regroup): the ranks' output stops at once,
+    /// before their connections close under them (`RankGuard::quiet`).
+    pub quiet: &'a AtomicBool,
 }
 
 async fn handle(
@@ -508,14 +502,13 @@ async fn handle(
     let answer = match frame.request {
         Request::Group { id, ranks } => {
             let (pod, site) = (chip.pod(), frame.site.as_deref());
-            let group = super::groups::declare(
-                pod,
-                context.spec,
-                chip.id(),
-                &ranks,
-                site,
-                chip.mirrored(),
-            )?;
+            let group =
+                super::groups::declare(pod, context.spec, chip.id(), &ranks, site, chip.mirrored())
+                    .inspect_err(|e| {
+                        if e.is_regroup() {
+                            context.quiet.store(true, Ordering::Relaxed);
+                        }
+                    })?;
             let error = group
                 .map(|g| {
                     served.groups.insert(id, Comm::new(g, context.spec.algo));

@@ -10,6 +10,7 @@
 //! Python lines.
 
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use podsim_collectives::{CollectiveError, DType, Fingerprint, OpKind, Payload, ReduceOp};
 use podsim_topology::Pod;
@@ -139,6 +140,8 @@ pub struct Shadow<'a> {
     pub representative: u32,
     pub reference: &'a Reference,
     pub board: &'a Board,
+    /// Set when a group makes the job run again (see `serve::Context::quiet`).
+    pub quiet: &'a AtomicBool,
 }
 
 /// Serves shadow rank `rank`: every request is answered at once (meta mode moves no values,
@@ -154,6 +157,7 @@ pub async fn serve_shadow(
         representative,
         reference,
         board,
+        quiet,
     } = *shadow;
     let _board_ends = EndsOnBoard(board, rank.rank);
     let mut link = connected(&mut rank, spec).await?;
@@ -186,7 +190,13 @@ pub async fn serve_shadow(
             }
             seq += 1;
         }
-        let answer = answer(&frame, values, rank.rank, spec, board, pod).await?;
+        let answer = answer(&frame, values, rank.rank, spec, board, pod)
+            .await
+            .inspect_err(|e| {
+                if e.is_regroup() {
+                    quiet.store(true, Ordering::Relaxed);
+                }
+            })?;
         let _ = link.replies.send(answer).await;
     }
     if let Some(raised) = raised {
