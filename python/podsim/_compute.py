@@ -435,17 +435,18 @@ def _head_parallel(query, key, value):
 
 
 # What a rank's device holds, by kind (the report's names).
-KINDS = ("parameters", "gradients", "optimizer state", "activations and transients")
-_TRANSIENT = KINDS[3]
+KINDS = ("parameters", "gradients", "optimizer state", "saved activations", "transients")
+_SAVED, _TRANSIENT = KINDS[3], KINDS[4]
 
 
 class Memory:
     """The rank's live device bytes, counted at the dispatcher as the chip's HBM: every
     storage an op allocates on the rank's device (the CPU in data mode, the meta device in
     meta mode) is live until torch frees it (a finalizer on the storage; views share it).
-    Storages start as activations and transients and are moved to their kind when the
-    program shows what they are: a module's parameters when it runs, an optimizer's
-    gradients when it steps, its state after. Past the modelled chip's capacity the op
+    Storages start as transients and are moved to their kind when the program shows what
+    they are: saved activations when autograd saves them for backward (`podsim._saved`), a
+    module's parameters when it runs, an optimizer's gradients when it steps, its state
+    after. Past the modelled chip's capacity the op
     raises `torch.OutOfMemoryError`, as a real chip's allocator does."""
 
     def __init__(self, device_type: str, capacity: int, hardware: str) -> None:
@@ -465,6 +466,9 @@ class Memory:
         self.ignored = set()
         # Storages of results a fused kernel did not write (`Fusion`): no HBM, views included.
         self.unwritten = set()
+        # Storages autograd saved before they were counted (a fused kernel's result, counted
+        # when the kernel closes): saved activations once they are.
+        self.saved_early = set()
 
     def allocated(self, out, func):
         for t in out if isinstance(out, (list, tuple)) else (out,):
@@ -489,8 +493,9 @@ class Memory:
         if key in self.live or key in self.ignored or key in self.unwritten:
             return
         n = storage.nbytes()
-        self.live[key] = [n, _TRANSIENT]
-        self.by_kind[_TRANSIENT] += n
+        kind = _SAVED if key in self.saved_early else _TRANSIENT
+        self.live[key] = [n, kind]
+        self.by_kind[kind] += n
         self.total += n
         weakref.finalize(storage, self._freed, key)
         self._raise_peaks()
@@ -540,6 +545,22 @@ class Memory:
             self.by_kind[entry[1]] -= entry[0]
             self.by_kind[kind] += entry[0]
             entry[1] = kind
+
+    def saved(self, tensor):
+        """Autograd saved `tensor` for backward: a transient storage is a saved activation
+        (a parameter or gradient saved by its op keeps its kind)."""
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        entry = self.live.get(key)
+        if entry is None and key not in self.ignored and key not in self.saved_early:
+            self.saved_early.add(key)
+            weakref.finalize(storage, self.saved_early.discard, key)
+        elif entry is not None and entry[1] == _TRANSIENT:
+            self.by_kind[_TRANSIENT] -= entry[0]
+            self.by_kind[_SAVED] += entry[0]
+            entry[1] = _SAVED
 
     def take_step(self):
         """The peak since the previous step and its split by kind (then the next step's peak

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import _meta_counts, _streams
+from . import _meta_counts, _saved, _streams
 from ._compute import Compute, Memory, price_attention_as_flash, recomputation_apart
 from ._replay import Steps, signature
 from ._wire import Connection, PodsimError
@@ -68,6 +68,7 @@ class _Rank:
             self.compute.host_ops_free = device_type == "meta"
             self.compute.memory = Memory(device_type, capacity, hardware)
             _storage_resizes_reach(self.compute.memory)
+            _saved.install(self.compute.memory)
             self.compute.__enter__()
             price_attention_as_flash(self.compute)
             recomputation_apart(self.compute)
