@@ -37,6 +37,8 @@ _FREE = {
     aten.lift_fresh, aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
     aten.new_empty_strided,
     aten.is_same_size, aten.sym_size, aten.sym_stride, aten.sym_numel,
+    # The host reading a value (`.item()`): a copy of a few bytes and a wait, no pass over HBM.
+    aten._local_scalar_dense,
 }
 
 
@@ -100,13 +102,15 @@ _FREE_KIND, _MATMUL_KIND, _PASS_KIND = 0, 1, 2
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm} | ({_GROUPED_MM} - {None})
 
 
-# Collectives (and their waits) are the chip's communication, timed on the fabric.
-_COMMUNICATION = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
+# Namespaces of ops that are no kernels: collectives (and their waits), the chip's
+# communication timed on the fabric, and the profiler's markers (`record_function`, which
+# FSDP2 wraps around its work: in data mode each was counted as a kernel).
+_NOT_KERNELS = {"_c10d_functional", "_c10d_functional_autograd", "c10d", "profiler"}
 
 
 def _kind_of(func):
     packet = func.overloadpacket
-    if packet in _FREE or getattr(func, "is_view", False) or func.namespace in _COMMUNICATION:
+    if packet in _FREE or getattr(func, "is_view", False) or func.namespace in _NOT_KERNELS:
         return _FREE_KIND
     return _MATMUL_KIND if packet in _MATMULS else _PASS_KIND
 

@@ -326,6 +326,21 @@ def _accelerator_is_podsims():
     acc.set_stream = _streams.set_stream
 
 
+@contextlib.contextmanager
+def _host_bookkeeping():
+    """Torch ops run here are the host's bookkeeping, not the chip's kernels: uncounted."""
+    rank = backend._rank
+    compute = rank.compute if rank is not None else None
+    was = compute.paused if compute is not None else False
+    if compute is not None:
+        compute.paused = True
+    try:
+        yield
+    finally:
+        if compute is not None:
+            compute.paused = was
+
+
 def _meshes_on(device_type):
     """Device meshes of an accelerator (or of the CPU, in meta mode) are meshes of podsim's
     device."""
@@ -342,8 +357,10 @@ def _meshes_on(device_type):
 
     def init(self, *args, **kwargs):
         args, kwargs = mapped(args, kwargs)
-        # A mesh's table of ranks is bookkeeping: real values, outside meta mode's rules.
-        with torch._C.DisableTorchFunction():
+        # A mesh's table of ranks is bookkeeping: real values, outside meta mode's rules, and
+        # no kernels of the chip (in data mode, where the chip is the CPU, each sub-mesh's
+        # coordinate search was counted).
+        with torch._C.DisableTorchFunction(), _host_bookkeeping():
             mesh_init(self, *args, **kwargs)
 
     dm.DeviceMesh.__init__ = init
@@ -351,7 +368,7 @@ def _meshes_on(device_type):
 
     def init_device_mesh(*args, **kwargs):
         args, kwargs = mapped(args, kwargs)
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction(), _host_bookkeeping():
             return make_mesh(*args, **kwargs)
 
     _rebind.everywhere(make_mesh, init_device_mesh, ("init_device_mesh",))
