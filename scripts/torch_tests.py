@@ -735,6 +735,21 @@ def case_representative_raises_beside_shadows(args):
     return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
 
 
+def case_every_rank_raises(args):
+    """Meta mode: when every rank's program raises at the same line, the error names rank 0
+    (the representative), not the verified rank that happened to exit first."""
+    program = ("import torch.distributed as dist\n"
+               "dist.init_process_group('nccl')\n"
+               "dist.barrier()\n"
+               "raise ValueError('every rank')\n")
+    p, wall, report = run_inline(args, program, "--topology", "4x4x4", "--mode", "meta",
+                                 "--verify-ranks", "21,42")
+    text = p.stdout + p.stderr
+    named = re.search(r"podsim: Rank (\d+) \(pid \d+\) raised ValueError", text)
+    rank = int(named[1]) if named else None
+    ok = p.returncode != 0 and report.get("status") == "error" and rank == 0
+    return ok, f"exit {p.returncode}, status {report.get('status')}, named rank {rank}"
+
 # Object collectives with rank-dependent objects (a pickle's length differs by rank) and a
 # distributed checkpoint of an FSDP2 model, as training scripts gather metrics, share a
 # config and save.
@@ -1133,6 +1148,7 @@ def main():
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: a representative's exception beside shadows of other classes is its error",
          lambda: case_representative_raises_beside_shadows(args)),
+        ("meta mode: an exception on every rank names rank 0", lambda: case_every_rank_raises(args)),
         ("object collectives and a checkpoint save (data mode)",
          lambda: case_object_collectives(args, "data")),
         ("meta mode: object collectives and a checkpoint save",

@@ -147,14 +147,7 @@ pub async fn run(
     tokio::pin!(served);
     let reports = tokio::select! {
         reports = &mut served => reports,
-        Some(e) = failure.recv() => {
-            // A shadow whose representative ended (a regroup) fails second: the
-            // representative's own ending decides.
-            return match tokio::time::timeout(SECOND_OPINION, &mut served).await {
-                Ok(Err(rep)) if rep.is_regroup() => Err(rep),
-                _ => Err(e),
-            };
-        }
+        Some(e) = failure.recv() => return Err(second_opinion(e, served, &progress).await),
     };
     let reports = match reports {
         Ok(reports) => reports,
@@ -179,6 +172,26 @@ pub async fn run(
         return Err(went_around_podsim(spec));
     }
     Ok((reports, traces.into_iter().flatten().collect()))
+}
+
+/// The job's error when shadow rank's failure `e` came first. A shadow whose representative
+/// ended (a regroup) fails second: the representative's own ending decides. So it does when
+/// both programs failed (the same line on every rank): the representative is the rank the
+/// user knows (rank 0), not a verified one they never asked about.
+async fn second_opinion<F>(
+    e: ProgramError,
+    served: std::pin::Pin<&mut F>,
+    progress: &serve::Progress,
+) -> ProgramError
+where
+    F: std::future::Future<Output = Result<Vec<(RankReport, Option<ChipTrace>)>, ProgramError>>,
+{
+    let shadow_failed = matches!(e, ProgramError::RankExited { .. });
+    match tokio::time::timeout(SECOND_OPINION, served).await {
+        Ok(Err(rep)) if rep.is_regroup() => rep,
+        Ok(Err(rep)) if shadow_failed => with_stopped_ranks(rep, progress),
+        _ => e,
+    }
 }
 
 /// A flight recorder per rank process: the chips' own, and a small one for each shadow.
