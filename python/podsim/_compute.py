@@ -136,6 +136,8 @@ class Compute(TorchDispatchMode):
         self._attention = {}
         # Set while podsim itself moves tensors (a collective's copies are not compute).
         self.paused = False
+        # Whether the mode is on the dispatch stack (`counting`).
+        self.on_stack = False
         # Set while `torch.utils.checkpoint` recomputes a forward inside backward: its matmuls
         # and attention are also counted apart (`_recomputed`), so that MFU leaves them out.
         self.recomputing = False
@@ -198,6 +200,19 @@ class Compute(TorchDispatchMode):
         except Exception:  # counting must never break the user's program
             pass
         return out
+
+    def __enter__(self):
+        self.on_stack = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.on_stack = False
+        return super().__exit__(*exc)
+
+    def counting(self) -> bool:
+        """Whether the rank's ops are being counted now: the mode is on the stack (a replayed
+        step takes it off, `podsim._replay`) and podsim is not moving tensors itself."""
+        return self.on_stack and not self.paused
 
     def take(self) -> dict:
         """The compute since the previous call, as the chip reads it (and reset)."""

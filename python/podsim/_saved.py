@@ -22,12 +22,14 @@ import contextlib
 
 import torch
 
-_memory = None
+# The rank's counter (`podsim._compute.Compute`), whose `memory` the saves are marked in.
+_compute = None
 
 
 def _pack(tensor):
-    if _memory is not None:
-        _memory.saved(tensor)
+    # A replayed step counts nothing (its HBM is the recorded step's): no work here either.
+    if _compute is not None and _compute.counting():
+        _compute.memory.saved(tensor)
     return tensor
 
 
@@ -39,11 +41,11 @@ _pack._checkpoint_internal = True
 _pack._user_hooks = None
 
 
-def install(memory):
-    """Counts `memory`'s saved activations from now on, on this thread (autograd's backward
-    threads inherit the hooks)."""
-    global _memory
-    installed, _memory = _memory is not None, memory
+def install(compute):
+    """Counts saved activations in `compute.memory` from now on, while `compute` counts, on
+    this thread (autograd's backward threads inherit the hooks)."""
+    global _compute
+    installed, _compute = _compute is not None, compute
     if not installed:
         torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
         _recomputation_marks_what_it_keeps()

@@ -68,7 +68,7 @@ class _Rank:
             self.compute.host_ops_free = device_type == "meta"
             self.compute.memory = Memory(device_type, capacity, hardware)
             _storage_resizes_reach(self.compute.memory)
-            _saved.install(self.compute.memory)
+            _saved.install(self.compute)
             self.compute.__enter__()
             price_attention_as_flash(self.compute)
             recomputation_apart(self.compute)

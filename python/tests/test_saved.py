@@ -17,7 +17,7 @@ class SavedActivations(unittest.TestCase):
         self.compute = Compute("strict")
         self.memory = Memory("cpu", 0, "test chip")
         self.compute.memory = self.memory
-        _saved.install(self.memory)
+        _saved.install(self.compute)
         self.w = torch.nn.Linear(256, 256)
         self.x = torch.randn(1024, 256, requires_grad=True)  # 1 MiB, made before counting
 
