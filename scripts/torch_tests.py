@@ -694,6 +694,19 @@ def run_inline(args, program, *flags):
         return p, wall, json.load(f)
 
 
+def error_named(args, program, flags, pattern, exit_code=None):
+    """`podsim run` of `program` (as text) with `flags` ends as status `error`, exiting
+    non-zero (or with `exit_code`), its output matching `pattern`: (ok, what it said)."""
+    p, wall, report = run_inline(args, program, *flags)
+    status = report.get("status")
+    text = p.stdout + p.stderr
+    named = re.search(pattern, text) is not None
+    exited = p.returncode != 0 if exit_code is None else p.returncode == exit_code
+    ok = exited and status == "error" and named
+    return ok, (f"exit {p.returncode}, status {status}, named: {named}, wall {wall:.1f} s: "
+                f"{text[-300:]}")
+
+
 def case_verified_rank_fails_early(args):
     """Meta mode: a verified rank whose program fails before its process group (its arguments,
     an import) is a program error naming the rank and its exit, not a dead worker."""
@@ -703,15 +716,10 @@ def case_verified_rank_fails_early(args):
                "dist.init_process_group('nccl')\n"
                "dist.barrier()\n"
                "dist.destroy_process_group()")
-    p, wall, report = run_inline(args, program, "--topology", "2x2x2", "--mode", "meta",
-                                 "--verify-ranks", "5")
-    status = report.get("status")
-    text = p.stdout + p.stderr
-    named = re.search(r"Rank 5 \(pid \d+\) failed before it created its process group: it "
-                      r"exited with code 1 \(its last words: \"bad arguments\"\)", text)
-    ok = p.returncode != 0 and status == "error" and named is not None
-    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
-
+    return error_named(args, program, ["--topology", "2x2x2", "--mode", "meta",
+                                       "--verify-ranks", "5"],
+                       r"Rank 5 \(pid \d+\) failed before it created its process group: it "
+                       r"exited with code 1 \(its last words: \"bad arguments\"\)")
 
 
 def case_representative_raises_beside_shadows(args):
@@ -726,13 +734,9 @@ def case_representative_raises_beside_shadows(args):
                "dist.all_reduce(x, group=mesh['tp'].get_group())\n"
                "if dist.get_rank() == 0: raise RuntimeError('boom')\n"
                "dist.all_reduce(x)\n")
-    p, wall, report = run_inline(args, program, "--topology", "4x4x4", "--mode", "meta",
-                                 "--verify-ranks", "21,42")
-    status = report.get("status")
-    text = p.stdout + p.stderr
-    named = re.search(r"Rank 0 \(pid \d+\) raised RuntimeError: boom at <string>:7", text)
-    ok = p.returncode != 0 and status == "error" and named is not None
-    return ok, f"exit {p.returncode}, status {status}, wall {wall:.1f} s: {text[-300:]}"
+    return error_named(args, program, ["--topology", "4x4x4", "--mode", "meta",
+                                       "--verify-ranks", "21,42"],
+                       r"Rank 0 \(pid \d+\) raised RuntimeError: boom at <string>:7")
 
 
 def case_every_rank_raises(args):
@@ -742,13 +746,11 @@ def case_every_rank_raises(args):
                "dist.init_process_group('nccl')\n"
                "dist.barrier()\n"
                "raise ValueError('every rank')\n")
-    p, wall, report = run_inline(args, program, "--topology", "4x4x4", "--mode", "meta",
-                                 "--verify-ranks", "21,42")
-    text = p.stdout + p.stderr
-    named = re.search(r"podsim: Rank (\d+) \(pid \d+\) raised ValueError", text)
-    rank = int(named[1]) if named else None
-    ok = p.returncode != 0 and report.get("status") == "error" and rank == 0
-    return ok, f"exit {p.returncode}, status {report.get('status')}, named rank {rank}"
+    # podsim's last line names the rank whose error is the job's.
+    return error_named(args, program, ["--topology", "4x4x4", "--mode", "meta",
+                                       "--verify-ranks", "21,42"],
+                       r"(?m)^podsim: Rank 0 \(pid \d+\) raised ValueError")
+
 
 # Object collectives with rank-dependent objects (a pickle's length differs by rank) and a
 # distributed checkpoint of an FSDP2 model, as training scripts gather metrics, share a
@@ -872,11 +874,8 @@ def case_cpu_offload_refused(args):
                "dist.init_process_group('nccl')\n"
                "m = fully_shard(torch.nn.Linear(64, 64), offload_policy=CPUOffloadPolicy())\n"
                "m(torch.randn(8, 64))\n")
-    p, wall, report = run_inline(args, program, "--topology", "2x2", "--mode", "meta")
-    text = p.stdout + p.stderr
-    named = "meta mode does not model FSDP2's CPU offload" in text
-    ok = p.returncode == 1 and report.get("status") == "error" and named
-    return ok, f"exit {p.returncode}, status {report.get('status')}, named: {named}: {text[-300:]}"
+    return error_named(args, program, ["--topology", "2x2", "--mode", "meta"],
+                       "meta mode does not model FSDP2's CPU offload", exit_code=1)
 
 
 def case_torchrun_command(args):

@@ -76,7 +76,7 @@ def all_gather_object(object_list, obj, group=None, weights_only=False):
 def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None,
                   weights_only=False):
     _exchange_sizes("all_gather", 1, group)
-    dst_in_group, is_dst = _source(dst, group_dst, group)
+    _, is_dst = _source(dst, group_dst, group)
     if is_dst and object_gather_list is not None:
         object_gather_list[:] = [_alike(obj) for _ in range(dist.get_world_size(group))]
 

@@ -229,11 +229,17 @@ fn one_mirrored_chip_predicts_the_step_of_every_chip() {
     );
 }
 
-/// One step of `m` under DDP on one mirrored chip of a 4-chip ring with `remat`.
-fn remat_step(m: &TransformerSpec, remat: &str) -> podsim_programs::train::StepRecord {
+/// The report of one step of `m` under DDP on one mirrored chip of a 4-chip ring with
+/// `remat`.
+fn remat_report(m: &TransformerSpec, remat: &str) -> ChipTrainReport {
     let mut s = spec(Strategy::Ddp, m, 1);
     s.remat = remat.parse().unwrap();
-    run(&s, "4", v5p(), true)[0].0.steps[0].clone()
+    run(&s, "4", v5p(), true)[0].0.clone()
+}
+
+/// That step.
+fn remat_step(m: &TransformerSpec, remat: &str) -> podsim_programs::train::StepRecord {
+    remat_report(m, remat).steps[0].clone()
 }
 
 #[test]
@@ -653,9 +659,7 @@ fn torch_checkpoint_holds_what_its_recomputed_block_saves_for_backward() {
     // its activation, held together until their backward.
     let m = model(256, 1024, 512);
     let step = |remat: &str| {
-        let mut s = spec(Strategy::Ddp, &m, 1);
-        s.remat = remat.parse().unwrap();
-        let r = run(&s, "4", v5p(), true)[0].0.clone();
+        let r = remat_report(&m, remat);
         (r.steps[0].virtual_ns, r.hbm.peak_bytes)
     };
     let ((full_ns, full_peak), (torch_ns, torch_peak)) = (step("full"), step("checkpoint"));
@@ -705,9 +709,7 @@ fn an_upcast_norm_keeps_its_f32_input_for_backward() {
         ..plain.clone()
     };
     let step = |m: &TransformerSpec, remat: &str| {
-        let mut s = spec(Strategy::Ddp, m, 1);
-        s.remat = remat.parse().unwrap();
-        let r = run(&s, "4", v5p(), true)[0].0.clone();
+        let r = remat_report(m, remat);
         (r.steps[0].virtual_ns, r.hbm.peak_by_kind["activations"])
     };
     let copies_per_block = 2 * (2 * 64) * 256 * 4;
