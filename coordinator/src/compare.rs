@@ -20,7 +20,9 @@
 //! default the constants were calibrated with: every matmul adds a bias; `false`: none);
 //! `replica_sync`
 //! (`after_backward`, the default: the slices' gradient all-reduce once the backward is done,
-//! as XLA compiles MaxText's scanned layers; or `per_layer`).
+//! as XLA compiles MaxText's scanned layers; or `per_layer`); `dcn_fsdp` (1, the default;
+//! else MaxText's `dcn_fsdp_parallelism`: the parameters are sharded across that many slices
+//! too, `dcn_dp x dcn_fsdp` being the slice count).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -120,23 +122,7 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
     let per_slice: u64 = dims.iter().product();
     let wrap = wraparound(row, dims.len())?;
     let slices = row.positive("slices")?;
-    let (fsdp, tp, dp) = (
-        row.positive("ici_fsdp")?,
-        row.positive("ici_tp")?,
-        row.positive("dcn_dp")?,
-    );
-    if fsdp * tp != per_slice {
-        return Err(row.bad(
-            "ici_fsdp",
-            &format!(
-                "ici_fsdp x ici_tp = {} but the slice has {per_slice} chips",
-                fsdp * tp
-            ),
-        ));
-    }
-    if dp != slices {
-        return Err(row.bad("dcn_dp", &format!("must equal slices ({slices})")));
-    }
+    let (tp, dp) = parallelism(row, per_slice, slices)?;
     let strategy = strategy_keys(row, tp, dp)?;
     let batch = sequences_per_group(row, tp)?;
     let (mut model, tied) = model_keys(row)?;
@@ -184,10 +170,52 @@ kind = "adamw"
     ))
 }
 
-/// The `[job]` keys of a row's parallelism: FSDP within a slice, tensor parallelism with
-/// activations sharded between regions, data parallelism across slices. These are XLA runs of
-/// a scanned layer loop: the slices' all-reduce follows the backward
-/// (`ReplicaSync::AfterBackward`), unless the row's `replica_sync` says otherwise.
+/// A row's tensor-parallel and data-parallel degrees, after checking its parallelism covers
+/// the pod: `ici_fsdp x ici_tp` the chips of a slice, `dcn_dp x dcn_fsdp` the slices.
+fn parallelism(row: &Row<'_>, per_slice: u64, slices: u64) -> Result<(u64, u64), String> {
+    let (fsdp, tp, dp) = (
+        row.positive("ici_fsdp")?,
+        row.positive("ici_tp")?,
+        row.positive("dcn_dp")?,
+    );
+    let dcn_fsdp = match row.optional("dcn_fsdp") {
+        None => 1,
+        Some(_) => row.positive("dcn_fsdp")?,
+    };
+    if fsdp * tp != per_slice {
+        return Err(row.bad(
+            "ici_fsdp",
+            &format!(
+                "ici_fsdp x ici_tp = {} but the slice has {per_slice} chips",
+                fsdp * tp
+            ),
+        ));
+    }
+    if dp * dcn_fsdp != slices {
+        return Err(row.bad(
+            "dcn_dp",
+            &format!(
+                "dcn_dp x dcn_fsdp = {} but there are {slices} slices",
+                dp * dcn_fsdp
+            ),
+        ));
+    }
+    if dp > 1 && dcn_fsdp > 1 {
+        // The mesh puts replicas on the outermost axis, DCN, which is never split.
+        return Err(row.bad(
+            "dcn_fsdp",
+            "sharding across some slices and replicating across others is not modelled",
+        ));
+    }
+    Ok((tp, dp))
+}
+
+/// The `[job]` keys of a row's parallelism: FSDP within a slice (and across slices with
+/// `dcn_fsdp`, MaxText's `dcn_fsdp_parallelism`: the shards then span the pod, so every
+/// gather and reduce-scatter crosses DCN), tensor parallelism with activations sharded between
+/// regions, data parallelism across slices. These are XLA runs of a scanned layer loop: the
+/// slices' all-reduce follows the backward (`ReplicaSync::AfterBackward`), unless the row's
+/// `replica_sync` says otherwise.
 fn strategy_keys(row: &Row<'_>, tp: u64, dp: u64) -> Result<String, String> {
     let sync = row.optional("replica_sync").unwrap_or("after_backward");
     sync.parse::<ReplicaSync>()

@@ -177,6 +177,52 @@ fn a_tight_max_error_is_exit_one_and_bad_rows_are_exit_two_naming_row_and_column
 }
 
 #[test]
+fn dcn_fsdp_shards_the_parameters_across_slices_and_bad_splits_name_their_column() {
+    // MaxText's 16B on two v5e-256 slices, data parallel across them (the table's row) and
+    // again with its parameters sharded across both (`dcn_fsdp_parallelism = 2`): half the
+    // parameter, gradient and optimizer bytes a chip, and every layer's gathers cross DCN.
+    let tables =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/validation/maxtext_tables.csv");
+    let text = std::fs::read_to_string(&tables).unwrap();
+    let header = text.lines().find(|l| l.starts_with("id,")).unwrap();
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("v5e-16B-2x256,"))
+        .unwrap();
+    let dp_col = header.split(',').position(|h| h == "dcn_dp").unwrap();
+    let with = |dcn_dp: &str, dcn_fsdp: &str, slices: &str| {
+        let mut cells: Vec<String> = row.split(',').map(String::from).collect();
+        cells[dp_col] = dcn_dp.into();
+        cells[4] = slices.into();
+        format!("{header},dcn_fsdp\n{},{dcn_fsdp}\n", cells.join(","))
+    };
+    let dir = temp_dir("compare-dcn-fsdp");
+    let file = |name: &str, text: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let (dp, _) = compare_json(&file("dp.csv", with("2", "1", "2")), &[]);
+    let (fsdp, _) = compare_json(&file("fsdp.csv", with("1", "2", "2")), &[]);
+    let gib = |r: &serde_json::Value| r["peak_hbm_bytes"].as_f64().unwrap() / (1u64 << 30) as f64;
+    // 16B parameters in f32 with two f32 moments, 179 GiB: 0.70 GiB a chip over 256 chips,
+    // 0.35 over 512 (and the gradients' share halves too).
+    let saved = gib(&dp[0]) - gib(&fsdp[0]);
+    assert!(saved > 0.35 && saved < 0.7, "{} {}", dp[0], fsdp[0]);
+    assert_ne!(dp[0]["exposed_comm_s"], fsdp[0]["exposed_comm_s"]);
+    for (name, text, column) in [
+        ("product.csv", with("2", "2", "2"), "dcn_dp"),
+        ("mixed.csv", with("2", "2", "4"), "dcn_fsdp"),
+        ("zero.csv", with("2", "0", "2"), "dcn_fsdp"),
+    ] {
+        let out = compare(&[file(name, text).to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(2), "{name}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("column {column}")), "{name}: {err}");
+    }
+}
+
+#[test]
 fn published_collectives_are_predicted_within_fifteen_percent_each() {
     // Issue 42's aim on the measured collectives (the link model's three constants are set
     // against these rows by scripts/calibrate_links.py): every row within 15%, the median
