@@ -122,36 +122,38 @@ impl Schedule {
             .product()
     }
 
-    /// Runs phase `k` of every part. Parts whose phase `k` is on different axes run
-    /// concurrently; parts on the same axis (the shared DCN egress) run one after another in
-    /// part order. No two concurrent lanes ever share a link, so each link's traffic is issued
-    /// in an order fixed by the program, never by host scheduling: virtual time is
-    /// deterministic.
-    async fn phase_of_parts<S, F, Fut>(
+    /// Runs every phase of every part, phase by phase; phase `k` of part `j` is on axis
+    /// `axis_of(k, j)`. Within a phase, parts on different axes run concurrently; parts on
+    /// the same axis (the shared DCN egress) run one after another in part order. No two
+    /// concurrent lanes ever share a link, so each link's traffic is issued in an order fixed
+    /// by the program, never by host scheduling: virtual time is deterministic.
+    async fn phases_of_parts<S, F, Fut>(
         &self,
-        axis_of: impl Fn(usize) -> usize,
-        states: Vec<(usize, S)>,
+        axis_of: impl Fn(usize, usize) -> usize,
+        mut states: Vec<(usize, S)>,
         run: F,
     ) -> Result<Vec<(usize, S)>, CollectiveError>
     where
-        F: Fn(usize, usize, S) -> Fut,
+        F: Fn(usize, usize, usize, S) -> Fut,
         Fut: Future<Output = Result<S, CollectiveError>>,
     {
-        let mut by_axis: BTreeMap<usize, Vec<(usize, S)>> = BTreeMap::new();
-        for (j, st) in states {
-            by_axis.entry(axis_of(j)).or_default().push((j, st));
-        }
         let run = &run;
-        let buckets = by_axis.into_iter().map(|(axis, members)| async move {
-            let mut done = Vec::with_capacity(members.len());
-            for (j, st) in members {
-                done.push((j, run(j, axis, st).await?));
+        for k in 0..self.axes.len() {
+            let mut by_axis: BTreeMap<usize, Vec<(usize, S)>> = BTreeMap::new();
+            for (j, st) in states {
+                by_axis.entry(axis_of(k, j)).or_default().push((j, st));
             }
-            Ok::<_, CollectiveError>(done)
-        });
-        let mut out: Vec<(usize, S)> = try_join_all(buckets).await?.into_iter().flatten().collect();
-        out.sort_by_key(|(j, _)| *j);
-        Ok(out)
+            let buckets = by_axis.into_iter().map(|(axis, members)| async move {
+                let mut done = Vec::with_capacity(members.len());
+                for (j, st) in members {
+                    done.push((j, run(k, j, axis, st).await?));
+                }
+                Ok::<_, CollectiveError>(done)
+            });
+            states = try_join_all(buckets).await?.into_iter().flatten().collect();
+            states.sort_by_key(|(j, _)| *j);
+        }
+        Ok(states)
     }
 
     /// Reduce-scatter of `buf` (`N` blocks of `l`, canonical group-rank order): returns this
@@ -169,54 +171,26 @@ impl Schedule {
         if parts.is_empty() {
             return Ok((buf.slice(0, 0), t0));
         }
-        let single = parts.len() == 1 && parts[0].2 == l;
-        let mut states: Vec<(usize, PartState)> = parts
-            .iter()
-            .map(|&(j, off, len)| {
-                let buf = if single {
-                    buf.clone()
-                } else {
-                    blocks_part(buf, l, off, len)
-                };
-                (
-                    j,
-                    PartState {
-                        len,
-                        buf,
-                        clock: t0,
-                        axes: (0..self.axes.len()).collect(),
-                    },
-                )
-            })
-            .collect();
-        for k in 0..self.axes.len() {
-            states = self
-                .phase_of_parts(
-                    |j| self.orders[j][k],
-                    states,
-                    |j, a, mut st: PartState| async move {
-                        let chunk = self.stride(&st.axes, a) * st.len;
-                        let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
-                        let kind = self.kind(a);
-                        let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
-                        let start = st.clock;
-                        (st.buf, st.clock) = phase::reduce_scatter(
-                            call,
-                            &self.axes[a],
-                            kind,
-                            id,
-                            groups,
-                            op,
-                            st.clock,
-                        )
-                        .await?;
-                        trace_phase(&call, j, "reduce-scatter", &self.axes[a], start, st.clock);
-                        st.axes.retain(|&r| r != a);
-                        Ok(st)
-                    },
-                )
-                .await?;
-        }
+        let all: Vec<usize> = (0..self.axes.len()).collect();
+        let states = self
+            .phases_of_parts(
+                |k, j| self.orders[j][k],
+                split_parts(&parts, buf, l, t0, &all),
+                |k, j, a, mut st: PartState| async move {
+                    let chunk = self.stride(&st.axes, a) * st.len;
+                    let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
+                    let kind = self.kind(a);
+                    let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
+                    let start = st.clock;
+                    (st.buf, st.clock) =
+                        phase::reduce_scatter(call, &self.axes[a], kind, id, groups, op, st.clock)
+                            .await?;
+                    trace_phase(&call, j, "reduce-scatter", &self.axes[a], start, st.clock);
+                    st.axes.retain(|&r| r != a);
+                    Ok(st)
+                },
+            )
+            .await?;
         let t = states.iter().fold(t0, |t, (_, st)| t.max(st.clock));
         Ok((Payload::concat(states.into_iter().map(|(_, st)| st.buf)), t))
     }
@@ -235,7 +209,7 @@ impl Schedule {
             return Ok((own.zeros_like(0), t0));
         }
         let phases = self.axes.len();
-        let mut states: Vec<(usize, PartState)> = parts
+        let states: Vec<(usize, PartState)> = parts
             .iter()
             .map(|&(j, off, len)| {
                 (
@@ -249,38 +223,37 @@ impl Schedule {
                 )
             })
             .collect();
-        for k in 0..phases {
-            states = self
-                .phase_of_parts(
-                    |j| self.orders[j][phases - 1 - k],
-                    states,
-                    |j, a, mut st: PartState| async move {
-                        let kind = self.kind(a);
-                        let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
-                        let groups;
-                        let start = st.clock;
-                        (groups, st.clock) =
-                            phase::all_gather(call, &self.axes[a], kind, id, st.buf, st.clock)
-                                .await?;
-                        trace_phase(&call, j, "all-gather", &self.axes[a], start, st.clock);
-                        let at = st.axes.partition_point(|&g| g < a);
-                        st.axes.insert(at, a);
-                        let chunk = self.stride(&st.axes, a) * st.len;
-                        st.buf = Payload::merge_interleaved(groups, chunk);
-                        Ok(st)
-                    },
-                )
-                .await?;
-        }
-        let t = states.iter().fold(t0, |t, (_, st)| t.max(st.clock));
-        let lens: Vec<usize> = states.iter().map(|(_, st)| st.len).collect();
-        let gathered: Vec<Payload> = states.into_iter().map(|(_, st)| st.buf).collect();
-        Ok((zip_parts(&gathered, &lens, self.size()), t))
+        let states = self
+            .phases_of_parts(
+                |k, j| self.orders[j][phases - 1 - k],
+                states,
+                |k, j, a, mut st: PartState| async move {
+                    let kind = self.kind(a);
+                    let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
+                    let groups;
+                    let start = st.clock;
+                    (groups, st.clock) =
+                        phase::all_gather(call, &self.axes[a], kind, id, st.buf, st.clock).await?;
+                    trace_phase(&call, j, "all-gather", &self.axes[a], start, st.clock);
+                    let at = st.axes.partition_point(|&g| g < a);
+                    st.axes.insert(at, a);
+                    let chunk = self.stride(&st.axes, a) * st.len;
+                    st.buf = Payload::merge_interleaved(groups, chunk);
+                    Ok(st)
+                },
+            )
+            .await?;
+        Ok(join_parts(states, self.size(), t0))
     }
 
     /// All-to-all of `N` blocks of `l` (block `r` bound for group rank `r`): returns the blocks
-    /// every rank sent to this chip, in source-rank order. Axes are processed in canonical order;
-    /// after each, the digit of that axis indexes the source instead of the destination.
+    /// every rank sent to this chip, in source-rank order. A phase along an axis exchanges the
+    /// blocks whose destination differs there, after which that axis's digit indexes the source
+    /// instead of the destination; the digits keep their places, so the axes may be taken in
+    /// any order. With the `torus` algorithm each block is cut into one part per ICI axis and
+    /// part `j` takes the axes starting at axis `j`, so every axis's links carry a part at
+    /// once, as the ICI routers forward an all-to-all's packets along every dimension at
+    /// once: the time is that of the most loaded axis, not the sum over axes.
     pub async fn all_to_all(
         &self,
         call: Call<'_>,
@@ -288,21 +261,32 @@ impl Schedule {
         l: usize,
         t0: Nanos,
     ) -> Result<(Payload, Nanos), CollectiveError> {
-        let all: Vec<usize> = (0..self.axes.len()).collect();
-        let mut buf = buf.clone();
-        let mut t = t0;
-        for (k, &a) in all.iter().enumerate() {
-            let chunk = self.stride(&all, a) * l;
-            let groups = buf.split_interleaved(chunk, self.axes[a].n);
-            let id = PhaseId::new(0, k as u16, 1, self.kind(a));
-            let received;
-            let start = t;
-            (received, t) =
-                phase::all_to_all(call, &self.axes[a], self.kind(a), id, groups, t).await?;
-            trace_phase(&call, 0, "all-to-all", &self.axes[a], start, t);
-            buf = Payload::merge_interleaved(received, chunk);
+        let parts = self.parts(l);
+        if parts.is_empty() {
+            return Ok((buf.slice(0, 0), t0));
         }
-        Ok((buf, t))
+        let all: Vec<usize> = (0..self.axes.len()).collect();
+        let all = &all;
+        let states = self
+            .phases_of_parts(
+                |k, j| self.orders[j][k],
+                split_parts(&parts, buf, l, t0, &[]),
+                |k, j, a, mut st: PartState| async move {
+                    let chunk = self.stride(all, a) * st.len;
+                    let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
+                    let kind = self.kind(a);
+                    let id = PhaseId::new(j, k as u16, self.orders.len(), kind);
+                    let start = st.clock;
+                    let received;
+                    (received, st.clock) =
+                        phase::all_to_all(call, &self.axes[a], kind, id, groups, st.clock).await?;
+                    trace_phase(&call, j, "all-to-all", &self.axes[a], start, st.clock);
+                    st.buf = Payload::merge_interleaved(received, chunk);
+                    Ok(st)
+                },
+            )
+            .await?;
+        Ok(join_parts(states, self.size(), t0))
     }
 }
 
@@ -333,6 +317,38 @@ fn trace_phase(
     }
 }
 
+/// One state per part (`(part, offset, len)` of each `l`-element block of `buf`), each at
+/// `t0` with `axes`; a single whole part keeps the buffer as it is.
+fn split_parts(
+    parts: &[(usize, usize, usize)],
+    buf: &Payload,
+    l: usize,
+    t0: Nanos,
+    axes: &[usize],
+) -> Vec<(usize, PartState)> {
+    let single = parts.len() == 1 && parts[0].2 == l;
+    parts
+        .iter()
+        .map(|&(j, off, len)| {
+            let buf = if single {
+                buf.clone()
+            } else {
+                blocks_part(buf, l, off, len)
+            };
+            let axes = axes.to_vec();
+            (
+                j,
+                PartState {
+                    len,
+                    buf,
+                    clock: t0,
+                    axes,
+                },
+            )
+        })
+        .collect()
+}
+
 /// Elements `[off, off + len)` of every `l`-element block of `buf`.
 fn blocks_part(buf: &Payload, l: usize, off: usize, len: usize) -> Payload {
     if let Payload::Meta(total) = buf {
@@ -345,6 +361,14 @@ fn blocks_part(buf: &Payload, l: usize, off: usize, len: usize) -> Payload {
     }
     let pieces = buf.split_lengths(&lens);
     Payload::concat(pieces.into_iter().skip(1).step_by(3))
+}
+
+/// The parts' `n` blocks re-formed (`zip_parts`) and the time the last part finished.
+fn join_parts(states: Vec<(usize, PartState)>, n: usize, t0: Nanos) -> (Payload, Nanos) {
+    let t = states.iter().fold(t0, |t, (_, st)| t.max(st.clock));
+    let lens: Vec<usize> = states.iter().map(|(_, st)| st.len).collect();
+    let bufs: Vec<Payload> = states.into_iter().map(|(_, st)| st.buf).collect();
+    (zip_parts(&bufs, &lens, n), t)
 }
 
 /// Re-forms `n` blocks from per-part buffers: block `r` is part 0's `r`-th piece, then part 1's...

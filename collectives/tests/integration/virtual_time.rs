@@ -146,6 +146,32 @@ fn torus_all_gather_approaches_the_multi_axis_bound() {
 }
 
 #[test]
+fn torus_all_to_all_runs_every_axis_at_once() {
+    // ICI routers forward an all-to-all's packets along every dimension at once: the torus
+    // algorithm's parts keep every axis busy, so it takes the time of one axis carrying the
+    // whole buffer where dimension-ordered rings take one such time per axis, and it never
+    // beats the bisection: half the chips send half their bytes across a cut of
+    // `2 k^(d-1)` links each way (wraparound), `V k / (8 w)` on a `k^d` torus.
+    let m = LinkModel::of(&Hardware::preset("v5p").unwrap());
+    for (shape, k, axes) in [("8x8", 8.0, 2.0), ("4x4x4", 4.0, 3.0)] {
+        let count = 64 * MIB / 4;
+        let v = (count * 4) as f64;
+        let torus = virtual_time(shape, true, Algo::Torus, OpKind::AllToAll, count, true);
+        let ordered = virtual_time(shape, true, Algo::BidirRing, OpKind::AllToAll, count, true);
+        let per_axis = ordered / axes;
+        assert!(
+            (torus - per_axis).abs() <= 0.05 * per_axis,
+            "{shape}: torus {torus} ns, dimension-ordered {ordered} ns over {axes} axes"
+        );
+        let bisection = v * k / (8.0 * m.w);
+        assert!(
+            torus >= bisection,
+            "{shape}: {torus} ns beats {bisection} ns"
+        );
+    }
+}
+
+#[test]
 fn missing_wraparound_costs_about_twice() {
     for shape in ["16", "8x8", "4x4x4"] {
         for algo in [Algo::BidirRing, Algo::Torus] {
