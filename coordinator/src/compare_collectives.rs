@@ -11,10 +11,12 @@
 //! - `op`: its first word, `all_gather` or `all-gather` and the like;
 //! - `group`: the DCN axis when it says `dcn`; otherwise the chips it counts (`4 chips`,
 //!   `all 256 chips`): every ICI axis when that is the whole slice, else the axis of that many
-//!   chips (the one it names, `Y axis`, when the name agrees, else the only one);
+//!   chips (the one it names, `Y axis`, when the name agrees, else the only one), else the
+//!   leading axes that hold that many (`x,y`, a 2x2 face, for 4 chips of a 2x2x2 cube);
 //! - `bytes_convention`: `input ...` or `output ...` per chip, or per TensorCore device when
 //!   it says so (a chip of the preset's `tensorcores_per_chip` devices moves that many times
-//!   the bytes).
+//!   the bytes; but when the group holds `both TensorCores` of each chip, an all-reduce or
+//!   reduce-scatter first sums the chip's devices locally and moves one device's bytes).
 
 use std::path::Path;
 
@@ -114,11 +116,25 @@ fn group_axes(row: &Row<'_>, torus: &Torus) -> Result<String, String> {
     let matching: Vec<usize> = (0..dims.len()).filter(|&a| dims[a] == chips).collect();
     match (named, matching.as_slice()) {
         (Some(a), _) | (None, &[a]) => Ok(NAMES[a].to_string()),
+        (None, &[]) => leading_axes(dims, chips)
+            .map(|n| NAMES[..n].join(","))
+            .ok_or_else(|| {
+                row.bad(
+                    "group",
+                    &format!("no axis or leading axes of {chips} chips in a {torus} slice"),
+                )
+            }),
         _ => Err(row.bad(
             "group",
-            &format!("no single axis of {chips} chips in a {} slice", torus),
+            &format!("several axes of {chips} chips in a {torus} slice and none named"),
         )),
     }
+}
+
+/// How many leading axes of `dims` hold exactly `chips` chips together (a 2x2 face of a
+/// 2x2x2 cube: two), if any: a group of chips no single axis holds is taken as a sub-torus.
+fn leading_axes(dims: &[u32], chips: u32) -> Option<usize> {
+    (2..=dims.len()).find(|&n| dims[..n].iter().product::<u32>() == chips)
 }
 
 fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
@@ -149,10 +165,15 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
     let group = Group::parse(&axes, &pod).map_err(|e| row.bad("group", &e.to_string()))?;
     let n = u64::from(group.size(&pod));
     let convention = row.get("bytes_convention").to_ascii_lowercase();
-    let devices = if convention.contains("per tensorcore device") {
-        hardware.tensorcores_per_chip
-    } else {
+    let summed_on_chip = matches!(op, OpKind::AllReduce | OpKind::ReduceScatter)
+        && row
+            .get("group")
+            .to_ascii_lowercase()
+            .contains("both tensorcores");
+    let devices = if !convention.contains("per tensorcore device") || summed_on_chip {
         1.0
+    } else {
+        hardware.tensorcores_per_chip
     };
     let bytes = row.positive_number("bytes_per_chip")? * devices;
     let input = match (convention.split_whitespace().next(), op) {
@@ -306,10 +327,40 @@ mod tests {
             [2 * 4 * 8_388_608],
             "two TensorCores per chip"
         );
+        // Both of a chip's TensorCores in one all-reduce: summed on the chip, then one
+        // device's bytes cross the links; an all-gather still brings the chip two outputs.
+        cells[6] = "8 devices, both TensorCores of all 4 chips";
+        for (op, size) in [("all_reduce", 8_388_608), ("all_gather", 8 * 8_388_608)] {
+            cells[5] = op;
+            let c = case(&row(&h, &cells), &HardwareOverrides::default()).unwrap();
+            assert_eq!(c.plan.sizes, [size], "{op}");
+        }
+        cells[5] = "all_gather";
         cells[6] = "'dcn' axis: one chip per slice";
         cells[4] = "2";
         let r = row(&h, &cells);
         assert_eq!(group_axes(&r, &torus(&r).unwrap()).unwrap(), "dcn");
+    }
+
+    #[test]
+    fn chips_no_axis_holds_are_the_leading_axes_that_do() {
+        let h = header();
+        let mut cells = GOOD;
+        cells[6] = "4 devices, one TensorCore on each of 4 chips";
+        let axes = |cells: &[&str; 11]| {
+            let r = row(&h, cells);
+            group_axes(&r, &torus(&r).unwrap())
+        };
+        cells[2] = "2x2x2";
+        assert_eq!(axes(&cells).unwrap(), "x,y", "a 2x2 face of the cube");
+        cells[2] = "4x4x4";
+        cells[6] = "8 chips";
+        let err = axes(&cells).unwrap_err();
+        assert!(err.contains("no axis or leading axes of 8 chips"), "{err}");
+        cells[2] = "4x4";
+        cells[6] = "4 chips";
+        let err = axes(&cells).unwrap_err();
+        assert!(err.contains("several axes of 4 chips"), "{err}");
     }
 
     #[test]
