@@ -44,8 +44,10 @@ class _Kernel:
         # key -> [bytes, storage, keys of the op's inputs, read inside the kernel, op], in
         # the order the ops produced them.
         self.outputs = {}
-        # key -> (bytes, storage, bytes read for it) of what the kernel reads from HBM; `read`
-        # is what of that has not been priced yet (`Fusion.price_open`).
+        # key -> (bytes, weak reference to the storage, bytes read for it) of what the kernel
+        # reads from HBM; `read` is what of that has not been priced yet (`Fusion.price_open`).
+        # Weak: an open kernel must not keep alive what the program has freed (the HBM count
+        # would hold it); a source still alive when the kernel closes can be recomputed from.
         self.inputs = {}
         self.read = 0
 
@@ -81,11 +83,15 @@ class Fusion:
             produced = kernel.outputs.get(key)
             if produced is not None:
                 produced[3] = True
-            elif key not in kernel.inputs:
+                continue
+            seen = kernel.inputs.get(key)
+            # A key seen before names this storage only if that one is still alive (a freed
+            # storage's address can come back as a new one's).
+            if seen is None or seen[1]() is not storage:
                 again = self.recomputable.get(key)
                 cost = t.nbytes if again is None else again[0]
                 kernel.read += cost
-                kernel.inputs[key] = (t.nbytes, storage, cost)
+                kernel.inputs[key] = (t.nbytes, weakref.ref(storage), cost)
         for t, storage in results:
             key = storage._cdata
             if key not in kernel.outputs:
@@ -158,7 +164,11 @@ class Fusion:
             produced[1] = None
         # What a result can be recomputed from: the kernel's inputs (for an unwritten one, its
         # own sources) and the results it writes.
-        in_hbm = {key: entry[:2] for key, entry in kernel.inputs.items()}
+        in_hbm = {}
+        for key, (n, ref, _) in kernel.inputs.items():
+            storage = ref()
+            if storage is not None:
+                in_hbm[key] = (n, storage)
         for key in kernel.inputs:
             if key in self.recomputable:
                 in_hbm.update(self.recomputable[key][1])

@@ -103,7 +103,7 @@ class Fake(DeviceMap):
         name = getattr(func, "__name__", "")
         if _is_factory(func):
             asked = kwargs.get("device")
-            asked_meta = _is_meta(asked)
+            asked_meta = _is_meta(asked) and not _from_fsdp()
             kwargs["device"] = META
             with _untracked(asked_meta):
                 out = func(*args, **kwargs)
@@ -143,6 +143,25 @@ def _host_integers(asked, out):
 
 def _is_meta(device):
     return device is not None and torch.device(device).type == "meta"
+
+
+# Frames between a factory's caller and `_run`: this mode's entry and torch's dispatch.
+_FACTORY_CALLER_DEPTH = 8
+
+
+def _from_fsdp():
+    """Whether FSDP's own code made the factory call. Its device is the mesh's, which is the
+    meta device in meta mode, so a `torch.empty(..., device=meta)` of its (an unsharded
+    parameter, a gather's output, a reduce-scatter's input) is the chip's memory, where the
+    same call in the program (`with torch.device("meta")`: deferred initialisation) is not."""
+    frame = sys._getframe(2)
+    for _ in range(_FACTORY_CALLER_DEPTH):
+        if frame is None:
+            return False
+        if "torch/distributed/fsdp/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager

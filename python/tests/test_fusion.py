@@ -100,6 +100,20 @@ class FusedKernels(unittest.TestCase):
         self.assertEqual(taken["kernels"], 1)
         loss.backward()
 
+    def test_an_open_kernel_does_not_keep_an_input_the_program_freed(self):
+        compute = Compute("fused")
+        compute.memory = Memory("cpu", 0, "test chip")
+        with compute:
+            # A matrix product's result is in HBM at once (16N bytes).
+            big = (torch.ones(4 * N // 256, 16) @ torch.ones(16, 256)).view(-1)
+            small = big[:4].exp()  # a kernel reading `big`'s storage, left open
+            del big
+            # The program let go of `big`: HBM holds the open kernel's result at most, not
+            # its 16N-byte input until the kernel closes.
+            self.assertLess(compute.memory.total, 4 * N)
+            compute.end_kernels()
+        self.assertEqual(small.tolist(), [torch.tensor(16.0).exp().item()] * 4)
+
     def test_a_kernel_open_at_a_collective_is_priced_for_its_reads_then_its_writes_later(self):
         x = torch.ones(N, dtype=torch.bfloat16)
         compute = Compute("fused")
