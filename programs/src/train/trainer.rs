@@ -961,7 +961,7 @@ impl<'a> Trainer<'a> {
             acts[l] = input_kept.then_some(x);
             self.keeps[l] = keep;
             acts.push(Some(z));
-            if self.spec.reshard_after_forward {
+            if self.spec.reshard_after_forward && !self.root_keeps(l) {
                 self.release(l);
             }
         }
@@ -1788,6 +1788,16 @@ impl<'a> Trainer<'a> {
         } else {
             Some(l..l + 1)
         }
+    }
+
+    /// Whether layer `l` keeps its gathered parameters from its forward to its backward:
+    /// under PyTorch FSDP2 (`GradReduce::PerUnit`) the layers of a transformer outside its
+    /// blocks (embedding, final norm, output) belong to the root module, which FSDP2 does
+    /// not reshard after forward, since backward would gather them again at once.
+    fn root_keeps(&self, l: usize) -> bool {
+        self.per_unit_reduction()
+            && self.layers[l].block.is_none()
+            && self.layers.iter().any(|layer| layer.block.is_some())
     }
 
     fn per_unit_reduction(&self) -> bool {

@@ -605,9 +605,18 @@ fn fsdp2_reduces_in_its_reduce_dtype_a_whole_block_at_once() {
         two.steps = 2;
         (run(&two, "4", v5p(), false)[0].1 - one) as f64
     };
+    let per_layer_sent = sent(&fsdp2(Some(DType::F32), false));
+    assert_eq!(per_layer_sent, (2.0 * bf16 + f32) * p * (n - 1.0) / n);
+    // FSDP2 does not reshard its root module (the layers outside blocks: embedding, final
+    // norm, output) after forward: those are gathered once a step, the blocks twice.
+    let one_block = TransformerSpec {
+        layers: 1,
+        ..m.clone()
+    };
+    let block = p - ModelSpec::Transformer(one_block).parameters() as f64;
+    let root = p - 2.0 * block;
     let f32_reduce = sent(&fsdp2(Some(DType::F32), true));
-    assert_eq!(f32_reduce, (2.0 * bf16 + f32) * p * (n - 1.0) / n);
-    assert_eq!(sent(&fsdp2(Some(DType::F32), false)), f32_reduce);
+    assert_eq!(f32_reduce, per_layer_sent - bf16 * root * (n - 1.0) / n);
     // Memory: a block's gradients wait for its end, then its f32 copy (twice their bytes)
     // is held beside the next block's backward.
     let peak = |s: &TrainSpec| run(s, "4", v5p(), true)[0].0.hbm.peak_bytes;
