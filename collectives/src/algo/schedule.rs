@@ -122,38 +122,36 @@ impl Schedule {
             .product()
     }
 
-    /// Runs every phase of every part, phase by phase; phase `k` of part `j` is on axis
-    /// `axis_of(k, j)`. Within a phase, parts on different axes run concurrently; parts on
-    /// the same axis (the shared DCN egress) run one after another in part order. No two
-    /// concurrent lanes ever share a link, so each link's traffic is issued in an order fixed
-    /// by the program, never by host scheduling: virtual time is deterministic.
-    async fn phases_of_parts<S, F, Fut>(
+    /// Runs phase `k` of every part. Parts whose phase `k` is on different axes run
+    /// concurrently; parts on the same axis (the shared DCN egress) run one after another in
+    /// part order. No two concurrent lanes ever share a link, so each link's traffic is issued
+    /// in an order fixed by the program, never by host scheduling: virtual time is
+    /// deterministic.
+    async fn phase_of_parts<S, F, Fut>(
         &self,
-        axis_of: impl Fn(usize, usize) -> usize,
-        mut states: Vec<(usize, S)>,
+        axis_of: impl Fn(usize) -> usize,
+        states: Vec<(usize, S)>,
         run: F,
     ) -> Result<Vec<(usize, S)>, CollectiveError>
     where
-        F: Fn(usize, usize, usize, S) -> Fut,
+        F: Fn(usize, usize, S) -> Fut,
         Fut: Future<Output = Result<S, CollectiveError>>,
     {
-        let run = &run;
-        for k in 0..self.axes.len() {
-            let mut by_axis: BTreeMap<usize, Vec<(usize, S)>> = BTreeMap::new();
-            for (j, st) in states {
-                by_axis.entry(axis_of(k, j)).or_default().push((j, st));
-            }
-            let buckets = by_axis.into_iter().map(|(axis, members)| async move {
-                let mut done = Vec::with_capacity(members.len());
-                for (j, st) in members {
-                    done.push((j, run(k, j, axis, st).await?));
-                }
-                Ok::<_, CollectiveError>(done)
-            });
-            states = try_join_all(buckets).await?.into_iter().flatten().collect();
-            states.sort_by_key(|(j, _)| *j);
+        let mut by_axis: BTreeMap<usize, Vec<(usize, S)>> = BTreeMap::new();
+        for (j, st) in states {
+            by_axis.entry(axis_of(j)).or_default().push((j, st));
         }
-        Ok(states)
+        let run = &run;
+        let buckets = by_axis.into_iter().map(|(axis, members)| async move {
+            let mut done = Vec::with_capacity(members.len());
+            for (j, st) in members {
+                done.push((j, run(j, axis, st).await?));
+            }
+            Ok::<_, CollectiveError>(done)
+        });
+        let mut out: Vec<(usize, S)> = try_join_all(buckets).await?.into_iter().flatten().collect();
+        out.sort_by_key(|(j, _)| *j);
+        Ok(out)
     }
 
     /// Reduce-scatter of `buf` (`N` blocks of `l`, canonical group-rank order): returns this
@@ -172,25 +170,35 @@ impl Schedule {
             return Ok((buf.slice(0, 0), t0));
         }
         let all: Vec<usize> = (0..self.axes.len()).collect();
-        let states = self
-            .phases_of_parts(
-                |k, j| self.orders[j][k],
-                split_parts(&parts, buf, l, t0, &all),
-                |k, j, a, mut st: PartState| async move {
-                    let chunk = self.stride(&st.axes, a) * st.len;
-                    let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
-                    let kind = self.kind(a);
-                    let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
-                    let start = st.clock;
-                    (st.buf, st.clock) =
-                        phase::reduce_scatter(call, &self.axes[a], kind, id, groups, op, st.clock)
-                            .await?;
-                    trace_phase(&call, j, "reduce-scatter", &self.axes[a], start, st.clock);
-                    st.axes.retain(|&r| r != a);
-                    Ok(st)
-                },
-            )
-            .await?;
+        let mut states = split_parts(&parts, buf, l, t0, &all);
+        for k in 0..self.axes.len() {
+            states = self
+                .phase_of_parts(
+                    |j| self.orders[j][k],
+                    states,
+                    |j, a, mut st: PartState| async move {
+                        let chunk = self.stride(&st.axes, a) * st.len;
+                        let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
+                        let kind = self.kind(a);
+                        let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
+                        let start = st.clock;
+                        (st.buf, st.clock) = phase::reduce_scatter(
+                            call,
+                            &self.axes[a],
+                            kind,
+                            id,
+                            groups,
+                            op,
+                            st.clock,
+                        )
+                        .await?;
+                        trace_phase(&call, j, "reduce-scatter", &self.axes[a], start, st.clock);
+                        st.axes.retain(|&r| r != a);
+                        Ok(st)
+                    },
+                )
+                .await?;
+        }
         let t = states.iter().fold(t0, |t, (_, st)| t.max(st.clock));
         Ok((Payload::concat(states.into_iter().map(|(_, st)| st.buf)), t))
     }
@@ -209,7 +217,7 @@ impl Schedule {
             return Ok((own.zeros_like(0), t0));
         }
         let phases = self.axes.len();
-        let states: Vec<(usize, PartState)> = parts
+        let mut states: Vec<(usize, PartState)> = parts
             .iter()
             .map(|&(j, off, len)| {
                 (
@@ -223,26 +231,29 @@ impl Schedule {
                 )
             })
             .collect();
-        let states = self
-            .phases_of_parts(
-                |k, j| self.orders[j][phases - 1 - k],
-                states,
-                |k, j, a, mut st: PartState| async move {
-                    let kind = self.kind(a);
-                    let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
-                    let groups;
-                    let start = st.clock;
-                    (groups, st.clock) =
-                        phase::all_gather(call, &self.axes[a], kind, id, st.buf, st.clock).await?;
-                    trace_phase(&call, j, "all-gather", &self.axes[a], start, st.clock);
-                    let at = st.axes.partition_point(|&g| g < a);
-                    st.axes.insert(at, a);
-                    let chunk = self.stride(&st.axes, a) * st.len;
-                    st.buf = Payload::merge_interleaved(groups, chunk);
-                    Ok(st)
-                },
-            )
-            .await?;
+        for k in 0..phases {
+            states = self
+                .phase_of_parts(
+                    |j| self.orders[j][phases - 1 - k],
+                    states,
+                    |j, a, mut st: PartState| async move {
+                        let kind = self.kind(a);
+                        let id = PhaseId::new(j, phase0 + k as u16, self.orders.len(), kind);
+                        let groups;
+                        let start = st.clock;
+                        (groups, st.clock) =
+                            phase::all_gather(call, &self.axes[a], kind, id, st.buf, st.clock)
+                                .await?;
+                        trace_phase(&call, j, "all-gather", &self.axes[a], start, st.clock);
+                        let at = st.axes.partition_point(|&g| g < a);
+                        st.axes.insert(at, a);
+                        let chunk = self.stride(&st.axes, a) * st.len;
+                        st.buf = Payload::merge_interleaved(groups, chunk);
+                        Ok(st)
+                    },
+                )
+                .await?;
+        }
         Ok(join_parts(states, self.size(), t0))
     }
 
@@ -267,25 +278,25 @@ impl Schedule {
         }
         let all: Vec<usize> = (0..self.axes.len()).collect();
         let all = &all;
-        let states = self
-            .phases_of_parts(
-                |k, j| self.orders[j][k],
-                split_parts(&parts, buf, l, t0, &[]),
-                |k, j, a, mut st: PartState| async move {
-                    let chunk = self.stride(all, a) * st.len;
-                    let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
-                    let kind = self.kind(a);
-                    let id = PhaseId::new(j, k as u16, self.orders.len(), kind);
-                    let start = st.clock;
-                    let received;
-                    (received, st.clock) =
-                        phase::all_to_all(call, &self.axes[a], kind, id, groups, st.clock).await?;
-                    trace_phase(&call, j, "all-to-all", &self.axes[a], start, st.clock);
-                    st.buf = Payload::merge_interleaved(received, chunk);
-                    Ok(st)
-                },
-            )
-            .await?;
+        let mut states = split_parts(&parts, buf, l, t0, &[]);
+        for k in 0..self.axes.len() {
+            let exchange = |j, a, mut st: PartState| async move {
+                let chunk = self.stride(all, a) * st.len;
+                let groups = st.buf.split_interleaved(chunk, self.axes[a].n);
+                let kind = self.kind(a);
+                let id = PhaseId::new(j, k as u16, self.orders.len(), kind);
+                let start = st.clock;
+                let received;
+                (received, st.clock) =
+                    phase::all_to_all(call, &self.axes[a], kind, id, groups, st.clock).await?;
+                trace_phase(&call, j, "all-to-all", &self.axes[a], start, st.clock);
+                st.buf = Payload::merge_interleaved(received, chunk);
+                Ok(st)
+            };
+            states = self
+                .phase_of_parts(|j| self.orders[j][k], states, exchange)
+                .await?;
+        }
         Ok(join_parts(states, self.size(), t0))
     }
 }
