@@ -41,13 +41,15 @@ class _Kernel:
     __slots__ = ("outputs", "inputs", "read")
 
     def __init__(self):
-        # key -> [bytes, storage, keys of the op's inputs, read inside the kernel, op], in
-        # the order the ops produced them.
+        # key -> [bytes, weak reference to the storage, keys of the op's inputs, read inside
+        # the kernel, op, the storage's address], in the order the ops produced them.
         self.outputs = {}
         # key -> (bytes, weak reference to the storage, bytes read for it) of what the kernel
         # reads from HBM; `read` is what of that has not been priced yet (`Fusion.price_open`).
-        # Weak: an open kernel must not keep alive what the program has freed (the HBM count
-        # would hold it); a source still alive when the kernel closes can be recomputed from.
+        # Both weak: an open kernel must not keep alive what the program has freed (the HBM
+        # count would hold it: FSDP2's gather buffers, written by a copy-in kernel, stayed
+        # counted after FSDP freed them); a source still alive when the kernel closes can be
+        # recomputed from, a result freed before is one written and freed.
         self.inputs = {}
         self.read = 0
 
@@ -69,36 +71,51 @@ class Fusion:
         # storage)}); the entry keeps the sources alive until the value is freed (`forget`).
         self.recomputable = {}
         self.memory = None
+        # A storage's key: a number of its own for as long as it lives, never another's. Its
+        # address (`_cdata`) would not do, since kernels hold storages weakly: a freed
+        # storage's address comes back as a new one's, which would pass for the old value
+        # (a sum's 4-byte result taken for the product its exp was computed from).
+        self._keys = {}  # address -> (weak reference to the storage, key)
+        self._last_key = 0
+
+    def key(self, storage):
+        """`storage`'s key (see `_keys`)."""
+        address = storage._cdata
+        known = self._keys.get(address)
+        if known is not None and known[0]() is storage:
+            return known[1]
+        self._last_key += 1
+        self._keys[address] = (weakref.ref(storage), self._last_key)
+        return self._last_key
 
     def add(self, compute, args, out, func):
         """An op that is a pass over HBM."""
         self.memory = compute.memory
         inputs = [t for a in args for t in tensors_of(a)]
         storages = [t.untyped_storage() for t in inputs]
-        keys = [s._cdata for s in storages]
-        results = [(t, t.untyped_storage()) for t in tensors_of(out)]
+        keys = [self.key(s) for s in storages]
+        results = []
+        for t in tensors_of(out):
+            storage = t.untyped_storage()
+            results.append((t, storage, self.key(storage)))
         # An op writing into an open kernel's result (`out=`, in place) joins that kernel too.
-        kernel = self._kernel_for(compute, keys + [s._cdata for _, s in results])
+        kernel = self._kernel_for(compute, keys + [key for _, _, key in results])
         for t, storage, key in zip(inputs, storages, keys):
             produced = kernel.outputs.get(key)
             if produced is not None:
                 produced[3] = True
-                continue
-            seen = kernel.inputs.get(key)
-            # A key seen before names this storage only if that one is still alive (a freed
-            # storage's address can come back as a new one's).
-            if seen is None or seen[1]() is not storage:
+            elif key not in kernel.inputs:
                 again = self.recomputable.get(key)
                 cost = t.nbytes if again is None else again[0]
                 kernel.read += cost
                 kernel.inputs[key] = (t.nbytes, weakref.ref(storage), cost)
-        for t, storage in results:
-            key = storage._cdata
+        for t, storage, key in results:
             if key not in kernel.outputs:
-                kernel.outputs[key] = [t.nbytes, storage, keys, False, func]
+                address = storage._cdata
+                kernel.outputs[key] = [t.nbytes, weakref.ref(storage), keys, False, func, address]
                 self.producer[key] = kernel
-                if self.memory is not None and key not in self.memory.live:
-                    self.memory.unwritten.add(key)
+                if self.memory is not None and address not in self.memory.live:
+                    self.memory.unwritten.add(address)
 
     def _kernel_for(self, compute, keys):
         """The open kernel an op touching `keys` joins: the one that produced them (merged
@@ -129,7 +146,7 @@ class Fusion:
         recompute those of them left unwritten."""
         extra = 0
         for t in tensors:
-            key = t.untyped_storage()._cdata
+            key = self.key(t.untyped_storage())
             kernel = self.producer.get(key)
             if kernel is not None:
                 self._close(compute, kernel)
@@ -157,11 +174,6 @@ class Fusion:
         for key in kernel.outputs:
             if self.producer.get(key) is kernel:
                 del self.producer[key]
-        # What is alive once the kernel lets go of it is kept by someone else.
-        alive = {}
-        for key, produced in kernel.outputs.items():
-            alive[key] = weakref.ref(produced[1])
-            produced[1] = None
         # What a result can be recomputed from: the kernel's inputs (for an unwritten one, its
         # own sources) and the results it writes.
         in_hbm = {}
@@ -174,26 +186,26 @@ class Fusion:
                 in_hbm.update(self.recomputable[key][1])
         unwritten = {}  # key -> sources, for this kernel's results not written
         written = 0
-        for key, (n, _, operands, consumed, func) in kernel.outputs.items():
+        for key, (n, ref, operands, consumed, func, address) in kernel.outputs.items():
             sources = self._sources(operands, unwritten, kernel)
-            storage = alive[key]()
+            storage = ref()  # alive only if someone besides the kernel keeps it
             if storage is None:
                 if consumed:
                     unwritten[key] = sources
                 else:
                     written += n  # written, then freed
-                self._settled(key)
+                self._settled(key, address)
                 continue
             if consumed and all(s in in_hbm for s in sources):
                 cost = sum(in_hbm[s][0] for s in sources)
                 if cost <= n:  # recomputing reads no more than storing would
                     unwritten[key] = sources
                     self.recomputable[key] = (cost, {s: in_hbm[s] for s in sources})
-                    weakref.finalize(storage, self.forget, key)
+                    weakref.finalize(storage, self.forget, key, address)
                     continue
             written += n
             in_hbm[key] = (n, storage)
-            self._settled(key)
+            self._settled(key, address)
             if self.memory is not None:
                 self.memory.track(storage, func)
         compute._pass_bytes += kernel.read + written
@@ -211,11 +223,16 @@ class Fusion:
                 sources.add(operand)
         return sources
 
-    def forget(self, key):
-        """Storage `key` was freed: its sources may go too."""
+    def forget(self, key, address):
+        """Storage `key` (at `address`) was freed: its sources may go too."""
         self.recomputable.pop(key, None)
-        self._settled(key)
+        self._settled(key, address)
 
-    def _settled(self, key):
+    def _settled(self, key, address):
+        """Storage `key` at `address` is counted now, or never will be (unless the address is
+        another live storage's by now)."""
+        known = self._keys.get(address)
+        if known is not None and known[1] != key and known[0]() is not None:
+            return
         if self.memory is not None:
-            self.memory.unwritten.discard(key)
+            self.memory.unwritten.discard(address)

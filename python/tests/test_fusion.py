@@ -66,7 +66,7 @@ class FusedKernels(unittest.TestCase):
         # A matrix product reading it later recomputes it: one more pass over x.
         compute = Compute("fused")
         compute.memory = Memory("cpu", 0, "test chip")
-        compute.fusion.recomputable = dict(memory_free_recomputable(kept[0], x))
+        compute.fusion.recomputable = dict(memory_free_recomputable(compute.fusion, kept[0], x))
         with compute:
             kept[0].view(256, -1) @ torch.ones(N // 256, 2)
             compute.end_kernels()
@@ -132,10 +132,11 @@ class FusedKernels(unittest.TestCase):
         self.assertEqual(z.dtype, torch.float32)
 
 
-def memory_free_recomputable(value, source):
-    """A `Fusion.recomputable` entry for `value`, recomputed from `source`."""
-    return {value.untyped_storage()._cdata: (source.nbytes, {
-        source.untyped_storage()._cdata: (source.nbytes, source.untyped_storage())})}
+def memory_free_recomputable(fusion, value, source):
+    """A `Fusion.recomputable` entry of `fusion` for `value`, recomputed from `source`."""
+    stored = source.untyped_storage()
+    return {fusion.key(value.untyped_storage()): (source.nbytes, {
+        fusion.key(stored): (source.nbytes, stored)})}
 
 
 class NotTheChips(unittest.TestCase):
