@@ -526,7 +526,7 @@ def case_data_and_meta_hbm_alike(args):
     (the unsharded parameters, the gathers' outputs), which is the meta device there: counted as
     a program's own meta tensors, nothing (meta 0.39 GiB against data's 0.45, parameters half).
     In both modes an open fused kernel kept alive what the program had freed (0.85 GiB against
-    0.71 with reentrant checkpoints). Now about 6 % apart (248 and 232 MiB): torch runs AdamW's
+    0.71 with reentrant checkpoints). Now about 5 % apart (248 and 236 MiB): torch runs AdamW's
     single-tensor loop on the CPU (data mode) and its foreach form on the meta device, as on an
     accelerator, and their temporaries differ."""
     peaks = {}

@@ -112,7 +112,10 @@ class Fusion:
         for t, storage, key in results:
             if key not in kernel.outputs:
                 address = storage._cdata
-                kernel.outputs[key] = [t.nbytes, weakref.ref(storage), keys, False, func, address]
+                # Freed while the kernel is open, a result leaves `Memory.unwritten` at once:
+                # its address may be a new storage's before the kernel closes.
+                ref = weakref.ref(storage, lambda _, k=key, a=address: self._settled(k, a))
+                kernel.outputs[key] = [t.nbytes, ref, keys, False, func, address]
                 self.producer[key] = kernel
                 if self.memory is not None and address not in self.memory.live:
                     self.memory.unwritten.add(address)
