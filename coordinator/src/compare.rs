@@ -182,24 +182,21 @@ fn parallelism(row: &Row<'_>, per_slice: u64, slices: u64) -> Result<(u64, u64),
         None => 1,
         Some(_) => row.positive("dcn_fsdp")?,
     };
-    if fsdp * tp != per_slice {
-        return Err(row.bad(
-            "ici_fsdp",
-            &format!(
-                "ici_fsdp x ici_tp = {} but the slice has {per_slice} chips",
-                fsdp * tp
-            ),
-        ));
-    }
-    if dp * dcn_fsdp != slices {
-        return Err(row.bad(
-            "dcn_dp",
-            &format!(
-                "dcn_dp x dcn_fsdp = {} but there are {slices} slices",
-                dp * dcn_fsdp
-            ),
-        ));
-    }
+    // Each pair of degrees must multiply to what it divides: a slice's chips, the slices.
+    let covers = |column: &str, other: &str, product: u64, count: u64, whole: &str| {
+        if product == count {
+            Ok(())
+        } else {
+            Err(row.bad(
+                column,
+                &format!("{column} x {other} = {product} but {whole}"),
+            ))
+        }
+    };
+    let chips = format!("the slice has {per_slice} chips");
+    covers("ici_fsdp", "ici_tp", fsdp * tp, per_slice, &chips)?;
+    let all_slices = format!("there are {slices} slices");
+    covers("dcn_dp", "dcn_fsdp", dp * dcn_fsdp, slices, &all_slices)?;
     if dp > 1 && dcn_fsdp > 1 {
         // The mesh puts replicas on the outermost axis, DCN, which is never split.
         return Err(row.bad(
