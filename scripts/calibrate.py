@@ -23,7 +23,7 @@ import sys
 from compare_residuals import DEFAULT_FILES, ROOT, predictions
 
 MATMUL = [round(0.74 + 0.01 * i, 2) for i in range(9)]
-ATTENTION = [round(0.45 + 0.05 * i, 2) for i in range(5)]
+ATTENTION = [round(0.45 + 0.05 * i, 2) for i in range(7)]
 
 
 def errors(podsim, path, matmul, attention):

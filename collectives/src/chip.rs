@@ -68,6 +68,20 @@ pub struct TimeSnapshot {
 pub struct ChipStats {
     pub messages_sent: AtomicU64,
     pub bytes_sent: AtomicU64,
+    pub bytes_received: AtomicU64,
+    /// Bytes received that a reduction added into the chip's own.
+    pub bytes_reduced: AtomicU64,
+}
+
+impl ChipStats {
+    /// Bytes the chip's communication has moved through its HBM so far: what it sent was read
+    /// from HBM and what it received written there (a message routed through other chips
+    /// touches only its two ends' HBM: ICI routers forward it), and a reduction reads both
+    /// operands and writes the sum (as [`podsim_topology::Hardware::reduction_ns`] charges).
+    pub fn hbm_traffic(&self) -> u64 {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        load(&self.bytes_sent) + load(&self.bytes_received) + 3 * load(&self.bytes_reduced)
+    }
 }
 
 /// The parts of a chip that the concurrent lanes of one collective share.
@@ -84,7 +98,7 @@ pub struct ChipCore {
     inbox: Arc<Inbox>,
     router: Arc<dyn Router>,
     links: LinkClocks,
-    stats: ChipStats,
+    pub(crate) stats: ChipStats,
     recorder: Arc<FlightRecorder>,
     faults: Option<Arc<dyn FaultHook>>,
     /// The chip stands for every chip of a symmetric job (a mirror fabric).
@@ -740,6 +754,10 @@ impl<'a> Call<'a> {
             });
         }
         *t = t.max(msg.arrive_ns);
+        add_own(
+            &core.stats.bytes_received,
+            (msg.payload.len() as f64 * self.elem_bytes) as u64,
+        );
         Ok(msg.payload)
     }
 }

@@ -11,6 +11,7 @@ use crate::chip::{Call, Nanos};
 use crate::error::CollectiveError;
 use crate::fabric::Tag;
 use crate::payload::Payload;
+use crate::recorder::add_own;
 use crate::reduce::ReduceOp;
 
 /// One lane of one phase of one collective call on one chip.
@@ -61,6 +62,7 @@ impl Lane<'_> {
     /// the next send.
     pub fn reduced(&self, t: Nanos, elems: usize) -> Nanos {
         let bytes = elems as f64 * self.call.elem_bytes;
+        add_own(&self.call.chip.stats.bytes_reduced, bytes as u64);
         t + self
             .call
             .chip

@@ -259,3 +259,52 @@ proptest::proptest! {
         );
     }
 }
+
+#[test]
+fn hbm_traffic_counts_what_a_chip_sends_receives_and_reduces() {
+    use std::sync::atomic::Ordering;
+    // A ring on 8 chips of 1 MiB a chip: an all-reduce sends and receives 2 (n - 1) / n of
+    // it and reduces (n - 1) / n; an all-gather of 1 MiB inputs moves (n - 1) MiB each way
+    // and reduces nothing.
+    let (n, count) = (8.0, MIB / 4);
+    let bytes = (count * 4) as f64;
+    for (op, moved, reduced) in [
+        (
+            OpKind::AllReduce,
+            2.0 * (n - 1.0) / n * bytes,
+            (n - 1.0) / n * bytes,
+        ),
+        (OpKind::AllGather, (n - 1.0) * bytes, 0.0),
+    ] {
+        let fabric = fabric("8", true, 1);
+        let comm = Comm::new(Group::world(fabric.pod()), Algo::Ring);
+        let counters = runtime(2)
+            .block_on(podsim_collectives::run_chips(
+                fabric.chips(),
+                move |mut chip| async move {
+                    let data = podsim_collectives::Payload::Meta(count);
+                    match op {
+                        OpKind::AllReduce => chip.all_reduce(&comm, &data, ReduceOp::Sum).await?,
+                        _ => chip.all_gather(&comm, &data).await?,
+                    };
+                    let s = chip.stats();
+                    let load = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed) as f64;
+                    Ok::<_, podsim_collectives::CollectiveError>((
+                        load(&s.bytes_sent),
+                        load(&s.bytes_received),
+                        load(&s.bytes_reduced),
+                        s.hbm_traffic() as f64,
+                    ))
+                },
+            ))
+            .unwrap();
+        for (sent, received, got_reduced, traffic) in counters {
+            assert_eq!(
+                (sent, received, got_reduced),
+                (moved, moved, reduced),
+                "{op:?}"
+            );
+            assert_eq!(traffic, 2.0 * moved + 3.0 * reduced, "{op:?}");
+        }
+    }
+}

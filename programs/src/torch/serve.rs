@@ -18,7 +18,8 @@ use super::verify::{Call, Reference};
 use super::wire::{Compute, DTypeName, Frame, Reply, Request, StepHbm};
 use super::{CallSites, OpTotals, RankReport, RankStep, StepCounting, TorchSpec};
 use crate::error::ProgramError;
-use crate::train::kernels::{Kernel, hbm_stream_s};
+use crate::train::hbm_share::HbmShare;
+use crate::train::kernels::{Kernel, Work};
 
 /// How long a rank that said goodbye (or closed its connection) may take to exit.
 const EXIT_GRACE: Duration = Duration::from_secs(30);
@@ -162,15 +163,17 @@ fn kernels(compute: &Compute) -> impl Iterator<Item = (Kernel, f64, f64)> + '_ {
     matmuls.chain(attention)
 }
 
-/// Virtual ns of the work in `compute` on `hw`.
-pub fn compute_ns(compute: &Compute, hw: &Hardware) -> f64 {
-    let kernels: f64 = kernels(compute)
-        .map(|(kernel, elem_bytes, calls)| calls * kernel.time_ns(hw, elem_bytes))
-        .sum();
-    // The other kernels, as element-wise passes over the bytes they read and wrote.
-    let passes = hbm_stream_s(hw, compute.pass_bytes as f64) * 1e9
-        + compute.kernels as f64 * hw.kernel_overhead_ns;
-    kernels + passes
+/// What the work in `compute` asks of `hw`: each matmul and attention kernel with its calls
+/// as one, then the other kernels as element-wise passes over the bytes they read and wrote.
+fn works<'c>(compute: &'c Compute, hw: &'c Hardware) -> impl Iterator<Item = Work> + 'c {
+    let passes = Work {
+        mxu_ns: 0.0,
+        hbm_bytes: compute.pass_bytes as f64,
+        overhead_ns: compute.kernels as f64 * hw.kernel_overhead_ns,
+    };
+    kernels(compute)
+        .map(|(kernel, elem_bytes, calls)| kernel.work(hw, elem_bytes).times(calls))
+        .chain(std::iter::once(passes))
 }
 
 /// Flops of the matmuls and attention in `compute`, as executed (recomputation included).
@@ -205,6 +208,8 @@ struct Served {
     stream_free: [f64; 2],
     /// Collectives issued and not yet waited for by the compute stream: when each is done.
     in_flight: HashMap<u64, f64>,
+    /// Communication in flight, for the HBM bandwidth it takes from kernels.
+    hbm: HbmShare,
     /// Collectives the rank made (the index of its next, for `--verify-ranks`).
     calls: u64,
     /// Whether the program marks its own steps (`podsim.torch.step()`).
@@ -237,6 +242,7 @@ impl Served {
             raised: None,
             stream_free: [0.0; 2],
             in_flight: HashMap::new(),
+            hbm: HbmShare::default(),
             calls: 0,
             explicit_steps: false,
             folded_hbm: StepHbm::default(),
@@ -613,6 +619,7 @@ async fn serve_collective(
         chip.set_clock(issued_at.max(served.stream_free[s]));
     }
     let before = chip.clock();
+    let hbm_before = chip.stats().hbm_traffic();
     let input = match meta {
         None => Payload::from_vec(values),
         Some(n) if values.is_empty() => Payload::Meta(n as usize),
@@ -635,6 +642,8 @@ async fn serve_collective(
     if let (Some(s), Some(work)) = (stream, work) {
         served.stream_free[s] = done;
         served.in_flight.insert(work, done);
+        let moved = chip.stats().hbm_traffic() - hbm_before;
+        served.hbm.communicating(before, done, moved);
         chip.set_clock(issued_at);
     }
     served.step_comm_ns += spent;
@@ -717,7 +726,12 @@ impl Served {
         if compute.is_empty() {
             return;
         }
-        let ns = compute_ns(compute, chip.hardware());
+        let start = chip.clock();
+        let hw = chip.hardware();
+        let mut ns = 0.0;
+        for work in works(compute, hw) {
+            ns += self.hbm.run(hw, start + ns, &work);
+        }
         // The rank's kernels since its last request, one span on a traced chip's timeline.
         let span = chip.trace_open(
             crate::COMPUTE_TRACK,
@@ -885,6 +899,11 @@ impl RankReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Virtual ns of the work in `compute` on `hw`, with HBM to itself.
+    fn compute_ns(compute: &Compute, hw: &Hardware) -> f64 {
+        works(compute, hw).map(|w| w.time_ns(hw)).sum()
+    }
 
     #[test]
     fn compute_is_priced_by_the_kernel_model() {

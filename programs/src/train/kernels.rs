@@ -113,26 +113,29 @@ impl Kernel {
         (seqs as f64 * heads * pairs, edge)
     }
 
-    /// Time on `hw`, ns, for elements of `elem_bytes` bytes.
+    /// Time on `hw`, ns, for elements of `elem_bytes` bytes, with HBM to itself.
     pub fn time_ns(&self, hw: &Hardware, elem_bytes: f64) -> f64 {
-        let hbm = hw.hbm_bandwidth * hw.hbm_efficiency;
-        let busy = match *self {
+        self.work(hw, elem_bytes).time_ns(hw)
+    }
+
+    /// What the kernel asks of `hw`: its MXU time and its HBM traffic, each alone.
+    pub fn work(&self, hw: &Hardware, elem_bytes: f64) -> Work {
+        let (mxu_s, hbm_bytes) = match *self {
             Kernel::Matmul { m, k, n } => {
                 let (m, k, n) = (m as f64, k as f64, n as f64);
                 let tile = hw.mxu_tile;
                 let padded = 2.0 * pad(m, tile) * pad(k, tile) * pad(n, tile);
-                let mxu = padded / (hw.peak_flops * hw.matmul_efficiency);
                 let block = hw.matmul_block;
                 let traffic =
                     elem_bytes * (m * k * (n / block).ceil() + k * n * (m / block).ceil() + m * n);
-                mxu.max(traffic / hbm)
+                (padded / (hw.peak_flops * hw.matmul_efficiency), traffic)
             }
             Kernel::Elementwise {
                 elems,
                 reads,
                 writes,
                 ..
-            } => hbm_stream_s(hw, elem_bytes * (reads + writes) * elems as f64),
+            } => (0.0, elem_bytes * (reads + writes) * elems as f64),
             Kernel::Attention { head_dim, .. } => {
                 let (blocks, edge) = self.attention_blocks(hw.attention_block);
                 let padded = self.attention_matmuls()
@@ -141,10 +144,41 @@ impl Kernel {
                     * pad(edge, hw.mxu_tile)
                     * edge
                     * pad(head_dim as f64, hw.mxu_tile);
-                padded / (hw.peak_flops * hw.attention_efficiency)
+                (padded / (hw.peak_flops * hw.attention_efficiency), 0.0)
             }
         };
-        busy * 1e9 + hw.kernel_overhead_ns
+        Work {
+            mxu_ns: mxu_s * 1e9,
+            hbm_bytes,
+            overhead_ns: hw.kernel_overhead_ns,
+        }
+    }
+}
+
+/// What one kernel (or a run of like kernels) asks of the chip: the kernel takes the longer
+/// of its MXU time and the time its bytes take through HBM, plus its fixed cost. Kept apart
+/// because HBM is shared with communication in flight ([`crate::train::hbm_share`]) and the
+/// MXU is not.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Work {
+    pub mxu_ns: f64,
+    pub hbm_bytes: f64,
+    pub overhead_ns: f64,
+}
+
+impl Work {
+    /// Its time with HBM to itself, ns.
+    pub fn time_ns(&self, hw: &Hardware) -> f64 {
+        self.mxu_ns.max(hbm_stream_s(hw, self.hbm_bytes) * 1e9) + self.overhead_ns
+    }
+
+    /// `n` runs of it, as one.
+    pub fn times(self, n: f64) -> Work {
+        Work {
+            mxu_ns: self.mxu_ns * n,
+            hbm_bytes: self.hbm_bytes * n,
+            overhead_ns: self.overhead_ns * n,
+        }
     }
 }
 
@@ -194,6 +228,15 @@ impl Cost {
     /// Time of every kernel on `hw`, ns.
     pub fn time_ns(&self, hw: &Hardware, elem_bytes: f64) -> f64 {
         self.kernels.iter().map(|k| k.time_ns(hw, elem_bytes)).sum()
+    }
+
+    /// What each kernel asks of `hw`, in order.
+    pub fn works<'c>(
+        &'c self,
+        hw: &'c Hardware,
+        elem_bytes: f64,
+    ) -> impl Iterator<Item = Work> + 'c {
+        self.kernels.iter().map(move |k| k.work(hw, elem_bytes))
     }
 }
 

@@ -5,7 +5,8 @@
 //! - [`tensor`]: local tensors (values or, in meta mode, shapes) and `torch.chunk` layouts;
 //! - [`dtensor`]: DeviceMesh / DTensor placements and redistribution;
 //! - [`kernels`]: what a kernel (matmul, element-wise pass, flash attention) costs on the
-//!   modelled chip; [`remat`]: activation rematerialisation policies;
+//!   modelled chip; [`hbm_share`]: HBM shared by kernels and communication in flight;
+//!   [`remat`]: activation rematerialisation policies;
 //! - [`mlp`]: the MLP, its data and its kernels; [`model`]: the models (MLP, transformer by
 //!   shape) lowered to the layers the trainer runs; [`optim`]: SGD and AdamW;
 //! - [`memory`]: the per-chip HBM ledger; [`strategy`]: how each strategy places parameters
@@ -14,6 +15,7 @@
 
 pub mod checkpoint;
 pub mod dtensor;
+pub mod hbm_share;
 pub mod kernels;
 pub mod memory;
 pub mod mlp;

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ProgramError;
 use crate::train::dtensor::{self, DTensor, Mesh, Placement};
+use crate::train::hbm_share::HbmShare;
 use crate::train::kernels::{Cost, Kernel};
 use crate::train::memory::{Hbm, HbmReport, MemKind};
 use crate::train::mlp::{self, Dataset};
@@ -267,6 +268,8 @@ struct Timeline {
     /// The most offloaded bytes held in host memory at the end of a forward.
     host_activations_bytes: u64,
     host_transfer_bytes: u64,
+    /// Communication in flight, for the HBM bandwidth it takes from kernels.
+    hbm: HbmShare,
 }
 
 /// A collective in flight on a stream: the compute clock when it was issued and its start.
@@ -275,6 +278,8 @@ struct Issued {
     start: Nanos,
     overlap: bool,
     stream: Stream,
+    /// The chip's communication traffic through HBM before it began.
+    hbm_traffic: u64,
 }
 
 impl Stream {
@@ -294,7 +299,11 @@ impl Timeline {
     /// `what` (called only then), with the HBM in use (`hbm`) as a counter.
     fn compute(&mut self, chip: &mut Chip, cost: Cost, hbm: u64, what: impl FnOnce() -> String) {
         let start = chip.clock();
-        let ns = cost.time_ns(chip.hardware(), self.elem_bytes);
+        let hw = chip.hardware();
+        let mut ns = 0.0;
+        for work in cost.works(hw, self.elem_bytes) {
+            ns += self.hbm.run(hw, start + ns, &work);
+        }
         self.compute_ns += chip.compute(ns);
         self.flops += cost.flops();
         if chip.tracing() {
@@ -325,6 +334,7 @@ impl Timeline {
         let start = stream.max(not_before);
         let done = start + bytes as f64 / chip.hardware().host_bandwidth * 1e9;
         *stream = done;
+        self.hbm.communicating(start, done, bytes);
         chip.trace_span(Stream::Host.track(), "transfer", start, done, || {
             (
                 "host transfer".to_string(),
@@ -345,6 +355,7 @@ impl Timeline {
             start,
             overlap,
             stream,
+            hbm_traffic: chip.stats().hbm_traffic(),
         }
     }
 
@@ -355,6 +366,8 @@ impl Timeline {
         chip.set_trace_stream(podsim_collectives::DEFAULT_STREAM);
         self.stream_free[issued.stream as usize] = done;
         self.comm_ns += done - issued.start;
+        let moved = chip.stats().hbm_traffic() - issued.hbm_traffic;
+        self.hbm.communicating(issued.start, done, moved);
         if issued.overlap {
             chip.set_clock(issued.issued_at);
             self.outstanding = self.outstanding.max(done);

@@ -736,3 +736,50 @@ fn an_upcast_norm_keeps_its_f32_input_for_backward() {
         "checkpoint: {extra} more bytes"
     );
 }
+
+#[test]
+fn overlapped_communication_slows_only_kernels_bound_by_hbm() {
+    // FSDP in fused mode gathers the next block beside the current one's kernels; in strict
+    // mode compute waits for every collective, so nothing is in flight while a kernel runs.
+    // The difference in compute is the HBM bandwidth the gathers and reductions took.
+    let compute = |hw: Hardware, eager: Eager| {
+        // 4,096 tokens a chip: matmuls large enough for v5p's MXU to set their time.
+        let mut m = model(1024, 4096, 1024);
+        m.layers = 4;
+        m.seq = 1024;
+        let mut s = spec(Strategy::Fsdp, &m, 1);
+        s.batch = 4;
+        s.eager = eager;
+        run(&s, "8", hw, true)[0].0.steps[0].compute_ns
+    };
+    let slowed = |hw: Hardware| {
+        let (fused, strict) = (
+            compute(hw.clone(), Eager::Fused),
+            compute(hw, Eager::Strict),
+        );
+        fused / strict - 1.0
+    };
+    let v6e = Hardware::preset("v6e").unwrap();
+    // v6e's matmuls are at the HBM roofline: they yield what the collectives take.
+    let on_v6e = slowed(v6e.clone());
+    assert!(
+        on_v6e > 0.02,
+        "v6e compute {on_v6e:+.4} beside its collectives"
+    );
+    // v5p's MXU is slower than its HBM at the block size: its matmuls hide the collectives,
+    // and only its element-wise passes yield.
+    let on_v5p = slowed(v5p());
+    assert!(
+        on_v5p > 0.0 && on_v5p < on_v6e / 4.0,
+        "v5p compute {on_v5p:+.4}, v6e {on_v6e:+.4}"
+    );
+    // With HBM to spare every kernel hides the communication: the two modes' kernels are
+    // the same ones.
+    let mut wide = v6e;
+    wide.hbm_bandwidth *= 1e3;
+    let on_wide = slowed(wide);
+    assert!(
+        on_wide.abs() < 1e-6,
+        "compute {on_wide:+e} with HBM to spare"
+    );
+}
