@@ -642,7 +642,7 @@ async fn serve_collective(
     if let (Some(s), Some(work)) = (stream, work) {
         served.stream_free[s] = done;
         served.in_flight.insert(work, done);
-        let moved = chip.stats().hbm_traffic() - hbm_before;
+        let moved = chip.stats().hbm_traffic().saturating_sub(hbm_before);
         served.hbm.communicating(before, done, moved);
         chip.set_clock(issued_at);
     }
@@ -726,12 +726,8 @@ impl Served {
         if compute.is_empty() {
             return;
         }
-        let start = chip.clock();
         let hw = chip.hardware();
-        let mut ns = 0.0;
-        for work in works(compute, hw) {
-            ns += self.hbm.run(hw, start + ns, &work);
-        }
+        let ns = self.hbm.run_all(hw, chip.clock(), works(compute, hw));
         // The rank's kernels since its last request, one span on a traced chip's timeline.
         let span = chip.trace_open(
             crate::COMPUTE_TRACK,

@@ -75,6 +75,18 @@ impl HbmShare {
         work.overhead_ns + work.mxu_ns.max(t - from)
     }
 
+    /// How long `works`, run one after the other from `start`, take, ns.
+    pub fn run_all(
+        &mut self,
+        hw: &Hardware,
+        start: Nanos,
+        works: impl IntoIterator<Item = Work>,
+    ) -> Nanos {
+        works
+            .into_iter()
+            .fold(0.0, |ns, work| ns + self.run(hw, start + ns, &work))
+    }
+
     /// The HBM rate communication takes at `t` and when that rate next changes.
     fn taken_at(&self, t: Nanos) -> (f64, Nanos) {
         let mut taken = 0.0;

@@ -300,10 +300,7 @@ impl Timeline {
     fn compute(&mut self, chip: &mut Chip, cost: Cost, hbm: u64, what: impl FnOnce() -> String) {
         let start = chip.clock();
         let hw = chip.hardware();
-        let mut ns = 0.0;
-        for work in cost.works(hw, self.elem_bytes) {
-            ns += self.hbm.run(hw, start + ns, &work);
-        }
+        let ns = self.hbm.run_all(hw, start, cost.works(hw, self.elem_bytes));
         self.compute_ns += chip.compute(ns);
         self.flops += cost.flops();
         if chip.tracing() {
@@ -366,7 +363,10 @@ impl Timeline {
         chip.set_trace_stream(podsim_collectives::DEFAULT_STREAM);
         self.stream_free[issued.stream as usize] = done;
         self.comm_ns += done - issued.start;
-        let moved = chip.stats().hbm_traffic() - issued.hbm_traffic;
+        let moved = chip
+            .stats()
+            .hbm_traffic()
+            .saturating_sub(issued.hbm_traffic);
         self.hbm.communicating(issued.start, done, moved);
         if issued.overlap {
             chip.set_clock(issued.issued_at);
