@@ -9,9 +9,10 @@
 //! waits for it. In `fused` mode gradient reductions and FSDP gathers are issued on their
 //! stream when their inputs are ready and compute goes on; compute waits only where it needs
 //! the result (a gathered layer, the optimizer step). Links stay shared, so overlapped
-//! traffic still contends. A step's time splits into compute, communication (the sum of its
-//! collectives' durations) and exposed communication (step time minus compute: what overlap
-//! did not hide).
+//! traffic still contends, and so does HBM: a kernel charged while communication is in flight
+//! streams its bytes beside it (`hbm_share`). A step's time splits into compute,
+//! communication (the sum of its collectives' durations) and exposed communication (step time
+//! minus compute: what overlap did not hide).
 
 use std::ops::Range;
 use std::sync::Arc;
