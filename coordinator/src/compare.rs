@@ -97,6 +97,8 @@ pub struct Comparison {
     pub compute_s: f64,
     /// Of the predicted step: communication compute waited for (not hidden under kernels).
     pub exposed_comm_s: f64,
+    /// Of `compute_s`: what kernels lost waiting for HBM that communication in flight took.
+    pub hbm_wait_s: f64,
     pub mfu: f64,
     pub peak_hbm_bytes: u64,
     pub hbm_capacity_bytes: u64,
@@ -341,6 +343,7 @@ fn predict(
         error_pct: (predicted / measured - 1.0) * 100.0,
         compute_s: step.compute_ns / 1e9,
         exposed_comm_s: step.exposed_ns / 1e9,
+        hbm_wait_s: step.hbm_wait_ns / 1e9,
         mfu,
         peak_hbm_bytes: peak.peak_bytes,
         hbm_capacity_bytes: peak.capacity_bytes,
@@ -551,6 +554,7 @@ mod tests {
             error_pct: e,
             compute_s: 1.0,
             exposed_comm_s: 0.0,
+            hbm_wait_s: 0.0,
             mfu: 0.5,
             peak_hbm_bytes: 1,
             hbm_capacity_bytes: 2,

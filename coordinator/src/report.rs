@@ -92,6 +92,10 @@ pub struct TorchStep {
     pub compute_ms: f64,
     pub comm_ms: f64,
     pub exposed_comm_ms: f64,
+    /// Of `compute_ms`, what the rank's kernels lost waiting for HBM that its communication in
+    /// flight took.
+    #[serde(default)]
+    pub hbm_wait_ms: f64,
     /// The largest peak of live device bytes any rank had in the step, and its split by kind.
     #[serde(default)]
     pub peak_hbm_bytes: u64,
@@ -131,6 +135,7 @@ fn torch_steps(ranks: &[podsim_programs::RankReport], peak_flops: f64) -> Vec<To
                 compute_ms: s.compute_ns / 1e6,
                 comm_ms: s.comm_ns / 1e6,
                 exposed_comm_ms: s.exposed_comm_ns / 1e6,
+                hbm_wait_ms: s.hbm_wait_ns / 1e6,
                 peak_hbm_bytes: fullest.peak_hbm_bytes,
                 hbm_by_kind: fullest.hbm_by_kind.clone(),
                 hfu: utilisation(s.flops),
@@ -496,6 +501,9 @@ pub struct Training {
     pub step_ms: f64,
     pub compute_ms: f64,
     pub exposed_comm_ms: f64,
+    /// Of `compute_ms`, what kernels lost waiting for HBM that communication in flight took.
+    #[serde(default)]
+    pub hbm_wait_ms: f64,
     /// Model flops utilisation: `flops_per_step / (chips * peak_flops * step time)`.
     pub mfu: f64,
     /// The largest peak HBM of any chip, and the capacity.
@@ -519,6 +527,10 @@ pub struct TrainStep {
     pub compute_ms: f64,
     pub comm_ms: f64,
     pub exposed_comm_ms: f64,
+    /// Of `compute_ms`, what kernels lost waiting for HBM beside communication (the slowest
+    /// chip's).
+    #[serde(default)]
+    pub hbm_wait_ms: f64,
     pub wall_ms: f64,
     /// Offloaded activations held in host memory (the most of any chip), bytes.
     pub host_activations_bytes: u64,
@@ -804,6 +816,7 @@ fn training(
         step_ms,
         compute_ms: typical.map_or(0.0, |s| s.compute_ms),
         exposed_comm_ms: typical.map_or(0.0, |s| s.exposed_comm_ms),
+        hbm_wait_ms: typical.map_or(0.0, |s| s.hbm_wait_ms),
         mfu: if step_ms > 0.0 {
             flops_per_step / (pod_flops * step_ms / 1e3)
         } else {
@@ -854,6 +867,7 @@ fn train_steps(chips: &[&podsim_programs::train::ChipTrainReport]) -> Vec<TrainS
                 compute_ms: max(&|r| r.compute_ns) / 1e6,
                 comm_ms: max(&|r| r.comm_ns) / 1e6,
                 exposed_comm_ms: max(&|r| r.exposed_ns) / 1e6,
+                hbm_wait_ms: max(&|r| r.hbm_wait_ns) / 1e6,
                 wall_ms: max(&|r| r.wall_ns as f64) / 1e6,
                 host_activations_bytes: records
                     .iter()
@@ -1069,9 +1083,10 @@ fn summarise_training(s: &mut String, t: &Training, c: &Correctness) {
         ));
     }
     s.push_str(&format!(
-        "  step {:.3} ms (compute {:.3}, exposed communication {:.3}); MFU {:.1}%\n",
+        "  step {:.3} ms (compute {:.3}{}, exposed communication {:.3}); MFU {:.1}%\n",
         t.step_ms,
         t.compute_ms,
+        hbm_wait_note(t.hbm_wait_ms),
         t.exposed_comm_ms,
         t.mfu * 100.0
     ));
@@ -1123,16 +1138,26 @@ fn summarise_counting(s: &mut String, t: &TorchRun) {
     }
 }
 
+/// `", X of it waiting for HBM beside communication"` when kernels lost time that way.
+fn hbm_wait_note(ms: f64) -> String {
+    if ms >= 0.0005 {
+        format!(", {ms:.3} of it waiting for HBM beside communication")
+    } else {
+        String::new()
+    }
+}
+
 fn summarise_torch(s: &mut String, t: &TorchRun) {
     s.push_str(&format!("  {}\n", t.command.join(" ")));
     if !t.steps.is_empty() {
         let ms: Vec<f64> = t.steps.iter().map(|s| s.virtual_ms).collect();
         let last = &t.steps[t.steps.len() - 1];
         s.push_str(&format!(
-            "  {} steps marked; last step {:.3} ms virtual (compute {:.3}, communication {:.3}, exposed {:.3}); median {:.3} ms\n",
+            "  {} steps marked; last step {:.3} ms virtual (compute {:.3}{}, communication {:.3}, exposed {:.3}); median {:.3} ms\n",
             t.steps.len(),
             last.virtual_ms,
             last.compute_ms,
+            hbm_wait_note(last.hbm_wait_ms),
             last.comm_ms,
             last.exposed_comm_ms,
             median(&ms)

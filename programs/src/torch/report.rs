@@ -48,6 +48,9 @@ pub struct RankStep {
     pub comm_ns: f64,
     /// Step time minus compute.
     pub exposed_comm_ns: f64,
+    /// Of `compute_ns`, what kernels lost waiting for HBM that communication in flight took.
+    #[serde(default)]
+    pub hbm_wait_ns: f64,
     /// The rank's peak of live device bytes over the step (0: not counted).
     #[serde(default)]
     pub peak_hbm_bytes: u64,

@@ -200,6 +200,8 @@ struct Served {
     /// Compute and communication since the last step mark, ns.
     step_compute_ns: f64,
     step_comm_ns: f64,
+    /// Of that compute, what kernels lost waiting for HBM beside communication.
+    step_hbm_wait_ns: f64,
     step_start_ns: f64,
     said_bye: bool,
     /// The exception the rank said is ending its program, with its line.
@@ -237,6 +239,7 @@ impl Served {
             },
             step_compute_ns: 0.0,
             step_comm_ns: 0.0,
+            step_hbm_wait_ns: 0.0,
             step_start_ns: 0.0,
             said_bye: false,
             raised: None,
@@ -692,6 +695,7 @@ impl Served {
             compute_ns: self.step_compute_ns,
             comm_ns: self.step_comm_ns,
             exposed_comm_ns: (now - self.step_start_ns - self.step_compute_ns).max(0.0),
+            hbm_wait_ns: self.step_hbm_wait_ns,
             peak_hbm_bytes: hbm.peak_bytes,
             hbm_by_kind: hbm.by_kind,
             flops: self.step_flops,
@@ -705,6 +709,7 @@ impl Served {
         self.step_start_ns = now;
         self.step_compute_ns = 0.0;
         self.step_comm_ns = 0.0;
+        self.step_hbm_wait_ns = 0.0;
         chip.enter_step(self.report.steps.len() as u64).await;
     }
 }
@@ -727,7 +732,9 @@ impl Served {
             return;
         }
         let hw = chip.hardware();
+        let waited = self.hbm.waited_ns();
         let ns = self.hbm.run_all(hw, chip.clock(), works(compute, hw));
+        self.step_hbm_wait_ns += self.hbm.waited_ns() - waited;
         // The rank's kernels since its last request, one span on a traced chip's timeline.
         let span = chip.trace_open(
             crate::COMPUTE_TRACK,
@@ -749,6 +756,7 @@ impl Served {
         for step in self.report.steps.drain(..) {
             self.step_start_ns -= step.step_ns;
             self.step_compute_ns += step.compute_ns;
+            self.step_hbm_wait_ns += step.hbm_wait_ns;
             self.step_comm_ns += step.comm_ns;
             self.step_flops += step.flops;
             self.step_model_flops += step.model_flops;

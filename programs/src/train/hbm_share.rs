@@ -25,6 +25,8 @@ use crate::train::kernels::Work;
 #[derive(Debug, Default)]
 pub struct HbmShare {
     busy: Vec<Busy>,
+    /// What the kernels run so far lost to it, ns: their time beside it less their time alone.
+    waited_ns: f64,
 }
 
 /// One collective or transfer: HBM taken at `rate` bytes per ns from `start` to `done`.
@@ -59,6 +61,7 @@ impl HbmShare {
             return work.time_ns(hw);
         }
         let bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency / 1e9;
+        let alone = work.time_ns(hw);
         let from = start + work.overhead_ns;
         let mut t = from;
         let mut left = work.hbm_bytes;
@@ -72,7 +75,15 @@ impl HbmShare {
             left -= own * (until - t);
             t = until;
         }
-        work.overhead_ns + work.mxu_ns.max(t - from)
+        let took = work.overhead_ns + work.mxu_ns.max(t - from);
+        self.waited_ns += (took - alone).max(0.0);
+        took
+    }
+
+    /// The time the kernels run so far lost to communication's HBM traffic, ns (part of their
+    /// time).
+    pub fn waited_ns(&self) -> f64 {
+        self.waited_ns
     }
 
     /// How long `works`, run one after the other from `start`, take, ns.
@@ -145,6 +156,7 @@ mod tests {
         let alone = 1000.0;
         let got = share.run(&hw, 0.0, &streaming(bw * alone));
         assert!((got - alone * 4.0 / 3.0).abs() < 1e-6 * alone, "{got}");
+        assert!((share.waited_ns() - alone / 3.0).abs() < 1e-6 * alone);
     }
 
     #[test]

@@ -205,6 +205,9 @@ pub struct StepRecord {
     pub compute_ns: f64,
     pub comm_ns: f64,
     pub exposed_ns: f64,
+    /// Of `compute_ns`, what kernels lost waiting for HBM that communication in flight took.
+    #[serde(default)]
+    pub hbm_wait_ns: f64,
     pub wall_ns: u64,
     /// Flops of every kernel the step charged (matrix products, element-wise work, the
     /// optimizer), on this chip.
@@ -905,6 +908,7 @@ impl<'a> Trainer<'a> {
             compute_ns: self.tl.compute_ns,
             comm_ns: self.tl.comm_ns,
             exposed_ns: (virtual_ns - self.tl.compute_ns).max(0.0),
+            hbm_wait_ns: self.tl.hbm.waited_ns(),
             wall_ns: wall.elapsed().as_nanos() as u64,
             flops: self.tl.flops,
             activations_bytes: self.tl.activations_bytes,

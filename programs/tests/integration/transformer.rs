@@ -742,6 +742,7 @@ fn overlapped_communication_slows_only_kernels_bound_by_hbm() {
     // FSDP in fused mode gathers the next block beside the current one's kernels; in strict
     // mode compute waits for every collective, so nothing is in flight while a kernel runs.
     // The difference in compute is the HBM bandwidth the gathers and reductions took.
+    // Each mode's compute, and what its kernels report they waited for HBM.
     let compute = |hw: Hardware, eager: Eager| {
         // 4,096 tokens a chip: matmuls large enough for v5p's MXU to set their time.
         let mut m = model(1024, 4096, 1024);
@@ -750,12 +751,17 @@ fn overlapped_communication_slows_only_kernels_bound_by_hbm() {
         let mut s = spec(Strategy::Fsdp, &m, 1);
         s.batch = 4;
         s.eager = eager;
-        run(&s, "8", hw, true)[0].0.steps[0].compute_ns
+        let step = run(&s, "8", hw, true)[0].0.steps[0].clone();
+        (step.compute_ns, step.hbm_wait_ns)
     };
     let slowed = |hw: Hardware| {
-        let (fused, strict) = (
-            compute(hw.clone(), Eager::Fused),
-            compute(hw, Eager::Strict),
+        let (fused, waited) = compute(hw.clone(), Eager::Fused);
+        let (strict, none) = compute(hw, Eager::Strict);
+        assert_eq!(none, 0.0, "strict mode waited for HBM");
+        // The step reports the difference as its kernels' wait.
+        assert!(
+            (fused - strict - waited).abs() <= 1e-9 * fused,
+            "fused {fused} ns, strict {strict} ns, waited {waited} ns"
         );
         fused / strict - 1.0
     };
