@@ -523,7 +523,7 @@ fn training_section(b: &mut String, r: &Value) {
     if !t.is_null() {
         let _ = writeln!(
             b,
-            "<h2>Training</h2>\n<p>{} ({} mode): {}, {} parameters, global batch {}. Step {} ms (compute {} ms, exposed communication {} ms), MFU {}%. Peak HBM {} of {}.{}</p>",
+            "<h2>Training</h2>\n<p>{} ({} mode): {}, {} parameters, global batch {}. Step {} ms (compute {} ms{}, exposed communication {} ms), MFU {}%. Peak HBM {} of {}.{}</p>",
             esc(&text(&t["strategy"])),
             esc(&text(&t["eager"])),
             esc(&describe_model(&t["model"])),
@@ -531,6 +531,13 @@ fn training_section(b: &mut String, r: &Value) {
             text(&t["global_batch"]),
             short(num(&t["step_ms"])),
             short(num(&t["compute_ms"])),
+            match num(&t["hbm_wait_ms"]) {
+                ms if ms >= 0.0005 => format!(
+                    ", {} ms of it waiting for HBM beside communication",
+                    short(ms)
+                ),
+                _ => String::new(),
+            },
             short(num(&t["exposed_comm_ms"])),
             short(num(&t["mfu"]) * 100.0),
             size(num(&t["peak_hbm_bytes"])),
