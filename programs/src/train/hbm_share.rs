@@ -57,7 +57,8 @@ impl HbmShare {
     /// Communication that ended before `start` is forgotten (kernels are charged in order).
     pub fn run(&mut self, hw: &Hardware, start: Nanos, work: &Work) -> Nanos {
         self.busy.retain(|b| b.done > start);
-        if self.busy.is_empty() || work.hbm_bytes <= 0.0 {
+        // Nothing to share (and no bytes that could not be counted down).
+        if self.busy.is_empty() || work.hbm_bytes.is_nan() || work.hbm_bytes <= 0.0 {
             return work.time_ns(hw);
         }
         let bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency / 1e9;
