@@ -320,7 +320,9 @@ fn predict(
     let reports = rt
         .block_on(simulate(&cfg.pod, &cfg.hardware, spec))
         .map_err(failed)?;
-    // The step of the slowest chip (all chips are alike under the mirror).
+    // The step of the chip that finished last. On wraparound tori every chip is alike under
+    // the mirror; without wraparound chips at different positions compute for different
+    // times and wait for each other, so the step is the pod's and its split this chip's.
     let last_step = |r: &ChipTrainReport| r.steps.last().cloned();
     let step = reports
         .iter()
