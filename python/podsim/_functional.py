@@ -9,10 +9,10 @@ meta-mode collective), asynchronously like the real ones: ``wait_tensor`` (which
 calls before a result is used) waits for it, so the chip overlaps it with compute until then.
 """
 
-import torch
 import torch.distributed as dist
-# Registers torch's own kernels first, which `install` then replaces for the meta device.
-import torch.distributed._functional_collectives  # noqa: F401
+# Registers torch's own kernels first, which `install` then replaces for the meta device
+# through the same registration handle torch keeps for the namespace (`lib_impl`).
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
 _REDUCE_OPS = {
@@ -91,4 +91,4 @@ def install():
     _installed = True
     for kernel in (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, all_to_all_single,
                    wait_tensor):
-        torch.library.impl(f"_c10d_functional::{kernel.__name__}", "Meta", kernel)
+        funcol.lib_impl.impl(kernel.__name__, kernel, "Meta")
