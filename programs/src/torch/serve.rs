@@ -645,8 +645,7 @@ async fn serve_collective(
     if let (Some(s), Some(work)) = (stream, work) {
         served.stream_free[s] = done;
         served.in_flight.insert(work, done);
-        let moved = chip.stats().hbm_traffic().saturating_sub(hbm_before);
-        served.hbm.communicating(before, done, moved);
+        served.hbm.collective_ran(chip, before, hbm_before);
         chip.set_clock(issued_at);
     }
     served.step_comm_ns += spent;

@@ -16,10 +16,10 @@
 //! serves the cores and the DMA engines in turn). Communication keeps the times the link
 //! model gave it: it is what a kernel waits for that moves, not the reverse.
 
-use podsim_collectives::Nanos;
+use podsim_collectives::{Chip, Nanos};
 use podsim_topology::Hardware;
 
-use crate::train::kernels::Work;
+use crate::train::kernels::{Work, hbm_sustained};
 
 /// Communication in flight on one chip, as HBM bandwidth it takes over time.
 #[derive(Debug, Default)]
@@ -52,6 +52,13 @@ impl HbmShare {
         }
     }
 
+    /// The collective `chip` ran from `start` until its clock now, `traffic_before` being its
+    /// communication's HBM traffic (`ChipStats::hbm_traffic`) when the collective began.
+    pub fn collective_ran(&mut self, chip: &Chip, start: Nanos, traffic_before: u64) {
+        let moved = chip.stats().hbm_traffic().saturating_sub(traffic_before);
+        self.communicating(start, chip.clock(), moved);
+    }
+
     /// How long `work` takes when it starts at `start`, ns: its fixed cost, then the longer of
     /// its MXU time and the time its HBM traffic takes beside the communication in flight.
     /// Communication that ended before `start` is forgotten (kernels are charged in order).
@@ -61,7 +68,7 @@ impl HbmShare {
         if self.busy.is_empty() || work.hbm_bytes.is_nan() || work.hbm_bytes <= 0.0 {
             return work.time_ns(hw);
         }
-        let bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency / 1e9;
+        let bandwidth = hbm_sustained(hw) / 1e9;
         let alone = work.time_ns(hw);
         let from = start + work.overhead_ns;
         let mut t = from;
@@ -123,9 +130,14 @@ mod tests {
         Hardware::preset("v6e").unwrap()
     }
 
-    /// Bytes per ns a kernel streams with HBM to itself.
-    fn bandwidth(hw: &Hardware) -> f64 {
-        hw.hbm_bandwidth * hw.hbm_efficiency / 1e9
+    /// v6e, the bytes per ns a kernel streams there with HBM to itself, and communication
+    /// taking `fraction` of that from `start` to `done` ns.
+    fn beside(fraction: f64, start: f64, done: f64) -> (Hardware, f64, HbmShare) {
+        let hw = v6e();
+        let bw = hbm_sustained(&hw) / 1e9;
+        let mut share = HbmShare::default();
+        share.communicating(start, done, (fraction * bw * (done - start)) as u64);
+        (hw, bw, share)
     }
 
     fn streaming(bytes: f64) -> Work {
@@ -149,11 +161,8 @@ mod tests {
 
     #[test]
     fn a_streaming_kernel_yields_what_communication_takes() {
-        let hw = v6e();
-        let bw = bandwidth(&hw);
-        let mut share = HbmShare::default();
         // A quarter of the bandwidth, for longer than the kernel runs.
-        share.communicating(0.0, 1e9, (bw / 4.0 * 1e9) as u64);
+        let (hw, bw, mut share) = beside(0.25, 0.0, 1e9);
         let alone = 1000.0;
         let got = share.run(&hw, 0.0, &streaming(bw * alone));
         assert!((got - alone * 4.0 / 3.0).abs() < 1e-6 * alone, "{got}");
@@ -162,10 +171,7 @@ mod tests {
 
     #[test]
     fn a_kernel_bound_by_its_mxu_hides_communication_its_traffic_leaves_room_for() {
-        let hw = v6e();
-        let bw = bandwidth(&hw);
-        let mut share = HbmShare::default();
-        share.communicating(0.0, 1e9, (bw / 4.0 * 1e9) as u64);
+        let (hw, bw, mut share) = beside(0.25, 0.0, 1e9);
         let work = Work {
             mxu_ns: 1000.0,
             hbm_bytes: bw * 500.0,
@@ -176,11 +182,8 @@ mod tests {
 
     #[test]
     fn communication_that_ends_midway_slows_only_its_stretch() {
-        let hw = v6e();
-        let bw = bandwidth(&hw);
-        let mut share = HbmShare::default();
         // Half the bandwidth for the first 100 ns.
-        share.communicating(0.0, 100.0, (bw / 2.0 * 100.0) as u64);
+        let (hw, bw, mut share) = beside(0.5, 0.0, 100.0);
         let got = share.run(&hw, 0.0, &streaming(bw * 1000.0));
         // 100 ns at half speed move 50 ns of the kernel's bytes; 950 ns remain.
         assert!((got - 1050.0).abs() < 1e-3, "{got}");
@@ -193,10 +196,7 @@ mod tests {
 
     #[test]
     fn a_kernel_keeps_half_of_hbm_however_much_communication_wants() {
-        let hw = v6e();
-        let bw = bandwidth(&hw);
-        let mut share = HbmShare::default();
-        share.communicating(0.0, 1e6, (3.0 * bw * 1e6) as u64);
+        let (hw, bw, mut share) = beside(3.0, 0.0, 1e6);
         let got = share.run(&hw, 0.0, &streaming(bw * 100.0));
         assert!((got - 200.0).abs() < 1e-3, "{got}");
     }

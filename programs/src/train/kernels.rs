@@ -185,7 +185,12 @@ impl Work {
 /// Seconds to stream `bytes` through HBM at the sustained fraction of its bandwidth: what an
 /// element-wise or normalisation kernel's time is, before its fixed cost.
 pub fn hbm_stream_s(hw: &Hardware, bytes: f64) -> f64 {
-    bytes / (hw.hbm_bandwidth * hw.hbm_efficiency)
+    bytes / hbm_sustained(hw)
+}
+
+/// The HBM bandwidth a streaming kernel sustains, bytes/s.
+pub fn hbm_sustained(hw: &Hardware) -> f64 {
+    hw.hbm_bandwidth * hw.hbm_efficiency
 }
 
 /// The kernels of one step of work (a layer's forward, an op's backward), in order.

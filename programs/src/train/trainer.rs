@@ -367,11 +367,8 @@ impl Timeline {
         chip.set_trace_stream(podsim_collectives::DEFAULT_STREAM);
         self.stream_free[issued.stream as usize] = done;
         self.comm_ns += done - issued.start;
-        let moved = chip
-            .stats()
-            .hbm_traffic()
-            .saturating_sub(issued.hbm_traffic);
-        self.hbm.communicating(issued.start, done, moved);
+        self.hbm
+            .collective_ran(chip, issued.start, issued.hbm_traffic);
         if issued.overlap {
             chip.set_clock(issued.issued_at);
             self.outstanding = self.outstanding.max(done);
