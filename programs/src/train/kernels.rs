@@ -230,11 +230,6 @@ impl Cost {
         self.kernels.iter().map(Kernel::flops).sum()
     }
 
-    /// Time of every kernel on `hw`, ns.
-    pub fn time_ns(&self, hw: &Hardware, elem_bytes: f64) -> f64 {
-        self.kernels.iter().map(|k| k.time_ns(hw, elem_bytes)).sum()
-    }
-
     /// What each kernel asks of `hw`, in order.
     pub fn works<'c>(
         &'c self,
