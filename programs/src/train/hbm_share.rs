@@ -64,12 +64,12 @@ impl HbmShare {
     /// Communication that ended before `start` is forgotten (kernels are charged in order).
     pub fn run(&mut self, hw: &Hardware, start: Nanos, work: &Work) -> Nanos {
         self.busy.retain(|b| b.done > start);
+        let alone = work.time_ns(hw);
         // Nothing to share (and no bytes that could not be counted down).
         if self.busy.is_empty() || work.hbm_bytes.is_nan() || work.hbm_bytes <= 0.0 {
-            return work.time_ns(hw);
+            return alone;
         }
         let bandwidth = hbm_sustained(hw) / 1e9;
-        let alone = work.time_ns(hw);
         let from = start + work.overhead_ns;
         let mut t = from;
         let mut left = work.hbm_bytes;
