@@ -140,7 +140,12 @@ PYTHONPATH="$PWD/python" PODSIM_PYTHON="$py" "$py" scripts/torch_tests.py --pods
 wait $unit || failed_unit=1
 cat "$log.python"
 cat "$log.python" >> "$log"
-[ -z "${failed_torch:-}${failed_unit:-}" ] || { echo "a torch case or a unit test of the Python package failed (above)" >&2; exit 1; }
+if [ -n "${failed_torch:-}${failed_unit:-}" ]; then
+    # The failed cases once more, last, where a log's tail shows them.
+    grep -a '^torch test FAILED' "$log" | cut -c1-1500 >&2 || true
+    echo "a torch case or a unit test of the Python package failed (above)" >&2
+    exit 1
+fi
 phase "python and torch tests"
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) } }
      /^torch tests:/ { p += $3; f += $5 }

@@ -1254,10 +1254,14 @@ def main():
     total = len(cases) + len(timed)
     if failed:
         print(f"the cases' folders are kept in {tempfile.tempdir}")
+        # Named again at the end: with cases printed as they end, a failure early in the run
+        # is far above the tail a CI log shows.
+        for line in failed:
+            print(line)
     else:
         shutil.rmtree(tempfile.tempdir, ignore_errors=True)
-    print(f"torch tests: {total - failed} passed, {failed} failed")
-    sys.exit(failed)
+    print(f"torch tests: {total - len(failed)} passed, {len(failed)} failed")
+    sys.exit(len(failed))
 
 
 def shared_rank_server():
@@ -1276,7 +1280,7 @@ def shared_rank_server():
 
 def run_cases(cases, jobs):
     """Runs `cases` (name, function), `jobs` at a time, printing each as it ends; returns
-    how many failed."""
+    the lines of those that failed."""
     def one(case):
         name, fn = case
         started = time.monotonic()
@@ -1285,11 +1289,12 @@ def run_cases(cases, jobs):
         except Exception as e:  # a case that breaks is a failure, not the end of the run
             ok, detail = False, f"{type(e).__name__}: {e}"
         took = time.monotonic() - started
-        print(f"torch test {'ok' if ok else 'FAILED'}: {name}: {detail} [{took:.1f} s]", flush=True)
-        return ok
+        line = f"torch test {'ok' if ok else 'FAILED'}: {name}: {detail} [{took:.1f} s]"
+        print(line, flush=True)
+        return None if ok else line
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
-        return sum(not ok for ok in pool.map(one, cases))
+        return [line for line in pool.map(one, cases) if line]
 
 
 if __name__ == "__main__":
