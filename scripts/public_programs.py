@@ -124,7 +124,8 @@ def compare(prog, args):
     mine, theirs = os.path.join(work, "podsim.pt"), os.path.join(work, "gloo.pt")
     ours_wall = run([args.podsim, "run", "--topology", prog.topology, "--out", out, "--",
                      sys.executable, FINAL_PARAMS, mine, prog.script, *prog.args], ours, env)
-    ref_wall = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+    # `--standalone`: a free port, not torchrun's fixed 29500 (another job may hold it).
+    ref_wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                     str(prog.ranks), FINAL_PARAMS, theirs, prog.script, *prog.args], ref, env)
     worst, where = largest_difference(mine, theirs, prog.ranks)
     with open(os.path.join(out, "report.json")) as f:

@@ -53,8 +53,10 @@ def podsim_run(args, topology, script, *script_args, extra_env=None, flags=()):
 
 
 def torchrun(nproc, script, *script_args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           os.path.join(EXAMPLES, script), *script_args]
+    # `--standalone`: its rendezvous on a free port of this host. Without it torchrun takes
+    # 29500, and two references made at once (cases run two at a time) fail each other.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(nproc), os.path.join(EXAMPLES, script), *script_args]
     return run(cmd)
 
 
