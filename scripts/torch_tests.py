@@ -289,9 +289,9 @@ def case_shared_server_killed(args):
     with open(os.path.join(out, "report.json")) as f:
         kind = (json.load(f).get("hang") or {}).get("kind")
     left = [pid for pid in forked if _alive(pid)]
-    # A rank that printed the stub's words and exited 1 is judged a dead worker or a program
-    # error by which the worker sees first (both name it); never a hang or ok.
-    ok = (len(forked) == 4 and (p.returncode, kind) in ((3, "dead_worker"), (1, "program_error"))
+    # Its stub dies as the forked rank did (SIGKILL), so a dead worker whenever the server
+    # went: before, one killed before its rank connected exited 1 as a program error.
+    ok = (len(forked) == 4 and (p.returncode, kind) == (3, "dead_worker")
           and not left and "the rank server ended before this rank did" in said)
     return ok, f"exit {p.returncode} {took:.1f} s after the kill, {kind}, {len(left)} ranks left"
 

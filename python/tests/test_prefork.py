@@ -135,6 +135,31 @@ class RankServer(unittest.TestCase):
             time.sleep(0.05)
         self.assertFalse(_alive(rank[0]), "the forked rank outlived its stub")
 
+    def test_a_server_gone_mid_conversation_ends_the_stub_as_its_rank_died(self):
+        # A server that takes the stub's request and ends without a word (killed, its
+        # forked rank killed with it): the stub dies by SIGKILL, as the rank did, saying why;
+        # an exit code would read as the program's own failure.
+        import socket
+        name = f"podsim-test-gone-{os.getpid()}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + name)
+        listener.listen(1)
+        env = dict(os.environ, PODSIM_PREFORK_SOCKET=name, RANK="0")
+        p = subprocess.Popen([sys.executable, "-S", "-c", self.stub, "-c", "pass"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            listener.settimeout(30)
+            conn, _ = listener.accept()
+            conn.recv(1 << 16)
+            conn.close()
+            _, err = p.communicate(timeout=30)
+        finally:
+            p.kill()
+            p.wait()
+            listener.close()
+        self.assertEqual(p.returncode, -signal.SIGKILL)
+        self.assertIn("the rank server ended before this rank did", err)
+
 
     # What a server runs is what it imported: a stub of another interpreter or another
     # `PYTHONPATH` is refused, saying why; the job's own environment reaches podsim's boot.

@@ -10,6 +10,17 @@ import struct
 import sys
 import time
 
+
+def server_gone(why):
+    """The rank server is gone (or never answered): the forked rank, if there was one, died
+    with it (its parent-death signal). This process, which stands for the rank, dies the
+    same way, so that its worker judges a dead rank whenever it happened - not the
+    program's own failure, as an exit code before the rank connected would read."""
+    sys.stderr.write(f"podsim: {why}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 deadline = time.monotonic() + 30
 while True:
@@ -18,8 +29,7 @@ while True:
         break
     except OSError as e:
         if time.monotonic() > deadline:
-            sys.stderr.write(f"podsim: cannot reach the rank server {os.environ['PODSIM_PREFORK_SOCKET']}: {e}\n")
-            os._exit(1)
+            server_gone(f"cannot reach the rank server {os.environ['PODSIM_PREFORK_SOCKET']}: {e}")
         time.sleep(0.05)
 body = json.dumps({
     "python": sys.executable,
@@ -28,13 +38,13 @@ body = json.dumps({
     "cwd": os.getcwd(),
     "pgid": os.getpgrp(),
 }).encode()
-socket.send_fds(conn, [struct.pack("!I", len(body)) + body], [0, 1, 2])
 said = b""
-while True:
-    chunk = conn.recv(4096)
-    if not chunk:
-        break
-    said += chunk
+try:
+    socket.send_fds(conn, [struct.pack("!I", len(body)) + body], [0, 1, 2])
+    while chunk := conn.recv(4096):
+        said += chunk
+except OSError:
+    pass  # the server went mid-conversation: what it said, if anything, is below
 for line in said.decode(errors="replace").splitlines():
     what, _, value = line.partition(" ")
     if what == "refused":
@@ -47,5 +57,4 @@ for line in said.decode(errors="replace").splitlines():
         os.kill(os.getpid(), int(value))
         time.sleep(1)
         os._exit(128 + int(value))
-sys.stderr.write("podsim: the rank server ended before this rank did\n")
-os._exit(1)
+server_gone("the rank server ended before this rank did")
