@@ -388,6 +388,9 @@ pub enum Compared {
 pub fn compare_file(path: &Path, sets: &[String]) -> Result<Compared, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    // A spreadsheet's UTF-8 export starts with a byte-order mark, which would make the first
+    // column `\u{feff}id` and the file "missing column id".
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let mut lines = text
         .lines()
         .enumerate()
@@ -545,6 +548,32 @@ mod tests {
     fn cells_split_on_commas_outside_quotes() {
         assert_eq!(csv_cells("a,\"b, c\",\"d\"\"\""), vec!["a", "b, c", "d\""]);
         assert_eq!(csv_cells("x,,y"), vec!["x", "", "y"]);
+    }
+
+    #[test]
+    fn a_file_saved_with_a_byte_order_mark_and_crlf_reads_as_without() {
+        let published =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/validation/published.csv");
+        let text = std::fs::read_to_string(&published).unwrap();
+        let first_rows: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .take(2)
+            .collect();
+        let dir = std::env::temp_dir().join(format!("podsim-compare-bom-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let plain = dir.join("plain.csv");
+        let marked = dir.join("marked.csv");
+        std::fs::write(&plain, first_rows.join("\n")).unwrap();
+        std::fs::write(&marked, format!("\u{feff}{}\r\n", first_rows.join("\r\n"))).unwrap();
+        let step = |path: &Path| match compare_file(path, &[]) {
+            Ok(Compared::Training(rows)) => rows.iter().map(|r| r.predicted_step_s).collect(),
+            other => panic!("{other:?}"),
+        };
+        let (a, b): (Vec<f64>, Vec<f64>) = (step(&plain), step(&marked));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(a.len(), 1);
+        assert_eq!(a, b);
     }
 
     #[test]
