@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1283,6 +1284,8 @@ def shared_rank_server():
 def run_cases(cases, jobs):
     """Runs `cases` (name, function), `jobs` at a time, printing each as it ends; returns
     the lines of those that failed."""
+    printing = threading.Lock()
+
     def one(case):
         name, fn = case
         started = time.monotonic()
@@ -1292,7 +1295,11 @@ def run_cases(cases, jobs):
             ok, detail = False, f"{type(e).__name__}: {e}"
         took = time.monotonic() - started
         line = f"torch test {'ok' if ok else 'FAILED'}: {name}: {detail} [{took:.1f} s]"
-        print(line, flush=True)
+        # One write under a lock: `print` writes the text and its newline apart, and two
+        # cases ending together could share a line (hiding a FAILED from `grep ^`).
+        with printing:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
         return None if ok else line
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
