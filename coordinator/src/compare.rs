@@ -37,10 +37,9 @@ use podsim_topology::{Hardware, Pod};
 use serde::Serialize;
 
 use crate::compare_collectives::{self, CollectiveComparison};
-use crate::compare_rows::{Row, require_columns};
+use crate::compare_rows::{Row, Table, require_columns};
 pub use crate::compare_rows::{Summary, summarise_errors};
 use crate::config;
-use crate::csv::csv_cells;
 use crate::{CliError, JobStatus};
 
 /// Columns a row must have (others are ignored).
@@ -109,6 +108,9 @@ pub struct Comparison {
     pub simulated_chips: u32,
 }
 
+/// The most chips a row may need simulated one by one (see `predict`).
+const MOST_SIMULATED_CHIPS: u32 = 1024;
+
 /// The meta-mode job of one row, as config text. One step: in meta mode nothing warms up
 /// (no caches, no compilation), so the first step is already the steady one.
 fn job_toml(row: &Row<'_>) -> Result<String, String> {
@@ -121,7 +123,10 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
             Ok(n) => Ok(n),
         })
         .collect::<Result<_, _>>()?;
-    let per_slice: u64 = dims.iter().product();
+    let per_slice = dims
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| row.bad("topology", "more chips than can be counted"))?;
     let wrap = wraparound(row, dims.len())?;
     let slices = row.positive("slices")?;
     let (tp, dp) = parallelism(row, per_slice, slices)?;
@@ -136,7 +141,7 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
     if let Some(a) = row.optional("attention") {
         a.parse::<AttentionKind>()
             .map_err(|why| row.bad("attention", &why))?;
-        model.push_str(&format!("attention = {a:?}\n"));
+        model.push_str(&format!("attention = {}\n", toml_string(a)));
     }
     match row.optional("bias") {
         None => {}
@@ -144,12 +149,12 @@ fn job_toml(row: &Row<'_>) -> Result<String, String> {
         Some(_) => return Err(row.bad("bias", "expected true or false")),
     }
     Ok(format!(
-        r#"name = "compare-{id}"
+        r#"name = {name}
 [topology]
-shape = "{topology}"
+shape = {topology}
 wraparound = {wrap}
 slices = {slices}
-hardware = "{hardware}"
+hardware = {hardware}
 [launch]
 workers = 1
 [job]
@@ -159,7 +164,7 @@ mode = "meta"
 eager = "fused"
 steps = 1
 batch = {batch}
-remat = {remat:?}
+remat = {remat}
 [job.model]
 kind = "transformer"
 {model}tied_embeddings = {tied}
@@ -167,9 +172,27 @@ dtype = "bf16"
 [job.optimizer]
 kind = "adamw"
 "#,
-        id = row.get("id"),
-        remat = row.get("remat"),
+        name = toml_string(&format!("compare-{}", row.get("id"))),
+        topology = toml_string(topology),
+        hardware = toml_string(hardware),
+        remat = toml_string(row.get("remat")),
     ))
+}
+
+/// `s` as a TOML basic string: a cell's text stays one value whatever it holds (a quote or a
+/// `#` ended the value early and the rest was read as TOML).
+fn toml_string(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// A row's tensor-parallel and data-parallel degrees, after checking its parallelism covers
@@ -185,20 +208,23 @@ fn parallelism(row: &Row<'_>, per_slice: u64, slices: u64) -> Result<(u64, u64),
         Some(_) => row.positive("dcn_fsdp")?,
     };
     // Each pair of degrees must multiply to what it divides: a slice's chips, the slices.
-    let covers = |column: &str, other: &str, product: u64, count: u64, whole: &str| {
-        if product == count {
-            Ok(())
-        } else {
-            Err(row.bad(
-                column,
-                &format!("{column} x {other} = {product} but {whole}"),
-            ))
-        }
+    let covers = |column: &str, other: &str, (a, b): (u64, u64), count: u64, whole: &str| match a
+        .checked_mul(b)
+    {
+        Some(product) if product == count => Ok(()),
+        Some(product) => Err(row.bad(
+            column,
+            &format!("{column} x {other} = {product} but {whole}"),
+        )),
+        None => Err(row.bad(
+            column,
+            &format!("{column} x {other} is more than can be counted; {whole}"),
+        )),
     };
     let chips = format!("the slice has {per_slice} chips");
-    covers("ici_fsdp", "ici_tp", fsdp * tp, per_slice, &chips)?;
+    covers("ici_fsdp", "ici_tp", (fsdp, tp), per_slice, &chips)?;
     let all_slices = format!("there are {slices} slices");
-    covers("dcn_dp", "dcn_fsdp", dp * dcn_fsdp, slices, &all_slices)?;
+    covers("dcn_dp", "dcn_fsdp", (dp, dcn_fsdp), slices, &all_slices)?;
     if dp > 1 && dcn_fsdp > 1 {
         // The mesh puts replicas on the outermost axis, DCN, which is never split.
         return Err(row.bad(
@@ -286,7 +312,7 @@ fn model_keys(row: &Row<'_>) -> Result<(String, &'static str), String> {
         model.push_str(&format!("{column} = {}\n", row.positive(column)?));
     }
     for column in ["mlp", "block"] {
-        model.push_str(&format!("{column} = {:?}\n", row.get(column)));
+        model.push_str(&format!("{column} = {}\n", toml_string(row.get(column))));
     }
     let tied = match row.get("tied_embeddings") {
         "true" => "true",
@@ -302,10 +328,8 @@ fn predict(
     sets: &[String],
     rt: &tokio::runtime::Runtime,
 ) -> Result<Comparison, String> {
-    let measured: f64 = row.number("measured_step_s")?;
-    if !(measured > 0.0 && measured.is_finite()) {
-        return Err(row.bad("measured_step_s", "must be a positive number of seconds"));
-    }
+    // A microsecond to eleven days.
+    let measured = row.measured("measured_step_s", (1e-6, 1e6), "seconds")?;
     let text = job_toml(row)?;
     let cfg = config::from_text(
         &format!("row {} ({})", row.line, row.get("id")),
@@ -316,6 +340,19 @@ fn predict(
     let Program::Train(spec) = &cfg.program else {
         return Err(format!("row {}: not a training job", row.line));
     };
+    // A mirror chip stands for every chip alike; without wraparound each position along an
+    // axis is its own, and a large such pod would take minutes to hours a row.
+    let simulated = spec.symmetry(&cfg.pod).classes();
+    if simulated > MOST_SIMULATED_CHIPS {
+        return Err(row.bad(
+            "wraparound",
+            &format!(
+                "without wraparound this pod's chips are {simulated} different cases, more than \
+                 compare simulates ({MOST_SIMULATED_CHIPS}; slices without wraparound have at \
+                 most 256 chips)"
+            ),
+        ));
+    }
     let failed = |e: ProgramError| format!("row {} ({}): {e}", row.line, row.get("id"));
     let reports = rt
         .block_on(simulate(&cfg.pod, &cfg.hardware, spec))
@@ -386,59 +423,27 @@ pub enum Compared {
 /// timings when its header has their columns (`compare_collectives`), of training runs
 /// otherwise.
 pub fn compare_file(path: &Path, sets: &[String]) -> Result<Compared, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    // A spreadsheet's UTF-8 export starts with a byte-order mark, which would make the first
-    // column `\u{feff}id` and the file "missing column id".
-    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let mut lines = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'));
-    let header: Vec<String> = lines
-        .next()
-        .map(|(_, l)| {
-            csv_cells(l)
-                .into_iter()
-                .map(|c| c.trim().to_string())
-                .collect()
-        })
-        .ok_or_else(|| format!("{}: empty file", path.display()))?;
-    if compare_collectives::recognises(&header) {
+    let table = Table::read(path)?;
+    if compare_collectives::recognises(&table.header) {
         let overrides = config::hardware_from_sets(sets)?;
-        return compare_collectives::compare_rows(path, &header, lines, &overrides)
+        return compare_collectives::compare_rows(path, &table, &overrides)
             .map(Compared::Collectives);
     }
-    compare_training(path, &header, lines, sets).map(Compared::Training)
+    compare_training(path, &table, sets).map(Compared::Training)
 }
 
-fn compare_training<'a>(
+fn compare_training(
     path: &Path,
-    header: &[String],
-    lines: impl Iterator<Item = (usize, &'a str)>,
+    table: &Table,
     sets: &[String],
 ) -> Result<Vec<Comparison>, String> {
-    require_columns(path, header, &COLUMNS)?;
+    require_columns(path, &table.header, &COLUMNS)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let mut out = Vec::new();
-    for (i, line) in lines {
-        let row = Row {
-            line: i + 1,
-            header,
-            cells: csv_cells(line),
-        };
-        if row.cells.len() < header.len() {
-            return Err(format!(
-                "{}: row {} has {} cells, the header {}",
-                path.display(),
-                row.line,
-                row.cells.len(),
-                header.len()
-            ));
-        }
+    for row in table.rows() {
         for column in COLUMNS {
             if row.get(column).is_empty() {
                 return Err(format!(
@@ -449,9 +454,6 @@ fn compare_training<'a>(
             }
         }
         out.push(predict(&row, sets, &rt).map_err(|e| format!("{}: {e}", path.display()))?);
-    }
-    if out.is_empty() {
-        return Err(format!("{}: no rows", path.display()));
     }
     Ok(out)
 }
@@ -546,8 +548,11 @@ mod tests {
 
     #[test]
     fn cells_split_on_commas_outside_quotes() {
-        assert_eq!(csv_cells("a,\"b, c\",\"d\"\"\""), vec!["a", "b, c", "d\""]);
-        assert_eq!(csv_cells("x,,y"), vec!["x", "", "y"]);
+        assert_eq!(
+            crate::csv::csv_cells("a,\"b, c\",\"d\"\"\""),
+            vec!["a", "b, c", "d\""]
+        );
+        assert_eq!(crate::csv::csv_cells("x,,y"), vec!["x", "", "y"]);
     }
 
     #[test]
@@ -574,6 +579,68 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(a.len(), 1);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn a_cell_is_one_toml_value_whatever_it_holds() {
+        for s in [
+            "v5p",
+            "v5p\" #x",
+            "a\\b",
+            "tab\there",
+            "\u{1b}[31m",
+            "é \u{85}",
+        ] {
+            let doc: toml::Table = toml::from_str(&format!("k = {}", toml_string(s))).unwrap();
+            assert_eq!(doc["k"].as_str(), Some(s));
+        }
+    }
+
+    #[test]
+    fn absurd_shapes_are_refused_naming_their_column_before_any_simulation() {
+        let published =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/validation/published.csv");
+        let text = std::fs::read_to_string(&published).unwrap();
+        let mut lines = text.lines().filter(|l| !l.starts_with('#'));
+        let header = lines.next().unwrap();
+        let a1 = lines.next().unwrap();
+        let column = |name: &str| header.split(',').position(|h| h == name).unwrap();
+        let dir =
+            std::env::temp_dir().join(format!("podsim-compare-absurd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cases: [(&[(&str, &str)], &str); 4] = [
+            (
+                &[("topology", "4294967296x4294967296x2")],
+                "column topology",
+            ),
+            (
+                &[("ici_fsdp", "9223372036854775808"), ("ici_tp", "2")],
+                "column ici_fsdp",
+            ),
+            // 4,096 chips without wraparound: each its own case (minutes a row before).
+            (
+                &[
+                    ("topology", "64x64"),
+                    ("wraparound", "false"),
+                    ("ici_fsdp", "4096"),
+                    ("ici_tp", "1"),
+                ],
+                "column wraparound",
+            ),
+            // CSV-quoted: the cell is `v5p" #x`, once accepted as v5p (the rest a comment).
+            (&[("hardware", "\"v5p\"\" #x\"")], "hardware"),
+        ];
+        for (i, (set, want)) in cases.iter().enumerate() {
+            let mut cells: Vec<&str> = a1.split(',').collect();
+            for (name, value) in set.iter() {
+                cells[column(name)] = value;
+            }
+            let path = dir.join(format!("{i}.csv"));
+            std::fs::write(&path, format!("{header}\n{}\n", cells.join(","))).unwrap();
+            let err = compare_file(&path, &[]).unwrap_err();
+            assert!(err.contains(want), "{want}: {err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

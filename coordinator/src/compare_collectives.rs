@@ -25,7 +25,7 @@ use podsim_topology::{Group, Hardware, HardwareOverrides, Pod, Torus};
 use serde::Serialize;
 
 use crate::bench::{BenchPlan, run_in_process};
-use crate::compare_rows::{Row, Summary, require_columns, summarise_errors};
+use crate::compare_rows::{Row, Summary, Table, require_columns, summarise_errors};
 
 /// Columns that mark a file of collective timings (with `id`, the ones a row must have).
 pub const COLUMNS: [&str; 11] = [
@@ -164,6 +164,38 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
     let axes = group_axes(row, &torus)?;
     let group = Group::parse(&axes, &pod).map_err(|e| row.bad("group", &e.to_string()))?;
     let n = u64::from(group.size(&pod));
+    if n < 2 {
+        return Err(row.bad("group", "a group of one chip has nothing to communicate"));
+    }
+    let size = collective_bytes(row, op, dtype, n, &hardware)?;
+    let flags = format!(
+        "--hardware {hardware_name} --topology {shape}{} --slices {slices} --collective {op_name} \
+         --group {axes} --dtype {} --sizes {size} --mode meta",
+        if wrap { "" } else { " --no-wrap" },
+        row.first_word("dtype"),
+    );
+    let comm = Comm {
+        group,
+        algo: Algo::Torus,
+        dtype,
+        verify: false,
+    };
+    Ok(Case {
+        plan: BenchPlan::meta_in_process(pod, hardware, op, comm, ReduceOp::Sum, size),
+        flags,
+    })
+}
+
+/// The bytes of the collective a row describes (`podsim bench --sizes`: an all-gather's output,
+/// every other collective's input), from its `bytes_per_chip` read by its `bytes_convention`,
+/// for a group of `n` chips.
+fn collective_bytes(
+    row: &Row<'_>,
+    op: OpKind,
+    dtype: DType,
+    n: u64,
+    hardware: &Hardware,
+) -> Result<u64, String> {
     let convention = row.get("bytes_convention").to_ascii_lowercase();
     let summed_on_chip = matches!(op, OpKind::AllReduce | OpKind::ReduceScatter)
         && row
@@ -186,43 +218,35 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
     let size = match op {
         OpKind::AllGather => input * n as f64,
         _ => input,
-    } as u64;
-    let flags = format!(
-        "--hardware {hardware_name} --topology {shape}{} --slices {slices} --collective {op_name} \
-         --group {axes} --dtype {} --sizes {size} --mode meta",
-        if wrap { "" } else { " --no-wrap" },
-        row.first_word("dtype"),
-    );
-    let comm = Comm {
-        group,
-        algo: Algo::Torus,
-        dtype,
-        verify: false,
     };
-    Ok(Case {
-        plan: BenchPlan::meta_in_process(pod, hardware, op, comm, ReduceOp::Sum, size),
-        flags,
-    })
+    // At least one element a chip; at most what `podsim bench --sizes` takes, 10^15 bytes.
+    if input < dtype.size() as f64 || size > 1e15 {
+        return Err(row.bad(
+            "bytes_per_chip",
+            &format!(
+                "makes a collective of {input:e} bytes a chip, {size:e} in all: from one \
+                 element a chip to 1e15 bytes in all"
+            ),
+        ));
+    }
+    Ok(size as u64)
 }
 
 /// Predicts every row of a file of collective timings whose header is `header` (stops at the
 /// first row it cannot express).
-pub fn compare_rows<'a>(
+pub(crate) fn compare_rows(
     path: &Path,
-    header: &[String],
-    lines: impl Iterator<Item = (usize, &'a str)>,
+    table: &Table,
     overrides: &HardwareOverrides,
 ) -> Result<Vec<CollectiveComparison>, String> {
-    require_columns(path, header, &COLUMNS)?;
+    require_columns(path, &table.header, &COLUMNS)?;
     let mut out = Vec::new();
-    for (i, line) in lines {
-        let row = Row {
-            line: i + 1,
-            header,
-            cells: crate::csv::csv_cells(line),
-        };
+    for row in table.rows() {
         let at = |e: String| format!("{}: {e}", path.display());
-        let measured = row.positive_number("measured_us").map_err(at)?;
+        // A nanosecond to eleven days.
+        let measured = row
+            .measured("measured_us", (1e-3, 1e12), "us")
+            .map_err(at)?;
         let case = case(&row, overrides).map_err(at)?;
         let (rows, _) = run_in_process(&case.plan, |_| {})
             .map_err(|e| at(format!("row {} ({}): {e}", row.line, row.get("id"))))?;
@@ -234,9 +258,6 @@ pub fn compare_rows<'a>(
             error_pct: (predicted / measured - 1.0) * 100.0,
             bench: case.flags,
         });
-    }
-    if out.is_empty() {
-        return Err(format!("{}: no rows", path.display()));
     }
     Ok(out)
 }
@@ -376,6 +397,9 @@ mod tests {
             (6, "the whole thing", "column group"),
             (7, "fp8", "column dtype"),
             (8, "-5", "column bytes_per_chip"),
+            // Past what a collective is (the size overflowed into a panic), and below an element.
+            (8, "1e30", "column bytes_per_chip"),
+            (8, "1", "column bytes_per_chip"),
             (9, "total", "column bytes_convention"),
         ];
         for (column, value, want) in cases {
@@ -387,9 +411,13 @@ mod tests {
             };
             assert!(err.contains("row 3 (r)") && err.contains(want), "{err}");
         }
-        let mut cells = GOOD;
-        cells[10] = "NaN";
-        let err = row(&h, &cells).positive_number("measured_us").unwrap_err();
-        assert!(err.contains("column measured_us"), "{err}");
+        for absurd in ["NaN", "1e-300", "1e300", "-680"] {
+            let mut cells = GOOD;
+            cells[10] = absurd;
+            let err = row(&h, &cells)
+                .measured("measured_us", (1e-3, 1e12), "us")
+                .unwrap_err();
+            assert!(err.contains("column measured_us"), "{err}");
+        }
     }
 }

@@ -1,9 +1,129 @@
 //! A compared file's rows by column name and the summary of their errors, shared by the
 //! comparison of training runs (`compare`) and of collective timings (`compare_collectives`).
 
+use std::collections::HashMap;
+use std::io::Read;
 use std::path::Path;
 
 use serde::Serialize;
+
+use crate::csv::csv_cells;
+
+/// The largest file `podsim compare` reads: thousands of times its tables' size, and bounded,
+/// so that a device or a wrong file (`/dev/zero`, a log) is refused instead of read into memory.
+const MOST_BYTES: u64 = 16 << 20;
+
+/// A compared file, read and checked: its header (each name once) and its rows (each with one
+/// cell per column, each `id` once). Blank lines and lines starting with `#` are comments.
+#[derive(Debug)]
+pub(crate) struct Table {
+    pub header: Vec<String>,
+    /// (line number, cells) of each row.
+    pub rows: Vec<(usize, Vec<String>)>,
+}
+
+impl Table {
+    /// Reads and checks `path`; every problem names the file and, where there is one, the row.
+    pub(crate) fn read(path: &Path) -> Result<Table, String> {
+        let at = |why: String| format!("{}: {why}", path.display());
+        let text = read_bounded(path).map_err(at)?;
+        // A spreadsheet's UTF-8 export starts with a byte-order mark, which would make the
+        // first column `\u{feff}id` and the file "missing column id".
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        let mut lines = text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'));
+        let (_, first) = lines.next().ok_or_else(|| at("empty file".into()))?;
+        let header: Vec<String> = csv_cells(first)
+            .into_iter()
+            .map(|c| c.trim().to_string())
+            .collect();
+        let mut seen = HashMap::new();
+        for (i, name) in header.iter().enumerate() {
+            if let Some(before) = seen.insert(name.as_str(), i) {
+                return Err(at(format!(
+                    "column {name:?} appears twice in the header (columns {} and {})",
+                    before + 1,
+                    i + 1
+                )));
+            }
+        }
+        let mut rows = Vec::new();
+        for (i, raw) in lines {
+            let cells = csv_cells(raw);
+            // A quote left open swallows the rest of the line into one cell.
+            if raw.matches('"').count() % 2 == 1 {
+                let column = header.get(cells.len() - 1).map_or("?", String::as_str);
+                return Err(at(format!(
+                    "row {}, column {column}: a quote opened there is never closed",
+                    i + 1
+                )));
+            }
+            if cells.len() != header.len() {
+                return Err(at(cell_count_error(i + 1, cells.len(), &header)));
+            }
+            rows.push((i + 1, cells));
+        }
+        let id = header.iter().position(|h| h == "id");
+        let mut ids: HashMap<&str, usize> = HashMap::new();
+        for (line, cells) in &rows {
+            let Some(id) = id.map(|i| cells[i].trim()) else {
+                continue;
+            };
+            if let Some(first) = ids.insert(id, *line) {
+                return Err(at(format!(
+                    "row {line}: id {id:?} is also row {first}'s (each row needs its own)"
+                )));
+            }
+        }
+        if rows.is_empty() {
+            return Err(at("no rows".into()));
+        }
+        Ok(Table { header, rows })
+    }
+
+    /// Its rows by column name.
+    pub(crate) fn rows(&self) -> impl Iterator<Item = Row<'_>> {
+        self.rows.iter().map(|(line, cells)| Row {
+            line: *line,
+            header: &self.header,
+            cells: cells.clone(),
+        })
+    }
+}
+
+/// `path`'s text, if it is a file of at most [`MOST_BYTES`].
+fn read_bounded(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("not a file".into());
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MOST_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    if bytes.len() as u64 > MOST_BYTES {
+        return Err(format!(
+            "larger than {} MiB: not a table of measurements",
+            MOST_BYTES >> 20
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
+}
+
+/// Why a row's cells do not match the header: the row, both counts, and the first column left
+/// without a cell when there are too few.
+fn cell_count_error(line: usize, cells: usize, header: &[String]) -> String {
+    let detail = match header.get(cells) {
+        Some(column) => format!("no cell for column {column} or those after it"),
+        None => format!("{} more than there are columns", cells - header.len()),
+    };
+    format!(
+        "row {line} has {cells} cells, the header {}: {detail}",
+        header.len()
+    )
+}
 
 /// The whole file's agreement.
 #[derive(Debug, Clone, Serialize)]
@@ -70,6 +190,23 @@ impl Row<'_> {
         }
     }
 
+    /// A measured time in `lo..=hi` of `unit` (a time outside that was not measured: a typo
+    /// or a unit mixed up, whose error would print as a number of hundreds of digits).
+    pub(crate) fn measured(
+        &self,
+        column: &str,
+        (lo, hi): (f64, f64),
+        unit: &str,
+    ) -> Result<f64, String> {
+        match self.get(column).parse::<f64>() {
+            Ok(v) if (lo..=hi).contains(&v) => Ok(v),
+            _ => Err(self.bad(
+                column,
+                &format!("must be a time from {lo:e} to {hi:e} {unit}"),
+            )),
+        }
+    }
+
     pub(crate) fn positive(&self, column: &str) -> Result<u64, String> {
         match self.number::<u64>(column)? {
             0 => Err(self.bad(column, "must be at least 1")),
@@ -124,5 +261,99 @@ pub fn summarise_errors<'a>(
         max_abs_error_pct: errors.last().copied().unwrap_or(0.0),
         worst,
         out_of_memory,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Table::read` of a file holding `text`, or its error.
+    fn read(name: &str, text: &[u8]) -> Result<Table, String> {
+        let dir = std::env::temp_dir().join(format!("podsim-table-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.csv");
+        std::fs::write(&path, text).unwrap();
+        let got = Table::read(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
+        got
+    }
+
+    #[test]
+    fn a_good_file_reads_with_its_comments_blank_lines_and_quoted_commas() {
+        let t = read("good", b"# a note\nid,a,b\n\nr1,1,\"x, y\"\r\nr2,2,z\n").unwrap();
+        assert_eq!(t.header, ["id", "a", "b"]);
+        let rows: Vec<_> = t.rows().map(|r| (r.line, r.get("b").to_string())).collect();
+        assert_eq!(rows, [(4, "x, y".to_string()), (5, "z".to_string())]);
+        let marked = read("bom", b"\xef\xbb\xbfid,a\nr,1\n").unwrap();
+        assert_eq!(marked.header, ["id", "a"]);
+    }
+
+    #[test]
+    fn every_malformed_table_is_refused_naming_where() {
+        let cases: [(&str, &[u8], &str); 8] = [
+            (
+                "dup-column",
+                b"id,a,a\nr,1,2\n",
+                "column \"a\" appears twice",
+            ),
+            (
+                "extra",
+                b"id,a\nr,1,2\n",
+                "row 2 has 3 cells, the header 2: 1 more",
+            ),
+            (
+                "fewer",
+                b"id,a,b,c\nr,1\n",
+                "row 2 has 2 cells, the header 4: no cell for column b",
+            ),
+            (
+                "quote",
+                b"id,a,b\nr,\"1,2\n",
+                "row 2, column a: a quote opened there is never closed",
+            ),
+            (
+                "dup-id",
+                b"id,a\nr,1\ns,2\nr,3\n",
+                "row 4: id \"r\" is also row 2's",
+            ),
+            ("empty", b"# only a comment\n\n", "empty file"),
+            ("header", b"id,a\n", "no rows"),
+            ("binary", b"id,a\n\xff\xfe,1\n", "not UTF-8 text"),
+        ];
+        for (name, text, want) in cases {
+            let err = read(name, text).unwrap_err();
+            assert!(
+                err.contains("t.csv: ") && err.contains(want),
+                "{name}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_directory_a_device_or_a_huge_file_is_not_read() {
+        let dir = std::env::temp_dir().join(format!("podsim-table-{}-huge", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let huge = dir.join("huge.csv");
+        // Sparse: its length says more than the bound, and nothing is written.
+        std::fs::File::create(&huge)
+            .unwrap()
+            .set_len(MOST_BYTES + 1)
+            .unwrap();
+        let errors = [
+            Table::read(&dir).unwrap_err(),
+            Table::read(Path::new("/dev/zero")).unwrap_err(),
+            Table::read(&huge).unwrap_err(),
+            Table::read(&dir.join("absent.csv")).unwrap_err(),
+        ];
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(errors[0].ends_with("not a file"), "{}", errors[0]);
+        assert!(errors[1].ends_with("not a file"), "{}", errors[1]);
+        assert!(errors[2].contains("larger than 16 MiB"), "{}", errors[2]);
+        assert!(
+            errors[3].contains("absent.csv: cannot read it"),
+            "{}",
+            errors[3]
+        );
     }
 }
