@@ -25,6 +25,8 @@ use podsim_links::socket::{Acceptor, Admission, Limits};
 
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a rank's exit waits for the rest of its output to be read.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
 /// Lines of a rank's standard error kept for the report of its death.
 const STDERR_TAIL_LINES: usize = 20;
 /// Requests read ahead of the chip (a rank waits for each reply, so one is the usual).
@@ -245,13 +247,24 @@ impl RankCommand<'_> {
         let stderr_tail = Arc::new(Mutex::new(VecDeque::new()));
         let last_output = Arc::new(Mutex::new(None));
         let label = format!("rank {rank}");
+        let mut readers = Vec::new();
         if let Some(out) = child.stdout.take() {
             let tail = Tail::Last(last_output.clone());
-            tokio::spawn(prefix_lines(out, label.clone(), tail, guard.quiet.clone()));
+            readers.push(tokio::spawn(prefix_lines(
+                out,
+                label.clone(),
+                tail,
+                guard.quiet.clone(),
+            )));
         }
         if let Some(err) = child.stderr.take() {
             let tail = Tail::Lines(stderr_tail.clone());
-            tokio::spawn(prefix_lines(err, label, tail, guard.quiet.clone()));
+            readers.push(tokio::spawn(prefix_lines(
+                err,
+                label,
+                tail,
+                guard.quiet.clone(),
+            )));
         }
         let (exit_tx, exit) = watch::channel(None);
         let waited = group.clone();
@@ -267,6 +280,15 @@ impl RankCommand<'_> {
             };
             // What the rank started goes with it.
             waited.end();
+            // Its last words are read before its exit is told (the diagnosis quotes them):
+            // the readers end at the streams' end, unless something outside the group keeps
+            // them open.
+            let drained = async {
+                for reader in readers {
+                    let _ = reader.await;
+                }
+            };
+            let _ = tokio::time::timeout(OUTPUT_DRAIN, drained).await;
             let _ = exit_tx.send(Some(describe(status)));
         });
         let (link_tx, link) = oneshot::channel();
@@ -811,6 +833,40 @@ time.sleep(600)
         drop(ranks);
         drop(rt);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_ranks_exit_is_told_after_its_last_words_are_read() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        // The rank exits at once; a process it started outside its group (so not killed
+        // with it) still holds its standard error and writes the last line 300 ms later.
+        // Its exit is told once that line is read (the stream's end), not before.
+        let mut spec = spec(Path::new("unused"));
+        let rank = "import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(0.3)
+    os.write(2, b'last words\\n')
+    os._exit(0)
+os.write(2, b'first words\\n')
+sys.exit(3)";
+        spec.command = vec!["python3".into(), "-c".into(), rank.into()];
+        let (mut ranks, guard) = rt
+            .block_on(start(&spec, 1, &[recorder()], &hardware()))
+            .expect("start");
+        guard.quiet().store(true, Ordering::Relaxed);
+        let exit = rt.block_on(exited(&mut ranks[0].exit)).expect("its exit");
+        assert_eq!(exit.code, Some(3));
+        let tail = ranks[0].stderr_tail.lock().expect("tail").clone();
+        assert_eq!(
+            tail.back().map(String::as_str),
+            Some("last words"),
+            "{tail:?}"
+        );
+        drop(guard);
     }
 
     /// Not a test on its own: with [`LAUNCHER_DIR`] set, the process that starts a rank and
