@@ -209,7 +209,7 @@ impl RankCommand<'_> {
     fn spawn(
         &self,
         rank: u32,
-        mut kill: watch::Receiver<bool>,
+        kill: watch::Receiver<bool>,
         guard: &mut RankGuard,
     ) -> Result<(Rank, oneshot::Sender<RankLink>), ProgramError> {
         let program = self.program;
@@ -266,31 +266,7 @@ impl RankCommand<'_> {
                 guard.quiet.clone(),
             )));
         }
-        let (exit_tx, exit) = watch::channel(None);
-        let waited = group.clone();
-        tokio::spawn(async move {
-            let status = tokio::select! {
-                s = child.wait() => s,
-                _ = async { let _ = kill.wait_for(|k| *k).await; } => {
-                    waited.kill();
-                    // A rank that left its group on purpose (`setsid`) is not in it.
-                    let _ = child.start_kill();
-                    child.wait().await
-                }
-            };
-            // What the rank started goes with it.
-            waited.end();
-            // Its last words are read before its exit is told (the diagnosis quotes them):
-            // the readers end at the streams' end, unless something outside the group keeps
-            // them open.
-            let drained = async {
-                for reader in readers {
-                    let _ = reader.await;
-                }
-            };
-            let _ = tokio::time::timeout(OUTPUT_DRAIN, drained).await;
-            let _ = exit_tx.send(Some(describe(status)));
-        });
+        let exit = watch_exit(child, group.clone(), kill, readers);
         let (link_tx, link) = oneshot::channel();
         let rank = Rank {
             rank,
@@ -305,6 +281,42 @@ impl RankCommand<'_> {
         };
         Ok((rank, link_tx))
     }
+}
+
+/// Waits, on a task of its own, for a rank's process to exit (or kills it when `kill` says),
+/// ends what it started with its group, and tells how it ended once `readers` have read its
+/// output to the end (at most [`OUTPUT_DRAIN`] later): the diagnosis of a failed rank quotes
+/// its last words.
+fn watch_exit(
+    mut child: tokio::process::Child,
+    group: Arc<Group>,
+    mut kill: watch::Receiver<bool>,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+) -> watch::Receiver<Option<RankExit>> {
+    let (exit_tx, exit) = watch::channel(None);
+    tokio::spawn(async move {
+        let status = tokio::select! {
+            s = child.wait() => s,
+            _ = async { let _ = kill.wait_for(|k| *k).await; } => {
+                group.kill();
+                // A rank that left its group on purpose (`setsid`) is not in it.
+                let _ = child.start_kill();
+                child.wait().await
+            }
+        };
+        // What the rank started goes with it.
+        group.end();
+        // The readers end at the streams' end, unless something outside the group keeps
+        // them open.
+        let drained = async {
+            for reader in readers {
+                let _ = reader.await;
+            }
+        };
+        let _ = tokio::time::timeout(OUTPUT_DRAIN, drained).await;
+        let _ = exit_tx.send(Some(describe(status)));
+    });
+    exit
 }
 
 /// The rank server's socket (an abstract Unix socket name), for the stubs.
