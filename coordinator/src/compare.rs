@@ -172,7 +172,8 @@ dtype = "bf16"
 [job.optimizer]
 kind = "adamw"
 "#,
-        name = toml_string(&format!("compare-{}", row.get("id"))),
+        // Not the id: a name is a folder name, and an id may hold a `/`.
+        name = toml_string(&format!("compare-row-{}", row.line)),
         topology = toml_string(topology),
         hardware = toml_string(hardware),
         remat = toml_string(row.get("remat")),

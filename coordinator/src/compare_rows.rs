@@ -2,15 +2,14 @@
 //! comparison of training runs (`compare`) and of collective timings (`compare_collectives`).
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::Path;
 
 use serde::Serialize;
 
 use crate::csv::csv_cells;
+use crate::outdir::read_text;
 
-/// The largest file `podsim compare` reads: thousands of times its tables' size, and bounded,
-/// so that a device or a wrong file (`/dev/zero`, a log) is refused instead of read into memory.
+/// The largest file `podsim compare` reads: thousands of times its tables' size.
 const MOST_BYTES: u64 = 16 << 20;
 
 /// A compared file, read and checked: its header (each name once) and its rows (each with one
@@ -26,7 +25,7 @@ impl Table {
     /// Reads and checks `path`; every problem names the file and, where there is one, the row.
     pub(crate) fn read(path: &Path) -> Result<Table, String> {
         let at = |why: String| format!("{}: {why}", path.display());
-        let text = read_bounded(path).map_err(at)?;
+        let text = read_text(path, MOST_BYTES).map_err(at)?;
         // A spreadsheet's UTF-8 export starts with a byte-order mark, which would make the
         // first column `\u{feff}id` and the file "missing column id".
         let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
@@ -91,25 +90,6 @@ impl Table {
             cells: cells.clone(),
         })
     }
-}
-
-/// `path`'s text, if it is a file of at most [`MOST_BYTES`].
-fn read_bounded(path: &Path) -> Result<String, String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
-    if !meta.is_file() {
-        return Err("not a file".into());
-    }
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MOST_BYTES + 1).read_to_end(&mut bytes))
-        .map_err(|e| format!("cannot read it: {e}"))?;
-    if bytes.len() as u64 > MOST_BYTES {
-        return Err(format!(
-            "larger than {} MiB: not a table of measurements",
-            MOST_BYTES >> 20
-        ));
-    }
-    String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
 }
 
 /// Why a row's cells do not match the header: the row, both counts, and the first column left
@@ -349,7 +329,7 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(errors[0].ends_with("not a file"), "{}", errors[0]);
         assert!(errors[1].ends_with("not a file"), "{}", errors[1]);
-        assert!(errors[2].contains("larger than 16 MiB"), "{}", errors[2]);
+        assert!(errors[2].contains("larger than 16384 KiB"), "{}", errors[2]);
         assert!(
             errors[3].contains("absent.csv: cannot read it"),
             "{}",

@@ -840,6 +840,13 @@ pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), S
             Err(_) => toml::Value::String(value.trim().to_string()),
         };
         let keys: Vec<&str> = path.trim().split('.').collect();
+        // Field names only: a key holding `=`, a space or `#` would be read as part of its
+        // value (`job.iterations=7 #=1` set 7).
+        if let Some(bad) = keys.iter().find(|k| !is_field_name(k)) {
+            return Err(format!(
+                "--set {set:?}: {bad:?} is not a config field name (letters, digits, _ and -)"
+            ));
+        }
         let (last, parents) = keys
             .split_last()
             .ok_or_else(|| format!("--set {set:?}: empty key"))?;
@@ -855,6 +862,13 @@ pub fn apply_overrides(table: &mut toml::Table, sets: &[String]) -> Result<(), S
         t.insert(last.to_string(), value);
     }
     Ok(())
+}
+
+/// Whether `s` can name a config field (one part of a dotted key).
+pub fn is_field_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// `--set hardware.KEY=VALUE` overrides alone (a benchmark's hardware, which has no job):
@@ -875,6 +889,9 @@ pub fn hardware_from_sets(sets: &[String]) -> Result<HardwareOverrides, String> 
     }
 }
 
+/// The largest config or study file read (a config is a few KiB).
+pub const MOST_CONFIG_BYTES: u64 = 1 << 20;
+
 /// Reads and validates `path` with command-line overrides applied.
 pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
     let file = path.display().to_string();
@@ -886,7 +903,8 @@ pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
             reason,
         }])
     };
-    let text = std::fs::read_to_string(path).map_err(|e| one(None, "file", e.to_string()))?;
+    let text =
+        crate::outdir::read_text(path, MOST_CONFIG_BYTES).map_err(|e| one(None, "file", e))?;
     let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
         let line = e.span().map(|s| toml_lines::line_at(&text, s.start));
         one(line, "syntax", e.message().to_string())
@@ -916,7 +934,15 @@ pub fn from_text(origin: &str, text: &str, sets: &[String]) -> Result<JobConfig,
 /// The job's `name`: a non-empty string.
 fn job_name(p: &mut Problems<'_>, table: &toml::Table) -> Option<String> {
     match table.get("name") {
-        Some(toml::Value::String(s)) if !s.trim().is_empty() => Some(s.clone()),
+        Some(toml::Value::String(s)) if !s.trim().is_empty() => {
+            match crate::outdir::folder_name_problem(s) {
+                None => Some(s.clone()),
+                Some(why) => {
+                    p.add("", Some("name"), why);
+                    None
+                }
+            }
+        }
         Some(_) => {
             p.add("", Some("name"), "must be a non-empty string");
             None
@@ -2407,6 +2433,26 @@ mod tests {
     fn load(text: &str, sets: &[&str]) -> Result<JobConfig, ConfigErrors> {
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         from_text("test.toml", text, &sets)
+    }
+
+    #[test]
+    fn a_set_key_is_field_names_and_a_name_is_not_a_path() {
+        for key in ["job .iterations", "job.iterations #", "job..iterations"] {
+            let err = load(BASE, &[&format!("{key}=3")]).unwrap_err().to_string();
+            assert!(
+                err.contains("is not a config field name") || err.contains("expected key"),
+                "{key}: {err}"
+            );
+        }
+        assert!(load(BASE, &["job.iterations=3"]).is_ok());
+        for name in ["../..", "a/b", ".", ".."] {
+            let text = BASE.replace("name = \"t\"", &format!("name = {name:?}"));
+            let err = load(&text, &[]).unwrap_err().to_string();
+            assert!(
+                err.contains("name: must be a name, not a path"),
+                "{name}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -90,6 +90,40 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<PathBuf, String> {
     Ok(path.to_path_buf())
 }
 
+/// Why `name` (a job's or a study's) cannot name its default output folder, `runs/<name>`:
+/// a path there would put the output anywhere (`../..` is the folder above the current one).
+pub fn folder_name_problem(name: &str) -> Option<&'static str> {
+    if name.contains(['/', '\\', '\0']) || matches!(name.trim(), "." | "..") {
+        Some(
+            "must be a name, not a path (no /, not . or ..): the output folder is runs/<name> unless set",
+        )
+    } else {
+        None
+    }
+}
+
+/// `path`'s text, if it is a regular file of at most `most` bytes: a device, a FIFO or a
+/// wrong file (`/dev/zero`, a log) given where a config or table was meant is refused at once
+/// instead of read until memory runs out or blocking forever. Errors say why, not where (the
+/// caller names the file).
+pub fn read_text(path: &Path, most: u64) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("not a file".into());
+    }
+    let mut bytes = Vec::new();
+    File::open(path)
+        .and_then(|f| f.take(most + 1).read_to_end(&mut bytes))
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    if bytes.len() as u64 > most {
+        return Err(format!(
+            "larger than {} KiB: not what was meant here",
+            most >> 10
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
+}
+
 /// This process's command line, for the lock file (a `--token`'s value left out).
 pub fn this_command() -> String {
     redacted(std::env::args())
@@ -172,6 +206,35 @@ mod tests {
         let again = OutputLock::acquire(&dir, "podsim launch b.toml");
         assert!(again.is_ok(), "{again:?}");
         drop(again);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_a_regular_file_of_bounded_size_is_read() {
+        let dir = std::env::temp_dir().join(format!("podsim-read-text-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        std::fs::write(dir.join("small"), "name = 1\n").unwrap();
+        std::fs::write(dir.join("big"), vec![b'x'; 2048]).unwrap();
+        assert_eq!(
+            read_text(&dir.join("small"), 1024).as_deref(),
+            Ok("name = 1\n")
+        );
+        assert!(
+            read_text(&dir.join("big"), 1024)
+                .unwrap_err()
+                .contains("larger than 1 KiB")
+        );
+        assert_eq!(read_text(&dir, 1024), Err("not a file".into()));
+        assert_eq!(
+            read_text(Path::new("/dev/zero"), 1024),
+            Err("not a file".into())
+        );
+        // A FIFO blocked the reader until a writer came.
+        if made.is_ok_and(|s| s.success()) {
+            assert_eq!(read_text(&fifo, 1024), Err("not a file".into()));
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -22,6 +22,7 @@ use tokio::task::JoinSet;
 
 use crate::config::{self, ConfigError, ConfigErrors};
 use crate::csv::csv_line;
+use crate::outdir::{LOCK_FILE, OutputLock};
 use crate::{CliError, JobStatus};
 
 mod plot;
@@ -145,12 +146,12 @@ struct RawPlot {
 impl Study {
     /// Reads and checks a study file.
     pub fn load(path: &Path) -> Result<Study, ConfigErrors> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
+        let text = crate::outdir::read_text(path, config::MOST_CONFIG_BYTES).map_err(|reason| {
             ConfigErrors(vec![ConfigError {
                 file: path.display().to_string(),
                 line: None,
                 field: "file".into(),
-                reason: e.to_string(),
+                reason,
             }])
         })?;
         Study::parse(path, &text)
@@ -178,6 +179,8 @@ impl Study {
         });
         if name.trim().is_empty() {
             found.add(at.line("name"), "name", "must not be empty".into());
+        } else if let Some(why) = crate::outdir::folder_name_problem(&name) {
+            found.add(at.line("name"), "name", why.into());
         }
         let base = base_of(&mut found, path, &raw.base, at.line("base"));
         let out = raw
@@ -276,8 +279,8 @@ impl Study {
 }
 
 fn bad_override_key(key: &str) -> Option<String> {
-    if key.split('.').any(|s| s.trim().is_empty()) {
-        Some("is not a dotted config field such as topology.shape".into())
+    if !key.split('.').all(config::is_field_name) {
+        Some("is not a dotted config field such as topology.shape (letters, digits, _ and - between the dots)".into())
     } else if key == "output" || key.starts_with("output.") {
         Some("the study sets each point's output folder itself".into())
     } else {
@@ -364,9 +367,19 @@ impl<'a> Written<'a> {
         shown: &str,
     ) -> Vec<Entry> {
         let mut kept = self.entries(flatten(table), scope, shown);
+        let mut seen = BTreeSet::new();
         kept.retain(|e| match bad_override_key(&e.key) {
             Some(reason) => {
                 found.add(e.line, &e.field, reason);
+                false
+            }
+            // `"topology.shape"` and `topology.shape` (a nested table) name one field.
+            None if !seen.insert(e.key.clone()) => {
+                found.add(
+                    e.line,
+                    &e.field,
+                    "is given twice (one field, two spellings)".into(),
+                );
                 false
             }
             None => true,
@@ -714,11 +727,7 @@ fn point_command(
     sets: &[String],
     dir: &Path,
 ) -> Result<(tokio::process::Command, PathBuf), String> {
-    match std::fs::remove_dir_all(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("cannot clear {}: {e}", dir.display())),
-    }
+    clear_point_folder(dir)?;
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let log_path = dir.join("launch.log");
     let log = std::fs::File::create(&log_path)
@@ -736,6 +745,66 @@ fn point_command(
         .stderr(Stdio::from(log2))
         .kill_on_drop(true);
     Ok((cmd, log_path))
+}
+
+/// Empties a point's folder for its run, if it is one: a folder an earlier run of a point left
+/// (its `launch.log` is there) or an empty one, and no job holding it. Anything else - a
+/// user's files, a job running there - is refused, not deleted.
+fn clear_point_folder(dir: &Path) -> Result<(), String> {
+    let names = match folder_entries(dir) {
+        Ok(names) => names,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(format!("cannot read {}: {e}", dir.display())),
+    };
+    let held = OutputLock::acquire(dir, "podsim study, clearing a point's folder")?;
+    if !names.is_empty() && !names.iter().any(|n| n == "launch.log") {
+        return Err(format!(
+            "{} holds files no study's point wrote ({}): move them, or give the study another \
+             folder (out = ... or --out)",
+            dir.display(),
+            listed(&names)
+        ));
+    }
+    std::fs::remove_dir_all(dir).map_err(|e| format!("cannot clear {}: {e}", dir.display()))?;
+    drop(held);
+    Ok(())
+}
+
+/// A study's own folder: new, empty, or one an earlier study wrote (its `study.json`). Its
+/// points' folders are emptied and its files rewritten, so a folder of other files is refused.
+fn check_study_folder(dir: &Path) -> Result<(), String> {
+    let names = folder_entries(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    if names.is_empty() || names.iter().any(|n| n == "study.json") {
+        return Ok(());
+    }
+    Err(format!(
+        "the output folder {} holds files no study wrote ({}): give the study a new or empty \
+         folder (out = ... or --out), or one an earlier study wrote",
+        dir.display(),
+        listed(&names)
+    ))
+}
+
+/// The names in `dir` but its lock file.
+fn folder_entries(dir: &Path) -> std::io::Result<Vec<String>> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name != LOCK_FILE {
+            names.push(name);
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// The first few of `names`, for a message.
+fn listed(names: &[String]) -> String {
+    let shown: Vec<&str> = names.iter().take(3).map(String::as_str).collect();
+    match names.len() {
+        n if n > 3 => format!("{}, and {} more", shown.join(", "), n - 3),
+        _ => shown.join(", "),
+    }
 }
 
 /// One point's `podsim launch`: the binary, the base config, the point's `--set`s, its
@@ -1118,8 +1187,9 @@ pub fn main(args: &StudyArgs) -> Result<JobStatus, CliError> {
         println!("every point's config is valid (dry run: nothing was run)");
         return Ok(JobStatus::Ok);
     }
-    let _lock = crate::outdir::OutputLock::acquire(&study.out, &crate::outdir::this_command())
-        .map_err(CliError::Usage)?;
+    let _lock =
+        OutputLock::acquire(&study.out, &crate::outdir::this_command()).map_err(CliError::Usage)?;
+    check_study_folder(&study.out).map_err(CliError::Usage)?;
     let server = rank_server::SharedRankServer::for_rows(&study.base, &study.keys());
     if let Some(server) = &server {
         println!(

@@ -281,6 +281,93 @@ fn bad_studies_exit_2_naming_the_field() {
 }
 
 #[test]
+fn a_study_deletes_nothing_it_did_not_write_and_no_folder_a_job_holds() {
+    let (dir, out) = study_dir("study-foreign", "meta", "1MiB", 1);
+    let sweep = "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = [\"4\", \"2x2\"]\n";
+    let run = |out: &Path| study_text(&dir, "s.toml", sweep, &["--out", out.to_str().unwrap()]);
+
+    // A folder of the user's own: refused, every file kept.
+    std::fs::create_dir_all(out.join("point-000")).unwrap();
+    write(&out.join("point-000"), "notes.txt", "mine");
+    write(&out, "results.csv", "mine");
+    let (code, _, stderr) = run(&out);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("holds files no study wrote (point-000, results.csv)"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("point-000/notes.txt")).unwrap(),
+        "mine"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("results.csv")).unwrap(),
+        "mine"
+    );
+
+    // A study's folder runs again into itself; but a point folder holding files a point did
+    // not write, or one a job holds, is refused and kept.
+    let mine = dir.join("mine");
+    assert_eq!(run(&mine).0, 0);
+    assert_eq!(run(&mine).0, 0, "a study's folder runs again");
+    std::fs::remove_file(mine.join("point-001/launch.log")).unwrap();
+    write(&mine.join("point-001"), "notes.txt", "mine");
+    let (code, _, stderr) = run(&mine);
+    assert!(
+        code != 0 && stderr.contains("point-001 holds files no study's point wrote"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(mine.join("point-001/notes.txt")).unwrap(),
+        "mine"
+    );
+    std::fs::remove_dir_all(mine.join("point-001")).unwrap();
+    let lock = std::fs::File::create(mine.join("point-000/.podsim.lock")).unwrap();
+    lock.try_lock().unwrap();
+    let (code, _, stderr) = run(&mine);
+    assert!(
+        code != 0 && stderr.contains("is in use by another job"),
+        "{stderr}"
+    );
+    assert!(
+        mine.join("point-000/report.json").exists(),
+        "the held point was cleared"
+    );
+    drop(lock);
+}
+
+#[test]
+fn a_key_that_is_not_a_field_name_or_is_given_twice_and_a_path_for_a_name_are_refused() {
+    let (dir, out) = study_dir("study-keys", "meta", "1MiB", 1);
+    let cases = [
+        // Once ran 7 iterations, the CSV saying 1.
+        (
+            "\"job.iterations=7 #\" = [1]",
+            "sweep.\"job.iterations=7 #\": is not a dotted config field",
+        ),
+        (
+            "\"topology.shape\" = [\"2x2\"]\ntopology.shape = [\"4\"]",
+            "given twice",
+        ),
+    ];
+    for (sweep, want) in cases {
+        let text = format!("base = \"base.toml\"\n[sweep]\n{sweep}\n");
+        let (code, _, stderr) =
+            study_text(&dir, "k.toml", &text, &["--out", out.to_str().unwrap()]);
+        assert_eq!(code, 2, "{stderr}");
+        assert!(stderr.contains(want), "{want}: {stderr}");
+    }
+    let text = "name = \"../..\"\nbase = \"base.toml\"\n[sweep]\njob.iterations = [1]\n";
+    let (code, _, stderr) = study_text(&dir, "n.toml", text, &["--dry-run"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("name: must be a name, not a path"),
+        "{stderr}"
+    );
+    assert!(!out.exists());
+}
+
+#[test]
 fn shipped_study_is_valid() {
     let config = concat!(
         env!("CARGO_MANIFEST_DIR"),
