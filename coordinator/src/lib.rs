@@ -44,16 +44,20 @@ pub use status::JobStatus;
 use thiserror::Error;
 
 /// Resolves when the user interrupts the command: Ctrl-C (SIGINT) or, on Unix, SIGTERM (what
-/// `kill`, a job scheduler or a CI timeout sends). `podsim launch` and `podsim study` then stop
-/// what they started before they exit.
+/// `kill`, a job scheduler or a CI timeout sends) or SIGHUP (the terminal or ssh session
+/// closed). `podsim launch` and `podsim study` then stop what they started before they exit.
 pub async fn interrupted() {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
+        if let (Ok(mut term), Ok(mut hangup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::hangup()),
+        ) {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
+                _ = hangup.recv() => {}
             }
             return;
         }

@@ -744,6 +744,10 @@ fn point_command(
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2))
         .kill_on_drop(true);
+    // A study killed outright (SIGKILL, or a signal it does not handle) takes its points with
+    // it; they kept running as orphans, writing into its folder. Spawned from the study's one
+    // runtime thread, which lives as long as the study.
+    podsim_links::procs::killed_with_parent(cmd.as_std_mut());
     Ok((cmd, log_path))
 }
 

@@ -38,8 +38,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// process: call this and `spawn` on a thread that lives as long as the child should (a
 /// worker's main thread, which polls its job). A tokio command passes `as_std_mut()`.
 pub fn die_with_parent(command: &mut Command) {
-    let parent = std::process::id() as libc::pid_t;
     command.process_group(0);
+    killed_with_parent(command);
+}
+
+/// `SIGKILL` as `command`'s parent-death signal, set before it runs anything; its process
+/// group is left as it is (a study's points stay in the terminal's group, so Ctrl-C reaches
+/// them). The same caveat as [`die_with_parent`]: the signal comes when the forking thread ends.
+pub fn killed_with_parent(command: &mut Command) {
+    let parent = std::process::id() as libc::pid_t;
     // SAFETY: the hook runs in the child between `fork` and `exec`, where only
     // async-signal-safe calls are sound: `prctl`, `getppid` and `_exit` are plain system calls
     // (no lock, no allocation), the closure only reads an integer it captured, and

@@ -1,8 +1,9 @@
 //! No orphan processes: when the coordinator is killed with SIGKILL, or interrupted with
 //! Ctrl-C (SIGINT) or SIGTERM, every worker exits within a few seconds; so does every rank of
 //! a PyTorch job (`podsim run`), with the processes the ranks started, whichever of the
-//! coordinator or the worker is killed; and a rank that never connects ends its job within
-//! the job's bound, named.
+//! coordinator or the worker is killed; so does a study's running point when the study is
+//! killed or its terminal hangs up; and a rank that never connects ends its job within the
+//! job's bound, named.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -76,6 +77,53 @@ fn ctrl_c_stops_the_job_and_its_workers() {
 #[test]
 fn sigterm_stops_the_job_and_its_workers() {
     signal_stops_the_job_and_its_workers("TERM");
+}
+
+/// A study of one long point, ended by `signal` once the point's workers run: the study, the
+/// point's `podsim launch` and its workers all go (SIGKILL left the point running as an
+/// orphan, writing into the study's folder; SIGHUP too).
+fn study_ended_leaves_nothing(signal: &str) {
+    let dir = temp_dir(&format!("orphans-study-{signal}"));
+    write(&dir, "job.toml", &job_config(&dir, 2, 100_000, ""));
+    let study = write(
+        &dir,
+        "s.toml",
+        "base = \"job.toml\"\n[sweep]\njob.iterations = [100000]\n",
+    );
+    let mut c = podsim();
+    c.arg("study").arg(&study).arg("--out").arg(dir.join("out"));
+    let study = c
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut below = Vec::new();
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            below = descendants(study.id());
+            below.len() >= 3 // the point's launch and its two workers
+        }),
+        "the point did not start: {below:?}"
+    );
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &study.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = wait_bounded(study, Duration::from_secs(20));
+    assert!(!out.status.success());
+    let gone = eventually(Duration::from_secs(10), || below.iter().all(|&p| !alive(p)));
+    assert!(gone, "left behind: {:?}", survivors(&below));
+}
+
+#[test]
+fn sigkill_of_a_study_leaves_no_point_running() {
+    study_ended_leaves_nothing("KILL");
+}
+
+#[test]
+fn sighup_of_a_study_stops_its_point() {
+    study_ended_leaves_nothing("HUP");
 }
 
 #[test]
