@@ -143,6 +143,42 @@ pub struct BenchPlan {
     pub transport: Transport,
 }
 
+/// The most timed (or warm-up) iterations a size takes.
+const MOST_ITERATIONS: usize = 1_000_000;
+/// The most runtime threads.
+const MOST_THREADS: usize = 1024;
+
+/// Refuses a data-mode benchmark whose buffers cannot fit in the memory `available` on this
+/// host (unknown: nothing checked): every chip holds a collective's input and output (an
+/// all-gather's output is the size, its input a share). It aborted, out of memory, instead.
+fn data_mode_fits(
+    pod: &Pod,
+    op: OpKind,
+    sizes: &[u64],
+    available: Option<u64>,
+) -> Result<(), String> {
+    let (Some(available), Some(&largest)) = (available, sizes.iter().max()) else {
+        return Ok(());
+    };
+    let per_chip = match op {
+        OpKind::AllGather => u128::from(largest) + u128::from(largest) / u128::from(pod.chips()),
+        _ => 2 * u128::from(largest),
+    };
+    let needed = per_chip * u128::from(pod.chips());
+    if needed <= u128::from(available) {
+        return Ok(());
+    }
+    let gib = |b: u128| b as f64 / f64::from(1u32 << 30);
+    Err(format!(
+        "--sizes: data mode holds {} chips x {:.2} GiB of buffers at {largest} bytes, {:.1} GiB, \
+         more than this host's {:.1} GiB available: use --mode meta (sizes only) or smaller sizes",
+        pod.chips(),
+        gib(per_chip),
+        gib(needed),
+        gib(u128::from(available))
+    ))
+}
+
 impl BenchPlan {
     /// Validates the arguments; every problem is a message naming the flag.
     pub fn from_args(a: &BenchArgs) -> Result<BenchPlan, String> {
@@ -167,14 +203,22 @@ impl BenchPlan {
             return Err("--dtype bf16 needs --mode meta (data mode moves f32)".into());
         }
         let group = Group::parse(&a.group, &pod).map_err(|e| format!("--group: {e}"))?;
-        if a.iters == 0 {
-            return Err("--iters must be at least 1".into());
+        // Bounds far past any use, below what would overflow a count or exhaust the host
+        // (an iteration count is allocated for; every runtime thread has its stack).
+        if !(1..=MOST_ITERATIONS).contains(&a.iters) {
+            return Err(format!("--iters must be 1 to {MOST_ITERATIONS}"));
+        }
+        if a.warmup > MOST_ITERATIONS {
+            return Err(format!("--warmup must be 0 to {MOST_ITERATIONS}"));
         }
         let threads = a
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
-        if threads == 0 {
-            return Err("--threads must be at least 1".into());
+        if !(1..=MOST_THREADS).contains(&threads) {
+            return Err(format!("--threads must be 1 to {MOST_THREADS}"));
+        }
+        if !meta {
+            data_mode_fits(&pod, op, &sizes, crate::config::host_available_memory())?;
         }
         let comm = Comm {
             group,

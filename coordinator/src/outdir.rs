@@ -71,10 +71,31 @@ impl OutputLock {
     }
 }
 
+/// Why podsim cannot write a file at `path`: something there that is not a regular file (the
+/// rename of [`write_atomic`] would replace a device such as /dev/full, or a folder's name),
+/// or a parent that is not a folder. Checked before a run as well as at the write, so that a
+/// bad `--trace` is refused before the work, not after.
+pub fn file_target_problem(path: &Path) -> Option<String> {
+    if std::fs::metadata(path).is_ok_and(|meta| !meta.is_file()) {
+        return Some(format!(
+            "{}: not a regular file (podsim writes a file there)",
+            path.display()
+        ));
+    }
+    let parent = path.parent().filter(|d| !d.as_os_str().is_empty())?;
+    match std::fs::metadata(parent) {
+        Ok(meta) if !meta.is_dir() => Some(format!("{}: not a folder", parent.display())),
+        _ => None,
+    }
+}
+
 /// Writes `bytes` to `path` whole or not at all: into a temporary file beside it, flushed to
 /// disk, then renamed over `path`. On failure (a full disk) the temporary file is removed
 /// and `path` keeps what it held; the error names the file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<PathBuf, String> {
+    if let Some(why) = file_target_problem(path) {
+        return Err(why);
+    }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp~");
     let tmp = PathBuf::from(tmp);
@@ -176,11 +197,17 @@ mod tests {
         write_atomic(&p, b"old").unwrap();
         write_atomic(&p, b"new").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"new");
-        // A folder where the file should be: the rename fails, nothing is left behind.
+        // A folder where the file should be: refused, nothing is left behind.
         let blocked = dir.join("blocked");
         std::fs::create_dir_all(blocked.join("x")).unwrap();
         let e = write_atomic(&blocked, b"text").unwrap_err();
-        assert!(e.contains("cannot write") && e.contains("blocked"), "{e}");
+        assert!(e.contains("blocked: not a regular file"), "{e}");
+        // A device is not replaced by the file (the rename did, as root).
+        let e = write_atomic(Path::new("/dev/null"), b"text").unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
+        // A write that fails (its folder is a file) names the file, and leaves nothing.
+        let e = write_atomic(&p.join("under"), b"text").unwrap_err();
+        assert!(e.contains("not a folder"), "{e}");
         let left: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .flatten()

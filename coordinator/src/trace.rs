@@ -53,8 +53,11 @@ impl TraceArgs {
     /// The chips to trace on a pod of `chips` (none without `--trace`); an id outside the pod
     /// is an error naming it.
     pub fn chips(&self, chips: u32) -> Result<Vec<u32>, String> {
-        if self.trace.is_none() {
+        let Some(path) = &self.trace else {
             return Ok(Vec::new());
+        };
+        if let Some(why) = crate::outdir::file_target_problem(path) {
+            return Err(format!("--trace: {why}"));
         }
         if let Some(bad) = self.trace_chips.iter().find(|&&c| c >= chips) {
             return Err(format!(

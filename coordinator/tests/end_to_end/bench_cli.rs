@@ -103,6 +103,23 @@ fn bad_flags_exit_2_naming_the_flag() {
             "--group",
         ),
         (vec!["bench", "--no-such-flag"], "--no-such-flag"),
+        // Each of these panicked or aborted (overflow, allocation) instead.
+        (vec!["bench", "--iters", "18446744073709551615"], "--iters"),
+        (vec!["bench", "--warmup", "1000000000000"], "--warmup"),
+        (vec!["bench", "--threads", "100000"], "--threads"),
+        (
+            vec!["bench", "--sizes", "1000000GB"],
+            "--sizes: data mode holds",
+        ),
+        // Replaced the device (as root) with the trace, after the whole run.
+        (
+            vec!["bench", "--trace", "/dev/null"],
+            "--trace: /dev/null: not a regular file",
+        ),
+        (
+            vec!["bench", "--trace", "/proc/self/status/x"],
+            "--trace: /proc/self/status: not a folder",
+        ),
     ] {
         let out = podsim(&args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
