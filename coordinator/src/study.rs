@@ -143,6 +143,13 @@ struct RawPlot {
     y_label: Option<String>,
 }
 
+/// The most points a study runs: each is a `podsim launch` (and a row rewritten into
+/// study.json after every point), so a million-point sweep - hours of launches, quadratic
+/// rewriting - is a mistake to refuse at once.
+const MOST_POINTS: usize = 100_000;
+/// The most points run at once.
+const MOST_PARALLEL: usize = 1024;
+
 impl Study {
     /// Reads and checks a study file.
     pub fn load(path: &Path) -> Result<Study, ConfigErrors> {
@@ -189,17 +196,32 @@ impl Study {
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from("runs").join(&name));
         let parallel = raw.parallel.unwrap_or(1);
-        if parallel < 1 {
+        if !(1..=MOST_PARALLEL as i64).contains(&parallel) {
             found.add(
                 at.line("parallel"),
                 "parallel",
-                format!("{parallel}: must be at least 1"),
+                format!("{parallel}: must be 1 to {MOST_PARALLEL}"),
             );
         }
         let timeout = timeout_of(&mut found, raw.timeout_s, at.line("timeout_s"));
         let sweep = sweep_of(&mut found, &raw.sweep, at);
         let swept: BTreeSet<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
         let points = points_of(&mut found, &raw.points, at, &swept);
+        let count = sweep
+            .iter()
+            .map(|(_, values)| values.len())
+            .chain([points.len().max(1)])
+            .try_fold(1usize, usize::checked_mul);
+        if count.is_none_or(|n| n > MOST_POINTS) {
+            found.add(
+                at.line("sweep"),
+                "sweep",
+                format!(
+                    "{} points, more than a study runs ({MOST_POINTS}): split it into studies",
+                    count.map_or("too many".to_string(), |n| n.to_string())
+                ),
+            );
+        }
         let mut keys: Vec<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
         for (k, _) in points.iter().flatten() {
             if !keys.contains(k) {
@@ -1166,8 +1188,10 @@ pub fn main(args: &StudyArgs) -> Result<JobStatus, CliError> {
         study.out = out.clone();
     }
     if let Some(jobs) = args.jobs {
-        if jobs == 0 {
-            return Err(CliError::Usage("--jobs must be at least 1".into()));
+        if !(1..=MOST_PARALLEL).contains(&jobs) {
+            return Err(CliError::Usage(format!(
+                "--jobs must be 1 to {MOST_PARALLEL}"
+            )));
         }
         study.parallel = jobs;
     }
@@ -1911,13 +1935,32 @@ series = "topology.wraparound"
     }
 
     #[test]
+    fn a_study_of_more_points_than_it_runs_is_refused() {
+        let values: Vec<String> = (1..=400).map(|i| i.to_string()).collect();
+        let list = values.join(", ");
+        let text = format!(
+            "base = \"base.toml\"\n[sweep]\njob.iterations = [{list}]\njob.warmup = [{list}]\n"
+        );
+        let e = errors("huge", &text);
+        assert!(
+            e.contains("160000 points, more than a study runs (100000)"),
+            "{e}"
+        );
+        let e = errors("wide", "base = \"base.toml\"\nparallel = 99999999999\n");
+        assert!(
+            e.contains("parallel: 99999999999: must be 1 to 1024"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn other_bad_fields() {
         let e = errors(
             "others",
             "base = \"base.toml\"\nparallel = 0\ntimeout_s = -1\n[sweep]\nx = [1]\n[[points]]\nx = 2\n[metrics]\nstatus = \"a.b\"\nm = \"a..b\"\n",
         );
         for want in [
-            ":2: parallel: 0: must be at least 1",
+            ":2: parallel: 0: must be 1 to 1024",
             ":3: timeout_s: -1: must be a positive",
             ":7: points[0].x: is also swept",
             ":9: metrics.status: a column of that name already exists",
