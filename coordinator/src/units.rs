@@ -51,7 +51,15 @@ pub fn parse_sizes(text: &str) -> Result<Vec<u64>, String> {
         }
         Ok(v)
     } else {
-        text.split(',').map(parse_size).collect()
+        text.split(',')
+            .map(|one| match parse_size(one)? {
+                // It ran as one element, whatever the table then said it moved.
+                0 => Err(format!(
+                    "size {one:?}: a collective moves at least one byte"
+                )),
+                n => Ok(n),
+            })
+            .collect()
     }
 }
 

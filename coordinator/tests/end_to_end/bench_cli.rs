@@ -111,6 +111,10 @@ fn bad_flags_exit_2_naming_the_flag() {
             vec!["bench", "--sizes", "1000000GB"],
             "--sizes: data mode holds",
         ),
+        (
+            vec!["bench", "--sizes", "4KiB,0"],
+            "--sizes: size \"0\": a collective moves at least one byte",
+        ),
         // Replaced the device (as root) with the trace, after the whole run.
         (
             vec!["bench", "--trace", "/dev/null"],
