@@ -207,21 +207,7 @@ impl Study {
         let sweep = sweep_of(&mut found, &raw.sweep, at);
         let swept: BTreeSet<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
         let points = points_of(&mut found, &raw.points, at, &swept);
-        let count = sweep
-            .iter()
-            .map(|(_, values)| values.len())
-            .chain([points.len().max(1)])
-            .try_fold(1usize, usize::checked_mul);
-        if count.is_none_or(|n| n > MOST_POINTS) {
-            found.add(
-                at.line("sweep"),
-                "sweep",
-                format!(
-                    "{} points, more than a study runs ({MOST_POINTS}): split it into studies",
-                    count.map_or("too many".to_string(), |n| n.to_string())
-                ),
-            );
-        }
+        check_point_count(&mut found, &sweep, points.len(), at.line("sweep"));
         let mut keys: Vec<String> = sweep.iter().map(|(k, _)| k.clone()).collect();
         for (k, _) in points.iter().flatten() {
             if !keys.contains(k) {
@@ -1432,6 +1418,31 @@ fn timeout_of(found: &mut Found, seconds: Option<f64>, line: Option<usize>) -> O
             );
             None
         }
+    }
+}
+
+/// A study of more than [`MOST_POINTS`] points (the sweep's product times the explicit
+/// points) is refused.
+fn check_point_count(
+    found: &mut Found,
+    sweep: &[(String, Vec<toml::Value>)],
+    explicit: usize,
+    line: Option<usize>,
+) {
+    let count = sweep
+        .iter()
+        .map(|(_, values)| values.len())
+        .chain([explicit.max(1)])
+        .try_fold(1usize, usize::checked_mul);
+    if count.is_none_or(|n| n > MOST_POINTS) {
+        found.add(
+            line,
+            "sweep",
+            format!(
+                "{} points, more than a study runs ({MOST_POINTS}): split it into studies",
+                count.map_or("too many".to_string(), |n| n.to_string())
+            ),
+        );
     }
 }
 
