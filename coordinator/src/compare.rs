@@ -180,6 +180,61 @@ kind = "adamw"
     ))
 }
 
+/// A row's job refused by the config's checks, told by the row's columns: the config's
+/// fields (and the generated job's line numbers) mean nothing to whoever wrote the CSV.
+/// Problems of the `--set`s, or of a field no column sets, keep the config's words.
+fn config_problems(row: &Row<'_>, errors: &config::ConfigErrors) -> String {
+    let told: Vec<String> = errors
+        .0
+        .iter()
+        .map(|e| match column_of(&e.field) {
+            Some(column) => row.bad(column, &e.reason),
+            None => format!(
+                "row {} ({}): {}: {}",
+                row.line,
+                row.get("id"),
+                e.field,
+                e.reason
+            ),
+        })
+        .collect();
+    told.join("\n")
+}
+
+/// The column of a compared row that sets config field `field` (see [`job_toml`]).
+fn column_of(field: &str) -> Option<&'static str> {
+    const MODEL: [&str; 13] = [
+        "layers",
+        "d_model",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "ffn",
+        "vocab",
+        "seq",
+        "mlp",
+        "block",
+        "attention",
+        "bias",
+        "weight_dtype",
+    ];
+    if let Some(key) = field.strip_prefix("job.model.") {
+        return MODEL.iter().copied().find(|c| *c == key);
+    }
+    Some(match field {
+        "topology.hardware" => "hardware",
+        "topology.shape" => "topology",
+        "topology.wraparound" => "wraparound",
+        "topology.slices" => "slices",
+        "job.batch" => "batch_per_chip",
+        "job.remat" => "remat",
+        "job.tp" => "ici_tp",
+        "job.replicas" => "dcn_dp",
+        "job.replica_sync" => "replica_sync",
+        _ => return None,
+    })
+}
+
 /// `s` as a TOML basic string: a cell's text stays one value whatever it holds (a quote or a
 /// `#` ended the value early and the rest was read as TOML).
 fn toml_string(s: &str) -> String {
@@ -265,8 +320,8 @@ fn strategy_keys(row: &Row<'_>, tp: u64, dp: u64) -> Result<String, String> {
 /// tensor parallelism: one sequence a group, the group's chips sharing it), as long as the
 /// group's share is a whole number of sequences.
 fn sequences_per_group(row: &Row<'_>, tp: u64) -> Result<u64, String> {
-    // Far above any real batch, and where an f64 still counts whole numbers exactly.
-    const MOST: f64 = (1u64 << 31) as f64;
+    // The config's bound on a batch, far above any real one.
+    const MOST: f64 = config::WIDTH as f64;
     let per_chip: f64 = row.number("batch_per_chip")?;
     let per_group = per_chip * tp as f64;
     let whole = per_group.round();
@@ -280,7 +335,7 @@ fn sequences_per_group(row: &Row<'_>, tp: u64) -> Result<u64, String> {
         };
         return Err(row.bad(
             "batch_per_chip",
-            &format!("must make a whole number of sequences (1 to 2^31) per {group}"),
+            &format!("must make a whole number of sequences (1 to 2^24) per {group}"),
         ));
     }
     Ok(whole as u64)
@@ -337,7 +392,7 @@ fn predict(
         &text,
         sets,
     )
-    .map_err(|e| e.to_string().trim_end().to_string())?;
+    .map_err(|e| config_problems(row, &e))?;
     let Program::Train(spec) = &cfg.program else {
         return Err(format!("row {}: not a training job", row.line));
     };
@@ -609,7 +664,7 @@ mod tests {
         let dir =
             std::env::temp_dir().join(format!("podsim-compare-absurd-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let cases: [(&[(&str, &str)], &str); 4] = [
+        let cases: [(&[(&str, &str)], &str); 6] = [
             (
                 &[("topology", "4294967296x4294967296x2")],
                 "column topology",
@@ -629,7 +684,17 @@ mod tests {
                 "column wraparound",
             ),
             // CSV-quoted: the cell is `v5p" #x`, once accepted as v5p (the rest a comment).
-            (&[("hardware", "\"v5p\"\" #x\"")], "hardware"),
+            (
+                &[("hardware", "\"v5p\"\" #x\"")],
+                "row 2 (A1), column hardware: unknown",
+            ),
+            // The config's own checks, told by the row's column (they named the generated
+            // job's line and field: `row 2 (A1):13: job.model.mlp`).
+            (&[("mlp", "gelu2")], "row 2 (A1), column mlp: unknown mlp"),
+            (
+                &[("batch_per_chip", "500000000")],
+                "row 2 (A1), column batch_per_chip",
+            ),
         ];
         for (i, (set, want)) in cases.iter().enumerate() {
             let mut cells: Vec<&str> = a1.split(',').collect();

@@ -244,8 +244,8 @@ fn above<T>(lo: T, hi: T) -> (Bound<T>, Bound<T>) {
 
 /// Chips of the largest pod, as the `u32` chip numbers are.
 const CHIPS: u32 = MAX_CHIPS as u32;
-/// Widest layer (and longest sequence, largest vocabulary): 16M.
-const WIDTH: usize = 1 << 24;
+/// Widest layer (and longest sequence, largest vocabulary, largest batch): 16M.
+pub const WIDTH: usize = 1 << 24;
 /// Elements of the largest tensor (and parameters of the largest model) a job may describe,
 /// in meta mode too: every product of sizes the trainer forms then fits in a `u64` with room
 /// for bytes and flops, and a count converts to `f64` exactly.
