@@ -203,23 +203,14 @@ fn config_problems(row: &Row<'_>, errors: &config::ConfigErrors) -> String {
 
 /// The column of a compared row that sets config field `field` (see [`job_toml`]).
 fn column_of(field: &str) -> Option<&'static str> {
-    const MODEL: [&str; 13] = [
-        "layers",
-        "d_model",
-        "heads",
-        "kv_heads",
-        "head_dim",
-        "ffn",
-        "vocab",
-        "seq",
-        "mlp",
-        "block",
-        "attention",
-        "bias",
-        "weight_dtype",
-    ];
+    // `[job.model]` keys are named as their columns (`model_keys`, the optional ones).
+    const OPTIONAL_MODEL: [&str; 3] = ["attention", "bias", "weight_dtype"];
     if let Some(key) = field.strip_prefix("job.model.") {
-        return MODEL.iter().copied().find(|c| *c == key);
+        return COLUMNS
+            .iter()
+            .chain(&OPTIONAL_MODEL)
+            .copied()
+            .find(|c| *c == key);
     }
     Some(match field {
         "topology.hardware" => "hardware",
