@@ -54,11 +54,11 @@ impl Recovery {
         }
     }
 
-    /// Removes the checkpoints of an earlier run of the same config: they must not be
-    /// resumed from.
+    /// Removes the checkpoints of an earlier run of the same config (they must not be resumed
+    /// from), and nothing else in their folder.
     pub fn clear_old_checkpoints(&self) {
         if let Some(dir) = &self.checkpoints {
-            let _ = std::fs::remove_dir_all(dir);
+            checkpoint::clear(dir);
         }
     }
 

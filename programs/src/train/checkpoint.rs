@@ -78,6 +78,43 @@ pub fn job_fingerprint(spec: &TrainSpec, pod: &Pod) -> String {
     format!("{:016x}", fnv1a_bytes(text))
 }
 
+/// Removes the checkpoints under `dir` that podsim writes - `step-N/chip-M.safetensors` and
+/// their temporary `.tmp` files - and each `step-N` folder left empty; anything else there is
+/// someone else's and stays (the whole folder was removed, a user's files with it).
+pub fn clear(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for step in entries.flatten() {
+        let is_step = step
+            .file_name()
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .is_some_and(|n| n.parse::<u32>().is_ok());
+        if !is_step || !step.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Ok(files) = std::fs::read_dir(step.path()) else {
+            continue;
+        };
+        for file in files.flatten() {
+            let name = file.file_name();
+            let ours = name.to_str().is_some_and(|n| {
+                let chip = n
+                    .strip_suffix(&format!(".{EXTENSION}"))
+                    .or_else(|| n.strip_suffix(".tmp"));
+                chip.and_then(|c| c.strip_prefix("chip-"))
+                    .is_some_and(|c| c.parse::<u32>().is_ok())
+            });
+            if ours && file.file_type().is_ok_and(|t| t.is_file()) {
+                let _ = std::fs::remove_file(file.path());
+            }
+        }
+        // Only when empty: `remove_dir` refuses a folder with anything left in it.
+        let _ = std::fs::remove_dir(step.path());
+    }
+}
+
 /// Where chip `chip`'s checkpoint after `step` steps lives.
 pub fn path(dir: &Path, step: u32, chip: u32) -> PathBuf {
     dir.join(format!("step-{step}"))
@@ -270,6 +307,33 @@ pub fn latest_verified(dir: &Path, chips: u32, job: &str) -> Resumable {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn clearing_removes_podsims_checkpoints_and_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("podsim-ckpt-clear-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let files = [
+            ("step-3/chip-0.safetensors", false),
+            ("step-3/chip-1.tmp", false),
+            ("step-4/chip-0.safetensors", false),
+            ("step-4/notes.txt", true),
+            ("mine/thesis.txt", true),
+            ("step-x/chip-0.safetensors", true),
+            ("thesis.safetensors", true),
+        ];
+        for (f, _) in files {
+            let p = dir.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, b"x").unwrap();
+        }
+        clear(&dir);
+        for (f, kept) in files {
+            assert_eq!(dir.join(f).exists(), kept, "{f}");
+        }
+        assert!(!dir.join("step-3").exists(), "an emptied step folder stays");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     use super::*;
 
     const JOB: &str = "00000000000000aa";
