@@ -27,6 +27,8 @@ use podsim_links::socket::{Acceptor, Admission, Limits};
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a rank's exit waits for the rest of its output to be read.
 const OUTPUT_DRAIN: Duration = Duration::from_secs(1);
+/// The longest line of a rank's output shown as one; a longer one is cut into several.
+const MOST_LINE_BYTES: usize = 64 << 10;
 /// Lines of a rank's standard error kept for the report of its death.
 const STDERR_TAIL_LINES: usize = 20;
 /// Requests read ahead of the chip (a rank waits for each reply, so one is the usual).
@@ -531,26 +533,52 @@ async fn prefix_lines(
     tail: Tail,
     quiet: Arc<AtomicBool>,
 ) {
-    let mut lines = BufReader::new(stream).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        if !quiet.load(Ordering::Relaxed) {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "[{label}] {line}");
-            let _ = out.flush();
+    // Bytes, not text: a rank may print anything (a stray non-UTF-8 byte ended the reading,
+    // and the rank's next print met a closed pipe and failed the job as the program's
+    // error), and a line is cut at [`MOST_LINE_BYTES`] (a progress bar's `\r` updates
+    // without a newline grew without bound).
+    let mut reader = BufReader::new(stream);
+    let mut line = Vec::new();
+    loop {
+        let chunk = match reader.fill_buf().await {
+            Ok([]) | Err(_) => break,
+            Ok(chunk) => chunk,
+        };
+        let newline = chunk.iter().position(|&b| b == b'\n');
+        let wanted = newline.map_or(chunk.len(), |i| i + 1);
+        let taken = wanted.min(MOST_LINE_BYTES - line.len());
+        line.extend_from_slice(&chunk[..taken]);
+        reader.consume(taken);
+        if (newline.is_some() && taken == wanted) || line.len() == MOST_LINE_BYTES {
+            show_line(&label, &tail, &quiet, &std::mem::take(&mut line));
         }
-        match &tail {
-            Tail::Lines(tail) => {
-                if let Ok(mut t) = tail.lock() {
-                    if t.len() == STDERR_TAIL_LINES {
-                        t.pop_front();
-                    }
-                    t.push_back(line);
+    }
+    if !line.is_empty() {
+        show_line(&label, &tail, &quiet, &line);
+    }
+}
+
+/// One line of a rank's output: shown with its rank (unless `quiet`) and kept in `tail`.
+fn show_line(label: &str, tail: &Tail, quiet: &AtomicBool, bytes: &[u8]) {
+    let line = String::from_utf8_lossy(bytes);
+    let line = line.trim_end_matches(['\n', '\r']).to_string();
+    if !quiet.load(Ordering::Relaxed) {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "[{label}] {line}");
+        let _ = out.flush();
+    }
+    match tail {
+        Tail::Lines(tail) => {
+            if let Ok(mut t) = tail.lock() {
+                if t.len() == STDERR_TAIL_LINES {
+                    t.pop_front();
                 }
+                t.push_back(line);
             }
-            Tail::Last(last) => {
-                if let Ok(mut l) = last.lock() {
-                    *l = Some(line);
-                }
+        }
+        Tail::Last(last) => {
+            if let Ok(mut l) = last.lock() {
+                *l = Some(line);
             }
         }
     }
@@ -878,6 +906,41 @@ sys.exit(3)";
             Some("last words"),
             "{tail:?}"
         );
+        drop(guard);
+    }
+
+    #[test]
+    fn a_ranks_bytes_that_are_no_text_and_a_line_without_end_are_shown_not_fatal() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        // A stray byte that is not UTF-8 ended the reading; the rank's next write then met a
+        // closed pipe (BrokenPipeError: the job failed as the program's error).
+        let mut spec = spec(Path::new("unused"));
+        let rank = "import os, sys, time
+os.write(2, b'\\xff binary\\n')
+time.sleep(0.2)
+os.write(2, b'x' * 200000)
+os.write(2, b'\\nafter\\n')
+sys.exit(0)";
+        spec.command = vec!["python3".into(), "-c".into(), rank.into()];
+        let (mut ranks, guard) = rt
+            .block_on(start(&spec, 1, &[recorder()], &hardware()))
+            .expect("start");
+        guard.quiet().store(true, Ordering::Relaxed);
+        let exit = rt.block_on(exited(&mut ranks[0].exit)).expect("its exit");
+        assert_eq!(exit.code, Some(0), "{exit}");
+        let tail = ranks[0].stderr_tail.lock().expect("tail").clone();
+        let lengths: Vec<usize> = tail.iter().map(String::len).collect();
+        assert_eq!(
+            tail.front().map(String::as_str),
+            Some("\u{fffd} binary"),
+            "{lengths:?}"
+        );
+        // 200,000 bytes: three lines of 65,536 and the rest.
+        assert_eq!(lengths[1..], [65536, 65536, 65536, 3392, 5], "{lengths:?}");
+        assert_eq!(tail.back().map(String::as_str), Some("after"));
         drop(guard);
     }
 
