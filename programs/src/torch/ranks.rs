@@ -875,63 +875,60 @@ time.sleep(600)
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    #[test]
-    fn a_ranks_exit_is_told_after_its_last_words_are_read() {
+    /// Runs `program` (Python) as a rank, quietly, until it exits: how, and its last lines of
+    /// standard error as the worker kept them when it was told of the exit.
+    fn run_rank(program: &str) -> (RankExit, VecDeque<String>) {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .expect("runtime");
+        let mut spec = spec(Path::new("unused"));
+        spec.command = vec!["python3".into(), "-c".into(), program.into()];
+        let (mut ranks, guard) = rt
+            .block_on(start(&spec, 1, &[recorder()], &hardware()))
+            .expect("start");
+        guard.quiet().store(true, Ordering::Relaxed);
+        let exit = rt.block_on(exited(&mut ranks[0].exit)).expect("its exit");
+        let tail = ranks[0].stderr_tail.lock().expect("tail").clone();
+        (exit, tail)
+    }
+
+    #[test]
+    fn a_ranks_exit_is_told_after_its_last_words_are_read() {
         // The rank exits at once; a process it started outside its group (so not killed
         // with it) still holds its standard error and writes the last line 300 ms later.
         // Its exit is told once that line is read (the stream's end), not before.
-        let mut spec = spec(Path::new("unused"));
-        let rank = "import os, sys, time
+        let (exit, tail) = run_rank(
+            "import os, sys, time
 if os.fork() == 0:
     os.setsid()
     time.sleep(0.3)
     os.write(2, b'last words\\n')
     os._exit(0)
 os.write(2, b'first words\\n')
-sys.exit(3)";
-        spec.command = vec!["python3".into(), "-c".into(), rank.into()];
-        let (mut ranks, guard) = rt
-            .block_on(start(&spec, 1, &[recorder()], &hardware()))
-            .expect("start");
-        guard.quiet().store(true, Ordering::Relaxed);
-        let exit = rt.block_on(exited(&mut ranks[0].exit)).expect("its exit");
+sys.exit(3)",
+        );
         assert_eq!(exit.code, Some(3));
-        let tail = ranks[0].stderr_tail.lock().expect("tail").clone();
         assert_eq!(
             tail.back().map(String::as_str),
             Some("last words"),
             "{tail:?}"
         );
-        drop(guard);
     }
 
     #[test]
     fn a_ranks_bytes_that_are_no_text_and_a_line_without_end_are_shown_not_fatal() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
         // A stray byte that is not UTF-8 ended the reading; the rank's next write then met a
         // closed pipe (BrokenPipeError: the job failed as the program's error).
-        let mut spec = spec(Path::new("unused"));
-        let rank = "import os, sys, time
+        let (exit, tail) = run_rank(
+            "import os, sys, time
 os.write(2, b'\\xff binary\\n')
 time.sleep(0.2)
 os.write(2, b'x' * 200000)
 os.write(2, b'\\nafter\\n')
-sys.exit(0)";
-        spec.command = vec!["python3".into(), "-c".into(), rank.into()];
-        let (mut ranks, guard) = rt
-            .block_on(start(&spec, 1, &[recorder()], &hardware()))
-            .expect("start");
-        guard.quiet().store(true, Ordering::Relaxed);
-        let exit = rt.block_on(exited(&mut ranks[0].exit)).expect("its exit");
+sys.exit(0)",
+        );
         assert_eq!(exit.code, Some(0), "{exit}");
-        let tail = ranks[0].stderr_tail.lock().expect("tail").clone();
         let lengths: Vec<usize> = tail.iter().map(String::len).collect();
         assert_eq!(
             tail.front().map(String::as_str),
@@ -941,7 +938,6 @@ sys.exit(0)";
         // 200,000 bytes: three lines of 65,536 and the rest.
         assert_eq!(lengths[1..], [65536, 65536, 65536, 3392, 5], "{lengths:?}");
         assert_eq!(tail.back().map(String::as_str), Some("after"));
-        drop(guard);
     }
 
     /// Not a test on its own: with [`LAUNCHER_DIR`] set, the process that starts a rank and
