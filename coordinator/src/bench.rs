@@ -412,7 +412,11 @@ pub fn run_on_workers(
     let outcome = rt
         .block_on(async {
             let mut control = ControlPlane::start("127.0.0.1:0", new_token(), None).await?;
-            let workers = Workers::Spawn { exe, log_dir: None };
+            let workers = Workers::Spawn {
+                exe,
+                log_dir: None,
+                restart: None,
+            };
             Launch::new(&spec, workers).run(&mut control).await
         })
         .map_err(|e| e.to_string())?;

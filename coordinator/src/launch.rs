@@ -8,6 +8,7 @@
 //! stop. How long each phase may take is in [`timeouts`].
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::process::Stdio;
@@ -34,6 +35,10 @@ pub enum Workers {
     Spawn {
         exe: PathBuf,
         log_dir: Option<PathBuf>,
+        /// The job's runs before this one (a restart or a regroup): its workers then add to
+        /// the logs (`worker-N.log`) instead of starting them anew, as the failure that made
+        /// the job run again named those logs.
+        restart: Option<u32>,
     },
     /// They are started elsewhere with `podsim worker --join ADDR --token TOKEN`.
     External,
@@ -469,9 +474,28 @@ fn describe_exit(status: std::process::ExitStatus) -> String {
 
 const MIMALLOC_PURGE_DELAY: &str = "MIMALLOC_PURGE_DELAY";
 
+/// A worker's log: started anew, or after `n` earlier runs of the job continued below a line
+/// saying so.
+fn worker_log(path: &Path, restart: Option<u32>) -> std::io::Result<std::fs::File> {
+    let Some(n) = restart else {
+        return std::fs::File::create(path);
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    writeln!(
+        file,
+        "--- podsim: the job runs again here (attempt {}) ---",
+        n + 1
+    )?;
+    Ok(file)
+}
+
 fn spawn_workers(
     exe: &Path,
     log_dir: Option<&Path>,
+    restart: Option<u32>,
     control: &ControlPlane,
     workers: u32,
 ) -> Result<Children, LaunchError> {
@@ -484,7 +508,7 @@ fn spawn_workers(
         let stderr = match log_dir {
             Some(dir) => {
                 let path = dir.join(format!("worker-{id}.log"));
-                std::fs::File::create(&path)
+                worker_log(&path, restart)
                     .map(Stdio::from)
                     .map_err(|e| LaunchError::Spawn {
                         id,
@@ -603,9 +627,17 @@ impl<'a> Launch<'a> {
     pub async fn run(self, control: &mut ControlPlane) -> Result<Outcome, LaunchError> {
         let started = Instant::now();
         let mut children = match &self.workers {
-            Workers::Spawn { exe, log_dir } => {
-                spawn_workers(exe, log_dir.as_deref(), control, self.spec.workers)?
-            }
+            Workers::Spawn {
+                exe,
+                log_dir,
+                restart,
+            } => spawn_workers(
+                exe,
+                log_dir.as_deref(),
+                *restart,
+                control,
+                self.spec.workers,
+            )?,
             Workers::External => Children::default(),
         };
         let mut no_progress = |_: u64, _: u64| {};

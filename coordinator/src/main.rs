@@ -222,11 +222,14 @@ fn progress_reporter() -> impl FnMut(u64, u64) + Send {
 
 /// One launch of the job's workers (several when it recovers from failures): how it ended,
 /// and the workers that had all joined (for the report of a job that failed).
+/// One attempt of the job: its first run (`restart` none), or a run after `n` others (a
+/// restart from a checkpoint or a regroup).
 fn run_attempt(
     cfg: &JobConfig,
     spec: &JobSpec,
     listen: Option<&(&str, String)>,
     join_timeout: Duration,
+    restart: Option<u32>,
     rt: &tokio::runtime::Runtime,
 ) -> (
     Result<launch::Outcome, LaunchError>,
@@ -268,6 +271,7 @@ fn run_attempt(
             Workers::Spawn {
                 exe,
                 log_dir: Some(cfg.output_dir.clone()),
+                restart,
             }
         };
         let mut progress = progress_reporter();
@@ -308,10 +312,15 @@ fn run_job(
     let mut spec = cfg.spec();
     let traced = traced_chips(cfg, trace, &mut spec)?;
     let recovery = Recovery::new(&spec, cfg.max_restarts, listen.is_some());
+    let mut attempts_made = 0u32;
     let attempts = run_with_recovery(
         spec,
         recovery,
-        |spec| run_attempt(cfg, spec, listen.as_ref(), join_timeout, &rt),
+        |spec| {
+            let restart = (attempts_made > 0).then_some(attempts_made);
+            attempts_made += 1;
+            run_attempt(cfg, spec, listen.as_ref(), join_timeout, restart, &rt)
+        },
         |r, max| {
             println!(
                 "restart {} of {max}: {}; resuming from the checkpoint after step {}",

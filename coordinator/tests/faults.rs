@@ -300,10 +300,25 @@ fn a_crash_is_recovered_from_the_last_checkpoint_bit_identically() {
             "{tag}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        report(&dir)
+        (report(&dir), dir)
     };
-    let crashed = run("crash", &[]);
-    let clean = run("clean", &["--set", "faults=[]"]);
+    let (crashed, crashed_dir) = run("crash", &[]);
+    let (clean, _) = run("clean", &["--set", "faults=[]"]);
+    // The crashed worker's log keeps what it said before the restart (the restart's message
+    // sends the user there; the restarted worker's log started anew over it).
+    let logs: Vec<String> = std::fs::read_dir(&crashed_dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("worker-"))
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .collect();
+    let separator = "--- podsim: the job runs again here (attempt 2) ---";
+    assert!(
+        logs.iter().any(|l| l
+            .split_once(separator)
+            .is_some_and(|(before, _)| !before.trim().is_empty())),
+        "no worker log kept the first attempt: {logs:?}"
+    );
     let rec = &crashed["recovery"];
     assert_eq!(rec["restarts"].as_array().unwrap().len(), 1, "{rec}");
     let restart = &rec["restarts"][0];
