@@ -477,13 +477,11 @@ const MIMALLOC_PURGE_DELAY: &str = "MIMALLOC_PURGE_DELAY";
 /// A worker's log: started anew, or after `n` earlier runs of the job continued below a line
 /// saying so.
 fn worker_log(path: &Path, restart: Option<u32>) -> std::io::Result<std::fs::File> {
+    let mut options = std::fs::OpenOptions::new();
     let Some(n) = restart else {
-        return std::fs::File::create(path);
+        return crate::outdir::open_in_output(path, options.truncate(true));
     };
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
+    let mut file = crate::outdir::open_in_output(path, options.append(true))?;
     writeln!(
         file,
         "--- podsim: the job runs again here (attempt {}) ---",

@@ -29,12 +29,7 @@ impl OutputLock {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         let path = dir.join(LOCK_FILE);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
+        let mut file = open_in_output(&path, OpenOptions::new().read(true).truncate(false))
             .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
         match file.try_lock() {
             Ok(()) => {}
@@ -69,6 +64,23 @@ impl OutputLock {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// Opens (creating it) a file podsim writes in an output folder, with `options` beyond
+/// writing: never through a symbolic link (it wrote wherever the link pointed: a
+/// `worker-0.log` linked to a file elsewhere truncated that file) and never a FIFO or a
+/// device (the open blocked, or the job wrote into it).
+pub fn open_in_output(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = options
+        .write(true)
+        .create(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    Ok(file)
 }
 
 /// Why podsim cannot write a file at `path`: something there that is not a regular file (the
@@ -262,6 +274,32 @@ mod tests {
         if made.is_ok_and(|s| s.success()) {
             assert_eq!(read_text(&fifo, 1024), Err("not a file".into()));
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_output_file_is_not_written_through_a_link_or_into_a_fifo() {
+        let dir = std::env::temp_dir().join(format!("podsim-open-out-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let outside = dir.join("outside.txt");
+        std::fs::write(&outside, "keep").unwrap();
+        let link = dir.join("worker-0.log");
+        std::os::unix::fs::symlink(&outside, &link).unwrap();
+        assert!(open_in_output(&link, OpenOptions::new().truncate(true)).is_err());
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+        // The lock file too: its text was written into the linked file.
+        std::os::unix::fs::symlink(&outside, dir.join(LOCK_FILE)).unwrap();
+        assert!(OutputLock::acquire(&dir, "test").is_err());
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+        let fifo = dir.join("worker-1.log");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            // No reader: the open would have blocked.
+            assert!(open_in_output(&fifo, OpenOptions::new().truncate(true)).is_err());
+        }
+        let fresh = open_in_output(&dir.join("worker-2.log"), OpenOptions::new().truncate(true));
+        assert!(fresh.is_ok());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
