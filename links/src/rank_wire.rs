@@ -296,7 +296,17 @@ pub async fn read_frame(
     let mut header = [0u8; HEADER_BYTES];
     match r.read_exact(&mut header[..1]).await {
         Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        // Between frames, a reset is the end of the stream too: a process killed with data
+        // unread on its socket resets it (a forked rank whose rank server died). Its exit
+        // then tells what happened, not "connection reset" as the program's error.
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+            ) =>
+        {
+            return Ok(None);
+        }
         Err(e) => return Err(e.to_string()),
     }
     r.read_exact(&mut header[1..])
