@@ -16,7 +16,7 @@ use podsim_collectives::{
 };
 use podsim_job::BenchCase;
 use podsim_job::{ChipStepReport, TraceRequest};
-use podsim_job::{buffer_bytes, elements_for_buffer};
+use podsim_job::{buffer_bytes, data_mode_buffers, elements_for_buffer};
 use podsim_programs::job::{JobSpec, Program, Transport};
 use podsim_programs::{enable_traces, run_program};
 use podsim_topology::{Group, Hardware, Pod, Torus};
@@ -149,22 +149,16 @@ const MOST_ITERATIONS: usize = 1_000_000;
 const MOST_THREADS: usize = 1024;
 
 /// Refuses a data-mode benchmark whose buffers cannot fit in the memory `available` on this
-/// host (unknown: nothing checked): every chip holds a collective's input and output (an
-/// all-gather's output is the size, its input a share). It aborted, out of memory, instead.
-fn data_mode_fits(
-    pod: &Pod,
-    op: OpKind,
-    sizes: &[u64],
-    available: Option<u64>,
-) -> Result<(), String> {
-    let (Some(available), Some(&largest)) = (available, sizes.iter().max()) else {
+/// host (unknown: nothing checked): every chip holds the largest size's input and output
+/// (`podsim_job::data_mode_buffers`, as a config's check counts them). It aborted, out of
+/// memory, instead.
+fn data_mode_fits(plan: &BenchPlan, available: Option<u64>) -> Result<(), String> {
+    let (Some(available), Some(&largest)) = (available, plan.sizes.iter().max()) else {
         return Ok(());
     };
-    let per_chip = match op {
-        OpKind::AllGather => u128::from(largest) + u128::from(largest) / u128::from(pod.chips()),
-        _ => 2 * u128::from(largest),
-    };
-    let needed = per_chip * u128::from(pod.chips());
+    let n = plan.comm.group.size(&plan.pod);
+    let per_chip = data_mode_buffers(plan.op, plan.count(largest), plan.comm.dtype, n);
+    let needed = per_chip * u128::from(plan.pod.chips());
     if needed <= u128::from(available) {
         return Ok(());
     }
@@ -172,7 +166,7 @@ fn data_mode_fits(
     Err(format!(
         "--sizes: data mode holds {} chips x {:.2} GiB of buffers at {largest} bytes, {:.1} GiB, \
          more than this host's {:.1} GiB available: use --mode meta (sizes only) or smaller sizes",
-        pod.chips(),
+        plan.pod.chips(),
         gib(per_chip),
         gib(needed),
         gib(u128::from(available))
@@ -217,9 +211,6 @@ impl BenchPlan {
         if !(1..=MOST_THREADS).contains(&threads) {
             return Err(format!("--threads must be 1 to {MOST_THREADS}"));
         }
-        if !meta {
-            data_mode_fits(&pod, op, &sizes, crate::config::host_available_memory())?;
-        }
         let comm = Comm {
             group,
             algo,
@@ -235,8 +226,8 @@ impl BenchPlan {
                 return Err(format!("--symmetric: {}", why.join("; ")));
             }
         }
-        let trace_chips = a.trace.chips(pod.chips())?;
-        Ok(BenchPlan {
+        let trace_chips = a.trace.resolve(pod.chips())?;
+        let plan = BenchPlan {
             pod,
             hardware,
             op,
@@ -253,7 +244,11 @@ impl BenchPlan {
                 flows: a.trace.trace_flows,
             }),
             transport: Transport::choose(a.transport.as_deref(), "--transport")?,
-        })
+        };
+        if !plan.meta {
+            data_mode_fits(&plan, crate::config::host_available_memory())?;
+        }
+        Ok(plan)
     }
 
     /// One size of one collective in meta mode, in this process, one iteration on the mirror

@@ -892,6 +892,19 @@ pub fn hardware_from_sets(sets: &[String]) -> Result<HardwareOverrides, String> 
 /// The largest config or study file read (a config is a few KiB).
 pub const MOST_CONFIG_BYTES: u64 = 1 << 20;
 
+/// The text of a config or study file: a regular file of at most `MOST_CONFIG_BYTES`, or an
+/// error naming the file.
+pub(crate) fn read_config_text(path: &Path) -> Result<String, ConfigErrors> {
+    crate::outdir::read_text(path, MOST_CONFIG_BYTES).map_err(|reason| {
+        ConfigErrors(vec![ConfigError {
+            file: path.display().to_string(),
+            line: None,
+            field: "file".into(),
+            reason,
+        }])
+    })
+}
+
 /// Reads and validates `path` with command-line overrides applied.
 pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
     let file = path.display().to_string();
@@ -903,8 +916,7 @@ pub fn load(path: &Path, sets: &[String]) -> Result<JobConfig, ConfigErrors> {
             reason,
         }])
     };
-    let text =
-        crate::outdir::read_text(path, MOST_CONFIG_BYTES).map_err(|e| one(None, "file", e))?;
+    let text = read_config_text(path)?;
     let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
         let line = e.span().map(|s| toml_lines::line_at(&text, s.start));
         one(line, "syntax", e.message().to_string())
@@ -1887,14 +1899,7 @@ fn data_mode_bytes(pod: &Pod, program: &Program) -> Option<(u128, String, &'stat
             ..
         } => {
             let per_chip = |s: &CollectiveStep| {
-                let input = wide(s.count(pod));
-                let n = u64::from(s.group.size(pod).max(1));
-                let output = match s.op {
-                    OpKind::AllGather => input.saturating_mul(n),
-                    OpKind::ReduceScatter => input / n,
-                    _ => input,
-                };
-                u128::from(input.saturating_add(output)) * s.dtype.size() as u128
+                podsim_job::data_mode_buffers(s.op, s.count(pod), s.dtype, s.group.size(pod))
             };
             let (i, step) = script.iter().enumerate().max_by_key(|(_, s)| per_chip(s))?;
             let bytes = per_chip(step);

@@ -23,7 +23,7 @@ pub mod program;
 pub mod reports;
 pub mod torch;
 
-pub use bench::{BenchCase, buffer_bytes, elements_for_buffer};
+pub use bench::{BenchCase, buffer_bytes, data_mode_buffers, elements_for_buffer};
 pub use faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
 pub use heartbeat::{
     HeartbeatStatus, Ranges, Root, STRAGGLER_WAITS_CHIPS, Summary, Wait, watchdog_defaults,
