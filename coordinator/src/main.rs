@@ -382,7 +382,7 @@ fn traced_chips(
     trace: &TraceArgs,
     spec: &mut podsim_programs::job::JobSpec,
 ) -> Result<Vec<u32>, CliError> {
-    let mut traced = trace.chips(cfg.pod.chips()).map_err(CliError::Usage)?;
+    let mut traced = trace.resolve(cfg.pod.chips()).map_err(CliError::Usage)?;
     let faulty: Vec<u32> = cfg.faults.iter().filter_map(|f| f.chip).collect();
     if trace.trace.is_some() {
         traced.extend(&faulty);

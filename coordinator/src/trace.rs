@@ -50,15 +50,21 @@ pub struct TraceArgs {
 }
 
 impl TraceArgs {
-    /// The chips to trace on a pod of `chips` (none without `--trace`); an id outside the pod
-    /// is an error naming it.
-    pub fn chips(&self, chips: u32) -> Result<Vec<u32>, String> {
+    /// The flags checked before a run on a pod of `chips`, so that no run ends in a trace
+    /// it cannot write: the chips to trace (none without `--trace`; an id outside the pod is
+    /// an error naming it), once the target is known to be writable as a file.
+    pub fn resolve(&self, chips: u32) -> Result<Vec<u32>, String> {
         let Some(path) = &self.trace else {
             return Ok(Vec::new());
         };
         if let Some(why) = crate::outdir::file_target_problem(path) {
             return Err(format!("--trace: {why}"));
         }
+        self.chips(chips)
+    }
+
+    /// The chips to trace on a pod of `chips`, given `--trace`.
+    fn chips(&self, chips: u32) -> Result<Vec<u32>, String> {
         if let Some(bad) = self.trace_chips.iter().find(|&&c| c >= chips) {
             return Err(format!(
                 "--trace-chips: chip {bad} is not in the pod (chips 0 to {})",
@@ -586,7 +592,7 @@ mod tests {
             trace_chips: vec![3, 9],
             ..TraceArgs::default()
         };
-        let e = args.chips(8).unwrap_err();
+        let e = args.resolve(8).unwrap_err();
         assert!(e.contains("chip 9"), "{e}");
     }
 
