@@ -153,14 +153,7 @@ const MOST_PARALLEL: usize = 1024;
 impl Study {
     /// Reads and checks a study file.
     pub fn load(path: &Path) -> Result<Study, ConfigErrors> {
-        let text = crate::outdir::read_text(path, config::MOST_CONFIG_BYTES).map_err(|reason| {
-            ConfigErrors(vec![ConfigError {
-                file: path.display().to_string(),
-                line: None,
-                field: "file".into(),
-                reason,
-            }])
-        })?;
+        let text = config::read_config_text(path)?;
         Study::parse(path, &text)
     }
 
