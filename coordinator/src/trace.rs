@@ -60,6 +60,13 @@ impl TraceArgs {
         if let Some(why) = crate::outdir::file_target_problem(path) {
             return Err(format!("--trace: {why}"));
         }
+        if !replaceable(path) {
+            return Err(format!(
+                "--trace: {} exists and is not a trace podsim wrote: podsim will not replace \
+                 it (remove it, or name another file)",
+                path.display()
+            ));
+        }
         self.chips(chips)
     }
 
@@ -79,6 +86,25 @@ impl TraceArgs {
             ids.dedup();
             Ok(ids)
         }
+    }
+}
+
+/// How every trace file podsim writes begins (`build`'s top-level keys, in the sorted order
+/// serde_json writes them): how a file is told apart from one podsim must not replace.
+const TRACE_START: &[u8] = br#"{"displayTimeUnit":"ns","metadata":{"chips":"#;
+
+/// Whether `--trace` may write over `path`: it does not exist, is empty, or is a trace podsim
+/// wrote. A mistyped `--trace job.toml` replaced the job's config with a timeline.
+fn replaceable(path: &Path) -> bool {
+    use std::io::Read;
+    let Ok(file) = std::fs::File::open(path) else {
+        return !path.exists();
+    };
+    let mut start = Vec::with_capacity(TRACE_START.len());
+    match file.take(TRACE_START.len() as u64).read_to_end(&mut start) {
+        Ok(0) => true,
+        Ok(_) => start == TRACE_START,
+        Err(_) => false,
     }
 }
 
@@ -583,6 +609,44 @@ mod tests {
         assert_eq!(sample(3, 16), vec![0, 1, 2]);
         assert_eq!(sample(110_592, 2), vec![0, 110_591]);
         assert!(sample(100, 0).is_empty());
+    }
+
+    #[test]
+    fn a_trace_replaces_only_a_trace() {
+        let dir = std::env::temp_dir().join(format!("podsim-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let args = |name: &str| TraceArgs {
+            trace: Some(dir.join(name)),
+            trace_sample: 8,
+            ..TraceArgs::default()
+        };
+        // A trace as `build` writes it, an empty file and a new name may be written.
+        let input = TraceInput {
+            chips: Vec::new(),
+            pod_spans: Vec::new(),
+            hang: None,
+            wall: false,
+            pod: None,
+        };
+        write(&dir.join("old.json"), &build(&input)).unwrap();
+        std::fs::write(dir.join("empty.json"), b"").unwrap();
+        for name in ["old.json", "empty.json", "new.json"] {
+            assert_eq!(
+                args(name).resolve(8),
+                Ok(vec![0, 1, 2, 3, 4, 5, 6, 7]),
+                "{name}"
+            );
+        }
+        // A user's file (the job's own config) is refused and kept.
+        std::fs::write(dir.join("job.toml"), b"[job]\nkind = \"collectives\"\n").unwrap();
+        let e = args("job.toml").resolve(8).unwrap_err();
+        assert!(e.contains("job.toml exists and is not a trace"), "{e}");
+        assert!(
+            std::fs::read_to_string(dir.join("job.toml"))
+                .unwrap()
+                .starts_with("[job]")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
