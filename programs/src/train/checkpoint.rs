@@ -193,7 +193,7 @@ pub fn read(dir: &Path, step: u32, chip: u32, job: &str) -> Result<Checkpoint, P
 /// Reads the file `p` and checks that it is a podsim checkpoint of job `job`, chip `chip`
 /// after `step` steps, whose every tensor matches its checksum. The error says what failed.
 pub fn verify(p: &Path, step: u32, chip: u32, job: &str) -> Result<Checkpoint, String> {
-    let bytes = std::fs::read(p).map_err(|e| e.to_string())?;
+    let bytes = read_whole_file(p)?;
     let (_, header) =
         SafeTensors::read_metadata(&bytes).map_err(|e| format!("not a safetensors file: {e}"))?;
     let metadata = header.metadata().clone().unwrap_or_default();
@@ -253,6 +253,64 @@ pub fn verify(p: &Path, step: u32, chip: u32, job: &str) -> Result<Checkpoint, S
         return Err(format!("tensor {lost} is missing"));
     }
     Ok(Checkpoint { tensors, metadata })
+}
+
+/// The most bytes of a safetensors header (the format's own bound).
+const MOST_HEADER_BYTES: u64 = 100_000_000;
+
+/// The bytes of the checkpoint file `p`, read only once it is known to be one whole: a
+/// regular file (a FIFO among the checkpoints blocked the restart for ever) whose size is
+/// what its safetensors header declares (a foreign or truncated file, or a huge one, is
+/// refused from its first bytes instead of read into memory whole).
+fn read_whole_file(p: &Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let meta = std::fs::metadata(p).map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    let mut file = std::fs::File::open(p).map_err(|e| e.to_string())?;
+    let mut start = [0u8; 8];
+    file.read_exact(&mut start)
+        .map_err(|_| "not a safetensors file: shorter than its header".to_string())?;
+    let header_len = u64::from_le_bytes(start);
+    if header_len > MOST_HEADER_BYTES || 8 + header_len > meta.len() {
+        return Err(format!(
+            "not a safetensors file: a header of {header_len} bytes in {} bytes",
+            meta.len()
+        ));
+    }
+    let mut bytes = start.to_vec();
+    (&mut file)
+        .take(header_len)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    let data = declared_data_bytes(&bytes[8..])?;
+    let whole = 8 + header_len + data;
+    if meta.len() != whole {
+        return Err(format!(
+            "not a whole checkpoint: {} bytes where its header declares {whole}",
+            meta.len()
+        ));
+    }
+    file.take(data)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    Ok(bytes)
+}
+
+/// The bytes of tensor data a safetensors header declares: the end of its last tensor.
+fn declared_data_bytes(header: &[u8]) -> Result<u64, String> {
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| format!("not a safetensors file: its header: {e}"))?;
+    header
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .map(|(name, tensor)| {
+            tensor["data_offsets"][1]
+                .as_u64()
+                .ok_or_else(|| format!("not a safetensors file: tensor {name} has no data offsets"))
+        })
+        .try_fold(0, |end, tensor_end| Ok(end.max(tensor_end?)))
 }
 
 /// A checkpoint step passed over when choosing where to resume, and why.
@@ -384,6 +442,44 @@ mod tests {
             e.contains("chip-2.safetensors") && e.contains("not a safetensors"),
             "{e}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_fifo_a_folder_a_cut_or_a_grown_file_is_refused_without_reading_it_whole() {
+        let dir = scratch("odd");
+        let c = sample();
+        write(&dir, 5, 0, JOB, &c).unwrap();
+        let file = path(&dir, 5, 0);
+        let whole = std::fs::read(&file).unwrap();
+        let refused = |why: &str| {
+            let e = read(&dir, 5, 0, JOB).unwrap_err().to_string();
+            assert!(e.contains(why), "{why}: {e}");
+        };
+        // A FIFO blocked the read (and the restart) for ever; a folder is not a file either.
+        std::fs::remove_file(&file).unwrap();
+        let status = std::process::Command::new("mkfifo")
+            .arg(&file)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        refused("not a regular file");
+        std::fs::remove_file(&file).unwrap();
+        std::fs::create_dir(&file).unwrap();
+        refused("not a regular file");
+        std::fs::remove_dir(&file).unwrap();
+        // A cut file, one with bytes after its data, and a huge sparse one.
+        std::fs::write(&file, &whole[..whole.len() - 1]).unwrap();
+        refused("not a whole checkpoint");
+        std::fs::write(&file, [whole.as_slice(), b"x"].concat()).unwrap();
+        refused("not a whole checkpoint");
+        std::fs::File::create(&file)
+            .unwrap()
+            .set_len(1 << 40)
+            .unwrap();
+        refused("not a safetensors file");
+        std::fs::write(&file, &whole).unwrap();
+        assert!(read(&dir, 5, 0, JOB).is_ok());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
