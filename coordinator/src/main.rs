@@ -236,6 +236,10 @@ fn run_attempt(
     Vec<launch::WorkerInfo>,
 ) {
     let external = listen.is_some();
+    if podsim_coordinator::was_interrupted() {
+        // Interrupted after the last attempt ended: no restart.
+        return (Err(LaunchError::Interrupted), Vec::new());
+    }
     rt.block_on(async {
         let (addr, token) = match listen {
             Some((addr, token)) => (addr.to_string(), token.clone()),
