@@ -998,7 +998,7 @@ fn parse(
     let mut program = job
         .as_ref()
         .and_then(|j| program(&mut p, j, pod.as_ref(), workers));
-    let faults = faults_of(&mut p, &table, pod.as_ref(), workers, &wd);
+    let faults = faults_of(&mut p, &table, pod.as_ref(), workers, &wd, program.as_ref());
     let output_dir = output
         .and_then(|o| o.dir)
         .map(PathBuf::from)
@@ -2220,6 +2220,7 @@ fn faults_of(
     pod: Option<&Pod>,
     workers: u32,
     watchdog: &Watchdog,
+    program: Option<&Program>,
 ) -> Vec<FaultSpec> {
     let mut raw: Vec<RawFault> = match table.get("faults") {
         None => Vec::new(),
@@ -2232,10 +2233,15 @@ fn faults_of(
     for (i, f) in raw.iter_mut().enumerate() {
         f.check_ranges(p, &format!("faults#{i}"));
     }
-    raw.iter()
+    let faults: Vec<FaultSpec> = raw
+        .iter()
         .enumerate()
         .filter_map(|(i, f)| fault(p, &format!("faults#{i}"), f, pod, workers, watchdog))
-        .collect()
+        .collect();
+    if let Some(program) = program {
+        steps_reached(p, &raw, program);
+    }
+    faults
 }
 
 /// One `[[faults]]` entry.
@@ -2395,8 +2401,8 @@ fn required_keys(
         }
         Some(FaultKind::Crash | FaultKind::Freeze) => needs(
             p,
-            f.chip.is_some() || f.worker.is_some(),
-            "worker = N or chip = N",
+            f.chip.is_some() != f.worker.is_some(),
+            "worker = N or chip = N (its worker), one of them",
         ),
         Some(FaultKind::Drop | FaultKind::Delay | FaultKind::Corrupt) => {
             needs(p, f.link.is_some(), "link = \"chip:link\" (e.g. \"3:+x\")")
@@ -2422,8 +2428,42 @@ fn required_keys(
                     format!("{unit} {w} is outside the {whole}'s {limit} {unit}s"),
                 );
             }
+            // A member of both sides would be cut from itself, and one named twice on a side
+            // is a typo for another.
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some(w) = groups.iter().flatten().find(|w| !seen.insert(**w)) {
+                p.add(
+                    table,
+                    Some(key),
+                    format!("{unit} {w} is named twice: the groups are two sets apart"),
+                );
+            }
         }
         None => {}
+    }
+}
+
+/// Refuses a fault whose `at_step` the program never reaches (it would never fire, and the
+/// job would end `ok` with the fault untried): a training job runs steps 0 to `steps - 1`, a
+/// script iterations 0 to `iterations - 1`. A PyTorch program's steps are its own: its
+/// report says which faults never fired.
+fn steps_reached(p: &mut Problems<'_>, faults: &[RawFault], program: &Program) {
+    let (steps, what) = match program {
+        Program::Train(spec) => (u64::from(spec.steps), "job.steps"),
+        Program::Collectives { iterations, .. } => (u64::from(*iterations), "job.iterations"),
+        _ => return,
+    };
+    for (i, f) in faults.iter().enumerate() {
+        if let Some(at) = f.at_step.filter(|&at| at >= steps) {
+            p.add(
+                &format!("faults#{i}"),
+                Some("at_step"),
+                format!(
+                    "step {at} is never reached: the job runs steps 0 to {} ({what} = {steps}), so the fault would never fire",
+                    steps.saturating_sub(1)
+                ),
+            );
+        }
     }
 }
 
@@ -2739,6 +2779,43 @@ mod tests {
         let delayed = fault("kind = \"delay\"\nlink = \"1:+x\"\ndelay_ms = 30000");
         load(&delayed, &["watchdog.timeout_ms=60000"]).expect("below a longer timeout");
         load(&delayed.replace("30000", "1999"), &[]).expect("below the timeout");
+    }
+
+    #[test]
+    fn a_fault_that_could_never_fire_or_means_two_things_is_refused() {
+        let fault = |body: &str| format!("{BASE}[[faults]]\n{body}\n");
+        let refused = |body: &str, field: &str, why: &str| {
+            let errors = load(&fault(body), &[]).expect_err(body).0;
+            assert!(
+                errors
+                    .iter()
+                    .any(|e| e.field == field && e.reason.contains(why)),
+                "{body}: {errors:?}"
+            );
+        };
+        // BASE runs iterations 0 and 1.
+        refused(
+            "kind = \"stall\"\nchip = 1\nat_step = 2",
+            "faults[0].at_step",
+            "step 2 is never reached: the job runs steps 0 to 1 (job.iterations = 2)",
+        );
+        load(&fault("kind = \"stall\"\nchip = 1\nat_step = 1"), &[]).expect("step 1 runs");
+        refused(
+            "kind = \"crash\"\nchip = 1\nworker = 0",
+            "faults[0]",
+            "one of them",
+        );
+        refused(
+            "kind = \"partition\"\ngroups = [[0], [0, 1]]",
+            "faults[0].groups",
+            "worker 0 is named twice",
+        );
+        refused(
+            "kind = \"partition\"\nchip_groups = [[0, 1, 1], [2]]",
+            "faults[0].chip_groups",
+            "chip 1 is named twice",
+        );
+        load(&fault("kind = \"partition\"\ngroups = [[0], [1]]"), &[]).expect("two workers");
     }
 
     #[test]
