@@ -678,8 +678,11 @@ async fn drive(
         .collect();
     control.roster.clone_from(&infos);
     let (sessions, events) = hand_out(spec, joined).await?;
-    let (reports, watchdog) =
+    let (reports, mut watchdog) =
         supervise(spec, &infos, &sessions, events, children, progress).await?;
+    for r in &reports {
+        watchdog.faults_fired(&r.faults);
+    }
     Ok(Outcome {
         workers: infos,
         reports,

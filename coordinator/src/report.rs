@@ -34,6 +34,10 @@ pub struct Report {
     pub hang: Option<Hang>,
     /// Faults the workers reported firing.
     pub faults_injected: Vec<podsim_job::FaultEvent>,
+    /// A finished job's faults that never fired, each said with its target and trigger: a
+    /// fault-injection run whose fault never came tested nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub faults_not_fired: Vec<String>,
     /// Checkpoints and the restarts after failures (train jobs with `[recovery]`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub recovery: Option<Recovery>,
@@ -562,6 +566,7 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
     report.timelines = timelines(&traces);
     report.stragglers = out.stragglers.clone();
     report.faults_injected = out.faults.clone();
+    report.faults_not_fired = not_fired(&cfg.faults, &out.faults);
     report.workers = finished_workers(out);
     let steps: Vec<&ChipStepReport> = out.reports.iter().flat_map(|r| &r.steps).collect();
     report.correctness.elements_checked = steps.iter().map(|s| s.checked).sum();
@@ -633,6 +638,7 @@ fn empty(cfg: &JobConfig) -> Report {
         torch: None,
         hang: None,
         faults_injected: Vec::new(),
+        faults_not_fired: Vec::new(),
         stragglers: Vec::new(),
         recovery: None,
         virtual_s: 0.0,
@@ -640,6 +646,37 @@ fn empty(cfg: &JobConfig) -> Report {
         link_errors: Vec::new(),
         timelines: Vec::new(),
     }
+}
+
+/// The faults of `faults` that no event of `fired` reports, each as "#i kind on target, at
+/// trigger".
+fn not_fired(faults: &[podsim_job::FaultSpec], fired: &[podsim_job::FaultEvent]) -> Vec<String> {
+    faults
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !fired.iter().any(|e| e.fault == *i))
+        .map(|(i, f)| {
+            let target = match (f.chip, f.worker, f.link) {
+                (_, _, Some(link)) => format!("link {}:{link}", f.chip.unwrap_or_default()),
+                (Some(chip), _, None) => format!("chip {chip}"),
+                (None, Some(worker), None) => format!("worker {worker}"),
+                (None, None, None) => "the partition".to_string(),
+            };
+            let triggers: Vec<String> = [
+                f.at_step.map(|n| format!("step {n}")),
+                f.at_seq.map(|n| format!("collective {n}")),
+                f.after_ms.map(|n| format!("{n} ms")),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            let trigger = match triggers.is_empty() {
+                true => "from the start".to_string(),
+                false => format!("at {}", triggers.join(" and ")),
+            };
+            format!("#{i} {} on {target}, {trigger}", f.kind.name())
+        })
+        .collect()
 }
 
 /// A failed job's workers: those that had joined, with the chips placed on each.
@@ -1019,6 +1056,11 @@ pub fn summary(report: &Report) -> String {
             report.correctness.wrong_elements,
             report.virtual_s * 1e3,
             report.wall_s
+        ));
+    }
+    for f in &report.faults_not_fired {
+        s.push_str(&format!(
+            "  fault {f} never fired: the job ended before its trigger (it tested nothing)\n"
         ));
     }
     for st in &report.stragglers {

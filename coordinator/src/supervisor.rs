@@ -461,6 +461,7 @@ mod tests {
             traces: Vec::new(),
             links: Vec::new(),
             torch: Vec::new(),
+            faults: Vec::new(),
         };
         let json = serde_json::to_vec(&report).unwrap_or_default();
         Body::Result(pb::WorkerResult { json })

@@ -340,3 +340,20 @@ fn a_crash_is_recovered_from_the_last_checkpoint_bit_identically() {
     );
     assert_eq!(crashed["status"], "ok");
 }
+
+#[test]
+fn a_finished_job_names_the_faults_that_never_fired() {
+    // A stall a day into a job of a few steps never comes: the job ends `ok`, and says so.
+    let (code, r) = launch(
+        "never-fired",
+        4,
+        "[[faults]]\nkind = \"stall\"\nchip = 5\nafter_ms = 86400000",
+    );
+    assert_eq!((code, &r["status"]), (0, &serde_json::json!("ok")), "{r}");
+    assert_eq!(
+        r["faults_not_fired"],
+        serde_json::json!(["#0 stall on chip 5, at 86400000 ms"]),
+        "{r}"
+    );
+    assert_eq!(r["faults_injected"], serde_json::json!([]), "{r}");
+}

@@ -34,6 +34,7 @@ fn slow_and_delayed_jobs_are_not_hangs() {
         assert_eq!(code, 0, "{tag}: {r}");
         assert_eq!(r["status"], "ok", "{tag}");
         assert!(r.get("hang").is_none(), "{tag}");
+        assert!(r.get("faults_not_fired").is_none(), "{tag}: {r}");
         let stragglers: Vec<u64> = r["stragglers"]
             .as_array()
             .unwrap()

@@ -316,4 +316,8 @@ pub struct WorkerReport {
     /// Torch jobs: one report per rank.
     #[serde(default)]
     pub torch: Vec<crate::torch::RankReport>,
+    /// The faults that fired in this worker (the heartbeats carry them too, but one that fired
+    /// after the last heartbeat arrives only here).
+    #[serde(default)]
+    pub faults: Vec<podsim_job::FaultEvent>,
 }

@@ -98,6 +98,7 @@ pub async fn run(opts: WorkerOptions) -> Result<(), ProgramError> {
                 link_errors: fabric.link_errors(),
                 links: fabric.links(opts.tls.is_some()),
                 torch: out.torch,
+                faults: watched.faults.events(),
             };
             let json = serde_json::to_vec(&report).map_err(session_error)?;
             session
