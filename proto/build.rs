@@ -6,7 +6,10 @@ use std::path::Path;
 const PROTOS: &[&str] = &["podsim/v1/link.proto", "podsim/v1/control.proto"];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Read when the script runs, not when it is compiled: a script built for one checkout
+    // and reused from a shared target folder by another read the first one's protos.
+    let root = std::env::var("CARGO_MANIFEST_DIR")?;
+    let root = Path::new(&root);
     for proto in PROTOS {
         println!("cargo:rerun-if-changed={}", root.join(proto).display());
     }
