@@ -243,7 +243,7 @@ fn run_attempt(
     rt.block_on(async {
         let (addr, token) = match listen {
             Some((addr, token)) => (addr.to_string(), token.clone()),
-            None => (format!("{}:0", cfg.bind), new_token()),
+            None => (podsim_links::net::host_port(&cfg.bind, 0), new_token()),
         };
         let mut control = match ControlPlane::start(&addr, token, cfg.tls.clone()).await {
             Ok(control) => control,

@@ -432,6 +432,17 @@ const STREAM_WINDOW: u32 = 32 << 20;
 const CONNECTION_WINDOW: u32 = 64 << 20;
 const H2_FRAME: u32 = (1 << 24) - 1;
 
+/// `host` and `port` as the text of a socket address: an IPv6 address in brackets (`[::1]:80`,
+/// as socket-address and URL parsers want it; `::1:80` is no address), a host name or IPv4
+/// address as it is.
+pub fn host_port(host: &str, port: u16) -> String {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    match bare.parse::<std::net::Ipv6Addr>() {
+        Ok(_) => format!("[{bare}]:{port}"),
+        Err(_) => format!("{host}:{port}"),
+    }
+}
+
 /// A server builder with the link transport settings.
 pub fn server_builder() -> tonic::transport::Server {
     tonic::transport::Server::builder()
@@ -813,6 +824,23 @@ pub fn peak_rss_bytes() -> u64 {
 mod tests {
     use super::*;
     use crate::records::tests::test_tls;
+
+    #[test]
+    fn an_ipv6_host_is_bracketed_before_its_port() {
+        for (host, want) in [
+            ("::1", "[::1]:0"),
+            ("[::1]", "[::1]:0"),
+            ("fe80::1", "[fe80::1]:0"),
+            ("127.0.0.1", "127.0.0.1:0"),
+            ("localhost", "localhost:0"),
+        ] {
+            let text = host_port(host, 0);
+            assert_eq!(text, want);
+            if host != "localhost" {
+                assert!(text.parse::<std::net::SocketAddr>().is_ok(), "{text}");
+            }
+        }
+    }
 
     /// A gRPC link dialled with the job's authority to a link service whose certificate
     /// another authority signed: refused at once (not after the dial's patience), naming the

@@ -175,10 +175,10 @@ struct Links {
 
 impl Links {
     async fn serve(opts: &WorkerOptions) -> Result<Links, ProgramError> {
-        let bind = if opts.bind.contains(':') {
-            opts.bind.clone()
-        } else {
-            format!("{}:0", opts.bind)
+        // `--bind` is a host, or a host and port.
+        let bind = match opts.bind.parse::<std::net::SocketAddr>() {
+            Ok(_) => opts.bind.clone(),
+            Err(_) => net::host_port(&opts.bind, 0),
         };
         let listener = tokio::net::TcpListener::bind(&bind).await.map_err(|e| {
             ProgramError::Link(format!("cannot bind the link service to {bind}: {e}"))
@@ -187,7 +187,7 @@ impl Links {
             .local_addr()
             .map_err(|e| ProgramError::Link(e.to_string()))?;
         let link_addr = match &opts.advertise {
-            Some(host) => format!("{host}:{}", local.port()),
+            Some(host) => net::host_port(host, local.port()),
             None => local.to_string(),
         };
         let (fabric_tx, fabric_rx) = watch::channel::<Option<Arc<NodeFabric>>>(None);
