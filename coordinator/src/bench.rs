@@ -148,6 +148,19 @@ const MOST_ITERATIONS: usize = 1_000_000;
 /// The most runtime threads.
 const MOST_THREADS: usize = 1024;
 
+/// Refuses a benchmark this host cannot hold (memory `available`): in data mode its buffers,
+/// in meta mode its chips simulated one by one (not `--symmetric`).
+fn fits_on_host(plan: &BenchPlan, available: Option<u64>) -> Result<(), String> {
+    if !plan.meta {
+        return data_mode_fits(plan, available);
+    }
+    match available.filter(|_| !plan.symmetric) {
+        Some(a) => crate::config::meta_mode_problem(plan.pod.chips(), a)
+            .map_or(Ok(()), |why| Err(format!("--topology: {why}"))),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a data-mode benchmark whose buffers cannot fit in the memory `available` on this
 /// host (unknown: nothing checked): every chip holds the largest size's input and output
 /// (`podsim_job::data_mode_buffers`, as a config's check counts them). It aborted, out of
@@ -245,9 +258,7 @@ impl BenchPlan {
             }),
             transport: Transport::choose(a.transport.as_deref(), "--transport")?,
         };
-        if !plan.meta {
-            data_mode_fits(&plan, crate::config::host_available_memory())?;
-        }
+        fits_on_host(&plan, crate::config::host_available_memory())?;
         Ok(plan)
     }
 

@@ -1021,7 +1021,7 @@ fn parse(
         && !launch.external.unwrap_or(false)
         && let (Some(pod), Some(program)) = (&pod, &program)
     {
-        host_memory(&mut p, pod, program, host_available_memory());
+        host_memory(&mut p, pod, program, symmetric, host_available_memory());
     }
     match (name, pod, hardware, program) {
         (Some(name), Some(pod), Some(hardware), Some(program)) if p.list.is_empty() => {
@@ -1956,11 +1956,70 @@ fn data_mode_bytes(pod: &Pod, program: &Program) -> Option<(u128, String, &'stat
     }
 }
 
-/// Refuses a data-mode job that cannot fit in the memory `available` on this host.
-fn host_memory(p: &mut Problems<'_>, pod: &Pod, program: &Program, available: Option<u64>) {
-    let (Some(available), Some((bytes, table, key, what))) =
-        (available, data_mode_bytes(pod, program))
-    else {
+/// The host memory podsim takes at the least for each chip it simulates in meta mode (its
+/// state, its links' queues, its flight recorder), bytes: half of what `podsim bench --mode
+/// meta --sizes 1MiB --iters 1 --warmup 0` took, its peak resident memory over its chips, at
+/// 4,096 chips (16x16x16, 31 KB) and 32,768 (32x32x32, 33 KB), so that a pod refused for it
+/// could never have run. A training step or a deeper recorder takes more.
+pub const META_HOST_BYTES_PER_CHIP: u64 = 16 << 10;
+
+/// The host memory of `simulated` chips in meta mode, and why it is refused when it is more
+/// than the `available` memory: a 4096x4096 pod grew until the host ran out instead.
+pub fn meta_mode_problem(simulated: u32, available: u64) -> Option<String> {
+    let bytes = u64::from(simulated) * META_HOST_BYTES_PER_CHIP;
+    (bytes > available).then(|| {
+        format!(
+            "{simulated} chips simulated one by one hold at least {} on this host ({} each, in meta mode too), more than the {} it has available: use a smaller pod, or run one chip for all where the job allows (`[job] symmetric = true`, `podsim bench --symmetric`)",
+            format_size(bytes),
+            format_size(META_HOST_BYTES_PER_CHIP),
+            format_size(available),
+        )
+    })
+}
+
+/// Whether `program` moves sizes only.
+fn is_meta(program: &Program) -> bool {
+    match program {
+        Program::Collectives { meta, .. } => *meta,
+        Program::Bench { cases } => cases.iter().all(|c| c.meta),
+        Program::Train(spec) => spec.meta,
+        Program::Torch(t) => t.meta,
+    }
+}
+
+/// Refuses a job that cannot run on this host: in data mode its buffers, or its ranks' processes,
+/// in meta mode the chips it simulates (one standing for all when `symmetric`), beyond the
+/// memory `available`.
+fn host_memory(
+    p: &mut Problems<'_>,
+    pod: &Pod,
+    program: &Program,
+    symmetric: bool,
+    available: Option<u64>,
+) {
+    let Some(available) = available else {
+        return;
+    };
+    let simulated = if symmetric { 1 } else { pod.chips() };
+    if is_meta(program) {
+        if let Some(why) = meta_mode_problem(simulated, available) {
+            p.add("topology", Some("shape"), why);
+        }
+        return;
+    }
+    if let (Program::Torch(_), Some(most)) = (program, podsim_links::procs::process_limit()) {
+        if u64::from(simulated) > most {
+            p.add(
+                "topology",
+                Some("shape"),
+                format!(
+                    "{simulated} ranks in data mode are {simulated} processes, more than this host can start ({most}: the kernel's pid_max, or the user's process limit): set mode = \"meta\", where one process stands for the ranks the torus makes alike"
+                ),
+            );
+        }
+        return;
+    }
+    let Some((bytes, table, key, what)) = data_mode_bytes(pod, program) else {
         return;
     };
     if bytes > u128::from(available) {
@@ -2823,7 +2882,7 @@ mod tests {
         let cfg = load(BASE, &[]).expect("a good config");
         let check = |available: u64| {
             let mut p = Problems::new("test.toml", BASE);
-            host_memory(&mut p, &cfg.pod, &cfg.program, Some(available));
+            host_memory(&mut p, &cfg.pod, &cfg.program, false, Some(available));
             p.list
         };
         // 8 chips x (1 MiB in + 1 MiB out) = 16 MiB.
@@ -2847,16 +2906,31 @@ mod tests {
         let train = "name = \"t\"\n[topology]\nshape = \"2x2\"\n[job]\nkind = \"train\"\nstrategy = \"ddp\"\nbatch = 1\n[job.model]\nwidths = [1024, 1024, 1024]\n[job.optimizer]\nkind = \"adamw\"\n";
         let cfg = load(train, &[]).expect("a small train job");
         let mut p = Problems::new("test.toml", train);
-        host_memory(&mut p, &cfg.pod, &cfg.program, Some(1 << 20));
+        host_memory(&mut p, &cfg.pod, &cfg.program, false, Some(1 << 20));
         assert_eq!(p.list.len(), 1, "{:?}", p.list);
         assert_eq!(p.list[0].field, "job.model.widths");
         assert!(p.list[0].reason.contains("in 4 copies"), "{:?}", p.list);
         let meta = load(train, &["job.mode=\"meta\""]).expect("meta");
         let mut p = Problems::new("test.toml", train);
-        host_memory(&mut p, &meta.pod, &meta.program, Some(1));
+        host_memory(&mut p, &meta.pod, &meta.program, false, Some(64 << 10));
         assert!(
             p.list.is_empty(),
             "meta mode holds no payloads: {:?}",
+            p.list
+        );
+        // But it holds its chips: 4 chips at 16 KiB each do not fit in 64 KiB - 1.
+        host_memory(
+            &mut p,
+            &meta.pod,
+            &meta.program,
+            false,
+            Some((64 << 10) - 1),
+        );
+        assert_eq!(p.list.len(), 1, "{:?}", p.list);
+        assert_eq!(p.list[0].field, "topology.shape");
+        assert!(
+            p.list[0].reason.contains("4 chips simulated one by one"),
+            "{:?}",
             p.list
         );
     }

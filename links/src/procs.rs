@@ -22,7 +22,8 @@
 //! milliseconds. torchrun does the same (a session per worker process, killed with `killpg`).
 //!
 //! `unsafe` here is what std does not wrap: the `pre_exec` hook between `fork` and `exec`
-//! (`prctl`, `getppid`, `_exit`) and `kill(2)` of a process group.
+//! (`prctl`, `getppid`, `_exit`), `kill(2)` of a process group and `getrlimit(2)` (how many
+//! processes a job may start, [`process_limit`]).
 #![allow(unsafe_code)]
 
 use std::io::Write;
@@ -271,6 +272,26 @@ fn group_members(pgid: u32) -> Vec<u32> {
             })
         })
         .collect()
+}
+
+/// The most processes this host lets the user start: the kernel's `pid_max`, or the soft
+/// `RLIMIT_NPROC` when lower (none when neither can be read).
+pub fn process_limit() -> Option<u64> {
+    let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()
+        .and_then(|t| t.trim().parse::<u64>().ok());
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given and nothing else.
+    let nproc = (unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut limit) } == 0
+        && limit.rlim_cur != libc::RLIM_INFINITY)
+        .then_some(limit.rlim_cur);
+    match (pid_max, nproc) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 #[cfg(test)]

@@ -488,6 +488,14 @@ fn data_mode_beyond_the_host_memory_is_refused_with_meta_suggested() {
     let meta = big.replace("mode = \"data\"", "mode = \"meta\"");
     let (code, err) = validate_with("mem-collectives-meta", &meta, &env);
     assert_eq!(code, 0, "meta mode holds no payloads: {err}");
+    // But it holds its chips: 256x256x256 grew until the host ran out.
+    let shape = |text: &str| text.replace("shape = \"2x2x2\"", "shape = \"256x256x256\"");
+    let (code, err) = validate_with("mem-meta-pod", &shape(&meta), &env);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("topology.shape: 16777216 chips simulated one by one hold at least 256 GiB"),
+        "{err}"
+    );
     // A training job: each replica's parameters, gradients and optimizer state.
     let (code, err) = validate_with(
         "mem-train",
