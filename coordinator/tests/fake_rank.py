@@ -41,7 +41,7 @@ reply, _ = call({"op": "hello", "rank": rank, "pid": os.getpid(), "token": token
 if reply.get("error"):
     print(f"refused: {reply['error']}")
     sys.exit(0)
-call({"op": "group", "id": 0, "ranks": list(range(world))})
+call({"op": "group", "id": 0, "ranks": [[0, world, 1]]})
 if do == "garbage" and rank == 1:
     s.sendall(b"this is not a frame at all, not even close.")
     s.recv(1)
@@ -53,7 +53,7 @@ reply, got = call({"op": "all_reduce", "group": 0, "reduce": "sum", "dtype": "f3
                   [float(rank), 1.0])
 want = [float(sum(range(world))), float(world)]
 print(f"rank {rank} sum {got} {'ok' if got == want else 'WRONG'}")
-reply, bad = call({"op": "group", "id": 1, "ranks": [0, 3]}) if world == 4 else ({}, [])
+reply, bad = call({"op": "group", "id": 1, "ranks": [[0, 2, 3]]}) if world == 4 else ({}, [])
 if reply.get("error"):
     print(f"rank {rank} refused group: {reply['error']}")
 # A ring shift by point-to-point messages (rank 3 to rank 0 crosses both axes of 2x2), and

@@ -39,6 +39,36 @@ pub enum StepCounting {
     Partial,
 }
 
+/// The most ranks a group's runs may expand to (a pod's most chips).
+const MOST_GROUP_RANKS: u64 = 1 << 24;
+
+/// A group's ranks as the rank sends them: runs `[first, count, stride]`, each the ranks
+/// `first + i * stride` for `i` below `count`. The world group of a pod is one run, and a
+/// device mesh's groups a run or a few, so the frame stays small at any pod size: as a
+/// list of every rank, the world group of 262,144 ranks took 1.7 MB, past the JSON limit,
+/// and the job failed as the program's error. Runs that overflow or expand past a pod's
+/// most chips are refused.
+fn rank_runs<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+    let runs = Vec::<(u32, u32, u32)>::deserialize(d)?;
+    let total: u64 = runs.iter().map(|&(_, count, _)| u64::from(count)).sum();
+    if total > MOST_GROUP_RANKS {
+        return Err(serde::de::Error::custom(format!(
+            "a group of {total} ranks: more than a pod's {MOST_GROUP_RANKS} chips"
+        )));
+    }
+    let mut ranks = Vec::with_capacity(total as usize);
+    for (first, count, stride) in runs {
+        for i in 0..count {
+            let rank = u64::from(first) + u64::from(i) * u64::from(stride);
+            let rank = u32::try_from(rank).map_err(|_| {
+                serde::de::Error::custom(format!("run [{first}, {count}, {stride}] overflows"))
+            })?;
+            ranks.push(rank);
+        }
+    }
+    Ok(ranks)
+}
+
 /// What a rank asks of its chip.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -49,9 +79,11 @@ pub enum Request {
         pid: u32,
         token: String,
     },
-    /// Declares group `id` (a `new_group`, a device mesh dimension) as its global ranks.
+    /// Declares group `id` (a `new_group`, a device mesh dimension) as its global ranks, sent
+    /// as runs (see [`rank_runs`]).
     Group {
         id: u32,
+        #[serde(deserialize_with = "rank_runs")]
         ranks: Vec<u32>,
     },
     AllReduce {
@@ -418,6 +450,35 @@ mod tests {
             .expect("runtime");
         let mut r = bytes;
         rt.block_on(read_frame(&mut r, MAX_PAYLOAD_BYTES))
+    }
+
+    #[test]
+    fn a_group_travels_as_runs_and_absurd_runs_are_refused() {
+        let group = |runs: &str| {
+            read(&frame(
+                &format!(r#"{{"op":"group","id":1,"ranks":{runs}}}"#),
+                &[],
+            ))
+            .map(|f| f.map(|(f, _)| f.request))
+        };
+        assert_eq!(
+            group("[[0,3,1],[10,2,5]]"),
+            Ok(Some(Request::Group {
+                id: 1,
+                ranks: vec![0, 1, 2, 10, 15]
+            }))
+        );
+        // A pod's world group of 2^24 ranks is one short run; more ranks, or ranks past u32,
+        // are errors, not allocations.
+        let world = group("[[0,16777216,1]]").expect("the largest pod");
+        assert!(matches!(world, Some(Request::Group { ranks, .. }) if ranks.len() == 1 << 24));
+        for bad in [
+            "[[0,16777217,1]]",
+            "[[0,4294967295,1],[0,4294967295,1]]",
+            "[[4294967295,2,1]]",
+        ] {
+            assert!(group(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -446,6 +446,23 @@ class _Recv(dist._Work):
         return self._tensors
 
 
+def rank_runs(ranks):
+    """`ranks` (sorted) as runs `[first, count, stride]`, as the chip reads a group: the world
+    group is one run and a device mesh's groups a few, where a list of every rank outgrew a
+    frame at 262,144 ranks."""
+    runs = []
+    i = 0
+    while i < len(ranks):
+        first = ranks[i]
+        stride = ranks[i + 1] - first if i + 1 < len(ranks) else 1
+        count = 1
+        while i + count < len(ranks) and ranks[i + count] == first + count * stride:
+            count += 1
+        runs.append([first, count, stride])
+        i += count
+    return runs
+
+
 class ProcessGroupPodsim(dist.ProcessGroup):
     """A group of ranks whose collectives run on their emulated chips."""
 
@@ -460,7 +477,7 @@ class ProcessGroupPodsim(dist.ProcessGroup):
         self._ranks = sorted(ranks) if ranks else list(range(size))
         self._id = self._node.next_group
         self._node.next_group += 1
-        self._node.call({"op": "group", "id": self._id, "ranks": self._ranks})
+        self._node.call({"op": "group", "id": self._id, "ranks": rank_runs(self._ranks)})
 
     def getBackendName(self):
         return BACKEND

@@ -146,3 +146,28 @@ class Framing(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class RankRunsTest(unittest.TestCase):
+    """A group's ranks travel as runs `[first, count, stride]` that expand to the same list."""
+
+    def expand(self, runs):
+        return [first + i * stride for first, count, stride in runs for i in range(count)]
+
+    def test_runs_expand_to_the_ranks_and_stay_few_for_structured_groups(self):
+        from podsim.torch import rank_runs
+
+        cases = [
+            [],
+            [7],
+            list(range(262_144)),
+            list(range(3, 4096, 8)),
+            [0, 1, 2, 10, 20, 30, 31],
+            [5, 5, 6],
+        ]
+        for ranks in cases:
+            runs = rank_runs(ranks)
+            self.assertEqual(self.expand(runs), ranks)
+        # The world group and a mesh column are one run each, whatever their size.
+        self.assertEqual(rank_runs(list(range(262_144))), [[0, 262_144, 1]])
+        self.assertEqual(rank_runs(list(range(3, 4096, 8))), [[3, 512, 8]])
