@@ -11,9 +11,12 @@ Runs `podsim compare FILE --json` on each validation file and prints:
    the same difference as it runs (collectives overlapped with compute) and with every
    collective exposed (`--set job.eager=strict`: the cross-slice all-reduce's whole time at
    the preset DCN bandwidth, the most that bandwidth can add), and the measured growth per
-   decoder layer per doubling of the slices (growth / layers / log2 n). A figure that stays put across models and slice counts says
-   the growth is a per-layer cost that grows with the depth of a log-depth algorithm, not
-   with the bytes of the gradient (`grad MB/layer/chip` is printed beside it to compare).
+   decoder layer per doubling of the slices (growth / layers / log2 n). A figure that stays put
+   across models and slice counts says the growth is a per-layer cost that grows with the
+   depth of a log-depth algorithm, not with the bytes of the gradient (`grad MB/layer/chip` is
+   printed beside it to compare). Beside it, what podsim misses of the growth per decoder
+   layer and per host of the job (`us/layer/host`: hosts of `CHIPS_PER_HOST` chips over all
+   slices): a figure that stays put says a per-layer cost linear in the job's hosts instead.
 3. Pairs of rows on the same chips (hardware, slice, slices, sequence, batch per chip), one
    under `full` and one under `minimal`: the ratio of measured step times beside the ratio
    podsim predicts. podsim's ratio follows the work of the two rows (kernels, recomputation,
@@ -36,6 +39,8 @@ import sys
 from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The chips of one host (a TPU VM) of every generation in these files (`chips_per_host`).
+CHIPS_PER_HOST = 4
 DEFAULT_FILES = [
     "configs/validation/published.csv",
     "configs/validation/maxtext_tables.csv",
@@ -103,8 +108,9 @@ def multislice_growth(rows, pred, exposed):
             families[slice_key(r)][int(r["slices"])] = r
     print("## Multislice growth (step at n slices minus at 1 slice)")
     print(f"{'row at n slices':34} {'n':>3} {'measured s':>10} {'podsim s':>9} "
-          f"{'all exposed s':>13} {'ms/layer/doubling':>17} {'grad MB/layer/chip':>18}")
-    per_doubling = []
+          f"{'all exposed s':>13} {'ms/layer/doubling':>17} {'grad MB/layer/chip':>18} "
+          f"{'us/layer/host':>13}")
+    per_doubling, per_host = [], []
     for fam in families.values():
         if 1 not in fam or len(fam) < 2:
             continue
@@ -121,10 +127,14 @@ def multislice_growth(rows, pred, exposed):
             chips = int(r["ici_fsdp"]) * int(r["ici_tp"])
             # f32 gradients of one layer, this chip's shard.
             grad_mb = params_per_layer(r) * 4 / chips / 1e6
+            hosts = n * chips / CHIPS_PER_HOST
+            missed = (grown - growth(pred)) / layers / hosts * 1e6
+            per_host.append(missed)
             print(f"{r['id'][:34]:34} {n:3d} {grown:+10.2f} {growth(pred):+9.2f} "
-                  f"{growth(exposed):+13.2f} {ms:17.1f} {grad_mb:18.1f}")
+                  f"{growth(exposed):+13.2f} {ms:17.1f} {grad_mb:18.1f} {missed:13.1f}")
     if per_doubling:
-        print(f"median {statistics.median(per_doubling):.1f} ms per layer per doubling "
+        print(f"median {statistics.median(per_doubling):.1f} ms per layer per doubling, "
+              f"{statistics.median(per_host):.1f} us missed per layer per host, "
               f"over {len(per_doubling)} rows")
     print()
 
