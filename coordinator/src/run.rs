@@ -100,8 +100,33 @@ pub fn config(args: &RunArgs) -> Result<JobConfig, CliError> {
     if let Some(ms) = args.timeout_ms {
         text.push_str(&format!("[watchdog]\ntimeout_ms = {ms}\n"));
     }
-    config::from_text("podsim run", &text, &args.sets)
-        .map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
+    config::from_text("podsim run", &text, &args.sets).map_err(|e| CliError::Usage(by_flags(&e)))
+}
+
+/// The config's problems told by the flags that set each field: the lines and fields of the
+/// job `podsim run` writes for itself mean nothing to whoever typed the command. A field no
+/// flag sets came from a `--set`, and is named so.
+fn by_flags(errors: &config::ConfigErrors) -> String {
+    let told: Vec<String> = errors
+        .0
+        .iter()
+        .map(|e| {
+            let flag = match e.field.as_str() {
+                "topology.shape" => "--topology".to_string(),
+                "topology.hardware" => "--hardware".to_string(),
+                "topology.slices" => "--slices".to_string(),
+                "job.mode" => "--mode".to_string(),
+                "job.verify_count" | "job.verify_ranks" => "--verify-ranks".to_string(),
+                "job.program" | "job.args" => "the command after --".to_string(),
+                "output.dir" => "--out".to_string(),
+                "watchdog.timeout_ms" => "--timeout-ms".to_string(),
+                "--set" => "--set".to_string(),
+                field => format!("--set {field}"),
+            };
+            format!("{flag}: {}", e.reason)
+        })
+        .collect();
+    told.join("\n")
 }
 
 /// `--verify-ranks` as the `[job]` key it sets: a list of ranks when it has a comma or names a

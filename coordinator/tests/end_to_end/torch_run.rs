@@ -168,3 +168,31 @@ fn a_shared_rank_server_that_is_not_running_is_an_error_before_any_rank() {
         started.elapsed()
     );
 }
+
+#[test]
+fn bad_flags_are_named_by_their_flags_not_the_generated_job() {
+    for (flags, needle) in [
+        (vec!["--topology", "4x0"], "--topology: "),
+        (vec!["--topology", "2x2", "--mode", "fast"], "--mode: "),
+        (
+            vec!["--topology", "2x2", "--hardware", "v9"],
+            "--hardware: ",
+        ),
+        (vec!["--topology", "2x2", "--set", "job.steps=3"], "--set"),
+    ] {
+        let out = run_bounded(
+            {
+                let mut c = podsim();
+                c.arg("run")
+                    .args(&flags)
+                    .args(["--", "python3", "-c", "pass"]);
+                c
+            },
+            Duration::from_secs(30),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains(needle), "{flags:?}: {needle:?} in {err}");
+        assert!(!err.contains("podsim run:"), "{flags:?}: {err}");
+    }
+}
