@@ -312,6 +312,8 @@ fn run_job(
         &podsim_coordinator::outdir::this_command(),
     )
     .map_err(CliError::Usage)?;
+    // What a killed worker's ranks leave in sessions of their own comes here.
+    podsim_links::procs::adopt_orphans();
     let rt = runtime()?;
     let mut spec = cfg.spec();
     let traced = traced_chips(cfg, trace, &mut spec)?;
@@ -333,6 +335,7 @@ fn run_job(
         },
         |why, classes| println!("{why}: running again with {classes} representative ranks"),
     );
+    left_behind("podsim");
     let (result, roster, restarts, refused) = (
         attempts.result,
         attempts.roster,
@@ -421,6 +424,8 @@ fn write_trace(
 /// `podsim worker`: joins a coordinator and runs its share of the job, then exits the process
 /// at once (without waiting for the stdin watcher's blocking read).
 fn worker(args: &WorkerArgs) -> ! {
+    // Ranks' descendants that leave their session come here when their rank ends.
+    podsim_links::procs::adopt_orphans();
     let done = args.tls().and_then(|tls| {
         let opts = WorkerOptions {
             join: args.join.clone(),
@@ -434,6 +439,7 @@ fn worker(args: &WorkerArgs) -> ! {
         let rt = runtime_with(args.threads)?;
         let r = rt.block_on(run_worker(opts));
         rt.shutdown_background();
+        left_behind("podsim worker");
         r.map_err(|e| CliError::Job(e.to_string()))
     });
     std::process::exit(match done {
@@ -443,6 +449,19 @@ fn worker(args: &WorkerArgs) -> ! {
             i32::from(e.exit_code())
         }
     });
+}
+
+/// Kills what ranks left behind in sessions of their own (see `procs::adopt_orphans`), saying
+/// so: a program whose helper outlived it would otherwise never hear that it had one.
+fn left_behind(who: &str) {
+    let killed = podsim_links::procs::kill_escaped();
+    if !killed.is_empty() {
+        eprintln!(
+            "{who}: killed {} process{} a rank left behind in a session of its own (pids {killed:?})",
+            killed.len(),
+            if killed.len() == 1 { "" } else { "es" }
+        );
+    }
 }
 
 /// Log lines on stderr at the levels `RUST_LOG` names, `warn` when it is unset: one level

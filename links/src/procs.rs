@@ -21,9 +21,14 @@
 //! reaped (`setpgid` fails), which a rank refused at once (a wrong token) does within
 //! milliseconds. torchrun does the same (a session per worker process, killed with `killpg`).
 //!
+//! A fourth catches what leaves the group and the session (`setsid`): [`adopt_orphans`] makes
+//! the worker (and the coordinator above it) the reaper of orphaned descendants, and
+//! [`kill_escaped`] kills those that started a session of their own when the job ends.
+//!
 //! `unsafe` here is what std does not wrap: the `pre_exec` hook between `fork` and `exec`
-//! (`prctl`, `getppid`, `_exit`), `kill(2)` of a process group and `getrlimit(2)` (how many
-//! processes a job may start, [`process_limit`]).
+//! (`prctl`, `getppid`, `_exit`), `kill(2)` of a process group, `getrlimit(2)` (how many
+//! processes a job may start, [`process_limit`]), and the child subreaper (`prctl`, `kill`
+//! and `waitpid` of an adopted child).
 #![allow(unsafe_code)]
 
 use std::io::Write;
@@ -258,20 +263,92 @@ pub fn describe(pid: u32) -> String {
 
 /// The processes of process group `pgid` other than its leader.
 fn group_members(pgid: u32) -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
+    processes()
+        .filter(|p| p.pid != pgid && p.pgrp == pgid)
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// What `/proc/PID/stat` says of a process: who it is and where it belongs.
+#[derive(Debug, Clone, Copy)]
+struct ProcStat {
+    pid: u32,
+    ppid: u32,
+    pgrp: u32,
+    session: u32,
+}
+
+/// The processes `/proc` shows (none when it cannot be read).
+fn processes() -> impl Iterator<Item = ProcStat> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(proc_stat)
+}
+
+fn proc_stat(pid: u32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields = podsim_collectives::procfs::stat_fields(&text)?;
+    let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u32>().ok());
+    Some(ProcStat {
+        pid,
+        ppid: field(1)?,
+        pgrp: field(2)?,
+        session: field(3)?,
+    })
+}
+
+/// Makes this process the parent of its orphaned descendants (Linux's child subreaper): a
+/// rank's child that left the rank's process group and session (`setsid`, Python's
+/// `start_new_session=True`, a daemon) escapes the group kill, and when the rank ends it
+/// comes here instead of to init, where [`kill_escaped`] finds it.
+pub fn adopt_orphans() {
+    // SAFETY: prctl(2) with PR_SET_CHILD_SUBREAPER sets a flag of this process; no memory.
+    let set = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    if set != 0 {
+        tracing::warn!(
+            "cannot adopt orphaned rank descendants: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+/// Kills and reaps this process's children that left its session: descendants of ranks that
+/// started sessions of their own and were adopted (see [`adopt_orphans`]); their own children
+/// come next, adopted in turn. Returns their ids. Ranks, their groups and the keeper share
+/// this process's session and are left alone.
+pub fn kill_escaped() -> Vec<u32> {
+    let me = std::process::id();
+    let Some(session) = proc_stat(me).map(|s| s.session) else {
         return Vec::new();
     };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&p| p != pgid)
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
-                podsim_collectives::procfs::stat_fields(&s)
-                    .and_then(|f| f.get(2).and_then(|g| g.parse::<u32>().ok()))
-                    == Some(pgid)
-            })
-        })
-        .collect()
+    let mut killed = Vec::new();
+    // A killed escapee's children are adopted in turn: a few rounds reach a daemon's tree.
+    for _ in 0..8 {
+        let escaped: Vec<u32> = processes()
+            .filter(|p| p.ppid == me && p.session != session)
+            .map(|p| p.pid)
+            .collect();
+        if escaped.is_empty() {
+            break;
+        }
+        for pid in escaped {
+            let Ok(id) = libc::pid_t::try_from(pid) else {
+                continue;
+            };
+            // SAFETY: kill(2) and waitpid(2) on a child of this process: no memory is touched
+            // but the status integer waitpid writes.
+            unsafe {
+                libc::kill(id, libc::SIGKILL);
+                let mut status = 0;
+                libc::waitpid(id, &mut status, 0);
+            }
+            killed.push(pid);
+        }
+    }
+    killed
 }
 
 /// The most processes this host lets the user start: the kernel's `pid_max`, or the soft

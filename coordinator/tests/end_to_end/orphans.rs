@@ -313,3 +313,45 @@ fn a_connect_bound_of_zero_is_refused_naming_the_key() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("job.connect_timeout_s: 0 "), "{stderr}");
 }
+
+/// The processes whose command line is exactly `args`.
+fn processes_running(args: &[&str]) -> Vec<u32> {
+    let want: Vec<u8> = args
+        .iter()
+        .flat_map(|a| [a.as_bytes(), b"\0"].concat())
+        .collect();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == want))
+        .collect()
+}
+
+#[test]
+fn a_ranks_child_in_a_session_of_its_own_does_not_outlive_the_job() {
+    // `setsid` takes the child out of its rank's process group and session, which the group
+    // kill and the keeper never reach; a duration no other test sleeps names it.
+    let seconds = format!("{}", 100_000 + std::process::id());
+    let dir = temp_dir("orphans-setsid");
+    let mut c = podsim();
+    c.args(["run", "--topology", "2x2", "--out"])
+        .arg(&dir)
+        .args([
+            "--",
+            "sh",
+            "-c",
+            &format!("setsid sleep {seconds} & sleep 1"),
+        ]);
+    let out = run_bounded(c, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let left = processes_running(&["sleep", &seconds]);
+    for &p in &left {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &p.to_string()])
+            .status();
+    }
+    assert!(left.is_empty(), "outlived their job: {left:?}\n{err}");
+    let log = std::fs::read_to_string(dir.join("worker-0.log")).unwrap_or_default();
+    assert!(log.contains("left behind in a session of its own"), "{log}");
+}
