@@ -1116,22 +1116,18 @@ fn report_type_errors<T: for<'de> Deserialize<'de>>(
             return; // taken away here
         }
         let Some(mut path) = error_at::<T>(&value, missing.is_none()) else {
-            p.add(name, None, e.message().to_string());
+            p.add(name, None, plain(e.message()));
             return;
         };
         if missing.is_some() {
             // A required key missing is the fault of the table that lacks it.
-            p.add(&table_name(name, &path), None, e.message().to_string());
+            p.add(&table_name(name, &path), None, plain(e.message()));
             return;
         }
         let Some(key) = path.pop() else {
             return;
         };
-        p.add(
-            &table_name(name, &path),
-            Some(&key),
-            e.message().to_string(),
-        );
+        p.add(&table_name(name, &path), Some(&key), plain(e.message()));
         let Some(t) = table_at(&mut value, &path) else {
             return;
         };
@@ -1143,8 +1139,65 @@ fn report_type_errors<T: for<'de> Deserialize<'de>>(
         p.add(
             name,
             None,
-            format!("{} (and maybe more after the {SHOWN} above)", e.message()),
+            format!(
+                "{} (and maybe more after the {SHOWN} above)",
+                plain(e.message())
+            ),
         );
+    }
+}
+
+/// A serde message about a value in a config's words: what was expected, then what was
+/// found, without Rust's type names (`invalid type: string "x", expected u32` becomes
+/// `expected a whole number, found the string "x"`). Other messages stay as they are.
+fn plain(message: &str) -> String {
+    let found_expected = ["invalid type: ", "invalid value: "]
+        .iter()
+        .find_map(|p| message.strip_prefix(p))
+        .and_then(|rest| rest.rsplit_once(", expected "));
+    if let Some((found, expected)) = found_expected {
+        return format!(
+            "expected {}, found {}",
+            plain_type(expected),
+            plain_value(found)
+        );
+    }
+    if let Some(key) = message.strip_prefix("missing field ") {
+        return format!("missing key {}", key.trim_matches('`'));
+    }
+    message.to_string()
+}
+
+/// An `expected` of serde's in a config's words.
+fn plain_type(expected: &str) -> String {
+    let whole = [
+        "u8", "u16", "u32", "u64", "usize", "i8", "i16", "i32", "i64",
+    ];
+    match expected {
+        t if whole.contains(&t) => "a whole number".into(),
+        "f32" | "f64" => "a number".into(),
+        "a boolean" => "true or false".into(),
+        "a sequence" => "a list [...]".into(),
+        "a string" | "a borrowed string" => "a quoted string".into(),
+        t if t.starts_with("struct ") || t == "a map" => "a table".into(),
+        t => t.into(),
+    }
+}
+
+/// A `found` value of serde's in a config's words: `integer `7`` as `the number 7`.
+fn plain_value(found: &str) -> String {
+    let (kind, value) = found.split_once(' ').unwrap_or((found, ""));
+    let value = value.trim_matches('`');
+    match kind {
+        "integer" | "floating" => format!(
+            "the number {}",
+            value.trim_start_matches("point ").trim_matches('`')
+        ),
+        "boolean" => format!("the boolean {value}"),
+        "string" => format!("the string {value}"),
+        "sequence" => "a list".into(),
+        "map" => "a table".into(),
+        _ => found.into(),
     }
 }
 
@@ -2286,7 +2339,7 @@ fn faults_of(
         Some(v) => v
             .clone()
             .try_into()
-            .map_err(|e: toml::de::Error| p.add("faults", None, e.message().to_string()))
+            .map_err(|e: toml::de::Error| p.add("faults", None, plain(e.message())))
             .unwrap_or_default(),
     };
     for (i, f) in raw.iter_mut().enumerate() {
@@ -2838,6 +2891,32 @@ mod tests {
         let delayed = fault("kind = \"delay\"\nlink = \"1:+x\"\ndelay_ms = 30000");
         load(&delayed, &["watchdog.timeout_ms=60000"]).expect("below a longer timeout");
         load(&delayed.replace("30000", "1999"), &[]).expect("below the timeout");
+    }
+
+    #[test]
+    fn serde_messages_are_told_in_a_configs_words() {
+        for (serde, plain_text) in [
+            (
+                "invalid type: string \"many\", expected u32",
+                "expected a whole number, found the string \"many\"",
+            ),
+            (
+                "invalid type: integer `7`, expected a boolean",
+                "expected true or false, found the number 7",
+            ),
+            (
+                "invalid type: floating point `1.5`, expected usize",
+                "expected a whole number, found the number 1.5",
+            ),
+            (
+                "invalid type: string \"wide\", expected a sequence",
+                "expected a list [...], found the string \"wide\"",
+            ),
+            ("missing field `op`", "missing key op"),
+            ("a message of its own", "a message of its own"),
+        ] {
+            assert_eq!(plain(serde), plain_text);
+        }
     }
 
     #[test]

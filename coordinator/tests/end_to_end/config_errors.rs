@@ -68,7 +68,7 @@ fn a_value_of_the_wrong_type_names_its_key_and_line() {
         "wrong-type",
         &text,
         &[&format!(
-            "job.toml:{steps}: job.steps: invalid type: string \"many\", expected u32"
+            "job.toml:{steps}: job.steps: expected a whole number, found the string \"many\""
         )],
     );
     let nested = train_config("", "widths = \"wide\"");
@@ -81,7 +81,7 @@ fn a_value_of_the_wrong_type_names_its_key_and_line() {
         "wrong-type-nested",
         &nested,
         &[&format!(
-            "job.toml:{widths}: job.model.widths: invalid type"
+            "job.toml:{widths}: job.model.widths: expected a list [...], found the string \"wide\""
         )],
     );
     // Every value of the wrong type in one run; in an array of tables, the entry; a missing
@@ -94,14 +94,14 @@ fn a_value_of_the_wrong_type_names_its_key_and_line() {
         "wrong-type-entry",
         &text.replace("iterations = ", "iterations = \"x\"\n#"),
         &[
-            "job.collectives[1].root: invalid type: string \"zero\", expected u32",
-            "job.iterations: invalid type: string \"x\"",
+            "job.collectives[1].root: expected a whole number, found the string \"zero\"",
+            "job.iterations: expected a whole number, found the string \"x\"",
         ],
     );
     expect_error(
         "missing-in-entry",
         &base().replacen("op = \"all-to-all\"", "", 1),
-        &["job.collectives[1]: missing field `op`"],
+        &["job.collectives[1]: missing key op"],
     );
 }
 
@@ -121,7 +121,11 @@ fn unknown_key_in_a_collective_entry() {
 #[test]
 fn wrong_type() {
     let text = base().replace("workers = 2", "workers = \"two\"");
-    expect_error("type", &text, &["launch", "invalid type"]);
+    expect_error(
+        "type",
+        &text,
+        &["launch.workers: expected a whole number, found the string \"two\""],
+    );
 }
 
 #[test]
