@@ -34,8 +34,9 @@ impl OutputLock {
         match file.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
+                // The holder's command line: a few lines, whatever else the file holds.
                 let mut holder = String::new();
-                let _ = file.read_to_string(&mut holder);
+                let _ = (&mut file).take(4096).read_to_string(&mut holder);
                 let holder = holder.trim();
                 let holder = if holder.is_empty() {
                     "another podsim process"
@@ -157,6 +158,28 @@ pub fn read_text(path: &Path, most: u64) -> Result<String, String> {
     String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
 }
 
+/// The largest file podsim reads back from an output folder (`report.json` of the largest
+/// pod, a study's `results.csv`): far above any it writes, below what would exhaust a host.
+pub const MOST_OUTPUT_BYTES: u64 = 1 << 32;
+
+/// The last `bytes` of `path`'s text (all of it when shorter), if it is a regular file: a
+/// log's last words without reading a log of gigabytes whole.
+pub fn read_tail(path: &Path, bytes: u64) -> Result<String, String> {
+    use std::io::{Seek, SeekFrom};
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("not a file".into());
+    }
+    let mut file = File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
+    file.seek(SeekFrom::Start(meta.len().saturating_sub(bytes)))
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    let mut tail = Vec::new();
+    file.take(bytes)
+        .read_to_end(&mut tail)
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    Ok(String::from_utf8_lossy(&tail).into_owned())
+}
+
 /// This process's command line, for the lock file (a `--token`'s value left out).
 pub fn this_command() -> String {
     redacted(std::env::args())
@@ -273,7 +296,26 @@ mod tests {
         // A FIFO blocked the reader until a writer came.
         if made.is_ok_and(|s| s.success()) {
             assert_eq!(read_text(&fifo, 1024), Err("not a file".into()));
+            assert_eq!(read_tail(&fifo, 1024), Err("not a file".into()));
         }
+        // A tail: the last bytes of a long file, or all of a short one.
+        std::fs::write(
+            dir.join("log"),
+            format!("{}\npodsim: the end\n", "x".repeat(5000)),
+        )
+        .unwrap();
+        assert_eq!(
+            read_tail(&dir.join("log"), 16).as_deref(),
+            Ok("podsim: the end\n")
+        );
+        assert_eq!(
+            read_tail(&dir.join("small"), 1024).as_deref(),
+            Ok("name = 1\n")
+        );
+        assert_eq!(
+            read_tail(Path::new("/dev/zero"), 16),
+            Err("not a file".into())
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -1005,8 +1005,8 @@ pub fn write(dir: &Path, report: &Report) -> Result<std::path::PathBuf, String> 
 
 /// Reads `path` (a `report.json`) back: the report as this version of podsim writes it.
 pub fn read(path: &Path) -> Result<Report, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let text = crate::outdir::read_text(path, crate::outdir::MOST_OUTPUT_BYTES)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     serde_json::from_str(&text).map_err(|e| {
         format!(
             "{}: not a report of podsim {}: {e}",

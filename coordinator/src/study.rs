@@ -22,7 +22,7 @@ use tokio::task::JoinSet;
 
 use crate::config::{self, ConfigError, ConfigErrors};
 use crate::csv::csv_line;
-use crate::outdir::{LOCK_FILE, OutputLock};
+use crate::outdir::{LOCK_FILE, MOST_OUTPUT_BYTES, OutputLock, read_text};
 use crate::{CliError, JobStatus};
 
 mod plot;
@@ -926,7 +926,8 @@ fn signal_reason(_status: &std::process::ExitStatus) -> String {
 
 /// The child's own last word (`podsim: ...`), for points that end without a usable report.
 fn last_line(log: &Path, code: i32) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
+    // The end of the log holds the last word; a log may be large.
+    let text = crate::outdir::read_tail(log, 64 << 10).unwrap_or_default();
     let line = text
         .lines()
         .rev()
@@ -981,7 +982,7 @@ impl<'a> Results<'a> {
         let (study, total) = (self.study, self.points.len());
         let p = &self.points[index];
         let dir = point_dir(study, index, total);
-        let report = std::fs::read_to_string(dir.join("report.json"))
+        let report = read_text(&dir.join("report.json"), MOST_OUTPUT_BYTES)
             .ok()
             .and_then(|t| serde_json::from_str::<Json>(&t).ok());
         let cells = row(study, p, &outcome, expected, report.as_ref());
@@ -1293,11 +1294,10 @@ fn run(
 /// Writes `study.html` into a study's output folder: its plots (as listed in `study.json`, else
 /// every SVG there) and `results.csv` as a table.
 pub fn write_html(dir: &Path) -> Result<PathBuf, String> {
-    let read = |p: &Path| {
-        std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
-    };
+    let read =
+        |p: &Path| read_text(p, MOST_OUTPUT_BYTES).map_err(|e| format!("{}: {e}", p.display()));
     let csv = read(&dir.join("results.csv"))?;
-    let meta: serde_json::Value = std::fs::read_to_string(dir.join("study.json"))
+    let meta: serde_json::Value = read(&dir.join("study.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
@@ -1320,7 +1320,7 @@ pub fn write_html(dir: &Path) -> Result<PathBuf, String> {
     }
     let plots: Vec<(String, String)> = files
         .into_iter()
-        .filter_map(|f| Some((f.clone(), std::fs::read_to_string(dir.join(&f)).ok()?)))
+        .filter_map(|f| Some((f.clone(), read(&dir.join(&f)).ok()?)))
         .collect();
     let name = meta["name"].as_str().map(String::from).unwrap_or_else(|| {
         dir.file_name()

@@ -127,9 +127,25 @@ fn python_of(program: &str) -> String {
                 .find(|p| p.is_file())
         })
     };
-    path.and_then(|p| std::fs::read(p).ok())
+    path.and_then(|p| first_line(&p))
         .and_then(|bytes| interpreter(&bytes))
         .unwrap_or_else(|| "python3".into())
+}
+
+/// The first 4 KiB of the regular file `path` (a `#!` line fits), never blocking on a FIFO or
+/// reading a device or a large file whole.
+fn first_line(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    if !std::fs::metadata(path).ok()?.is_file() {
+        return None;
+    }
+    let mut start = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(4096)
+        .read_to_end(&mut start)
+        .ok()?;
+    Some(start)
 }
 
 /// The Python a script's `#!` line names (directly or through `env`).
