@@ -11,6 +11,23 @@ use crate::train::trainer::TrainSpec;
 /// Final parameters (weight and bias of each layer in order) of single-chip training with
 /// `data_parallel` replicas' worth of samples per step.
 pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, ProgramError> {
+    train_from(spec, data_parallel, false)
+}
+
+/// The same training from initial parameters one unit in the last place away (the lowest
+/// bit of each flipped): how far rounding alone takes this run's parameters by its last
+/// step. A short run stays within a few units of rounding; a long one whose updates amplify
+/// small differences (a large learning rate, momentum) can end far apart, and then so can a
+/// strategy that sums in another order than one chip.
+pub fn train_nudged(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, ProgramError> {
+    train_from(spec, data_parallel, true)
+}
+
+fn train_from(
+    spec: &TrainSpec,
+    data_parallel: usize,
+    nudge: bool,
+) -> Result<Vec<Tensor>, ProgramError> {
     let model = spec.model.mlp().ok_or_else(|| {
         ProgramError::Invalid("the single-chip reference trains the MLP only".into())
     })?;
@@ -18,6 +35,15 @@ pub fn train(spec: &TrainSpec, data_parallel: usize) -> Result<Vec<Tensor>, Prog
     let mut params: Vec<Tensor> = (0..layers)
         .flat_map(|l| model.init_layer(l, spec.seed, 0, false))
         .collect();
+    if nudge {
+        for p in &mut params {
+            if let Some(values) = p.values_mut() {
+                values
+                    .iter_mut()
+                    .for_each(|v| *v = f32::from_bits(v.to_bits() ^ 1));
+            }
+        }
+    }
     let mut states: Vec<ParamState> = params.iter().map(|_| ParamState::new()).collect();
     let data = Dataset::new(model, spec.seed);
     let global = spec.batch * data_parallel * spec.grad_accum.max(1) as usize;

@@ -238,6 +238,10 @@ pub struct ChipTrainReport {
     pub max_abs_diff: Option<f64>,
     /// `max |a - b| / max |b|` over each parameter tensor, the largest.
     pub max_rel_diff: Option<f64>,
+    /// The same measure between the single-chip run and one started a unit in the last place
+    /// away (`reference::train_nudged`): how far rounding alone takes this run.
+    #[serde(default)]
+    pub rounding_spread: Option<f64>,
     /// FNV-1a of every final full parameter's f32 bits (data mode), to compare runs.
     #[serde(default)]
     pub params_hash: Option<String>,
@@ -651,13 +655,16 @@ pub async fn train_chip_with_parameters(
     } else {
         Some(identical_everywhere(chip, spec.algo, &full).await?)
     };
-    let (max_abs_diff, max_rel_diff) = if spec.check && !spec.meta && chip.id() == 0 {
-        let reference = reference::train(spec, t.dp.0)?;
-        let (abs, rel) = reference::compare(&full, &reference);
-        (Some(abs), Some(rel))
-    } else {
-        (None, None)
-    };
+    let (max_abs_diff, max_rel_diff, rounding_spread) =
+        if spec.check && !spec.meta && chip.id() == 0 {
+            let reference = reference::train(spec, t.dp.0)?;
+            let (abs, rel) = reference::compare(&full, &reference);
+            let nudged = reference::train_nudged(spec, t.dp.0)?;
+            let (_, spread) = reference::compare(&nudged, &reference);
+            (Some(abs), Some(rel), Some(spread))
+        } else {
+            (None, None, None)
+        };
     chip.restore_time(time);
     chip.resume_trace(trace);
     let params_hash = (!spec.meta).then(|| {
@@ -673,6 +680,7 @@ pub async fn train_chip_with_parameters(
         replicas_identical,
         max_abs_diff,
         max_rel_diff,
+        rounding_spread,
         params_hash,
         checkpoint_failures,
     };
