@@ -657,10 +657,7 @@ pub async fn train_chip_with_parameters(
     };
     let (max_abs_diff, max_rel_diff, rounding_spread) =
         if spec.check && !spec.meta && chip.id() == 0 {
-            let reference = reference::train(spec, t.dp.0)?;
-            let (abs, rel) = reference::compare(&full, &reference);
-            let nudged = reference::train_nudged(spec, t.dp.0)?;
-            let (_, spread) = reference::compare(&nudged, &reference);
+            let (abs, rel, spread) = against_reference(spec, t.dp.0, &full)?;
             (Some(abs), Some(rel), Some(spread))
         } else {
             (None, None, None)
@@ -685,6 +682,21 @@ pub async fn train_chip_with_parameters(
         checkpoint_failures,
     };
     Ok((report, full))
+}
+
+/// `full` against single-chip training on the global batch: the largest absolute and
+/// relative differences, and how far rounding alone moves the reference (the same from
+/// nudged initial parameters).
+fn against_reference(
+    spec: &TrainSpec,
+    data_parallel: usize,
+    full: &[Tensor],
+) -> Result<(f64, f64, f64), ProgramError> {
+    let reference = reference::train(spec, data_parallel)?;
+    let (abs, rel) = reference::compare(full, &reference);
+    let nudged = reference::train_nudged(spec, data_parallel)?;
+    let (_, spread) = reference::compare(&nudged, &reference);
+    Ok((abs, rel, spread))
 }
 
 fn missing(l: usize) -> ProgramError {
