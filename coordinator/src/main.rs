@@ -140,8 +140,12 @@ struct WorkerArgs {
 }
 
 impl WorkerArgs {
-    /// The TLS files given, loaded (a problem names the flag).
+    /// The TLS files given, loaded (a problem names the flag), once `--join` is known to be
+    /// an address it can dial.
     fn tls(&self) -> Result<Option<Tls>, CliError> {
+        if let Some(why) = podsim_links::net::dial_address_problem(&self.join) {
+            return Err(CliError::Usage(format!("--join {why}")));
+        }
         let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
         else {
             return Ok(None);

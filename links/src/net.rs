@@ -443,6 +443,31 @@ pub fn host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// Why `addr` is not a `host:port` to dial, if it is not: a port of 1 to 65535 after the
+/// last colon, a host before it, an IPv6 host in brackets, no scheme. A worker given
+/// `127.0.0.1:99999` or `http://host:port` retried the impossible address for half a
+/// minute before it said so.
+pub fn dial_address_problem(addr: &str) -> Option<String> {
+    if addr.contains("://") {
+        return Some(format!("{addr:?}: give host:port, without a scheme"));
+    }
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Some(format!("{addr:?}: give host:port (no port)"));
+    };
+    if host.is_empty() || host == "[]" {
+        return Some(format!("{addr:?}: no host before the port"));
+    }
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return Some(format!(
+            "{addr:?}: an IPv6 address goes in brackets, e.g. [::1]:{port}"
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => None,
+        _ => Some(format!("{addr:?}: the port must be 1 to 65535")),
+    }
+}
+
 /// A server builder with the link transport settings.
 pub fn server_builder() -> tonic::transport::Server {
     tonic::transport::Server::builder()
@@ -824,6 +849,29 @@ pub fn peak_rss_bytes() -> u64 {
 mod tests {
     use super::*;
     use crate::records::tests::test_tls;
+
+    #[test]
+    fn a_dial_address_is_host_and_port() {
+        for good in [
+            "127.0.0.1:7401",
+            "[::1]:7401",
+            "coordinator.internal:1",
+            "h:65535",
+        ] {
+            assert_eq!(dial_address_problem(good), None, "{good}");
+        }
+        for (bad, why) in [
+            ("127.0.0.1:99999", "1 to 65535"),
+            ("127.0.0.1:0", "1 to 65535"),
+            ("127.0.0.1", "no port"),
+            ("http://127.0.0.1:7401", "without a scheme"),
+            ("::1:7401", "in brackets"),
+            (":7401", "no host"),
+        ] {
+            let problem = dial_address_problem(bad).unwrap_or_default();
+            assert!(problem.contains(why), "{bad}: {problem}");
+        }
+    }
 
     #[test]
     fn an_ipv6_host_is_bracketed_before_its_port() {
