@@ -277,6 +277,13 @@ impl Session {
                 .await
                 .map_err(|s| {
                     let why = podsim_links::tls::chain(&s);
+                    if why.contains("keep-alive timed out") {
+                        return session_error(format!(
+                            "{} did not answer for {} s: it is not a podsim coordinator, or it is stopped",
+                            opts.join,
+                            (KEEPALIVE_EVERY + KEEPALIVE_PATIENCE).as_secs()
+                        ));
+                    }
                     session_error(format!(
                         "the coordinator refused the session: {why}{}",
                         tls_hint(opts.tls.as_ref())
@@ -349,26 +356,41 @@ async fn link_up(
     let me = session.me;
     let fabric = NodeFabric::new(spec.fabric(), me)?;
     let _ = links.fabric.send(Some(fabric.clone()));
-    for peer in fabric.neighbours().into_iter().filter(|&p| p > me) {
-        let setup = &session.setup;
-        let tcp = setup
-            .link_addrs
-            .get(&peer)
-            .ok_or_else(|| session_error(format!("no address for worker {peer}")))?;
-        let at = net::PeerAddress {
-            tcp: tcp.clone(),
-            local: setup
-                .link_locals
+    let setup = &session.setup;
+    let dial_all = async {
+        for peer in fabric.neighbours().into_iter().filter(|&p| p > me) {
+            let tcp = setup
+                .link_addrs
                 .get(&peer)
-                .filter(|name| !name.is_empty())
-                .cloned(),
-            host_id: setup.host_ids.get(&peer).cloned().unwrap_or_default(),
-        };
-        fabric
-            .dial(peer, &at, &links.mine, &opts.token, opts.tls.as_ref())
-            .await?;
+                .ok_or_else(|| session_error(format!("no address for worker {peer}")))?;
+            let at = net::PeerAddress {
+                tcp: tcp.clone(),
+                local: setup
+                    .link_locals
+                    .get(&peer)
+                    .filter(|name| !name.is_empty())
+                    .cloned(),
+                host_id: setup.host_ids.get(&peer).cloned().unwrap_or_default(),
+            };
+            fabric
+                .dial(peer, &at, &links.mine, &opts.token, opts.tls.as_ref())
+                .await?;
+        }
+        fabric.wait_connected(Duration::from_secs(30)).await?;
+        Ok::<(), ProgramError>(())
+    };
+    // The coordinator may end the job meanwhile (another worker failed, it was stopped or
+    // died): the worker goes at once instead of after the dials' patience.
+    tokio::select! {
+        linked = dial_all => linked?,
+        said = session.from_coord.next() => {
+            return Err(match said {
+                Ok(pb::coordinator_msg::Body::Shutdown(s)) => session_error(s.reason),
+                Ok(other) => session_error(format!("expected start, got {other:?}")),
+                Err(e) => e,
+            });
+        }
     }
-    fabric.wait_connected(Duration::from_secs(30)).await?;
     session
         .send(pb::worker_msg::Body::Ready(pb::Ready {}))
         .await?;
@@ -550,14 +572,25 @@ fn tls_hint(tls: Option<&podsim_links::tls::Tls>) -> String {
     }
 }
 
+/// How often a worker pings its coordinator, and how long it waits for the answer before it
+/// gives the session up (see `connect_control`).
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+const KEEPALIVE_PATIENCE: Duration = Duration::from_secs(20);
+
 async fn connect_control(
     endpoint: &str,
     tls: Option<&podsim_links::tls::Tls>,
     patience: Duration,
 ) -> Result<ControlClient<tonic::transport::Channel>, ProgramError> {
     let deadline = tokio::time::Instant::now() + patience;
+    // The coordinator answers pings while it lives and runs: one stopped (SIGSTOP) or gone
+    // without closing the connection, or a server that is not a coordinator and says
+    // nothing, ends the session within KEEPALIVE_EVERY + KEEPALIVE_PATIENCE instead of never.
     let target = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .map_err(|e| session_error(format!("bad coordinator address {endpoint}: {e}")))?;
+        .map_err(|e| session_error(format!("bad coordinator address {endpoint}: {e}")))?
+        .http2_keep_alive_interval(KEEPALIVE_EVERY)
+        .keep_alive_timeout(KEEPALIVE_PATIENCE)
+        .keep_alive_while_idle(true);
     let target = podsim_links::tls::secure(target, tls)?;
     loop {
         match target.connect().await {
