@@ -81,6 +81,8 @@ pub struct Supervisor {
     reports: BTreeMap<u32, WorkerReport>,
     /// PyTorch jobs: what the failing rank had done until its failure.
     failed_ranks: Vec<podsim_programs::RankReport>,
+    /// When the last tick came (a long gap is the coordinator's own pause).
+    last_tick: Option<Instant>,
 }
 
 impl Supervisor {
@@ -96,6 +98,7 @@ impl Supervisor {
             total: BTreeMap::new(),
             reports: BTreeMap::new(),
             failed_ranks: Vec::new(),
+            last_tick: None,
         }
     }
 
@@ -223,7 +226,8 @@ impl Supervisor {
             // No process to watch: the lost session is the only sign of a dead worker.
             return self.dead_worker(id, &error);
         }
-        Decision::WorkerFailed { id, reason: error }
+        let reason = format!("{error}{}", pause_note(&self.watchdog));
+        Decision::WorkerFailed { id, reason }
     }
 
     fn on_tick(
@@ -232,6 +236,17 @@ impl Supervisor {
         exited: Vec<(u32, String, bool)>,
         process: &dyn Fn(u32) -> crate::watchdog::Liveness,
     ) -> Decision {
+        // The launcher ticks at least every half second (`timeouts::TICK`): a gap of a
+        // timeout more than that is the coordinator's own pause, not its workers' silence.
+        if let Some(gap) = self
+            .last_tick
+            .replace(now)
+            .map(|t| now.saturating_duration_since(t))
+            && gap >= self.watchdog.timeout() + crate::launch::timeouts::TICK
+        {
+            self.watchdog.resumed_after_pause(now, gap);
+            return Decision::Continue;
+        }
         if !self.started {
             return Decision::Continue;
         }
@@ -262,7 +277,22 @@ impl Supervisor {
     }
 }
 
+/// What a worker's failure owes to the coordinator's own pause, if it paused: a worker gives
+/// up a coordinator that answers nothing for 25 s.
+fn pause_note(watchdog: &Watchdog) -> String {
+    let paused = watchdog.paused();
+    if paused.is_zero() {
+        return String::new();
+    }
+    format!(
+        " (the coordinator itself did not run for {:.1} s before: stopped, or starved of CPU; its workers leave a coordinator that does not answer for 25 s)",
+        paused.as_secs_f64()
+    )
+}
+
 fn dead_worker(watchdog: &Watchdog, id: u32, how: &str, pid: Option<u32>) -> Finding {
+    let how = format!("{how}{}", pause_note(watchdog));
+    let how = how.as_str();
     let current = watchdog.current_of(id);
     let pid = pid.map_or(String::new(), |p| format!(", pid {p}"));
     Finding {
@@ -488,6 +518,39 @@ mod tests {
             Decision::Diagnose(f) => Some((f.kind, f.worker)),
             _ => None,
         }
+    }
+
+    #[test]
+    fn the_coordinators_own_pause_is_not_its_workers_silence() {
+        let mut s = two_workers();
+        s.on(Event::Message(0, ready()));
+        assert_eq!(s.on(Event::Message(1, ready())), Decision::Start);
+        let stopped = |_| crate::watchdog::Liveness::Stopped;
+        let at = |now| Event::Tick {
+            now,
+            exited: Vec::new(),
+            process: &stopped,
+        };
+        let t0 = Instant::now();
+        assert_eq!(s.on(at(t0)), Decision::Continue);
+        // Nothing ticked for 40 s (the coordinator was stopped): the workers' silence is not
+        // judged, and counts afresh from the tick after.
+        let back = t0 + Duration::from_secs(40);
+        assert_eq!(s.on(at(back)), Decision::Continue);
+        assert_eq!(
+            s.on(at(back + Duration::from_millis(100))),
+            Decision::Continue
+        );
+        assert!(pause_note(&s.watchdog).contains("did not run for 40.0 s"));
+        // Silent for a timeout while the coordinator ticks: a frozen worker, as before.
+        let later = (1..=6).map(|i| back + Duration::from_millis(500 * i));
+        let frozen = later
+            .map(|t| s.on(at(t)))
+            .find(|d| *d != Decision::Continue);
+        assert_eq!(
+            frozen.as_ref().and_then(kind).map(|k| k.0),
+            Some(HangKind::FrozenWorker)
+        );
     }
 
     #[test]

@@ -119,6 +119,9 @@ pub struct Watchdog {
     waited_on: BTreeMap<ChipId, Duration>,
     first_tick: Option<Instant>,
     last_tick: Option<Instant>,
+    /// The longest the coordinator itself did not run (its ticks' largest gap past the
+    /// timeout), zero while it ran.
+    paused: Duration,
     /// Checks since the first (they come on every heartbeat of every worker as well as on a
     /// timer, so they may outnumber the heartbeats of a worker).
     counted_ticks: u64,
@@ -204,6 +207,7 @@ impl Watchdog {
             waited_on: BTreeMap::new(),
             first_tick: None,
             last_tick: None,
+            paused: Duration::ZERO,
             counted_ticks: 0,
             observed: Duration::ZERO,
         }
@@ -447,6 +451,36 @@ impl Watchdog {
             return Some(f);
         }
         self.deadlock(now)
+    }
+
+    /// The coordinator itself did not run for `gap` until `now` (stopped with SIGSTOP, a
+    /// suspended machine, a host that starved it: its supervisor's ticks say so): the
+    /// workers' silence meanwhile is not theirs, so every worker's silence and every chip's
+    /// stillness count from now. A heartbeat gap the workers make while the coordinator runs
+    /// is still judged.
+    pub fn resumed_after_pause(&mut self, now: Instant, gap: Duration) {
+        tracing::warn!(
+            "the coordinator did not run for {:.1} s (stopped, or starved of CPU): the workers' silence meanwhile is not judged",
+            gap.as_secs_f64()
+        );
+        self.paused = self.paused.max(gap);
+        self.suspects.clear();
+        for v in self.workers.values_mut() {
+            v.heard = v.heard.max(now);
+            v.last_moving = v.last_moving.max(now);
+            v.starved_since_heard = Duration::ZERO;
+        }
+        self.last_tick = Some(now);
+    }
+
+    /// The hang timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The longest the coordinator did not run during the job (see `resumed_after_pause`).
+    pub fn paused(&self) -> Duration {
+        self.paused
     }
 
     /// `chip 20000 (coordinates [16, 17, 19], worker 1, pid 4242)`.
