@@ -178,7 +178,7 @@ pub mod timeouts {
     pub const SETUP: Duration = Duration::from_secs(60);
     /// The longest the run phase waits for an event before it checks the watchdog again
     /// (shorter when heartbeats are more frequent).
-    pub const TICK: Duration = Duration::from_millis(500);
+    pub const TICK: Duration = crate::supervisor::MOST_TICK_INTERVAL;
     /// How long a worker's exit status may take to appear after it reported a failure (a
     /// neighbour of a dead worker reports the broken link first).
     pub const DEAD_AFTER_FAILURE: Duration = Duration::from_secs(1);

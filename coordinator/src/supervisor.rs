@@ -6,7 +6,7 @@
 //! job with an error, or finishing it.
 
 use std::collections::BTreeMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use podsim_job::{HeartbeatStatus, RankExitReport, TorchSpec};
 use podsim_programs::job::{FailureReport, WorkerReport};
@@ -236,13 +236,13 @@ impl Supervisor {
         exited: Vec<(u32, String, bool)>,
         process: &dyn Fn(u32) -> crate::watchdog::Liveness,
     ) -> Decision {
-        // The launcher ticks at least every half second (`timeouts::TICK`): a gap of a
+        // The launcher ticks at least every MOST_TICK_INTERVAL: a gap of a
         // timeout more than that is the coordinator's own pause, not its workers' silence.
         if let Some(gap) = self
             .last_tick
             .replace(now)
             .map(|t| now.saturating_duration_since(t))
-            && gap >= self.watchdog.timeout() + crate::launch::timeouts::TICK
+            && gap >= self.watchdog.timeout() + MOST_TICK_INTERVAL
         {
             self.watchdog.resumed_after_pause(now, gap);
             return Decision::Continue;
@@ -276,6 +276,10 @@ impl Supervisor {
         )))
     }
 }
+
+/// The longest the launcher lets pass between two ticks while the job runs (its
+/// `timeouts::TICK`): a longer gap, by a timeout, is the coordinator's own pause.
+pub const MOST_TICK_INTERVAL: Duration = Duration::from_millis(500);
 
 /// What a worker's failure owes to the coordinator's own pause, if it paused: a worker gives
 /// up a coordinator that answers nothing for 25 s.
