@@ -61,7 +61,7 @@ struct ReportArgs {
     dir: PathBuf,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 struct ConfigArgs {
     /// The job config (TOML).
     config: PathBuf,
@@ -176,6 +176,28 @@ fn load(args: &ConfigArgs) -> Result<JobConfig, CliError> {
     }
     config::load(&args.config, &sets)
         .map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
+}
+
+/// The config of `podsim coordinator`, whose workers run elsewhere (`[launch] external`:
+/// this host's memory is not theirs to check).
+fn load_external(args: &ConfigArgs) -> Result<JobConfig, CliError> {
+    let mut args = args.clone();
+    args.sets.push("launch.external=true".into());
+    load(&args)
+}
+
+/// The config of `podsim launch`, which starts every worker on this host: a config that
+/// says its workers are started elsewhere is meant for `podsim coordinator` (launch
+/// started them here anyway, unchecked against this host's memory).
+fn load_local(args: &ConfigArgs) -> Result<JobConfig, CliError> {
+    let cfg = load(args)?;
+    if cfg.external {
+        return Err(CliError::Usage(format!(
+            "{}: [launch] external = true says the workers are started elsewhere (podsim worker --join): run it with `podsim coordinator`, which waits for them; `podsim launch` starts them on this host",
+            args.config.display()
+        )));
+    }
+    Ok(cfg)
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
@@ -519,9 +541,9 @@ fn main() -> ExitCode {
         }),
         Command::Run(args) => podsim_coordinator::run::config(args)
             .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
-        Command::Launch(args) => load(&args.config)
+        Command::Launch(args) => load_local(&args.config)
             .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
-        Command::Coordinator(args) => load(&args.config).and_then(|cfg| {
+        Command::Coordinator(args) => load_external(&args.config).and_then(|cfg| {
             let token = args.token.clone().unwrap_or_else(new_token);
             run_job(
                 &cfg,

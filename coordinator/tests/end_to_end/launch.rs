@@ -220,6 +220,52 @@ fn external_mode_with_workers_started_by_hand() {
     assert_eq!(r["workers"].as_array().unwrap().len(), 2);
 }
 
+#[test]
+fn external_workers_are_for_the_coordinator_and_the_coordinator_leaves_memory_to_them() {
+    let dir = temp_dir("external-launch");
+    let external = job_config(&dir, 2, 1, "").replace("[launch]\n", "[launch]\nexternal = true\n");
+    let config = write(&dir, "job.toml", &external);
+    // `podsim launch` started the workers here anyway: refused, pointing to the coordinator.
+    let mut c = podsim();
+    c.arg("launch").arg(&config);
+    let out = run_bounded(c, Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("run it with `podsim coordinator`"), "{err}");
+    // The coordinator does not hold its workers' buffers: a host of 1 KiB does not stop it,
+    // where `podsim launch` on it is refused.
+    let plain = write(&dir, "plain.toml", &job_config(&dir, 2, 1, ""));
+    let mut c = podsim();
+    c.arg("launch")
+        .arg(&plain)
+        .env("PODSIM_MEM_AVAILABLE", "1KiB");
+    let out = run_bounded(c, Duration::from_secs(30));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let token = "test-token-memory-0123";
+    let addr = format!("127.0.0.1:{}", free_port());
+    let coord = podsim()
+        .args([
+            "coordinator",
+            plain.to_str().unwrap(),
+            "--listen",
+            &addr,
+            "--token",
+            token,
+        ])
+        .env("PODSIM_MEM_AVAILABLE", "1KiB")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
+    all_succeed(coord, workers);
+}
+
 /// A file of the TLS test material (`tests/fixtures/tls/README.md`).
 fn tls_file(name: &str) -> String {
     format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
