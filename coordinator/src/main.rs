@@ -178,6 +178,16 @@ fn load(args: &ConfigArgs) -> Result<JobConfig, CliError> {
         .map_err(|e| CliError::Usage(e.to_string().trim_end().to_string()))
 }
 
+/// `--listen` as an address to bind: `host:port` (port 0 for any free one); a mistyped
+/// address ran the job's setup and wrote a failed report instead of a usage error.
+fn listen_address(listen: &str) -> Result<(), CliError> {
+    let any_port = listen.strip_suffix(":0").map(|host| format!("{host}:1"));
+    match podsim_links::net::dial_address_problem(any_port.as_deref().unwrap_or(listen)) {
+        Some(why) => Err(CliError::Usage(format!("--listen {why}"))),
+        None => Ok(()),
+    }
+}
+
 /// The config of `podsim coordinator`, whose workers run elsewhere (`[launch] external`:
 /// this host's memory is not theirs to check).
 fn load_external(args: &ConfigArgs) -> Result<JobConfig, CliError> {
@@ -543,15 +553,17 @@ fn main() -> ExitCode {
             .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
         Command::Launch(args) => load_local(&args.config)
             .and_then(|cfg| run_job(&cfg, None, Duration::from_secs(30), &args.trace)),
-        Command::Coordinator(args) => load_external(&args.config).and_then(|cfg| {
-            let token = args.token.clone().unwrap_or_else(new_token);
-            run_job(
-                &cfg,
-                Some((&args.listen, token)),
-                Duration::from_secs(args.join_timeout),
-                &args.trace,
-            )
-        }),
+        Command::Coordinator(args) => listen_address(&args.listen)
+            .and_then(|()| load_external(&args.config))
+            .and_then(|cfg| {
+                let token = args.token.clone().unwrap_or_else(new_token);
+                run_job(
+                    &cfg,
+                    Some((&args.listen, token)),
+                    Duration::from_secs(args.join_timeout),
+                    &args.trace,
+                )
+            }),
         Command::Worker(args) => worker(args),
     };
     match result {

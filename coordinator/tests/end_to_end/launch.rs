@@ -232,6 +232,15 @@ fn external_workers_are_for_the_coordinator_and_the_coordinator_leaves_memory_to
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("run it with `podsim coordinator`"), "{err}");
+    // A --listen that is no address is a usage error, before any setup or report.
+    for listen in ["nonsense", "127.0.0.1:99999"] {
+        let mut c = podsim();
+        c.args(["coordinator", config.to_str().unwrap(), "--listen", listen]);
+        let out = run_bounded(c, Duration::from_secs(30));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{listen}: {err}");
+        assert!(err.contains("--listen"), "{listen}: {err}");
+    }
     // The coordinator does not hold its workers' buffers: a host of 1 KiB does not stop it,
     // where `podsim launch` on it is refused.
     let plain = write(&dir, "plain.toml", &job_config(&dir, 2, 1, ""));
