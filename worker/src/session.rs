@@ -551,8 +551,21 @@ impl Inbound {
         match self.0.message().await {
             Ok(Some(m)) => m.body.ok_or_else(|| session_error("empty message")),
             Ok(None) => Err(session_error("the coordinator closed the session")),
-            Err(s) => Err(session_error(s.message())),
+            Err(s) => Err(session_error(lost_coordinator(s.message()))),
         }
+    }
+}
+
+/// A broken control stream in words: the transport's own (`h2 protocol error: error reading
+/// a body from connection`) says nothing of why.
+fn lost_coordinator(transport: &str) -> String {
+    if transport.contains("keep-alive") || transport.contains("h2 protocol error") {
+        format!(
+            "the coordinator stopped answering (stopped, killed, or its host unreachable; pings go unanswered after {} s): {transport}",
+            (KEEPALIVE_EVERY + KEEPALIVE_PATIENCE).as_secs()
+        )
+    } else {
+        transport.to_string()
     }
 }
 
