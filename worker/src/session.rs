@@ -59,7 +59,13 @@ pub async fn run(opts: WorkerOptions) -> Result<(), ProgramError> {
     let links = Links::serve(&opts).await?;
     let mut session = Session::join(&opts, &links).await?;
     let spec = session.spec.take().ok_or_else(|| session_error("no job"))?;
-    let fabric = link_up(&opts, &links, &mut session, &spec).await?;
+    let fabric = match link_up(&opts, &links, &mut session, &spec).await {
+        Ok(fabric) => fabric,
+        Err(e) => {
+            session.tell_setup_failure(&e).await;
+            return Err(e);
+        }
+    };
     let (chips, watched) = local_chips(&spec, &fabric, session.me);
     let program = spec.program.clone();
     let total = total_units(&program, chips.len());
@@ -323,6 +329,23 @@ impl Session {
     /// Tells the coordinator why the chips failed (structured where it can: a desync, a
     /// corrupted message) and stays until it has read it (it answers with a shutdown), or the
     /// message could die with this process; a diagnosis may ask for the recorders meanwhile.
+    /// Tells the coordinator why this worker could not link up (a neighbour that never
+    /// answered), and waits a moment for its answer so the words arrive before the process
+    /// ends: it reported a closed session ("h2 protocol error") of this worker instead.
+    async fn tell_setup_failure(&mut self, e: &ProgramError) {
+        let failure = pb::WorkerFailure {
+            error: e.to_string(),
+            error_json: Vec::new(),
+        };
+        if self
+            .send(pb::worker_msg::Body::Failure(failure))
+            .await
+            .is_ok()
+        {
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.from_coord.next()).await;
+        }
+    }
+
     async fn report_failure(&mut self, e: &ProgramError, watched: &Watched) {
         let error_json = FailureReport::from_error(e)
             .map(|d| FailureReport {
