@@ -147,7 +147,11 @@ impl Control for ControlService {
                 from_worker,
             })
             .await
-            .map_err(|_| Status::unavailable("the job is no longer accepting workers"))?;
+            .map_err(|_| {
+                Status::resource_exhausted(
+                    "the job already has all its workers, or has ended: it takes no more",
+                )
+            })?;
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -748,6 +752,16 @@ async fn join(
             continue;
         }
         joined.insert(id, j);
+    }
+    // The job has its workers: one more is refused at once (it waited for the whole job,
+    // then heard the session close), and one that came meanwhile is told so.
+    control.joined.close();
+    while let Ok(extra) = control.joined.try_recv() {
+        let _ = extra
+            .to_worker
+            .try_send(Err(Status::resource_exhausted(format!(
+                "the job already has all its {n} workers"
+            ))));
     }
     Ok(joined)
 }

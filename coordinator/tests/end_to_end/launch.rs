@@ -275,6 +275,36 @@ fn external_workers_are_for_the_coordinator_and_the_coordinator_leaves_memory_to
     all_succeed(coord, workers);
 }
 
+#[test]
+fn a_worker_past_the_jobs_count_is_turned_away_at_once() {
+    let dir = temp_dir("external-surplus");
+    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
+    let token = "test-token-surplus-0123";
+    // Long enough to be running when the third worker comes.
+    let (coord, addr) = external_coordinator(&config, token, &["--set", "job.iterations=1000000"]);
+    let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
+    std::thread::sleep(Duration::from_secs(2));
+    let mut third = podsim();
+    third.args(["worker", "--join", &addr, "--token", token]);
+    let started = std::time::Instant::now();
+    let out = run_bounded(third, Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &coord.id().to_string()])
+        .status();
+    let _ = wait_bounded(coord, Duration::from_secs(30));
+    for w in workers {
+        let _ = wait_bounded(w, Duration::from_secs(30));
+    }
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("already has all its"), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
 /// A file of the TLS test material (`tests/fixtures/tls/README.md`).
 fn tls_file(name: &str) -> String {
     format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
