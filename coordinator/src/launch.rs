@@ -711,6 +711,15 @@ async fn join(
         .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400));
     let mut next_free = 0u32;
     while (joined.len() as u32) < n {
+        // A worker that joined and went (killed, its host gone) before the job started frees
+        // its place: it was counted as joined until the timeout, and no other could take it.
+        joined.retain(|id, j| {
+            let gone = j.to_worker.is_closed();
+            if gone {
+                eprintln!("podsim: worker {id} left before the job started (its session closed); its place is free");
+            }
+            !gone
+        });
         if let Some((id, how)) = children.exited() {
             return Err(LaunchError::Worker {
                 id,

@@ -305,6 +305,25 @@ fn a_worker_past_the_jobs_count_is_turned_away_at_once() {
     );
 }
 
+#[test]
+fn a_worker_that_leaves_before_the_start_frees_its_place() {
+    let dir = temp_dir("external-left");
+    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
+    let token = "test-token-left-0123";
+    let (coord, addr) = external_coordinator(&config, token, &["--join-timeout", "60"]);
+    // Worker 1 joins and is killed before the job can start (worker 0 is missing).
+    let mut gone = external_worker(&addr, token, &["--worker-id", "1"]);
+    std::thread::sleep(Duration::from_secs(1));
+    gone.kill().unwrap();
+    let _ = gone.wait();
+    std::thread::sleep(Duration::from_millis(500));
+    // Two more join: the job takes them both and runs (it had counted the dead one, so the
+    // second was refused as out of range and the job timed out).
+    let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
+    all_succeed(coord, workers);
+    assert_eq!(report(&dir)["status"], "ok");
+}
+
 /// A file of the TLS test material (`tests/fixtures/tls/README.md`).
 fn tls_file(name: &str) -> String {
     format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
