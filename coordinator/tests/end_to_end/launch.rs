@@ -275,13 +275,24 @@ fn external_workers_are_for_the_coordinator_and_the_coordinator_leaves_memory_to
     all_succeed(coord, workers);
 }
 
+/// A job of two external workers in folder `external-NAME`, its coordinator started with
+/// `extra`: the folder, the coordinator and the address workers join.
+fn two_worker_job(
+    name: &str,
+    token: &str,
+    extra: &[&str],
+) -> (std::path::PathBuf, std::process::Child, String) {
+    let dir = temp_dir(&format!("external-{name}"));
+    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
+    let (coord, addr) = external_coordinator(&config, token, extra);
+    (dir, coord, addr)
+}
+
 #[test]
 fn a_worker_past_the_jobs_count_is_turned_away_at_once() {
-    let dir = temp_dir("external-surplus");
-    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
     let token = "test-token-surplus-0123";
     // Long enough to be running when the third worker comes.
-    let (coord, addr) = external_coordinator(&config, token, &["--set", "job.iterations=1000000"]);
+    let (_, coord, addr) = two_worker_job("surplus", token, &["--set", "job.iterations=1000000"]);
     let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
     std::thread::sleep(Duration::from_secs(2));
     let mut third = podsim();
@@ -307,10 +318,8 @@ fn a_worker_past_the_jobs_count_is_turned_away_at_once() {
 
 #[test]
 fn a_worker_that_leaves_before_the_start_frees_its_place() {
-    let dir = temp_dir("external-left");
-    let config = write(&dir, "job.toml", &job_config(&dir, 2, 1, ""));
     let token = "test-token-left-0123";
-    let (coord, addr) = external_coordinator(&config, token, &["--join-timeout", "60"]);
+    let (dir, coord, addr) = two_worker_job("left", token, &["--join-timeout", "60"]);
     // Worker 1 joins and is killed before the job can start (worker 0 is missing).
     let mut gone = external_worker(&addr, token, &["--worker-id", "1"]);
     std::thread::sleep(Duration::from_secs(1));
