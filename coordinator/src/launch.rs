@@ -742,24 +742,30 @@ async fn join(
             }
             Err(_) => continue,
         };
+        // -1 asks for an id; any other negative one is no id (it took a place as -1 did).
         let id = match u32::try_from(j.hello.worker_id) {
-            Ok(id) => id,
-            Err(_) => {
+            Ok(id) => i64::from(id),
+            Err(_) if j.hello.worker_id == -1 => {
                 while joined.contains_key(&next_free) {
                     next_free += 1;
                 }
-                next_free
+                i64::from(next_free)
             }
+            Err(_) => i64::from(j.hello.worker_id),
         };
-        if id >= n || joined.contains_key(&id) {
-            let _ = j
-                .to_worker
-                .send(Err(Status::already_exists(format!(
-                    "worker id {id} is taken or out of range"
-                ))))
-                .await;
+        let taken = u32::try_from(id).map_or(true, |id| joined.contains_key(&id));
+        let Some(id) = u32::try_from(id).ok().filter(|&id| id < n && !taken) else {
+            let why = if taken && id >= 0 {
+                format!("worker id {id} is taken")
+            } else {
+                format!(
+                    "worker id {id} is out of range: the job's workers are 0 to {}",
+                    n - 1
+                )
+            };
+            let _ = j.to_worker.send(Err(Status::already_exists(why))).await;
             continue;
-        }
+        };
         joined.insert(id, j);
     }
     // The job has its workers: one more is refused at once (it waited for the whole job,

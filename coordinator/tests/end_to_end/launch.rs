@@ -212,6 +212,23 @@ fn external_mode_with_workers_started_by_hand() {
     assert!(!refused.status.success());
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(err.contains("token"), "{err}");
+    // An id past the job's workers is refused, saying which ids there are.
+    let mut past = podsim();
+    past.args([
+        "worker",
+        "--join",
+        &addr,
+        "--token",
+        token,
+        "--worker-id",
+        "5",
+    ]);
+    let refused = run_bounded(past, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("worker id 5 is out of range: the job's workers are 0 to 1"),
+        "{err}"
+    );
     // Two proper workers join (ids assigned by the coordinator).
     let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
     all_succeed(coord, workers);
