@@ -742,29 +742,12 @@ async fn join(
             }
             Err(_) => continue,
         };
-        // -1 asks for an id; any other negative one is no id (it took a place as -1 did).
-        let id = match u32::try_from(j.hello.worker_id) {
-            Ok(id) => i64::from(id),
-            Err(_) if j.hello.worker_id == -1 => {
-                while joined.contains_key(&next_free) {
-                    next_free += 1;
-                }
-                i64::from(next_free)
+        let id = match place_of(j.hello.worker_id, &joined, n, &mut next_free) {
+            Ok(id) => id,
+            Err(why) => {
+                let _ = j.to_worker.send(Err(Status::already_exists(why))).await;
+                continue;
             }
-            Err(_) => i64::from(j.hello.worker_id),
-        };
-        let taken = u32::try_from(id).map_or(true, |id| joined.contains_key(&id));
-        let Some(id) = u32::try_from(id).ok().filter(|&id| id < n && !taken) else {
-            let why = if taken && id >= 0 {
-                format!("worker id {id} is taken")
-            } else {
-                format!(
-                    "worker id {id} is out of range: the job's workers are 0 to {}",
-                    n - 1
-                )
-            };
-            let _ = j.to_worker.send(Err(Status::already_exists(why))).await;
-            continue;
         };
         joined.insert(id, j);
     }
@@ -779,6 +762,40 @@ async fn join(
             ))));
     }
     Ok(joined)
+}
+
+/// The id a joining worker takes: the one its hello asks for, or with -1 the lowest free
+/// one (`next_free` moves past those taken); else why it is refused. Any other negative id is
+/// no id (it was taken as -1).
+fn place_of(
+    asked: i32,
+    joined: &BTreeMap<u32, Joined>,
+    n: u32,
+    next_free: &mut u32,
+) -> Result<u32, String> {
+    let out_of_range = |id: i64| {
+        format!(
+            "worker id {id} is out of range: the job's workers are 0 to {}",
+            n - 1
+        )
+    };
+    let id = match u32::try_from(asked) {
+        Ok(id) => id,
+        Err(_) if asked == -1 => {
+            while joined.contains_key(next_free) {
+                *next_free += 1;
+            }
+            *next_free
+        }
+        Err(_) => return Err(out_of_range(i64::from(asked))),
+    };
+    if joined.contains_key(&id) {
+        return Err(format!("worker id {id} is taken"));
+    }
+    if id >= n {
+        return Err(out_of_range(i64::from(id)));
+    }
+    Ok(id)
 }
 
 /// The workers' control sessions, coordinator to worker.
