@@ -1545,7 +1545,8 @@ pub(crate) mod tests {
         test_tls_expecting(node, crate::tls::DEFAULT_SERVER_NAME)
     }
 
-    /// [`test_tls`] expecting `server_name` in the listener's certificate.
+    /// [`test_tls`] expecting `server_name` in the listener's certificate (loaded unchecked:
+    /// a foreign node or name is what the handshake must refuse).
     fn test_tls_expecting(node: &str, server_name: &str) -> Tls {
         let dir = concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -1557,7 +1558,7 @@ pub(crate) mod tests {
             key: format!("{dir}/{node}.key").into(),
             server_name: server_name.into(),
         };
-        Tls::load(&files).unwrap_or_else(|e| panic!("{e:?}"))
+        Tls::load_foreign(&files).unwrap_or_else(|e| panic!("{e:?}"))
     }
 
     /// A TLS record link over loopback between a dialler with `dialling` and a listener

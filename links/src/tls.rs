@@ -83,9 +83,21 @@ impl TlsFile {
 }
 
 impl Tls {
-    /// Reads the three files and checks that they make a server and a client configuration;
-    /// each problem names the file it is about (every unreadable file at once).
+    /// Reads the three files and checks that they make a server and a client configuration,
+    /// the certificate one the authority signed for the server name; each problem names the
+    /// file it is about (every unreadable file at once).
     pub fn load(files: &TlsFiles) -> Result<Tls, Vec<(TlsFile, String)>> {
+        Tls::load_checking(files, true)
+    }
+
+    /// [`Tls::load`] without the check that the authority signed the certificate: the
+    /// tests' foreign peers, which a handshake must refuse.
+    #[cfg(test)]
+    pub(crate) fn load_foreign(files: &TlsFiles) -> Result<Tls, Vec<(TlsFile, String)>> {
+        Tls::load_checking(files, false)
+    }
+
+    fn load_checking(files: &TlsFiles, signed: bool) -> Result<Tls, Vec<(TlsFile, String)>> {
         let read = |which: TlsFile, path: &Path| {
             let bytes = std::fs::read(path)
                 .map_err(|e| (which, format!("cannot read {}: {e}", path.display())))?;
@@ -107,7 +119,7 @@ impl Tls {
                     .collect());
             }
         };
-        let records = record_tls(&ca, &cert, &key, files)?;
+        let records = record_tls(&ca, &cert, &key, files, signed)?;
         let tls = Tls {
             files: files.clone(),
             ca: Certificate::from_pem(ca),
@@ -182,6 +194,7 @@ fn record_tls(
     cert: &[u8],
     key: &[u8],
     files: &TlsFiles,
+    signed: bool,
 ) -> Result<RecordTls, Vec<(TlsFile, String)>> {
     let bad = |which: TlsFile, path: &Path, e: &dyn std::fmt::Display| {
         vec![(which, format!("{}: {e}", path.display()))]
@@ -213,6 +226,15 @@ fn record_tls(
     };
     provider.cipher_suites.sort_by_key(|s| !aes128(s));
     let provider = Arc::new(provider);
+    let server_name = ServerName::try_from(files.server_name.clone()).map_err(|e| {
+        vec![(
+            TlsFile::Cert,
+            format!("server name {:?}: {e}", files.server_name),
+        )]
+    })?;
+    if signed {
+        signed_by_authority(&roots, &chain, &server_name, &provider, files)?;
+    }
     let with_cert = |e: &dyn std::fmt::Display| {
         vec![(
             TlsFile::Cert,
@@ -237,17 +259,54 @@ fn record_tls(
         .with_root_certificates(roots)
         .with_client_auth_cert(chain, key)
         .map_err(|e| with_cert(&e))?;
-    let server_name = ServerName::try_from(files.server_name.clone()).map_err(|e| {
-        vec![(
-            TlsFile::Cert,
-            format!("server name {:?}: {e}", files.server_name),
-        )]
-    })?;
     Ok(RecordTls {
         server: Arc::new(server),
         client: Arc::new(client),
         server_name,
     })
+}
+
+/// Refuses a certificate the job's authority did not sign for `server_name`: every peer would
+/// refuse it at its handshake, and a coordinator with one started and waited out its join
+/// timeout while each worker was refused.
+fn signed_by_authority(
+    roots: &Arc<rustls::RootCertStore>,
+    chain: &[CertificateDer<'static>],
+    server_name: &ServerName<'static>,
+    provider: &Arc<rustls::crypto::CryptoProvider>,
+    files: &TlsFiles,
+) -> Result<(), Vec<(TlsFile, String)>> {
+    use rustls::client::danger::ServerCertVerifier;
+    let refused = |why: String| {
+        vec![(
+            TlsFile::Cert,
+            format!(
+                "{} is not a certificate of {} for {:?}: {why}",
+                files.cert.display(),
+                files.ca.display(),
+                files.server_name
+            ),
+        )]
+    };
+    let Some((leaf, intermediates)) = chain.split_first() else {
+        return Err(refused("it holds no certificate".into()));
+    };
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| refused(e.to_string()))?;
+    verifier
+        .verify_server_cert(
+            leaf,
+            intermediates,
+            server_name,
+            &[],
+            rustls::pki_types::UnixTime::now(),
+        )
+        .map(drop)
+        .map_err(|e| refused(e.to_string()))
 }
 
 /// `http://addr` or `https://addr`.

@@ -376,11 +376,11 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         tls_file("job-node.key"),
     );
     let (other_cert, other_key) = (tls_file("other-node.pem"), tls_file("other-node.key"));
-    // Refused: a worker without TLS, and one that trusts the job's authority but presents
-    // a certificate another authority signed. Each is refused by the coordinator itself,
-    // before any worker is admitted: the job cannot end until two are, so a refusal here is
-    // the coordinator's answer to the worker's TLS, not a coordinator that is gone (a worker
-    // that finds no coordinator retries until its patience runs out, and says so).
+    // Refused: a worker without TLS, by the coordinator itself before any worker is
+    // admitted (the job cannot end until two are, so a refusal here is the coordinator's
+    // answer to the worker's TLS, not a coordinator that is gone: a worker that finds no
+    // coordinator retries until its patience runs out, and says so); and one that trusts
+    // the job's authority but holds a certificate another authority signed, by itself.
     let plain = worker(&[]);
     let foreign = worker(&[
         "--tls-ca",
@@ -410,18 +410,22 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
         "a trust mismatch was retried for {:?}: {err}",
         started.elapsed()
     );
-    for (refused, hint) in [
-        (plain, "--tls-ca"),
-        (foreign, "signed by the job's authority"),
-    ] {
-        let o = wait_bounded(refused, Duration::from_secs(90));
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "{err}");
-        assert!(
-            err.contains("the coordinator refused the session") && err.contains(hint),
-            "{err}"
-        );
-    }
+    let o = wait_bounded(plain, Duration::from_secs(90));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("the coordinator refused the session") && err.contains("--tls-ca"),
+        "{err}"
+    );
+    // A certificate the job's authority did not sign is refused by the worker's own check,
+    // before it dials (every peer's handshake would refuse it).
+    let o = wait_bounded(foreign, Duration::from_secs(90));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--tls-cert") && err.contains("is not a certificate of"),
+        "{err}"
+    );
     let admitted: Vec<_> = (0..2)
         .map(|_| {
             worker(&[
