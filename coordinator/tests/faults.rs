@@ -321,6 +321,8 @@ fn a_crash_is_recovered_from_the_last_checkpoint_bit_identically() {
     );
     let rec = &crashed["recovery"];
     assert_eq!(rec["restarts"].as_array().unwrap().len(), 1, "{rec}");
+    // The crash fired (the restart is its work): it is no fault that never fired.
+    assert!(crashed.get("faults_not_fired").is_none(), "{crashed}");
     let restart = &rec["restarts"][0];
     assert_eq!(restart["kind"], "dead_worker");
     assert_eq!(restart["failed_at_step"], 7);
