@@ -468,6 +468,20 @@ pub fn dial_address_problem(addr: &str) -> Option<String> {
     }
 }
 
+/// `--bind`'s value as an address to bind: kept when it has a port (`localhost:7500`,
+/// `[::1]:0`, `0.0.0.0:0`), else the host with port 0 (any free one), bracketed if IPv6.
+pub fn bind_address(bind: &str) -> String {
+    let with_port = match bind.strip_suffix(":0") {
+        Some(host) => dial_address_problem(&format!("{host}:1")).is_none(),
+        None => dial_address_problem(bind).is_none(),
+    };
+    if with_port {
+        bind.to_string()
+    } else {
+        host_port(bind, 0)
+    }
+}
+
 /// A server builder with the link transport settings.
 pub fn server_builder() -> tonic::transport::Server {
     tonic::transport::Server::builder()
@@ -849,6 +863,20 @@ pub fn peak_rss_bytes() -> u64 {
 mod tests {
     use super::*;
     use crate::records::tests::test_tls;
+
+    #[test]
+    fn a_bind_address_keeps_its_port_or_takes_any() {
+        for (bind, want) in [
+            ("localhost:7500", "localhost:7500"),
+            ("0.0.0.0:0", "0.0.0.0:0"),
+            ("[::1]:0", "[::1]:0"),
+            ("127.0.0.1", "127.0.0.1:0"),
+            ("::1", "[::1]:0"),
+            ("localhost", "localhost:0"),
+        ] {
+            assert_eq!(bind_address(bind), want, "{bind}");
+        }
+    }
 
     #[test]
     fn a_dial_address_is_host_and_port() {

@@ -181,11 +181,7 @@ struct Links {
 
 impl Links {
     async fn serve(opts: &WorkerOptions) -> Result<Links, ProgramError> {
-        // `--bind` is a host, or a host and port.
-        let bind = match opts.bind.parse::<std::net::SocketAddr>() {
-            Ok(_) => opts.bind.clone(),
-            Err(_) => net::host_port(&opts.bind, 0),
-        };
+        let bind = net::bind_address(&opts.bind);
         let listener = tokio::net::TcpListener::bind(&bind).await.map_err(|e| {
             ProgramError::Link(format!("cannot bind the link service to {bind}: {e}"))
         })?;
@@ -326,9 +322,6 @@ impl Session {
         send_dump(&self.to_coord, &watched.recorders, &watched.traces).await
     }
 
-    /// Tells the coordinator why the chips failed (structured where it can: a desync, a
-    /// corrupted message) and stays until it has read it (it answers with a shutdown), or the
-    /// message could die with this process; a diagnosis may ask for the recorders meanwhile.
     /// Tells the coordinator why this worker could not link up (a neighbour that never
     /// answered), and waits a moment for its answer so the words arrive before the process
     /// ends: it reported a closed session ("h2 protocol error") of this worker instead.
@@ -346,6 +339,9 @@ impl Session {
         }
     }
 
+    /// Tells the coordinator why the chips failed (structured where it can: a desync, a
+    /// corrupted message) and stays until it has read it (it answers with a shutdown), or the
+    /// message could die with this process; a diagnosis may ask for the recorders meanwhile.
     async fn report_failure(&mut self, e: &ProgramError, watched: &Watched) {
         let error_json = FailureReport::from_error(e)
             .map(|d| FailureReport {
