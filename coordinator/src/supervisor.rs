@@ -81,8 +81,10 @@ pub struct Supervisor {
     reports: BTreeMap<u32, WorkerReport>,
     /// PyTorch jobs: what the failing rank had done until its failure.
     failed_ranks: Vec<podsim_programs::RankReport>,
-    /// When the last tick came (a long gap is the coordinator's own pause).
+    /// When the last tick came (a long gap is the coordinator's own pause), and when a pause
+    /// was last forgiven.
     last_tick: Option<Instant>,
+    last_forgiven: Option<Instant>,
 }
 
 impl Supervisor {
@@ -99,6 +101,7 @@ impl Supervisor {
             reports: BTreeMap::new(),
             failed_ranks: Vec::new(),
             last_tick: None,
+            last_forgiven: None,
         }
     }
 
@@ -238,12 +241,20 @@ impl Supervisor {
     ) -> Decision {
         // The launcher ticks at least every MOST_TICK_INTERVAL: a gap of a
         // timeout more than that is the coordinator's own pause, not its workers' silence.
-        if let Some(gap) = self
+        // Forgiven once per stretch of regular ticks as long as a timeout: a coordinator slow
+        // on every tick would otherwise never judge a hang.
+        let timeout = self.watchdog.timeout();
+        let gap = self
             .last_tick
             .replace(now)
-            .map(|t| now.saturating_duration_since(t))
-            && gap >= self.watchdog.timeout() + MOST_TICK_INTERVAL
+            .map(|t| now.saturating_duration_since(t));
+        if let Some(gap) = gap
+            && gap >= timeout + MOST_TICK_INTERVAL
+            && self
+                .last_forgiven
+                .is_none_or(|t| now.saturating_duration_since(t) >= gap + timeout)
         {
+            self.last_forgiven = Some(now);
             self.watchdog.resumed_after_pause(now, gap);
             return Decision::Continue;
         }
@@ -553,6 +564,17 @@ mod tests {
             .find(|d| *d != Decision::Continue);
         assert_eq!(
             frozen.as_ref().and_then(kind).map(|k| k.0),
+            Some(HangKind::FrozenWorker)
+        );
+        // A coordinator slow on every tick (3 s, past the 2 s timeout and a tick) is
+        // forgiven once, not for ever.
+        let mut s = two_workers();
+        s.on(Event::Message(0, ready()));
+        s.on(Event::Message(1, ready()));
+        let slow = (0..5).map(|i| t0 + Duration::from_secs(3 * i));
+        let judged = slow.map(|t| s.on(at(t))).find(|d| *d != Decision::Continue);
+        assert_eq!(
+            judged.as_ref().and_then(kind).map(|k| k.0),
             Some(HangKind::FrozenWorker)
         );
     }
