@@ -713,6 +713,7 @@ async fn join(
     while (joined.len() as u32) < n {
         // A worker that joined and went (killed, its host gone) before the job started frees
         // its place: it was counted as joined until the timeout, and no other could take it.
+        let before = joined.len();
         joined.retain(|id, j| {
             let gone = j.to_worker.is_closed();
             if gone {
@@ -720,6 +721,10 @@ async fn join(
             }
             !gone
         });
+        if joined.len() < before {
+            // A place below the next free one may be free again.
+            next_free = 0;
+        }
         if let Some((id, how)) = children.exited() {
             return Err(LaunchError::Worker {
                 id,

@@ -292,6 +292,26 @@ fn external_workers_are_for_the_coordinator_and_the_coordinator_leaves_memory_to
     all_succeed(coord, workers);
 }
 
+/// Whether a line holding `needle` comes out of `pipe` within `patience`; the pipe is
+/// drained by a thread of its own for as long as it is open (a writer must never block).
+fn line_appears(
+    pipe: impl std::io::Read + Send + 'static,
+    needle: &str,
+    patience: Duration,
+) -> bool {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let needle = needle.to_string();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+            if line.contains(&needle) {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(patience).is_ok()
+}
+
 /// A job of two external workers in folder `external-NAME`, its coordinator started with
 /// `extra`: the folder, the coordinator and the address workers join.
 fn two_worker_job(
@@ -309,9 +329,15 @@ fn two_worker_job(
 fn a_worker_past_the_jobs_count_is_turned_away_at_once() {
     let token = "test-token-surplus-0123";
     // Long enough to be running when the third worker comes.
-    let (_, coord, addr) = two_worker_job("surplus", token, &["--set", "job.iterations=1000000"]);
+    let (_, mut coord, addr) =
+        two_worker_job("surplus", token, &["--set", "job.iterations=1000000"]);
     let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
-    std::thread::sleep(Duration::from_secs(2));
+    // The job runs once the coordinator reports progress (every second off a terminal).
+    let stdout = coord.stdout.take().unwrap();
+    assert!(
+        line_appears(stdout, "progress", Duration::from_secs(60)),
+        "the job did not start"
+    );
     let mut third = podsim();
     third.args(["worker", "--join", &addr, "--token", token]);
     let started = std::time::Instant::now();
@@ -336,13 +362,22 @@ fn a_worker_past_the_jobs_count_is_turned_away_at_once() {
 #[test]
 fn a_worker_that_leaves_before_the_start_frees_its_place() {
     let token = "test-token-left-0123";
-    let (dir, coord, addr) = two_worker_job("left", token, &["--join-timeout", "60"]);
-    // Worker 1 joins and is killed before the job can start (worker 0 is missing).
+    let (dir, mut coord, addr) = two_worker_job("left", token, &["--join-timeout", "60"]);
+    // Worker 1 joins and is killed before the job can start (worker 0 is missing); the
+    // coordinator says the place is free (it only can if the worker had joined).
     let mut gone = external_worker(&addr, token, &["--worker-id", "1"]);
-    std::thread::sleep(Duration::from_secs(1));
+    std::thread::sleep(Duration::from_secs(2));
     gone.kill().unwrap();
     let _ = gone.wait();
-    std::thread::sleep(Duration::from_millis(500));
+    let stderr = coord.stderr.take().unwrap();
+    assert!(
+        line_appears(
+            stderr,
+            "worker 1 left before the job started",
+            Duration::from_secs(30)
+        ),
+        "the coordinator did not free the place"
+    );
     // Two more join: the job takes them both and runs (it had counted the dead one, so the
     // second was refused as out of range and the job timed out).
     let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
