@@ -1170,11 +1170,11 @@ fn plain(message: &str) -> String {
 
 /// An `expected` of serde's in a config's words.
 fn plain_type(expected: &str) -> String {
-    let whole = [
-        "u8", "u16", "u32", "u64", "usize", "i8", "i16", "i32", "i64",
-    ];
+    let unsigned = ["u8", "u16", "u32", "u64", "usize"];
+    let signed = ["i8", "i16", "i32", "i64"];
     match expected {
-        t if whole.contains(&t) => "a whole number".into(),
+        t if unsigned.contains(&t) => "a whole number, 0 or more".into(),
+        t if signed.contains(&t) => "a whole number".into(),
         "f32" | "f64" => "a number".into(),
         "a boolean" => "true or false".into(),
         "a sequence" => "a list [...]".into(),
@@ -2898,7 +2898,7 @@ mod tests {
         for (serde, plain_text) in [
             (
                 "invalid type: string \"many\", expected u32",
-                "expected a whole number, found the string \"many\"",
+                "expected a whole number, 0 or more, found the string \"many\"",
             ),
             (
                 "invalid type: integer `7`, expected a boolean",
@@ -2906,7 +2906,7 @@ mod tests {
             ),
             (
                 "invalid type: floating point `1.5`, expected usize",
-                "expected a whole number, found the number 1.5",
+                "expected a whole number, 0 or more, found the number 1.5",
             ),
             (
                 "invalid type: string \"wide\", expected a sequence",

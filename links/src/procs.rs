@@ -338,12 +338,19 @@ pub fn kill_escaped() -> Vec<u32> {
             let Ok(id) = libc::pid_t::try_from(pid) else {
                 continue;
             };
-            // SAFETY: kill(2) and waitpid(2) on a child of this process: no memory is touched
-            // but the status integer waitpid writes.
+            // SAFETY: kill(2) on a child of this process touches no memory.
             unsafe {
                 libc::kill(id, libc::SIGKILL);
+            }
+            // Reaped with WNOHANG, polled for a second at most: a process stuck in the kernel
+            // (state D) must not hold this one's exit.
+            for _ in 0..100 {
                 let mut status = 0;
-                libc::waitpid(id, &mut status, 0);
+                // SAFETY: waitpid(2) on a child of this process writes only `status`.
+                if unsafe { libc::waitpid(id, &mut status, libc::WNOHANG) } != 0 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
             }
             killed.push(pid);
         }

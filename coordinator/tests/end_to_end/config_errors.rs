@@ -68,7 +68,7 @@ fn a_value_of_the_wrong_type_names_its_key_and_line() {
         "wrong-type",
         &text,
         &[&format!(
-            "job.toml:{steps}: job.steps: expected a whole number, found the string \"many\""
+            "job.toml:{steps}: job.steps: expected a whole number, 0 or more, found the string \"many\""
         )],
     );
     let nested = train_config("", "widths = \"wide\"");
@@ -94,8 +94,8 @@ fn a_value_of_the_wrong_type_names_its_key_and_line() {
         "wrong-type-entry",
         &text.replace("iterations = ", "iterations = \"x\"\n#"),
         &[
-            "job.collectives[1].root: expected a whole number, found the string \"zero\"",
-            "job.iterations: expected a whole number, found the string \"x\"",
+            "job.collectives[1].root: expected a whole number, 0 or more, found the string \"zero\"",
+            "job.iterations: expected a whole number, 0 or more, found the string \"x\"",
         ],
     );
     expect_error(
@@ -124,7 +124,7 @@ fn wrong_type() {
     expect_error(
         "type",
         &text,
-        &["launch.workers: expected a whole number, found the string \"two\""],
+        &["launch.workers: expected a whole number, 0 or more, found the string \"two\""],
     );
 }
 

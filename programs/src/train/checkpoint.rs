@@ -285,8 +285,10 @@ fn read_whole_file(p: &Path) -> Result<Vec<u8>, String> {
         .read_to_end(&mut bytes)
         .map_err(|e| e.to_string())?;
     let data = declared_data_bytes(&bytes[8..])?;
-    let whole = 8 + header_len + data;
-    if meta.len() != whole {
+    // A crafted header's offsets can overflow the sum: no such file exists.
+    let whole = (8 + header_len).checked_add(data);
+    if whole != Some(meta.len()) {
+        let whole = whole.map_or("more than 2^64".to_string(), |w| w.to_string());
         return Err(format!(
             "not a whole checkpoint: {} bytes where its header declares {whole}",
             meta.len()
