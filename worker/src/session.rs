@@ -636,10 +636,17 @@ async fn connect_control(
                 if tokio::time::Instant::now() >= deadline
                     || podsim_links::tls::handshake_failure(&e).is_some() =>
             {
-                return Err(session_error(format!(
-                    "cannot reach the coordinator at {endpoint}: {}{}",
-                    podsim_links::tls::chain(&e),
+                let why = podsim_links::tls::chain(&e);
+                // rustls's words for a peer that answered a TLS hello in plain text.
+                let hint = if tls.is_some() && why.contains("InvalidContentType") {
+                    " (the coordinator answers without TLS: its job has no [launch.tls]; start \
+                     the worker without --tls-ca, --tls-cert and --tls-key)"
+                        .to_string()
+                } else {
                     tls_hint(tls)
+                };
+                return Err(session_error(format!(
+                    "cannot reach the coordinator at {endpoint}: {why}{hint}"
                 )));
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,

@@ -229,6 +229,19 @@ fn external_mode_with_workers_started_by_hand() {
         err.contains("worker id 5 is out of range: the job's workers are 0 to 1"),
         "{err}"
     );
+    // A worker with TLS against this plain coordinator is told so, not "InvalidContentType".
+    let mut tls = podsim();
+    tls.args(["worker", "--join", &addr, "--token", token]);
+    tls.args([
+        "--tls-ca",
+        &tls_file("job-ca.pem"),
+        "--tls-cert",
+        &tls_file("job-node.pem"),
+    ]);
+    tls.args(["--tls-key", &tls_file("job-node.key")]);
+    let refused = run_bounded(tls, Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("the coordinator answers without TLS"), "{err}");
     // Two proper workers join (ids assigned by the coordinator).
     let workers: Vec<_> = (0..2).map(|_| external_worker(&addr, token, &[])).collect();
     all_succeed(coord, workers);
