@@ -123,7 +123,9 @@ fn by_flags(errors: &config::ConfigErrors) -> String {
                 "--set" => "--set".to_string(),
                 field => format!("--set {field}"),
             };
-            format!("{flag}: {}", e.reason)
+            // The config's advice names its fields; the command's user knows the flag.
+            let reason = e.reason.replace("set mode = \"meta\"", "use --mode meta");
+            format!("{flag}: {reason}")
         })
         .collect();
     told.join("\n")

@@ -179,6 +179,8 @@ fn bad_flags_are_named_by_their_flags_not_the_generated_job() {
             "--hardware: ",
         ),
         (vec!["--topology", "2x2", "--set", "job.steps=3"], "--set"),
+        // The config's advice, in the command's words.
+        (vec!["--topology", "4096x4096"], "use --mode meta"),
     ] {
         let out = run_bounded(
             {
