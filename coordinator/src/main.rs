@@ -140,12 +140,17 @@ struct WorkerArgs {
 }
 
 impl WorkerArgs {
-    /// The TLS files given, loaded (a problem names the flag), once `--join` is known to be
-    /// an address it can dial.
-    fn tls(&self) -> Result<Option<Tls>, CliError> {
-        if let Some(why) = podsim_links::net::dial_address_problem(&self.join) {
-            return Err(CliError::Usage(format!("--join {why}")));
+    /// `--join` as an address to dial: `127.0.0.1:99999` or `http://...` was retried for half
+    /// a minute before it failed.
+    fn join_address(&self) -> Result<(), CliError> {
+        match podsim_links::net::dial_address_problem(&self.join) {
+            Some(why) => Err(CliError::Usage(format!("--join {why}"))),
+            None => Ok(()),
         }
+    }
+
+    /// The TLS files given, loaded (a problem names the flag).
+    fn tls(&self) -> Result<Option<Tls>, CliError> {
         let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
         else {
             return Ok(None);
@@ -181,8 +186,7 @@ fn load(args: &ConfigArgs) -> Result<JobConfig, CliError> {
 /// `--listen` as an address to bind: `host:port` (port 0 for any free one); a mistyped
 /// address ran the job's setup and wrote a failed report instead of a usage error.
 fn listen_address(listen: &str) -> Result<(), CliError> {
-    let any_port = listen.strip_suffix(":0").map(|host| format!("{host}:1"));
-    match podsim_links::net::dial_address_problem(any_port.as_deref().unwrap_or(listen)) {
+    match podsim_links::net::listen_address_problem(listen) {
         Some(why) => Err(CliError::Usage(format!("--listen {why}"))),
         None => Ok(()),
     }
@@ -462,22 +466,25 @@ fn write_trace(
 fn worker(args: &WorkerArgs) -> ! {
     // Ranks' descendants that leave their session come here when their rank ends.
     podsim_links::procs::adopt_orphans();
-    let done = args.tls().and_then(|tls| {
-        let opts = WorkerOptions {
-            join: args.join.clone(),
-            token: args.token.clone(),
-            worker_id: args.worker_id,
-            bind: args.bind.clone(),
-            advertise: args.advertise.clone(),
-            watch_stdin: args.watch_stdin,
-            tls,
-        };
-        let rt = runtime_with(args.threads)?;
-        let r = rt.block_on(run_worker(opts));
-        rt.shutdown_background();
-        left_behind("podsim worker");
-        r.map_err(|e| CliError::Job(e.to_string()))
-    });
+    let done = args
+        .join_address()
+        .and_then(|()| args.tls())
+        .and_then(|tls| {
+            let opts = WorkerOptions {
+                join: args.join.clone(),
+                token: args.token.clone(),
+                worker_id: args.worker_id,
+                bind: args.bind.clone(),
+                advertise: args.advertise.clone(),
+                watch_stdin: args.watch_stdin,
+                tls,
+            };
+            let rt = runtime_with(args.threads)?;
+            let r = rt.block_on(run_worker(opts));
+            rt.shutdown_background();
+            left_behind("podsim worker");
+            r.map_err(|e| CliError::Job(e.to_string()))
+        });
     std::process::exit(match done {
         Ok(()) => 0,
         Err(e) => {

@@ -471,14 +471,18 @@ pub fn dial_address_problem(addr: &str) -> Option<String> {
 /// `--bind`'s value as an address to bind: kept when it has a port (`localhost:7500`,
 /// `[::1]:0`, `0.0.0.0:0`), else the host with port 0 (any free one), bracketed if IPv6.
 pub fn bind_address(bind: &str) -> String {
-    let with_port = match bind.strip_suffix(":0") {
-        Some(host) => dial_address_problem(&format!("{host}:1")).is_none(),
-        None => dial_address_problem(bind).is_none(),
-    };
-    if with_port {
-        bind.to_string()
-    } else {
-        host_port(bind, 0)
+    match listen_address_problem(bind) {
+        None => bind.to_string(),
+        Some(_) => host_port(bind, 0),
+    }
+}
+
+/// Why `addr` is not a `host:port` to listen on, if it is not: as [`dial_address_problem`],
+/// with port 0 (any free one) allowed.
+pub fn listen_address_problem(addr: &str) -> Option<String> {
+    match addr.strip_suffix(":0") {
+        Some(host) => dial_address_problem(&format!("{host}:1")),
+        None => dial_address_problem(addr),
     }
 }
 
