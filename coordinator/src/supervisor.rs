@@ -295,13 +295,19 @@ pub const MOST_TICK_INTERVAL: Duration = Duration::from_millis(500);
 /// What a worker's failure owes to the coordinator's own pause, if it paused: a worker gives
 /// up a coordinator that answers nothing for 25 s.
 fn pause_note(watchdog: &Watchdog) -> String {
-    let paused = watchdog.paused();
-    if paused.is_zero() {
+    use podsim_links::net::{CONTROL_KEEPALIVE_EVERY, CONTROL_KEEPALIVE_PATIENCE};
+    let patience = CONTROL_KEEPALIVE_EVERY + CONTROL_KEEPALIVE_PATIENCE;
+    // Only a pause recent enough to be why a worker left: one an hour ago is not.
+    let Some((gap, _)) = watchdog
+        .paused()
+        .filter(|(_, resumed)| resumed.elapsed() < patience + watchdog.timeout())
+    else {
         return String::new();
-    }
+    };
     format!(
-        " (the coordinator itself did not run for {:.1} s before: stopped, or starved of CPU; its workers leave a coordinator that does not answer for 25 s)",
-        paused.as_secs_f64()
+        " (the coordinator itself did not run for {:.1} s before: stopped, or starved of CPU; its workers leave a coordinator that does not answer for {} s)",
+        gap.as_secs_f64(),
+        patience.as_secs()
     )
 }
 
@@ -577,6 +583,16 @@ mod tests {
             judged.as_ref().and_then(kind).map(|k| k.0),
             Some(HangKind::FrozenWorker)
         );
+        // A pause that ended long before is no reason for a worker's end.
+        let mut old = two_workers();
+        old.on(Event::Message(0, ready()));
+        old.on(Event::Message(1, ready()));
+        let Some(long_ago) = Instant::now().checked_sub(Duration::from_secs(300)) else {
+            return;
+        };
+        old.on(at(long_ago));
+        old.on(at(long_ago + Duration::from_secs(40)));
+        assert_eq!(pause_note(&old.watchdog), "");
     }
 
     #[test]

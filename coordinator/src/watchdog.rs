@@ -119,9 +119,8 @@ pub struct Watchdog {
     waited_on: BTreeMap<ChipId, Duration>,
     first_tick: Option<Instant>,
     last_tick: Option<Instant>,
-    /// The longest the coordinator itself did not run (its ticks' largest gap past the
-    /// timeout), zero while it ran.
-    paused: Duration,
+    /// The coordinator's last pause: how long it did not run, and when it resumed.
+    paused: Option<(Duration, Instant)>,
     /// Checks since the first (they come on every heartbeat of every worker as well as on a
     /// timer, so they may outnumber the heartbeats of a worker).
     counted_ticks: u64,
@@ -207,7 +206,7 @@ impl Watchdog {
             waited_on: BTreeMap::new(),
             first_tick: None,
             last_tick: None,
-            paused: Duration::ZERO,
+            paused: None,
             counted_ticks: 0,
             observed: Duration::ZERO,
         }
@@ -463,7 +462,7 @@ impl Watchdog {
             "the coordinator did not run for {:.1} s (stopped, or starved of CPU): the workers' silence meanwhile is not judged",
             gap.as_secs_f64()
         );
-        self.paused = self.paused.max(gap);
+        self.paused = Some((gap, now));
         self.suspects.clear();
         for v in self.workers.values_mut() {
             v.heard = v.heard.max(now);
@@ -478,8 +477,8 @@ impl Watchdog {
         self.timeout
     }
 
-    /// The longest the coordinator did not run during the job (see `resumed_after_pause`).
-    pub fn paused(&self) -> Duration {
+    /// The coordinator's last pause (see `resumed_after_pause`): how long, and when it ended.
+    pub fn paused(&self) -> Option<(Duration, Instant)> {
         self.paused
     }
 

@@ -468,6 +468,13 @@ pub fn dial_address_problem(addr: &str) -> Option<String> {
     }
 }
 
+/// How often a worker pings its coordinator over the control channel, and how long it waits
+/// for the answer before it gives the session up: a coordinator stopped (or gone without
+/// closing the connection) loses its workers within the two together. The coordinator says
+/// so when it resumes.
+pub const CONTROL_KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+pub const CONTROL_KEEPALIVE_PATIENCE: Duration = Duration::from_secs(20);
+
 /// `--bind`'s value as an address to bind: kept when it has a port (`localhost:7500`,
 /// `[::1]:0`, `0.0.0.0:0`), else the host with port 0 (any free one), bracketed if IPv6.
 pub fn bind_address(bind: &str) -> String {

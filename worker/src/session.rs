@@ -604,10 +604,9 @@ fn tls_hint(tls: Option<&podsim_links::tls::Tls>) -> String {
     }
 }
 
-/// How often a worker pings its coordinator, and how long it waits for the answer before it
-/// gives the session up (see `connect_control`).
-const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
-const KEEPALIVE_PATIENCE: Duration = Duration::from_secs(20);
+use podsim_links::net::{
+    CONTROL_KEEPALIVE_EVERY as KEEPALIVE_EVERY, CONTROL_KEEPALIVE_PATIENCE as KEEPALIVE_PATIENCE,
+};
 
 async fn connect_control(
     endpoint: &str,
