@@ -117,11 +117,10 @@ impl JobConfig {
     }
 
     pub fn mode(&self) -> &'static str {
-        match &self.program {
-            Program::Collectives { meta: true, .. } => "meta",
-            Program::Train(spec) if spec.meta => "meta",
-            Program::Torch(spec) if spec.meta => "meta",
-            _ => "data",
+        if is_meta(&self.program) {
+            "meta"
+        } else {
+            "data"
         }
     }
 
