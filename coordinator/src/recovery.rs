@@ -100,6 +100,7 @@ impl Recovery {
             resumed_from_step: resumed_from,
             steps_lost: hang.step_reached.saturating_sub(u64::from(resumed_from)),
             checkpoints_skipped: found.skipped,
+            faults_fired: hang.faults.clone(),
         });
         if let Program::Train(t) = &mut spec.program {
             t.resume_from = resume;

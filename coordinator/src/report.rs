@@ -367,6 +367,10 @@ pub struct Restart {
     /// Newer checkpoints passed over because they did not verify, with why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub checkpoints_skipped: Vec<podsim_programs::train::checkpoint::Skipped>,
+    /// The faults that fired in the failed attempt (a restart runs without the job's faults,
+    /// so the report's lists of fired and unfired faults are made from every attempt's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub faults_fired: Vec<podsim_job::FaultEvent>,
 }
 
 /// Fills `report.recovery` for train jobs that checkpoint: the restarts made, why the last
@@ -381,8 +385,12 @@ pub fn add_recovery(
 ) {
     if !restarts.is_empty() {
         // A restart runs without the job's faults (they did their work: the failure it
-        // recovers from), so the last attempt's fired list says nothing of them.
-        report.faults_not_fired.clear();
+        // recovers from): what fired, and what never did, is told by every attempt's.
+        let earlier = restarts.iter().flat_map(|r| r.faults_fired.iter().cloned());
+        report.faults_injected = earlier.chain(report.faults_injected.drain(..)).collect();
+        if outcome.is_some() {
+            report.faults_not_fired = not_fired(&cfg.faults, &report.faults_injected);
+        }
     }
     if let Program::Train(t) = &cfg.program
         && t.checkpoint_every > 0

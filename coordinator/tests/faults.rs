@@ -321,8 +321,24 @@ fn a_crash_is_recovered_from_the_last_checkpoint_bit_identically() {
     );
     let rec = &crashed["recovery"];
     assert_eq!(rec["restarts"].as_array().unwrap().len(), 1, "{rec}");
-    // The crash fired (the restart is its work): it is no fault that never fired.
+    // The crash fired (the restart is its work): it is no fault that never fired, and the
+    // report's fired list, made from every attempt's, holds it.
     assert!(crashed.get("faults_not_fired").is_none(), "{crashed}");
+    assert_eq!(crashed["faults_injected"][0]["kind"], "crash", "{crashed}");
+    // A second fault due after the crash never comes (the restart runs without faults): it
+    // is named, the crash is not.
+    let (twice, _) = run(
+        "crash-then-stall",
+        &[
+            "--set",
+            "faults=[{kind=\"crash\", chip=6, at_step=7}, {kind=\"stall\", chip=1, at_step=12}]",
+        ],
+    );
+    assert_eq!(
+        twice["faults_not_fired"],
+        serde_json::json!(["#1 stall on chip 1, at step 12"]),
+        "{twice}"
+    );
     let restart = &rec["restarts"][0];
     assert_eq!(restart["kind"], "dead_worker");
     assert_eq!(restart["failed_at_step"], 7);
