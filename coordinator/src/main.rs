@@ -276,6 +276,11 @@ fn run_attempt(
     Vec<launch::WorkerInfo>,
 ) {
     let external = listen.is_some();
+    if restart.is_some() {
+        // What the last attempt's killed workers' ranks left in sessions of their own ends
+        // with that attempt, not with the job.
+        left_behind("podsim");
+    }
     if podsim_coordinator::was_interrupted() {
         // Interrupted after the last attempt ended: no restart.
         return (Err(LaunchError::Interrupted), Vec::new());

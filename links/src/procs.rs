@@ -359,7 +359,8 @@ pub fn kill_escaped() -> Vec<u32> {
 }
 
 /// The most processes this host lets the user start: the kernel's `pid_max`, or the soft
-/// `RLIMIT_NPROC` when lower (none when neither can be read).
+/// `RLIMIT_NPROC` when lower and the user is not root (the kernel does not hold root to it);
+/// none when neither can be read.
 pub fn process_limit() -> Option<u64> {
     let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
         .ok()
@@ -369,9 +370,11 @@ pub fn process_limit() -> Option<u64> {
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes the struct it is given and nothing else.
-    let nproc = (unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut limit) } == 0
-        && limit.rlim_cur != libc::RLIM_INFINITY)
-        .then_some(limit.rlim_cur);
+    let read = unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut limit) } == 0;
+    // SAFETY: getuid(2) reads this process's real user id; it cannot fail. The kernel checks
+    // the real user's count, and exempts root.
+    let root = unsafe { libc::getuid() } == 0;
+    let nproc = (read && !root && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur);
     match (pid_max, nproc) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
