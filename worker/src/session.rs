@@ -277,20 +277,7 @@ impl Session {
             client
                 .session(request)
                 .await
-                .map_err(|s| {
-                    let why = podsim_links::tls::chain(&s);
-                    if why.contains("keep-alive timed out") {
-                        return session_error(format!(
-                            "{} did not answer for {} s: it is not a podsim coordinator, or it is stopped",
-                            opts.join,
-                            (KEEPALIVE_EVERY + KEEPALIVE_PATIENCE).as_secs()
-                        ));
-                    }
-                    session_error(format!(
-                        "the coordinator refused the session: {why}{}",
-                        tls_hint(opts.tls.as_ref())
-                    ))
-                })?
+                .map_err(|s| session_refused(&opts.join, &s, opts.tls.as_ref()))?
                 .into_inner(),
         );
         drop(client);
@@ -591,6 +578,39 @@ fn lost_coordinator(transport: &str) -> String {
 /// What to check when the coordinator cannot be reached or refuses the session, as far as
 /// TLS goes (a TLS server and a plain client, or a certificate of another authority, fail
 /// with transport errors that do not say so).
+/// Why the coordinator at `join` gave no session, told by what answered: nothing, a server
+/// that is not podsim's, or a coordinator that refused this worker.
+fn session_refused(
+    join: &str,
+    status: &tonic::Status,
+    tls: Option<&podsim_links::tls::Tls>,
+) -> ProgramError {
+    let why = podsim_links::tls::chain(status);
+    let not_podsim = "it is not a podsim coordinator";
+    session_error(if why.contains("keep-alive timed out") {
+        format!(
+            "{join} did not answer for {} s: {not_podsim}, or it is stopped",
+            (KEEPALIVE_EVERY + KEEPALIVE_PATIENCE).as_secs()
+        )
+    } else if status.code() == tonic::Code::Unimplemented {
+        // A gRPC server without podsim's control service.
+        format!("{join} does not serve podsim's control service: {not_podsim} ({why})")
+    } else if std::error::Error::source(status).is_some() && tls.is_none() {
+        // No answer in gRPC at all, only a broken connection: not HTTP/2 (an HTTP/1 server,
+        // another protocol), a TLS port spoken to in the clear, or a server going away.
+        format!(
+            "{join} answered in no protocol of podsim's (gRPC over HTTP/2): {not_podsim}, it \
+             expects TLS{}, or it stopped ({why})",
+            tls_hint(tls)
+        )
+    } else {
+        format!(
+            "the coordinator refused the session: {why}{}",
+            tls_hint(tls)
+        )
+    })
+}
+
 fn tls_hint(tls: Option<&podsim_links::tls::Tls>) -> String {
     match tls {
         None => " (if the job uses [launch.tls], start the worker with --tls-ca, --tls-cert and \

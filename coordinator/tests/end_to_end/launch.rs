@@ -251,6 +251,31 @@ fn external_mode_with_workers_started_by_hand() {
 }
 
 #[test]
+fn a_worker_sent_to_a_server_that_is_not_podsims_says_so() {
+    // An HTTP/1 server (a wrong port, a proxy) answers every connection and closes it.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten().take(4) {
+            let mut stream = stream;
+            let mut buf = [0u8; 1024];
+            let _ = std::io::Read::read(&mut stream, &mut buf);
+            let _ = std::io::Write::write_all(
+                &mut stream,
+                b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
+            );
+        }
+    });
+    let mut c = podsim();
+    c.args(["worker", "--join", &addr, "--token", "some-token"]);
+    let out = run_bounded(c, Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("it is not a podsim coordinator"), "{err}");
+    assert!(!err.contains("the coordinator refused"), "{err}");
+}
+
+#[test]
 fn external_workers_are_for_the_coordinator_and_the_coordinator_leaves_memory_to_them() {
     let dir = temp_dir("external-launch");
     let external = job_config(&dir, 2, 1, "").replace("[launch]\n", "[launch]\nexternal = true\n");
