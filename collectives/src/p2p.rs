@@ -1,7 +1,9 @@
 //! Point-to-point messages between any two chips: a PyTorch program's `send` and `recv`.
 //!
-//! A message takes the pod's dimension-order path ([`podsim_topology::Pod::path`]): it leaves
-//! on the path's first link and arrives after the transfer on that link plus the latency of
+//! A message takes the pod's dimension-order path ([`podsim_topology::Pod::path`]): launched
+//! at the collective's fixed cost (`collective_overhead_ns`: a TPU sends by a compiled op the
+//! pair synchronises on, JAX's `ppermute` measures 4.5-6 us for a few KiB), it leaves on the
+//! path's first link and arrives after the transfer on that link plus the latency of
 //! every hop (the torus forwards it through the chips between, cut-through, without their
 //! programs taking part). Across slices the path starts with its DCN hop, the slowest link,
 //! so the transfer is charged at DCN bandwidth.
@@ -57,6 +59,11 @@ impl Chip {
         let fp = self
             .begin_on(key, label, OpKind::SendRecv, DType::F32, input.len(), None)
             .await;
+        // A message is an op the chip launches and the pair synchronises on (XLA compiles a
+        // send as a collective-permute): it pays the collective's fixed cost before its data
+        // moves, as every collective does.
+        let launch = self.hardware().collective_overhead_ns;
+        self.set_clock(self.clock() + launch);
         let hw = self.hardware();
         // The first hop's latency is the route's own; the path's other hops add theirs.
         let further_hops = if path.dcn {

@@ -8,7 +8,8 @@
 //! cell the rule cannot read is an error naming the row and the column:
 //! - `topology`: its first word (`16x16 (v6e-256)` is `16x16`); axes of one chip are dropped;
 //! - `wraparound`: its first word, `yes`/`true` or `no`/`false` (`n/a`: the torus wraps);
-//! - `op`: its first word, `all_gather` or `all-gather` and the like;
+//! - `op`: its first word, `all_gather` or `all-gather` and the like; `ppermute` (JAX) and
+//!   `collective_permute` (XLA) are `send-recv`, each chip sending to the next of its group;
 //! - `group`: the DCN axis when it says `dcn`; otherwise the chips it counts (`4 chips`,
 //!   `all 256 chips`): every ICI axis when that is the whole slice, else the axis of that many
 //!   chips (the one it names, `Y axis`, when the name agrees, else the only one), else the
@@ -153,7 +154,10 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
     let wrap = torus.wraps(0);
     let shape = torus.to_string();
     let pod = Pod::new(torus.clone(), slices).map_err(|e| row.bad("slices", &e.to_string()))?;
-    let op_name = row.first_word("op").replace('_', "-");
+    let op_name = match row.first_word("op").replace('_', "-").as_str() {
+        "ppermute" | "collective-permute" => "send-recv".to_string(),
+        name => name.to_string(),
+    };
     let op = op_name
         .parse::<OpKind>()
         .map_err(|e| row.bad("op", &e.to_string()))?;
@@ -382,6 +386,21 @@ mod tests {
         cells[6] = "4 chips";
         let err = axes(&cells).unwrap_err();
         assert!(err.contains("several axes of 4 chips"), "{err}");
+    }
+
+    #[test]
+    fn a_permute_by_its_jax_or_xla_name_is_a_send_to_the_next_chip() {
+        let h = header();
+        for name in ["ppermute", "collective_permute", "send-recv"] {
+            let mut cells = GOOD;
+            cells[5] = name;
+            let case = case(&row(&h, &cells), &HardwareOverrides::default()).unwrap();
+            assert!(
+                case.flags.contains("--collective send-recv --group x"),
+                "{name}: {}",
+                case.flags
+            );
+        }
     }
 
     #[test]

@@ -65,26 +65,29 @@ fn one_message(shape: &str, slices: u32, dst: u32, count: usize) -> (f64, f64) {
 }
 
 #[test]
-fn a_message_costs_one_transfer_and_the_latency_of_every_hop() {
+fn a_message_costs_its_launch_a_transfer_and_every_hop() {
     let hw = Hardware::preset("v5p").unwrap();
     let count = 1 << 20;
     let bytes = 4.0 * count as f64;
     // 8x8: chip 0 to (3, 5) is 3 hops on x, then 3 on y the short way round.
     let (arrive, sent) = one_message("8x8", 1, 5 * 8 + 3, count);
-    // A point-to-point message is one transfer: no collective's fixed cost.
+    // A point-to-point message is the collective's fixed cost (its launch), then one
+    // transfer.
+    let launch = hw.collective_overhead_ns;
+    assert!(launch > 0.0);
     let transfer = bytes / (hw.ici_bandwidth * hw.ici_efficiency) * 1e9;
-    let want = transfer + 6.0 * hw.ici_latency_ns;
+    let want = launch + transfer + 6.0 * hw.ici_latency_ns;
     assert!((arrive - want).abs() < 1e-6 * want, "{arrive} vs {want}");
     assert!(
-        (sent - transfer).abs() < 1e-6 * transfer,
-        "{sent} vs {transfer}"
+        (sent - launch - transfer).abs() < 1e-6 * transfer,
+        "{sent} vs {launch} + {transfer}"
     );
     // Across slices: through the hosts (PCIe into the sender's host, its share of the NICs,
     // the network, PCIe into the receiver), then 2 ICI hops on the ring of 8.
     let (arrive, _) = one_message("8", 2, 8 + 2, count);
     let pcie = bytes / hw.host_bandwidth * 1e9;
     let nic = bytes / (hw.dcn_bandwidth * hw.dcn_efficiency) * 1e9;
-    let want = pcie + nic + hw.dcn_latency_ns + pcie + 2.0 * hw.ici_latency_ns;
+    let want = launch + pcie + nic + hw.dcn_latency_ns + pcie + 2.0 * hw.ici_latency_ns;
     assert!((arrive - want).abs() < 1e-6 * want, "{arrive} vs {want}");
 }
 
