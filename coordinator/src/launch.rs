@@ -20,7 +20,7 @@ use podsim_proto::v1::control_server::{Control, ControlServer};
 use podsim_worker::tls::{Tls, TlsFiles};
 
 use crate::supervisor::{Decision, Event, Supervisor};
-use crate::watchdog::{Finding, HangKind, Liveness, Watchdog};
+use crate::watchdog::{Finding, Liveness, Watchdog};
 use podsim_worker::transport::check_token;
 use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
@@ -467,7 +467,7 @@ fn describe_exit(status: std::process::ExitStatus) -> String {
     {
         use std::os::unix::process::ExitStatusExt;
         if let Some(sig) = status.signal() {
-            return format!("killed by signal {sig}");
+            return crate::process_faults::killed_by(sig);
         }
     }
     match status.code() {
@@ -1036,41 +1036,6 @@ async fn next_decision(
     Ok(decision)
 }
 
-/// The crash or freeze fault a dead or frozen worker shows fired, when no worker told of it:
-/// such a fault aborts or stops its worker's process as it fires, before a heartbeat can carry
-/// it. The first of the job's faults of that kind aimed at that worker, not yet told of.
-fn process_fault_seen(
-    spec: &JobSpec,
-    finding: &Finding,
-    told: &[podsim_job::FaultEvent],
-) -> Option<podsim_job::FaultEvent> {
-    use podsim_job::FaultKind;
-    let (kind, effect) = match finding.kind {
-        HangKind::DeadWorker => (FaultKind::Crash, "died"),
-        HangKind::FrozenWorker => (FaultKind::Freeze, "froze"),
-        _ => return None,
-    };
-    let worker = finding.worker?;
-    let placement = podsim_topology::Placement::new(&spec.pod, spec.workers).ok()?;
-    let aimed_here = |f: &podsim_job::FaultSpec| {
-        f.worker.or_else(|| f.chip.map(|c| placement.worker_of(c))) == Some(worker)
-    };
-    let fault = (0..spec.faults.len()).find(|&i| {
-        spec.faults[i].kind == kind
-            && aimed_here(&spec.faults[i])
-            && told.iter().all(|e| e.fault != i)
-    })?;
-    Some(podsim_job::FaultEvent {
-        fault,
-        kind,
-        at_wall_ns: finding.effect_wall_ns,
-        detail: format!(
-            "worker {worker} {effect}, as a {} fault makes it (seen by the coordinator: the fault stops the worker before it can tell)",
-            kind.name()
-        ),
-    })
-}
-
 /// A finding becomes a hang report: every live worker's flight recorders (they are asked
 /// for them now) and the step the job failed in.
 async fn diagnose(
@@ -1095,7 +1060,12 @@ async fn diagnose(
         .max()
         .unwrap_or_else(|| watchdog.step_reached());
     let mut faults = watchdog.faults().to_vec();
-    faults.extend(process_fault_seen(spec, &finding, &faults));
+    faults.extend(crate::process_faults::seen_fired(
+        spec,
+        &finding,
+        &faults,
+        step_reached,
+    ));
     LaunchError::Hang(Box::new(HangReport {
         finding,
         recorders,

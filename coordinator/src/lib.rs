@@ -28,6 +28,7 @@ pub mod html;
 pub mod launch;
 pub mod outdir;
 pub mod pages;
+mod process_faults;
 pub mod recovery;
 pub mod report;
 pub mod run;

@@ -32,7 +32,8 @@ pub struct Report {
     /// The diagnosis of a detected hang or desync.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hang: Option<Hang>,
-    /// Faults the workers reported firing.
+    /// Faults that fired in any attempt: those the workers reported, and the crashes and
+    /// freezes the coordinator saw fire (`process_faults`: no worker can report them).
     pub faults_injected: Vec<podsim_job::FaultEvent>,
     /// A finished job's faults that never fired, each said with its target and trigger: a
     /// fault-injection run whose fault never came tested nothing.
@@ -389,7 +390,14 @@ pub fn add_recovery(
         let earlier = restarts.iter().flat_map(|r| r.faults_fired.iter().cloned());
         report.faults_injected = earlier.chain(report.faults_injected.drain(..)).collect();
         if outcome.is_some() {
-            report.faults_not_fired = not_fired(&cfg.faults, &report.faults_injected);
+            // A crash or freeze no worker can tell of (see `process_faults`) may have fired in
+            // a failed attempt diagnosed otherwise: only the others are known never to have.
+            let unfired = not_fired(&cfg.faults, &report.faults_injected);
+            report.faults_not_fired = unfired
+                .into_iter()
+                .filter(|(i, _)| !cfg.faults[*i].kind.ends_its_worker())
+                .map(|(_, said)| said)
+                .collect();
         }
     }
     if let Program::Train(t) = &cfg.program
@@ -589,7 +597,10 @@ pub fn build(cfg: &JobConfig, outcome: Result<&Outcome, (String, &[WorkerInfo])>
     report.timelines = timelines(&traces);
     report.stragglers = out.stragglers.clone();
     report.faults_injected = out.faults.clone();
-    report.faults_not_fired = not_fired(&cfg.faults, &out.faults);
+    report.faults_not_fired = not_fired(&cfg.faults, &out.faults)
+        .into_iter()
+        .map(|(_, said)| said)
+        .collect();
     report.workers = finished_workers(out);
     let steps: Vec<&ChipStepReport> = out.reports.iter().flat_map(|r| &r.steps).collect();
     report.correctness.elements_checked = steps.iter().map(|s| s.checked).sum();
@@ -673,9 +684,12 @@ fn empty(cfg: &JobConfig) -> Report {
     }
 }
 
-/// The faults of `faults` that no event of `fired` reports, each as "#i kind on target, at
-/// trigger".
-fn not_fired(faults: &[podsim_job::FaultSpec], fired: &[podsim_job::FaultEvent]) -> Vec<String> {
+/// The faults of `faults` that no event of `fired` reports, each with its index and said as
+/// "#i kind on target, at trigger".
+fn not_fired(
+    faults: &[podsim_job::FaultSpec],
+    fired: &[podsim_job::FaultEvent],
+) -> Vec<(usize, String)> {
     faults
         .iter()
         .enumerate()
@@ -699,7 +713,7 @@ fn not_fired(faults: &[podsim_job::FaultSpec], fired: &[podsim_job::FaultEvent])
                 true => "from the start".to_string(),
                 false => format!("at {}", triggers.join(" and ")),
             };
-            format!("#{i} {} on {target}, {trigger}", f.kind.name())
+            (i, format!("#{i} {} on {target}, {trigger}", f.kind.name()))
         })
         .collect()
 }

@@ -27,6 +27,10 @@ use podsim_job::{Ranges, Root, Summary, Wait};
 use podsim_topology::{ChipId, Link, Pod};
 use serde::{Deserialize, Serialize};
 
+/// What a frozen worker's diagnosis says when its process is stopped (a freeze fault's mark).
+pub const STOPPED: &str =
+    "the process is stopped (SIGSTOP, a debugger); resume it with kill -CONT or kill it.";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HangKind {
@@ -566,8 +570,7 @@ impl Watchdog {
                 chips_count(chips.count()),
                 Self::describe_waiting(&waiting),
                 match state {
-                    Liveness::Stopped =>
-                        "the process is stopped (SIGSTOP, a debugger); resume it with kill -CONT or kill it.",
+                    Liveness::Stopped => STOPPED,
                     Liveness::Running { .. } =>
                         "the process runs but its heartbeat thread cannot get through, though it was not kept waiting for a CPU (the process hung); look at the process.",
                     Liveness::Unknown =>

@@ -30,6 +30,14 @@ podsim_collectives::named_enum!(FaultKind, "fault", {
     Partition => "partition",
 });
 
+impl FaultKind {
+    /// Whether the fault ends or stops its worker's process as it fires (`crash`, `freeze`):
+    /// no heartbeat carries its event, so only the coordinator can tell it fired.
+    pub fn ends_its_worker(self) -> bool {
+        matches!(self, FaultKind::Crash | FaultKind::Freeze)
+    }
+}
+
 /// How a `desync` fault makes its chip differ from the group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

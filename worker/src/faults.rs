@@ -103,7 +103,7 @@ impl FaultPlan {
     /// Process-level faults (crash, freeze) due for `chip` now.
     fn process_faults(&self, chip: ChipId) {
         for (i, f) in self.faults.iter().enumerate() {
-            let hits = matches!(f.kind, FaultKind::Crash | FaultKind::Freeze)
+            let hits = f.kind.ends_its_worker()
                 && self.worker_target(f) == Some(self.me)
                 && self.placement.worker_of(chip) == self.me
                 && self.triggered(f, chip);
