@@ -372,13 +372,23 @@ pub fn process_limit() -> Option<u64> {
     // SAFETY: getrlimit writes the struct it is given and nothing else.
     let read = unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut limit) } == 0;
     // SAFETY: getuid(2) reads this process's real user id; it cannot fail. The kernel checks
-    // the real user's count, and exempts root.
-    let root = unsafe { libc::getuid() } == 0;
+    // the real user's count, and exempts the root of the initial user namespace (and
+    // holders of CAP_SYS_RESOURCE or CAP_SYS_ADMIN, not looked for: the limit is kept then).
+    let root = unsafe { libc::getuid() } == 0 && in_initial_user_namespace();
     let nproc = (read && !root && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur);
     match (pid_max, nproc) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
+}
+
+/// Whether this process's user namespace is the initial one: its uid map is the identity
+/// over every id (`0 0 4294967295`), where a container's maps a range of ids.
+fn in_initial_user_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map").is_ok_and(|map| {
+        let fields: Vec<&str> = map.split_whitespace().collect();
+        fields == ["0", "0", "4294967295"]
+    })
 }
 
 #[cfg(test)]

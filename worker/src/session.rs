@@ -273,13 +273,11 @@ impl Session {
             })
             .await
             .map_err(session_error)?;
-        let mut from_coord = Inbound(
-            client
-                .session(request)
-                .await
-                .map_err(|s| session_refused(&opts.join, &s, opts.tls.as_ref()))?
-                .into_inner(),
-        );
+        let answer = match client.session(request).await {
+            Ok(answer) => answer,
+            Err(s) => return Err(session_refused(&opts.join, &s, opts.tls.as_ref()).await),
+        };
+        let mut from_coord = Inbound(answer.into_inner());
         drop(client);
         let setup = match from_coord.next().await? {
             pb::coordinator_msg::Body::Setup(s) => s,
@@ -575,18 +573,18 @@ fn lost_coordinator(transport: &str) -> String {
     }
 }
 
-/// What to check when the coordinator cannot be reached or refuses the session, as far as
-/// TLS goes (a TLS server and a plain client, or a certificate of another authority, fail
-/// with transport errors that do not say so).
 /// Why the coordinator at `join` gave no session, told by what answered: nothing, a server
-/// that is not podsim's, or a coordinator that refused this worker.
-fn session_refused(
+/// that is not podsim's, a TLS server spoken to in the clear, or a coordinator that refused
+/// this worker.
+async fn session_refused(
     join: &str,
     status: &tonic::Status,
     tls: Option<&podsim_links::tls::Tls>,
 ) -> ProgramError {
     let why = podsim_links::tls::chain(status);
     let not_podsim = "it is not a podsim coordinator";
+    // A broken connection with no gRPC answer: what is there is asked in the clear.
+    let broken = std::error::Error::source(status).is_some() && tls.is_none();
     session_error(if why.contains("keep-alive timed out") {
         format!(
             "{join} did not answer for {} s: {not_podsim}, or it is stopped",
@@ -594,15 +592,22 @@ fn session_refused(
         )
     } else if status.code() == tonic::Code::Unimplemented {
         // A gRPC server without podsim's control service.
-        format!("{join} does not serve podsim's control service: {not_podsim} ({why})")
-    } else if std::error::Error::source(status).is_some() && tls.is_none() {
-        // No answer in gRPC at all, only a broken connection: not HTTP/2 (an HTTP/1 server,
-        // another protocol), a TLS port spoken to in the clear, or a server going away.
         format!(
-            "{join} answered in no protocol of podsim's (gRPC over HTTP/2): {not_podsim}, it \
-             expects TLS{}, or it stopped ({why})",
-            tls_hint(tls)
+            "{join} does not serve podsim's control service: {not_podsim}, or another podsim \
+             version's ({why})"
         )
+    } else if broken {
+        match answer_in_the_clear(join).await {
+            Answer::Tls => format!(
+                "the coordinator refused the session: {join} expects TLS{} ({why})",
+                tls_hint(tls)
+            ),
+            Answer::Http1 => format!("{join} is an HTTP/1 server: {not_podsim} ({why})"),
+            Answer::Other => format!(
+                "{join} answered in no protocol of podsim's (gRPC over HTTP/2): {not_podsim}, \
+                 or it stopped ({why})"
+            ),
+        }
     } else {
         format!(
             "the coordinator refused the session: {why}{}",
@@ -611,6 +616,39 @@ fn session_refused(
     })
 }
 
+/// What a server says to an HTTP/2 client's first bytes sent in the clear.
+enum Answer {
+    /// A TLS record (an alert or a handshake): it expects TLS.
+    Tls,
+    /// An HTTP/1 status line.
+    Http1,
+    /// Anything else, or nothing within a second.
+    Other,
+}
+
+async fn answer_in_the_clear(join: &str) -> Answer {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let talk = async {
+        let mut stream = tokio::net::TcpStream::connect(join).await.ok()?;
+        stream
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .ok()?;
+        let mut first = [0u8; 5];
+        let n = stream.read(&mut first).await.ok()?;
+        Some(first[..n].to_vec())
+    };
+    match tokio::time::timeout(Duration::from_secs(1), talk).await {
+        // TLS records open with their content type: 21 an alert, 22 a handshake.
+        Ok(Some(bytes)) if matches!(bytes.first(), Some(21 | 22)) => Answer::Tls,
+        Ok(Some(bytes)) if bytes.starts_with(b"HTTP/") => Answer::Http1,
+        _ => Answer::Other,
+    }
+}
+
+/// What to check when the coordinator cannot be reached or refuses the session, as far as
+/// TLS goes (a TLS server and a plain client, or a certificate of another authority, fail
+/// with transport errors that do not say so).
 fn tls_hint(tls: Option<&podsim_links::tls::Tls>) -> String {
     match tls {
         None => " (if the job uses [launch.tls], start the worker with --tls-ca, --tls-cert and \

@@ -271,7 +271,10 @@ fn a_worker_sent_to_a_server_that_is_not_podsims_says_so() {
     let out = run_bounded(c, Duration::from_secs(30));
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("it is not a podsim coordinator"), "{err}");
+    assert!(
+        err.contains("is an HTTP/1 server: it is not a podsim coordinator"),
+        "{err}"
+    );
     assert!(!err.contains("the coordinator refused"), "{err}");
 }
 
@@ -487,7 +490,11 @@ fn tls_admits_workers_with_the_jobs_certificate_and_refuses_others() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "{err}");
     assert!(
-        err.contains("the coordinator refused the session") && err.contains("--tls-ca"),
+        err.contains("the coordinator refused the session") && err.contains("expects TLS"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--tls-ca") && !err.contains("not a podsim"),
         "{err}"
     );
     // A certificate the job's authority did not sign is refused by the worker's own check,
