@@ -1,8 +1,8 @@
 //! Point-to-point messages between any two chips: a PyTorch program's `send` and `recv`.
 //!
 //! A message takes the pod's dimension-order path ([`podsim_topology::Pod::path`]): launched
-//! at the collective's fixed cost (`collective_overhead_ns`: a TPU sends by a compiled op the
-//! pair synchronises on, JAX's `ppermute` measures 4.5-6 us for a few KiB), it leaves on the
+//! at the collective's fixed cost (`collective_overhead_ns`, paid by the sender: a TPU sends
+//! by an op it launches, JAX's `ppermute` measures 4.5-6 us for a few KiB), it leaves on the
 //! path's first link and arrives after the transfer on that link plus the latency of
 //! every hop (the torus forwards it through the chips between, cut-through, without their
 //! programs taking part). Across slices the path starts with its DCN hop, the slowest link,
@@ -59,9 +59,9 @@ impl Chip {
         let fp = self
             .begin_on(key, label, OpKind::SendRecv, DType::F32, input.len(), None)
             .await;
-        // A message is an op the chip launches and the pair synchronises on (XLA compiles a
-        // send as a collective-permute): it pays the collective's fixed cost before its data
-        // moves, as every collective does.
+        // A message is an op the chip launches (XLA compiles a send as a collective-permute):
+        // it pays the collective's fixed cost before its data moves, as every collective does.
+        // The receiver pays nothing more: it has the message no earlier than the launch allows.
         let launch = self.hardware().collective_overhead_ns;
         self.set_clock(self.clock() + launch);
         let hw = self.hardware();
