@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::csv::csv_cells;
+use crate::csv::{csv_cells, csv_records};
 use crate::outdir::read_text;
 
 /// The largest file `podsim compare` reads: thousands of times its tables' size.
@@ -29,12 +29,9 @@ impl Table {
         // A spreadsheet's UTF-8 export starts with a byte-order mark, which would make the
         // first column `\u{feff}id` and the file "missing column id".
         let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-        let mut lines = text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'));
+        let mut lines = csv_records(text, true).into_iter();
         let (_, first) = lines.next().ok_or_else(|| at("empty file".into()))?;
-        let header: Vec<String> = csv_cells(first)
+        let header: Vec<String> = csv_cells(&first)
             .into_iter()
             .map(|c| c.trim().to_string())
             .collect();
@@ -49,20 +46,19 @@ impl Table {
             }
         }
         let mut rows = Vec::new();
-        for (i, raw) in lines {
-            let cells = csv_cells(raw);
-            // A quote left open swallows the rest of the line into one cell.
+        for (line, raw) in lines {
+            let cells = csv_cells(&raw);
+            // A quote left open swallows the rest of the file into one cell.
             if raw.matches('"').count() % 2 == 1 {
                 let column = header.get(cells.len() - 1).map_or("?", String::as_str);
                 return Err(at(format!(
-                    "row {}, column {column}: a quote opened there is never closed",
-                    i + 1
+                    "row {line}, column {column}: a quote opened there is never closed"
                 )));
             }
             if cells.len() != header.len() {
-                return Err(at(cell_count_error(i + 1, cells.len(), &header)));
+                return Err(at(cell_count_error(line, cells.len(), &header)));
             }
-            rows.push((i + 1, cells));
+            rows.push((line, cells));
         }
         let id = header.iter().position(|h| h == "id");
         let mut ids: HashMap<&str, usize> = HashMap::new();
@@ -267,6 +263,12 @@ mod tests {
         assert_eq!(rows, [(4, "x, y".to_string()), (5, "z".to_string())]);
         let marked = read("bom", b"\xef\xbb\xbfid,a\nr,1\n").unwrap();
         assert_eq!(marked.header, ["id", "a"]);
+        // A quoted cell over two lines (a spreadsheet's note), and lone-CR line ends.
+        let t = read("multiline", b"id,note,a\nr1,\"two\nlines\",1\nr2,x,2\n").unwrap();
+        let rows: Vec<_> = t.rows().map(|r| (r.line, r.get("a").to_string())).collect();
+        assert_eq!(rows, [(2, "1".to_string()), (4, "2".to_string())]);
+        let old_mac = read("cr", b"id,a\rr,1\rs,2\r").unwrap();
+        assert_eq!(old_mac.rows.len(), 2);
     }
 
     #[test]

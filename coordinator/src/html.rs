@@ -873,10 +873,10 @@ pub fn render_study(name: &str, plots: &[(String, String)], csv: &str) -> String
         b.push('\n');
     }
     b.push_str("<h2>Results</h2>\n<table>\n");
-    for (i, line) in csv.lines().enumerate() {
+    for (i, (_, record)) in crate::csv::csv_records(csv, false).iter().enumerate() {
         let tag = if i == 0 { "th" } else { "td" };
         b.push_str("<tr>");
-        for cell in crate::csv::csv_cells(line) {
+        for cell in crate::csv::csv_cells(record) {
             let _ = write!(b, "<{tag}>{}</{tag}>", esc(&cell));
         }
         b.push_str("</tr>\n");

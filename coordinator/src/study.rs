@@ -1292,7 +1292,9 @@ fn run(
 }
 
 /// Writes `study.html` into a study's output folder: its plots (as listed in `study.json`, else
-/// every SVG there) and `results.csv` as a table.
+/// every SVG there) and `results.csv` as a table. A plot is a plain `.svg` file of the folder
+/// holding an SVG and no script: a listed name reaching elsewhere (`../`, `/etc/...`) or a file
+/// that is no such SVG is left out, saying so, as the page inlines what it shows.
 pub fn write_html(dir: &Path) -> Result<PathBuf, String> {
     let read =
         |p: &Path| read_text(p, MOST_OUTPUT_BYTES).map_err(|e| format!("{}: {e}", p.display()));
@@ -1301,26 +1303,35 @@ pub fn write_html(dir: &Path) -> Result<PathBuf, String> {
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
-    let mut files: Vec<String> = meta["plots"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
-    if files.is_empty()
-        && let Ok(entries) = std::fs::read_dir(dir)
-    {
-        files = entries
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|n| n.ends_with(".svg"))
-            .collect();
-        files.sort();
-    }
+    let files: Vec<String> = match meta["plots"].as_array() {
+        // The study's own list, even empty: an earlier study's SVGs left here are not its.
+        Some(listed) => listed
+            .iter()
+            .filter_map(|f| f.as_str().map(String::from))
+            .collect(),
+        None => {
+            let mut found: Vec<String> = std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.ends_with(".svg"))
+                .collect();
+            found.sort();
+            found
+        }
+    };
     let plots: Vec<(String, String)> = files
         .into_iter()
-        .filter_map(|f| Some((f.clone(), read(&dir.join(&f)).ok()?)))
+        .filter_map(|f| match plot_text(dir, &f) {
+            Ok(svg) => Some((f, svg)),
+            Err(why) => {
+                eprintln!(
+                    "podsim: {}: plot {f:?} left out of study.html: {why}",
+                    dir.display()
+                );
+                None
+            }
+        })
         .collect();
     let name = meta["name"].as_str().map(String::from).unwrap_or_else(|| {
         dir.file_name()
@@ -1330,6 +1341,29 @@ pub fn write_html(dir: &Path) -> Result<PathBuf, String> {
         &dir.join("study.html"),
         &crate::html::render_study(&name, &plots, &csv),
     )
+}
+
+/// The SVG of plot `file` of the study folder `dir`, or why it is not one the page may inline.
+fn plot_text(dir: &Path, file: &str) -> Result<String, String> {
+    let plain = Path::new(file).file_name().is_some_and(|n| n == file) && !file.starts_with('.');
+    if !plain || !file.ends_with(".svg") {
+        return Err("not the name of a .svg file in the study's folder".into());
+    }
+    let text = read_text(&dir.join(file), MOST_OUTPUT_BYTES)?;
+    let lower = text.to_ascii_lowercase();
+    let body = lower.find("<svg").map(|i| &lower[..i]);
+    let prologue_only = body.is_some_and(|head| {
+        let head = head.trim();
+        head.is_empty() || (head.starts_with("<?xml") && head.ends_with("?>"))
+    });
+    if !prologue_only
+        || ["<script", "javascript:", "<foreignobject"]
+            .iter()
+            .any(|w| lower.contains(w))
+    {
+        return Err("not an SVG drawing without scripts".into());
+    }
+    Ok(text)
 }
 
 /// Problems found in a study file, each with its line.
@@ -1610,6 +1644,45 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn the_study_page_inlines_only_its_own_plots_and_keeps_multiline_cells() {
+        let dir = study_dir("page");
+        let secret = dir.join("secret.txt");
+        std::fs::write(&secret, "do-not-show").unwrap();
+        std::fs::write(
+            dir.join("good.svg"),
+            "<?xml version=\"1.0\"?>\n<svg>good-plot</svg>",
+        )
+        .unwrap();
+        std::fs::write(dir.join("evil.svg"), "<svg><script>alert(1)</script></svg>").unwrap();
+        std::fs::write(dir.join("old.svg"), "<svg>earlier-study</svg>").unwrap();
+        let listed = [
+            "good.svg",
+            "evil.svg",
+            "../secret.txt",
+            secret.to_str().unwrap(),
+            "secret.txt",
+        ];
+        let meta = serde_json::json!({"name": "s", "plots": listed});
+        std::fs::write(dir.join("study.json"), meta.to_string()).unwrap();
+        std::fs::write(
+            dir.join("results.csv"),
+            "point,name\n0,\"two\nlines\"\n1,x\n",
+        )
+        .unwrap();
+        let page = std::fs::read_to_string(write_html(&dir).unwrap()).unwrap();
+        assert!(page.contains("good-plot"), "{page}");
+        for absent in ["alert(1)", "do-not-show", "earlier-study"] {
+            assert!(!page.contains(absent), "{absent}: {page}");
+        }
+        // The header and two points: the quoted line break stays in its cell.
+        assert_eq!(page.matches("<tr>").count(), 3, "{page}");
+        // A study listing no plots shows none of the folder's SVGs.
+        std::fs::write(dir.join("study.json"), r#"{"name":"s","plots":[]}"#).unwrap();
+        let page = std::fs::read_to_string(write_html(&dir).unwrap()).unwrap();
+        assert!(!page.contains("good-plot") && !page.contains("earlier-study"));
+    }
 
     fn study_dir(name: &str) -> PathBuf {
         let dir =
