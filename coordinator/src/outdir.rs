@@ -5,6 +5,10 @@
 //! The lock is the kernel's (`flock` through [`std::fs::File::try_lock`]): it goes with the
 //! process however that ends, `kill -9` included, so a stale lock never blocks a folder. The
 //! file's text only says who holds it, for the refusal's message.
+//!
+//! A folder inside another job's folder is refused too (a job given a study's `point-001`
+//! while the study runs would have the study fail when it reached that point), unless the
+//! holder is this process's parent: a study's own points run inside its folder.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
@@ -28,6 +32,13 @@ impl OutputLock {
     pub fn acquire(dir: &Path, what: &str) -> Result<OutputLock, String> {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        if let Some((outer, holder)) = held_ancestor(dir) {
+            return Err(format!(
+                "the output folder {} is inside {}, in use by another job ({holder}); give this one a folder of its own (--out DIR or [output] dir)",
+                dir.display(),
+                outer.display()
+            ));
+        }
         let path = dir.join(LOCK_FILE);
         let mut file = open_in_output(&path, OpenOptions::new().read(true).truncate(false))
             .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
@@ -65,6 +76,36 @@ impl OutputLock {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// The nearest folder above `dir` whose lock another live process holds, with who holds it,
+/// unless that is this process (a study checking its point folders) or its parent (a study,
+/// whose points run inside its folder).
+fn held_ancestor(dir: &Path) -> Option<(PathBuf, String)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = dir.canonicalize().ok()?;
+    let ours =
+        [std::process::id(), std::os::unix::process::parent_id()].map(|p| format!("pid {p}:"));
+    dir.ancestors().skip(1).find_map(|outer| {
+        // Read only, never through a link, never blocking on a FIFO: nothing is created here.
+        let mut file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(outer.join(LOCK_FILE))
+            .ok()
+            .filter(|f| f.metadata().is_ok_and(|m| m.is_file()))?;
+        // Free (a shared lock is granted, and let go when the file closes) or failing to
+        // tell: no live holder to refuse for.
+        match file.try_lock_shared() {
+            Err(std::fs::TryLockError::WouldBlock) => {}
+            _ => return None,
+        }
+        let mut holder = String::new();
+        let _ = (&mut file).take(4096).read_to_string(&mut holder);
+        let holder = holder.trim().to_string();
+        let by_us = ours.iter().any(|p| holder.starts_with(p.as_str()));
+        (!by_us).then(|| (outer.to_path_buf(), holder))
+    })
 }
 
 /// Opens (creating it) a file podsim writes in an output folder, with `options` beyond
@@ -207,6 +248,31 @@ fn redacted(args: impl IntoIterator<Item = String>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_folder_inside_a_held_one_is_refused_unless_the_parent_holds_it() {
+        let dir = std::env::temp_dir().join(format!("podsim-nested-{}", std::process::id()));
+        let outer = OutputLock::acquire(&dir, "podsim study s.toml").unwrap();
+        // Held by this process (a study looking into its points' folders): free to it.
+        drop(OutputLock::acquire(&dir.join("point-000"), "podsim study s.toml").unwrap());
+        // Held by another process.
+        std::fs::write(outer.path(), "pid 1: podsim study s.toml\n").unwrap();
+        let err = OutputLock::acquire(&dir.join("point-001"), "podsim launch j.toml").unwrap_err();
+        assert!(
+            err.contains("is inside") && err.contains("podsim study s.toml"),
+            "{err}"
+        );
+        // A study's own point: the folder's holder is its parent.
+        let parent = std::os::unix::process::parent_id();
+        std::fs::write(outer.path(), format!("pid {parent}: podsim study s.toml\n")).unwrap();
+        let inner = OutputLock::acquire(&dir.join("point-001"), "podsim launch j.toml");
+        assert!(inner.is_ok(), "{inner:?}");
+        drop((inner, outer));
+        // Once let go, the folder inside is free.
+        std::fs::write(dir.join(LOCK_FILE), "pid 1: gone\n").unwrap();
+        assert!(OutputLock::acquire(&dir.join("point-002"), "podsim launch j.toml").is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn the_command_line_keeps_no_token() {
