@@ -42,7 +42,8 @@ pub use crate::compare_rows::{Summary, summarise_errors};
 use crate::config;
 use crate::{CliError, JobStatus};
 
-/// Columns a row must have (others are ignored).
+/// Columns a row must have (others are ignored, unless they read as a misspelling of one
+/// podsim reads).
 pub const COLUMNS: [&str; 23] = [
     "id",
     "hardware",
@@ -67,6 +68,15 @@ pub const COLUMNS: [&str; 23] = [
     "remat",
     "measured_step_s",
     "source",
+];
+
+/// Columns a row may have, each read when present.
+pub const OPTIONAL_COLUMNS: [&str; 5] = [
+    "weight_dtype",
+    "attention",
+    "bias",
+    "dcn_fsdp",
+    "replica_sync",
 ];
 
 #[derive(Debug, Args)]
@@ -484,7 +494,7 @@ fn compare_training(
     table: &Table,
     sets: &[String],
 ) -> Result<Vec<Comparison>, String> {
-    require_columns(path, &table.header, &COLUMNS)?;
+    require_columns(path, &table.header, &COLUMNS, &OPTIONAL_COLUMNS)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

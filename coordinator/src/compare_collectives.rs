@@ -243,7 +243,7 @@ pub(crate) fn compare_rows(
     table: &Table,
     overrides: &HardwareOverrides,
 ) -> Result<Vec<CollectiveComparison>, String> {
-    require_columns(path, &table.header, &COLUMNS)?;
+    require_columns(path, &table.header, &COLUMNS, &[])?;
     let mut out = Vec::new();
     for row in table.rows() {
         let at = |e: String| format!("{}: {e}", path.display());

@@ -192,25 +192,72 @@ impl Row<'_> {
 }
 
 /// Every column of `required` is in `header`, or an error naming the missing ones.
+/// Checks a header against the columns a kind of file reads: every `required` one present,
+/// and no other column so close to one it reads (`required` or `optional`) that it must be a
+/// misspelling - such a column would be ignored, and its rows run without what it says.
+/// Columns far from all of them (`note`, `source`) are the file's own and left alone.
 pub(crate) fn require_columns(
     path: &Path,
     header: &[String],
     required: &[&str],
+    optional: &[&str],
 ) -> Result<(), String> {
     let missing: Vec<&str> = required
         .iter()
         .filter(|c| !header.iter().any(|h| h == *c))
         .copied()
         .collect();
-    match missing.len() {
-        0 => Ok(()),
-        n => Err(format!(
+    if !missing.is_empty() {
+        return Err(format!(
             "{}: missing column{} {}",
             path.display(),
-            if n > 1 { "s" } else { "" },
+            if missing.len() > 1 { "s" } else { "" },
             missing.join(", ")
-        )),
+        ));
     }
+    let read: Vec<&str> = required.iter().chain(optional).copied().collect();
+    for name in header.iter().filter(|h| !read.contains(&h.as_str())) {
+        if let Some(meant) = read.iter().find(|c| misspelt(name, c)) {
+            return Err(format!(
+                "{}: column {name:?} is not one podsim reads: did you mean {meant}? (as it is, \
+                 it would be ignored)",
+                path.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `name` reads as a misspelling of `column`: the same but for case and separators
+/// (`Weight-Dtype`), or at most two edits away (one for names of four letters or fewer).
+fn misspelt(name: &str, column: &str) -> bool {
+    let plain = |s: &str| -> String {
+        s.chars()
+            .filter(|c| c.is_alphanumeric())
+            .flat_map(char::to_lowercase)
+            .collect()
+    };
+    let (a, b) = (plain(name), plain(column));
+    let most = if b.len() <= 4 { 1 } else { 2 };
+    a == b || edit_distance(&a, &b) <= most
+}
+
+/// Levenshtein distance between two short strings.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1)
+                .min(row[j] + 1)
+                .min(diagonal + usize::from(ca != *cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
 }
 
 /// Median and largest |error| of `(id, error %)` pairs.
@@ -269,6 +316,42 @@ mod tests {
         assert_eq!(rows, [(2, "1".to_string()), (4, "2".to_string())]);
         let old_mac = read("cr", b"id,a\rr,1\rs,2\r").unwrap();
         assert_eq!(old_mac.rows.len(), 2);
+    }
+
+    #[test]
+    fn a_misspelt_column_is_refused_and_a_files_own_is_kept() {
+        let header = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let check = |names: &[&str]| {
+            require_columns(
+                Path::new("t.csv"),
+                &header(names),
+                &["id", "seq"],
+                &["weight_dtype"],
+            )
+        };
+        assert!(
+            check(&[
+                "id",
+                "seq",
+                "weight_dtype",
+                "note",
+                "source",
+                "measured_tokens"
+            ])
+            .is_ok()
+        );
+        for (bad, meant) in [
+            ("weight_dtyp", "weight_dtype"),
+            ("Weight-DType", "weight_dtype"),
+            ("sq", "seq"),
+        ] {
+            let err = check(&["id", "seq", bad]).unwrap_err();
+            assert!(
+                err.contains(&format!("{bad:?}")) && err.contains(meant),
+                "{err}"
+            );
+        }
+        assert!(check(&["id"]).unwrap_err().contains("missing column seq"));
     }
 
     #[test]
