@@ -223,8 +223,21 @@ fn collective_bytes(
         OpKind::AllGather => input * n as f64,
         _ => input,
     };
+    // Whole elements only: a fraction was rounded away without a word (32768.9 bytes ran as
+    // 32768, 3 bytes of bf16 as 2).
+    let element = dtype.size() as f64;
+    if (input / element).fract() != 0.0 {
+        return Err(row.bad(
+            "bytes_per_chip",
+            &format!(
+                "makes {input} bytes a chip, not a whole number of {}-byte {} elements",
+                dtype.size(),
+                row.first_word("dtype")
+            ),
+        ));
+    }
     // At least one element a chip; at most what `podsim bench --sizes` takes, 10^15 bytes.
-    if input < dtype.size() as f64 || size > 1e15 {
+    if input < element || size > 1e15 {
         return Err(row.bad(
             "bytes_per_chip",
             &format!(
@@ -419,6 +432,9 @@ mod tests {
             // Past what a collective is (the size overflowed into a panic), and below an element.
             (8, "1e30", "column bytes_per_chip"),
             (8, "1", "column bytes_per_chip"),
+            // Not whole elements of bf16 (the size was rounded without a word).
+            (8, "32768.9", "column bytes_per_chip"),
+            (8, "3", "column bytes_per_chip"),
             (9, "total", "column bytes_convention"),
         ];
         for (column, value, want) in cases {
