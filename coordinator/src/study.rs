@@ -682,7 +682,13 @@ pub fn validate(study: &Study, points: &[Point]) -> Result<Vec<Expected>, String
                     point_name(p.index, points.len()),
                     describe(p)
                 );
-                for e in errors.0 {
+                for mut e in errors.0 {
+                    // A value this point sets is the study file's, not the base's line.
+                    if p.overrides.iter().any(|(key, _)| *key == e.field) {
+                        e.file = study.file.display().to_string();
+                        e.line = None;
+                        e.field = format!("{} (this point's value)", e.field);
+                    }
                     let _ = writeln!(bad, "    {e}");
                 }
             }

@@ -262,7 +262,12 @@ fn bad_studies_exit_2_naming_the_field() {
         stderr.contains("point-003 (topology.shape=\"5y\")"),
         "{stderr}"
     );
-    assert!(stderr.contains("topology.shape"), "{stderr}");
+    // The bad value is the study's, not a line of the base it replaces.
+    assert!(
+        stderr.contains("points.toml: topology.shape (this point's value)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("base.toml:"), "{stderr}");
     assert!(!out.exists(), "a bad study must run nothing");
 
     // A dry run lists and validates the points, and runs nothing either.
