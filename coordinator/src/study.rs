@@ -1037,6 +1037,40 @@ impl<'a> Results<'a> {
             println!("plot: {}", p.display());
         }
         println!("page: {}", page.display());
+        for warning in self.empty_outputs() {
+            eprintln!("podsim: study {}: {warning}", study.name);
+        }
+    }
+
+    /// Metrics and plots that came out empty although points ran `ok`: a metric whose path
+    /// no report holds, a plot whose columns hold no numbers (`y = "status"`). Said, as an
+    /// empty column or plot looks like a result.
+    fn empty_outputs(&self) -> Vec<String> {
+        let ok = self.outcomes.values().any(|o| o.status == JobStatus::Ok);
+        if !ok {
+            return Vec::new();
+        }
+        let rows: Vec<&Vec<String>> = self.rows.values().collect();
+        let mut out = Vec::new();
+        for (name, path) in &self.study.metrics {
+            let at = self.columns.iter().position(|c| c == name);
+            let empty =
+                at.is_some_and(|i| rows.iter().all(|r| r.get(i).is_none_or(String::is_empty)));
+            if empty {
+                out.push(format!(
+                    "metric {name} is empty in every point: no report.json holds {path:?}"
+                ));
+            }
+        }
+        for p in &self.study.plots {
+            if plot::series(p, &self.columns, &rows).is_empty() {
+                out.push(format!(
+                    "plot {} has no points: no point that ran ok has numbers in both {} and {}",
+                    p.file, p.x, p.y
+                ));
+            }
+        }
+        out
     }
 
     fn write_csv(&self) -> Result<PathBuf, String> {

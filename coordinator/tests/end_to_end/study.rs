@@ -207,6 +207,33 @@ fn point_dir_page(dir: &Path) -> String {
 }
 
 #[test]
+fn metrics_and_plots_that_come_out_empty_are_said() {
+    let (dir, out) = study_dir("study-empty", "meta", "1MiB", 1);
+    let (code, _, stderr) = study_text(
+        &dir,
+        "empty.toml",
+        "base = \"base.toml\"\n[sweep]\n\"topology.shape\" = [\"4\", \"2x2\"]\n\
+         [metrics]\nnothing = \"no.such.path\"\nvirtual = \"virtual_s\"\n\
+         [[plot]]\nfile = \"s.svg\"\nx = \"chips\"\ny = \"status\"\n\
+         [[plot]]\nfile = \"v.svg\"\nx = \"chips\"\ny = \"virtual\"\n",
+        &["--out", out.to_str().unwrap()],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(
+            "metric nothing is empty in every point: no report.json holds \"no.such.path\""
+        ),
+        "{stderr}"
+    );
+    assert!(stderr.contains("plot s.svg has no points"), "{stderr}");
+    // What holds data is not named.
+    assert!(
+        !stderr.contains("metric virtual") && !stderr.contains("plot v.svg"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_point_past_its_timeout_is_killed_and_recorded() {
     // Data mode, 64 MiB a chip, many iterations: far longer than the timeout.
     let (dir, out) = study_dir("study-timeout", "data", "64MiB", 1000);
