@@ -557,9 +557,9 @@ pub fn main(args: &CompareArgs) -> Result<JobStatus, CliError> {
     if let Some(max) = args.max_error
         && !(max >= 0.0 && max.is_finite())
     {
-        return Err(CliError::Usage(
-            "--max-error must be a percentage of at least 0".into(),
-        ));
+        return Err(CliError::Usage(format!(
+            "--max-error {max}: must be a finite percentage of at least 0"
+        )));
     }
     let compared = compare_file(&args.file, &args.sets).map_err(CliError::Usage)?;
     let summary = match &compared {

@@ -1481,7 +1481,7 @@ fn timeout_of(found: &mut Found, seconds: Option<f64>, line: Option<usize>) -> O
             found.add(
                 line,
                 "timeout_s",
-                format!("{t}: must be a positive number of seconds"),
+                format!("{t:e}: must be a positive number of seconds, below 1e9 (31 years)"),
             );
             None
         }

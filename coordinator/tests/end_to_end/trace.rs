@@ -233,6 +233,19 @@ fn podsim_report_redraws_the_same_page_from_report_json() {
     let out = run_bounded(cmd, Duration::from_secs(60));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("neither report.json nor results.csv"));
+    // No such folder, or a file where the folder should be: said as such.
+    let file = crate::support::write(&empty, "results.csv", "point\n");
+    for (target, want) in [
+        (empty.join("absent"), "No such file or directory"),
+        (file, "not a folder"),
+    ] {
+        let mut cmd = podsim();
+        cmd.arg("report").arg(&target);
+        let out = run_bounded(cmd, Duration::from_secs(60));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{err}");
+    }
 }
 
 #[test]
