@@ -110,9 +110,17 @@ fn group_axes(row: &Row<'_>, torus: &Torus) -> Result<String, String> {
     if chips == torus.chips() {
         return Ok(NAMES[..dims.len()].join(","));
     }
+    // An axis is named as the publication's topology counts them, axes of one chip included
+    // (the Z axis of a 4x1x4 is the torus's second).
+    let kept: Vec<usize> = (0..)
+        .zip(row.first_word("topology").split('x'))
+        .filter(|(_, d)| *d != "1")
+        .map(|(i, _)| i)
+        .collect();
     let named = NAMES
         .iter()
         .position(|n| text.contains(&format!("{n} axis")))
+        .and_then(|a| kept.iter().position(|&k| k == a))
         .filter(|&a| dims.get(a) == Some(&chips));
     let matching: Vec<usize> = (0..dims.len()).filter(|&a| dims[a] == chips).collect();
     match (named, matching.as_slice()) {
@@ -399,6 +407,16 @@ mod tests {
         cells[6] = "4 chips";
         let err = axes(&cells).unwrap_err();
         assert!(err.contains("several axes of 4 chips"), "{err}");
+        // Named as the publication counts axes, one of one chip among them.
+        cells[2] = "4x1x4";
+        cells[6] = "Z axis (4 chips)";
+        assert_eq!(
+            axes(&cells).unwrap(),
+            "y",
+            "the torus drops the axis of one chip"
+        );
+        cells[6] = "X axis (4 chips)";
+        assert_eq!(axes(&cells).unwrap(), "x");
     }
 
     #[test]
