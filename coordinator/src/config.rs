@@ -692,7 +692,9 @@ fn model_spec(p: &mut Problems<'_>, m: &RawModel, meta: bool) -> Option<ModelSpe
         return (p.list.len() == before).then_some(ModelSpec::Mlp(MlpSpec { widths }));
     }
     let spec = transformer_spec(p, m);
-    if p.list.len() == before {
+    // A key refused as out of range reads as 0 here: its shape problems would contradict it.
+    let refused_key = p.out_of_range.iter().any(|f| f.starts_with("job.model."));
+    if p.list.len() == before && !refused_key {
         for problem in spec.problems() {
             p.add("job.model", None, problem);
         }
@@ -2756,6 +2758,20 @@ mod tests {
         let mut o = HardwareOverrides::default();
         let ranged: Vec<&str> = hardware_ranges(&mut o).iter().map(|r| r.0).collect();
         assert_eq!(ranged, HARDWARE_KEYS);
+    }
+
+    #[test]
+    fn a_model_key_out_of_range_is_the_one_problem_told() {
+        let text = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gpt2_fsdp_meta.toml"),
+        )
+        .unwrap();
+        let errors = load(&text, &["job.model.layers=1000000000"])
+            .expect_err("out of range")
+            .0;
+        // Not also "layers must be at least 1": the refused value is not read as 0.
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].reason.contains("out of range"), "{errors:?}");
     }
 
     #[test]
