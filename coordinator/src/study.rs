@@ -1481,7 +1481,15 @@ fn timeout_of(found: &mut Found, seconds: Option<f64>, line: Option<usize>) -> O
             found.add(
                 line,
                 "timeout_s",
-                format!("{t:e}: must be a positive number of seconds, below 1e9 (31 years)"),
+                format!(
+                    "{}: must be a positive number of seconds, below 1e9 (31 years)",
+                    // 1e300 in full is a line of digits.
+                    if t.abs() < 1e15 {
+                        format!("{t}")
+                    } else {
+                        format!("{t:e}")
+                    }
+                ),
             );
             None
         }
