@@ -192,12 +192,21 @@ kind = "adamw"
 
 /// A row's job refused by the config's checks, told by the row's columns: the config's
 /// fields (and the generated job's line numbers) mean nothing to whoever wrote the CSV.
-/// Problems of the `--set`s, or of a field no column sets, keep the config's words.
-fn config_problems(row: &Row<'_>, errors: &config::ConfigErrors) -> String {
+/// Problems of a field a `--set` gave are the flag's; of a field no column sets, the
+/// config's words.
+fn config_problems(row: &Row<'_>, errors: &config::ConfigErrors, sets: &[String]) -> String {
+    let set_here = |field: &str| {
+        sets.iter().any(|s| {
+            s.split_once('=')
+                .is_some_and(|(key, _)| key.trim() == field)
+        })
+    };
     let told: Vec<String> = errors
         .0
         .iter()
         .map(|e| match column_of(&e.field) {
+            // A `--set` replaced the row's value: the problem is the flag's, on every row.
+            _ if set_here(&e.field) => format!("--set {}: {}", e.field, e.reason),
             Some(column) => row.bad(column, &e.reason),
             None => format!(
                 "row {} ({}): {}: {}",
@@ -393,7 +402,7 @@ fn predict(
         &text,
         sets,
     )
-    .map_err(|e| config_problems(row, &e))?;
+    .map_err(|e| config_problems(row, &e, sets))?;
     let Program::Train(spec) = &cfg.program else {
         return Err(format!("row {}: not a training job", row.line));
     };
@@ -706,6 +715,22 @@ mod tests {
             std::fs::write(&path, format!("{header}\n{}\n", cells.join(","))).unwrap();
             let err = compare_file(&path, &[]).unwrap_err();
             assert!(err.contains(want), "{want}: {err}");
+        }
+        // A `--set`'s bad value is the flag's, not the row's column it replaced.
+        let path = dir.join("a1.csv");
+        std::fs::write(&path, format!("{header}\n{a1}\n")).unwrap();
+        for (set, want) in [
+            ("job.remat=bogus", "--set job.remat: unknown remat policy"),
+            (
+                "hardware.matmul_efficiency=7",
+                "--set hardware.matmul_efficiency: 7.0 is out of range",
+            ),
+        ] {
+            let err = compare_file(&path, &[set.to_string()]).unwrap_err();
+            assert!(
+                err.contains(want) && !err.contains("column"),
+                "{set}: {err}"
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
