@@ -384,7 +384,11 @@ mod tests {
             ),
             ("empty", b"# only a comment\n\n", "empty file"),
             ("header", b"id,a\n", "no rows"),
-            ("binary", b"id,a\n\xff\xfe,1\n", "not UTF-8 text"),
+            (
+                "binary",
+                b"id,a\n\xff\xfe,1\n",
+                "not UTF-8 text: line 2, column 1",
+            ),
         ];
         for (name, text, want) in cases {
             let err = read(name, text).unwrap_err();

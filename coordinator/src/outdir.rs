@@ -196,7 +196,13 @@ pub fn read_text(path: &Path, most: u64) -> Result<String, String> {
             most >> 10
         ));
     }
-    String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text: {e}"))
+    String::from_utf8(bytes).map_err(|e| {
+        // Where, as a line and column: a byte offset means nothing in an editor.
+        let good = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+        let line = good.iter().filter(|&&b| b == b'\n').count() + 1;
+        let column = good.iter().rev().take_while(|&&b| b != b'\n').count() + 1;
+        format!("not UTF-8 text: line {line}, column {column} is not a UTF-8 character (save the file as UTF-8)")
+    })
 }
 
 /// The largest file podsim reads back from an output folder (`report.json` of the largest
