@@ -661,6 +661,31 @@ pub fn row(
         .collect()
 }
 
+/// Points that set the same values as an earlier one (a sweep value or a `[[points]]` entry
+/// given twice): each with the first it repeats.
+fn repeated_points(points: &[Point]) -> Vec<(usize, usize)> {
+    let key = |p: &Point| {
+        let mut sets: Vec<String> = p
+            .overrides
+            .iter()
+            .map(|(k, v)| format!("{k}={v:?}"))
+            .collect();
+        sets.sort();
+        sets
+    };
+    let mut first: std::collections::HashMap<Vec<String>, usize> = Default::default();
+    let mut out = Vec::new();
+    for p in points {
+        match first.get(&key(p)) {
+            Some(&earlier) => out.push((p.index, earlier)),
+            None => {
+                first.insert(key(p), p.index);
+            }
+        }
+    }
+    out
+}
+
 /// Every point's job config checked in-process, as the child will read it. Returns the
 /// expected sizes, or a message naming every bad point.
 pub fn validate(study: &Study, points: &[Point]) -> Result<Vec<Expected>, String> {
@@ -1230,6 +1255,16 @@ pub fn main(args: &StudyArgs) -> Result<JobStatus, CliError> {
             println!("  {}  {}", point_name(p.index, total), describe(p));
         }
     }
+    for (again, first) in repeated_points(&points) {
+        // Allowed (a repeat measures the host's spread), but rarely meant.
+        eprintln!(
+            "podsim: study {}: {} is the same job as {} ({}): it runs twice",
+            study.name,
+            point_name(again, total),
+            point_name(first, total),
+            describe(&points[first])
+        );
+    }
     let expected = validate(&study, &points).map_err(CliError::Usage)?;
     if args.dry_run {
         println!("every point's config is valid (dry run: nothing was run)");
@@ -1692,6 +1727,24 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn a_point_given_twice_is_found_whatever_the_order_of_its_keys() {
+        let point = |index: usize, sets: &[(&str, i64)]| Point {
+            index,
+            overrides: sets
+                .iter()
+                .map(|(k, v)| (k.to_string(), toml::Value::Integer(*v)))
+                .collect(),
+        };
+        let points = [
+            point(0, &[("a", 1), ("b", 2)]),
+            point(1, &[("a", 1), ("b", 3)]),
+            point(2, &[("b", 2), ("a", 1)]),
+            point(3, &[("a", 1), ("b", 3)]),
+        ];
+        assert_eq!(repeated_points(&points), [(2, 0), (3, 1)]);
+    }
 
     #[test]
     fn the_study_page_inlines_only_its_own_plots_and_keeps_multiline_cells() {
