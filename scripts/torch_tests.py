@@ -757,6 +757,29 @@ def error_named(args, program, flags, pattern, exit_code=None):
                 f"{text[-300:]}")
 
 
+def case_same_ranks_two_groups(args):
+    """Two groups of the same ranks are two communicators: calls on one never meet calls on
+    the other. Ranks issuing theirs in opposite orders wait on each other (a rank's calls run
+    in issue order, async ones too), a deadlock named at its line - where the two groups had
+    shared one sequence, and each rank's first call met the other's first: the job ended ok
+    with the two tensors summed into each other."""
+    program = ("import torch, torch.distributed as dist\n"
+               "dist.init_process_group('gloo')\n"
+               "rank, n = dist.get_rank(), dist.get_world_size()\n"
+               "first = [dist.new_group([2 * i, 2 * i + 1]) for i in range(n // 2)][rank // 2]\n"
+               "again = [dist.new_group([2 * i, 2 * i + 1]) for i in range(n // 2)][rank // 2]\n"
+               "u, v = torch.ones(4), torch.full((4,), 100.0)\n"
+               "calls = [(u, first), (v, again)][:: 1 if rank % 2 == 0 else -1]\n"
+               "works = [dist.all_reduce(t, group=g, async_op=True) for t, g in calls]\n"
+               "for w in works: w.wait()\n"
+               "print('sums', u[0].item(), v[0].item())\n")
+    p, wall, report = run_inline(args, program, "--topology", "2x2")
+    text = p.stdout + p.stderr
+    ok = (report.get("status") == "hang" and "deadlock" in text and "<string>:8" in text
+          and "sums" not in p.stdout)
+    return ok, f"exit {p.returncode}, status {report.get('status')}, wall {wall:.1f} s: {text[-400:]}"
+
+
 def case_verified_rank_fails_early(args):
     """Meta mode: a verified rank whose program fails before its process group (its arguments,
     an import) is a program error naming the rank and its exit, not a dead worker."""
@@ -1195,6 +1218,7 @@ def main():
          lambda: case_cuda_events_time(args, "meta")),
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
+        ("two groups of the same ranks are two communicators", lambda: case_same_ranks_two_groups(args)),
         ("meta mode: a verified rank failing before its process group is a program error",
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: a representative's exception beside shadows of other classes is its error",

@@ -35,7 +35,17 @@ pub struct Comm {
     /// per-message check is the only one). Costs one small all-gather per collective.
     #[serde(default)]
     pub verify: bool,
+    /// Which of the communicators over the same chips this is: a PyTorch program may make
+    /// several groups of the same ranks, and each keeps its own sequence of calls, as each
+    /// NCCL communicator does (collectives on one never meet those on another).
+    #[serde(default)]
+    pub instance: u32,
 }
+
+/// Where a communicator's instance sits in its fingerprints' group key: above the group id
+/// and the debug-exchange bit, below the point-to-point channel bit.
+const INSTANCE_SHIFT: u32 = podsim_topology::Group::ID_BITS + 1;
+const INSTANCE_MASK: u32 = (1 << (63 - INSTANCE_SHIFT)) - 1;
 
 impl Comm {
     pub fn new(group: Group, algo: Algo) -> Comm {
@@ -44,6 +54,21 @@ impl Comm {
             algo,
             dtype: DType::F32,
             verify: false,
+            instance: 0,
+        }
+    }
+
+    /// The key of this communicator's sequence of calls (its fingerprints' `group`): the
+    /// group's id, and its instance when not the first over those chips.
+    pub fn key(&self) -> u64 {
+        self.group.id() | u64::from(self.instance & INSTANCE_MASK) << INSTANCE_SHIFT
+    }
+
+    /// How it is named in traces and diagnoses.
+    fn label(&self) -> String {
+        match self.instance {
+            0 => self.group.to_string(),
+            n => format!("{} (instance {n})", self.group),
         }
     }
 
@@ -97,7 +122,14 @@ impl Chip {
         reduce: Option<ReduceOp>,
     ) -> Result<Fingerprint, CollectiveError> {
         let fp = self
-            .begin(comm.group, op, comm.dtype, input.len(), reduce)
+            .begin_on(
+                comm.key(),
+                || comm.label(),
+                op,
+                comm.dtype,
+                input.len(),
+                reduce,
+            )
             .await;
         // Its launch and the group's synchronisation, before any data moves.
         let overhead = self.hardware().collective_overhead_ns;
@@ -367,7 +399,14 @@ impl Chip {
     pub async fn barrier(&mut self, comm: &Comm) -> Result<(), CollectiveError> {
         let n = comm.group.size(self.pod()) as usize;
         let fp = self
-            .begin(comm.group, OpKind::Barrier, comm.dtype, 0, None)
+            .begin_on(
+                comm.key(),
+                || comm.label(),
+                OpKind::Barrier,
+                comm.dtype,
+                0,
+                None,
+            )
             .await;
         self.set_verify(false);
         // One token per member, reduced and gathered: nobody leaves before everybody arrived.

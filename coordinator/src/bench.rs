@@ -229,6 +229,7 @@ impl BenchPlan {
             algo,
             dtype,
             verify: false,
+            instance: 0,
         };
         if a.symmetric {
             let mut why = podsim_collectives::symmetry_obstacles(meta, [op]);

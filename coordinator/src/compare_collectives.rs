@@ -191,6 +191,7 @@ fn case(row: &Row<'_>, overrides: &HardwareOverrides) -> Result<Case, String> {
         algo: Algo::Torus,
         dtype,
         verify: false,
+        instance: 0,
     };
     Ok(Case {
         plan: BenchPlan::meta_in_process(pod, hardware, op, comm, ReduceOp::Sum, size),

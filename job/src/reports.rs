@@ -71,6 +71,7 @@ impl CollectiveStep {
                 algo: self.algo,
                 dtype: self.dtype,
                 verify: false,
+                instance: 0,
             },
             reduce: self.reduce,
             count: self.count(pod),

@@ -124,6 +124,7 @@ fn spec() -> JobSpec {
                     algo: Algo::Ring,
                     dtype: DType::F32,
                     verify: false,
+                    instance: 0,
                 },
                 reduce: ReduceOp::Sum,
                 count: 4,

@@ -520,7 +520,12 @@ async fn handle(
                     })?;
             let error = group
                 .map(|g| {
-                    served.groups.insert(id, Comm::new(g, context.spec.algo));
+                    // Groups of the same chips made before: this one is the next instance
+                    // (every member makes them in the same order, as torch requires).
+                    let instance = served.groups.values().filter(|c| c.group == g).count();
+                    let mut comm = Comm::new(g, context.spec.algo);
+                    comm.instance = u32::try_from(instance).unwrap_or(u32::MAX);
+                    served.groups.insert(id, comm);
                 })
                 .err();
             (reply(chip, error), None)
