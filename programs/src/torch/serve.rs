@@ -229,6 +229,21 @@ struct Served {
 }
 
 impl Served {
+    /// Group `id` of the rank, over `group`'s chips: the next instance of a communicator over
+    /// them (every member makes its groups in the same order, as torch requires), so that two
+    /// groups of the same ranks keep separate sequences of calls.
+    fn add_group(
+        &mut self,
+        id: u32,
+        group: podsim_topology::Group,
+        algo: podsim_collectives::Algo,
+    ) {
+        let instance = self.groups.values().filter(|c| c.group == group).count();
+        let mut comm = Comm::new(group, algo);
+        comm.instance = u32::try_from(instance).unwrap_or(u32::MAX);
+        self.groups.insert(id, comm);
+    }
+
     fn new(rank: &Rank, progress: &Progress) -> Served {
         Served {
             groups: HashMap::new(),
@@ -519,14 +534,7 @@ async fn handle(
                         }
                     })?;
             let error = group
-                .map(|g| {
-                    // Groups of the same chips made before: this one is the next instance
-                    // (every member makes them in the same order, as torch requires).
-                    let instance = served.groups.values().filter(|c| c.group == g).count();
-                    let mut comm = Comm::new(g, context.spec.algo);
-                    comm.instance = u32::try_from(instance).unwrap_or(u32::MAX);
-                    served.groups.insert(id, comm);
-                })
+                .map(|g| served.add_group(id, g, context.spec.algo))
                 .err();
             (reply(chip, error), None)
         }
