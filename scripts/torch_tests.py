@@ -780,6 +780,22 @@ def case_same_ranks_two_groups(args):
     return ok, f"exit {p.returncode}, status {report.get('status')}, wall {wall:.1f} s: {text[-400:]}"
 
 
+def case_rank_killed_by_sigkill(args):
+    """A rank killed by SIGKILL (the out-of-memory killer, kill -9) is told as such: the rank's
+    stub set a handler for the signal it was to end by, which for SIGKILL raises, and the rank
+    was reported as "exited with code 1 (OSError: Invalid argument)"."""
+    program = ("import os, torch.distributed as dist\n"
+               "dist.init_process_group('gloo')\n"
+               "dist.barrier()\n"
+               "if dist.get_rank() == 2: os.kill(os.getpid(), 9)\n"
+               "dist.barrier()\n")
+    p, wall, report = run_inline(args, program, "--topology", "2x2")
+    text = p.stdout + p.stderr
+    ok = (p.returncode == 3 and "Rank 2 (pid" in text
+          and "was killed by signal 9 (SIGKILL" in text and "OSError" not in text)
+    return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
+
+
 def case_verified_rank_fails_early(args):
     """Meta mode: a verified rank whose program fails before its process group (its arguments,
     an import) is a program error naming the rank and its exit, not a dead worker."""
@@ -1219,6 +1235,7 @@ def main():
         ("meta mode: a rank that skips a backward is a desync", lambda: case_verify_ranks(args)),
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
         ("two groups of the same ranks are two communicators", lambda: case_same_ranks_two_groups(args)),
+        ("a rank killed by SIGKILL is told as such", lambda: case_rank_killed_by_sigkill(args)),
         ("meta mode: a verified rank failing before its process group is a program error",
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: a representative's exception beside shadows of other classes is its error",

@@ -53,7 +53,10 @@ for line in said.decode(errors="replace").splitlines():
     if what == "exit":
         os._exit(int(value))
     if what == "signal":
-        signal.signal(int(value), signal.SIG_DFL)
+        # End as the rank ended. SIGKILL and SIGSTOP take no handler (setting one raises), and
+        # need none to be restored.
+        if int(value) not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(int(value), signal.SIG_DFL)
         os.kill(os.getpid(), int(value))
         time.sleep(1)
         os._exit(128 + int(value))
