@@ -796,6 +796,23 @@ def case_rank_killed_by_sigkill(args):
     return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
 
 
+def case_busy_rank_is_a_hang(args):
+    """A rank that loops for ever in its own code while its peers wait is a hang, named at its
+    line once the busy limit passes: its CPU use had excused it for good (no diagnosis in
+    120 s of a 2 s watchdog)."""
+    program = ("import torch.distributed as dist\n"
+               "dist.init_process_group('gloo')\n"
+               "dist.barrier()\n"
+               "while dist.get_rank() == 1: pass\n"
+               "dist.barrier()\n")
+    p, wall, report = run_inline(args, program, "--topology", "2x2",
+                                 "--set", "watchdog.busy_timeout_s=3")
+    text = p.stdout + p.stderr
+    ok = (p.returncode == 3 and "busy in its program's own work" in text
+          and "Rank 1's Python program is at <string>:4" in text and wall < 30)
+    return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
+
+
 def case_verified_rank_fails_early(args):
     """Meta mode: a verified rank whose program fails before its process group (its arguments,
     an import) is a program error naming the rank and its exit, not a dead worker."""
@@ -1236,6 +1253,7 @@ def main():
         ("meta mode: 70B on 8 chips is out of HBM", lambda: case_out_of_hbm(args)),
         ("two groups of the same ranks are two communicators", lambda: case_same_ranks_two_groups(args)),
         ("a rank killed by SIGKILL is told as such", lambda: case_rank_killed_by_sigkill(args)),
+        ("a rank busy for ever in its own code is a hang", lambda: case_busy_rank_is_a_hang(args)),
         ("meta mode: a verified rank failing before its process group is a program error",
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: a representative's exception beside shadows of other classes is its error",

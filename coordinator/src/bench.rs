@@ -335,6 +335,7 @@ impl BenchPlan {
             heartbeat_ms,
             recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
             watchdog_ms,
+            busy_ms: podsim_job::DEFAULT_BUSY_MS,
             symmetric: false,
             trace: self.trace.clone(),
             transport: self.transport,

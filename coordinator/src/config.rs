@@ -70,6 +70,10 @@ impl fmt::Display for ConfigErrors {
 pub struct Watchdog {
     pub timeout_ms: u64,
     pub heartbeat_ms: u64,
+    /// How long a chip may stay busy in its program's own code (a kernel, a PyTorch rank's
+    /// Python between calls) while peers wait on it before it is a hang: NCCL's default
+    /// timeout, 10 minutes, unless `busy_timeout_s` says otherwise.
+    pub busy_ms: u64,
     /// Collectives each chip's flight recorder keeps.
     pub recorder_entries: usize,
 }
@@ -110,6 +114,7 @@ impl JobConfig {
             heartbeat_ms: self.watchdog.heartbeat_ms,
             recorder_entries: self.watchdog.recorder_entries,
             watchdog_ms: self.watchdog.timeout_ms,
+            busy_ms: self.watchdog.busy_ms,
             symmetric: self.symmetric,
             trace: None,
             transport: self.transport,
@@ -469,6 +474,8 @@ table! {
         // An hour, a minute.
         timeout_ms: Option<u64> {1..=3_600_000},
         heartbeat_ms: Option<u64> {1..=60_000},
+        // A second, a day.
+        busy_timeout_s: Option<u64> {1..=86_400},
         recorder_entries: Option<usize> {1..=1_000_000},
     }
 }
@@ -1487,6 +1494,9 @@ fn watchdog_settings(
             // A few heartbeats at least, when a heartbeat is set long.
             .unwrap_or(timeout_ms.max(4 * heartbeat_ms)),
         heartbeat_ms,
+        busy_ms: watchdog
+            .busy_timeout_s
+            .map_or(podsim_job::DEFAULT_BUSY_MS, |s| s * 1000),
         recorder_entries: watchdog.recorder_entries.unwrap_or(2000),
     };
     if wd.timeout_ms < 2 * wd.heartbeat_ms {

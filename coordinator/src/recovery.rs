@@ -248,6 +248,7 @@ mod tests {
             heartbeat_ms: 100,
             recorder_entries: 100,
             watchdog_ms: 2000,
+            busy_ms: podsim_job::DEFAULT_BUSY_MS,
             symmetric: false,
             trace: None,
             transport: Default::default(),

@@ -438,14 +438,36 @@ pub struct Culprit {
     pub python_stack: Vec<String>,
 }
 
-/// The explanation, and where a PyTorch culprit's Python program sits (its innermost frame).
+/// Whether a `file:line function` frame is in installed packages, the standard library or
+/// podsim's own Python, not in the program.
+fn in_a_package(frame: &str) -> bool {
+    let file = frame.split(':').next().unwrap_or(frame);
+    let stdlib = file
+        .split("/lib/python3.")
+        .nth(1)
+        .is_some_and(|rest| rest.split_once('/').is_some());
+    ["/site-packages/", "/dist-packages/", "<frozen "]
+        .iter()
+        .any(|p| file.contains(p))
+        || stdlib
+        || file.contains("/podsim/_")
+        || file.ends_with("/podsim/torch.py")
+}
+
+/// The explanation, and where a PyTorch culprit's Python program sits: its innermost frame
+/// of the program's own code, and the innermost of all when that is in a package or the
+/// standard library (a loop calling `dist.get_rank()` sits in torch most of the time).
 fn with_python_line(
     f: &crate::watchdog::Finding,
     recorders: &BTreeMap<u32, serde_json::Value>,
 ) -> String {
     let stack = host_stack_of(recorders, f.chip);
-    let (Some(line), Some(chip)) = (stack.last(), f.chip) else {
+    let (Some(innermost), Some(chip)) = (stack.last(), f.chip) else {
         return f.explanation.clone();
+    };
+    let line = match stack.iter().rev().find(|frame| !in_a_package(frame)) {
+        Some(own) if own != innermost => format!("{own} (inside {innermost})"),
+        _ => innermost.clone(),
     };
     match f.kind {
         HangKind::StalledChip => format!(
@@ -1432,6 +1454,25 @@ fn median(values: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_in_a_package_or_the_standard_library_is_not_the_programs() {
+        for frame in [
+            "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:3472 get_rank",
+            "/usr/lib/python3.11/subprocess.py:2004 _try_wait",
+            "<frozen importlib._bootstrap>:241 _call_with_frames_removed",
+            "/work/python/podsim/_meta.py:211 _site",
+        ] {
+            assert!(in_a_package(frame), "{frame}");
+        }
+        for frame in [
+            "<string>:4 <module>",
+            "/home/me/train.py:12 main",
+            "/home/me/lib/python3.11.py:1 x",
+        ] {
+            assert!(!in_a_package(frame), "{frame}");
+        }
+    }
 
     #[test]
     fn final_parameters_beyond_rounding_or_not_a_number_are_wrong_results() {

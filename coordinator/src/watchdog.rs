@@ -633,12 +633,22 @@ impl Watchdog {
             link,
             seq: fp.map(|f| f.seq),
             op: fp.map(|f| f.op.to_string()),
-            explanation: format!(
-                "{} stopped at step {} {what} without waiting on any peer, and {} on it{through}: look at what that chip's program is doing (a stuck kernel, a lock, host code).",
-                self.describe_chip(chip, Some(worker)),
-                root.status.step,
-                Self::describe_waiting(&waiting),
-            ),
+            explanation: match root.status.computing_since_ns {
+                // Past the workers' busy limit: its own work that long is the hang.
+                Some(since) => format!(
+                    "{} has been busy in its program's own work for {:.0} s at step {} {what}, past the watchdog's busy limit ([watchdog] busy_timeout_s), and {} on it{through}: a loop that never ends, or host work longer than the limit.",
+                    self.describe_chip(chip, Some(worker)),
+                    podsim_collectives::wall_ns().saturating_sub(since) as f64 / 1e9,
+                    root.status.step,
+                    Self::describe_waiting(&waiting),
+                ),
+                None => format!(
+                    "{} stopped at step {} {what} without waiting on any peer, and {} on it{through}: look at what that chip's program is doing (a stuck kernel, a lock, host code).",
+                    self.describe_chip(chip, Some(worker)),
+                    root.status.step,
+                    Self::describe_waiting(&waiting),
+                ),
+            },
             waiting,
             effect_wall_ns: root.quiet_since_wall_ns,
         }
@@ -1073,6 +1083,38 @@ mod tests {
             "{}",
             f.explanation
         );
+    }
+
+    #[test]
+    fn a_chip_busy_past_the_busy_limit_is_a_root_and_within_it_is_excused() {
+        // Chip 2 has been in its program's own work for a second (a PyTorch rank's loop) while
+        // chips 0, 1 and 3 wait on it.
+        let t0 = Instant::now();
+        let mut chips = [
+            status(0, 5, &[(1, PLUS)]),
+            status(1, 5, &[(2, PLUS)]),
+            status(2, 5, &[]),
+            status(3, 5, &[(2, MINUS)]),
+        ];
+        chips[2].computing_since_ns = Some(wall_ns() - 1_000_000_000);
+        for (limit, hang) in [(Duration::from_secs(600), false), (T * 5, true)] {
+            let mut w = watchdog(&[0], t0);
+            let mut worker = Worker::new(0, &[0, 1, 2, 3], t0);
+            worker.summariser = worker.summariser.with_busy_limit(limit);
+            for at in [t0, t0 + T * 2, t0 + T * 3] {
+                worker.beat(&mut w, &chips, at);
+            }
+            let f = check(&mut w, t0 + T * 3);
+            assert_eq!(f.is_some(), hang, "limit {limit:?}: {f:?}");
+            if let Some(f) = f {
+                assert_eq!((f.kind, f.chip), (HangKind::StalledChip, Some(2)));
+                assert!(
+                    f.explanation.contains("busy in its program's own work"),
+                    "{}",
+                    f.explanation
+                );
+            }
+        }
     }
 
     #[test]

@@ -183,6 +183,11 @@ pub struct HeartbeatStatus {
 /// carry the summary alone.
 pub const STRAGGLER_WAITS_CHIPS: usize = 2500;
 
+/// How long a chip may stay busy in its program's own code while peers wait on it before it
+/// is a hang, ms: NCCL's default timeout (10 minutes). A kernel or a rank's host work that
+/// long is rare; a loop that never ends is otherwise never told.
+pub const DEFAULT_BUSY_MS: u64 = 600_000;
+
 /// The watchdog's heartbeat interval and hang timeout, ms, for a worker hosting
 /// `chips_per_worker` chips: the one place these defaults are written (configs, `podsim
 /// bench` and a job description without them all take them from here).

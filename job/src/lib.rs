@@ -26,7 +26,8 @@ pub mod torch;
 pub use bench::{BenchCase, buffer_bytes, data_mode_buffers, elements_for_buffer};
 pub use faults::{DesyncMode, FaultEvent, FaultKind, FaultSpec};
 pub use heartbeat::{
-    HeartbeatStatus, Ranges, Root, STRAGGLER_WAITS_CHIPS, Summary, Wait, watchdog_defaults,
+    DEFAULT_BUSY_MS, HeartbeatStatus, Ranges, Root, STRAGGLER_WAITS_CHIPS, Summary, Wait,
+    watchdog_defaults,
 };
 pub use program::Eager;
 pub use reports::{

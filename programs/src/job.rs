@@ -36,6 +36,10 @@ pub struct JobSpec {
     /// The coordinator's hang timeout, ms (workers do not use it).
     #[serde(default = "default_watchdog_ms")]
     pub watchdog_ms: u64,
+    /// How long a chip may stay busy in its program's own code while peers wait on it before
+    /// the workers' watch takes it for a hang, ms (`[watchdog] busy_timeout_s`).
+    #[serde(default = "default_busy_ms")]
+    pub busy_ms: u64,
     /// Simulate chip 0 alone on a mirror fabric, standing for every chip (see
     /// `podsim_collectives::MirrorRouter`): symmetric meta-mode jobs at any scale.
     #[serde(default)]
@@ -110,6 +114,10 @@ fn default_heartbeat_ms() -> u64 {
 
 fn default_recorder_entries() -> usize {
     podsim_collectives::DEFAULT_RECORDER_ENTRIES
+}
+
+fn default_busy_ms() -> u64 {
+    podsim_job::DEFAULT_BUSY_MS
 }
 
 fn default_watchdog_ms() -> u64 {

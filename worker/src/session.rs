@@ -455,7 +455,8 @@ impl Heartbeats {
             recorders.iter().map(|r| r.chip()).collect(),
             Duration::from_millis(spec.watchdog_ms),
             std::time::Instant::now(),
-        );
+        )
+        .with_busy_limit(Duration::from_millis(spec.busy_ms));
         let mut cpu_wait = podsim_collectives::CpuWaitMeter::new(std::time::Instant::now());
         let beats = async move {
             let mut tick = tokio::time::interval(every);

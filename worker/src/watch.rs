@@ -64,6 +64,10 @@ pub struct Summariser {
     /// Per local chip: the link slots that lead to another worker's chips.
     boundary: Vec<Vec<u8>>,
     timeout: Duration,
+    /// How long a chip may be inside its program's own work (a kernel, a PyTorch rank's
+    /// Python between calls) before that excuses it no more: past it, a chip busy while its
+    /// peers wait is a root like a stopped one (a loop that never ends).
+    busy_limit: Duration,
     track: Vec<Track>,
     /// Boundary send counters as last reported.
     reported: HashMap<(ChipId, u8), u64>,
@@ -118,7 +122,25 @@ impl Summariser {
             suspects: HashMap::new(),
             root_candidates: HashSet::new(),
             new_root_candidates: 0,
+            busy_limit: Duration::from_millis(podsim_job::DEFAULT_BUSY_MS),
         }
+    }
+
+    /// The same, with chips excused for their own work for `limit` at most.
+    pub fn with_busy_limit(self, limit: Duration) -> Summariser {
+        Summariser {
+            busy_limit: limit,
+            ..self
+        }
+    }
+
+    /// Whether `status` shows its chip inside its program's own work, for less than the busy
+    /// limit at `wall_ns`.
+    fn busy(&self, status: &ChipStatus, wall_ns: u64) -> bool {
+        let limit = self.busy_limit.as_nanos() as u64;
+        status
+            .computing_since_ns
+            .is_some_and(|since| wall_ns.saturating_sub(since) < limit)
     }
 
     /// One heartbeat: `key(i)` and `status(i)` read local chip `i` (in the order given to
@@ -174,6 +196,7 @@ impl Summariser {
         let settle = self.timeout / 4;
         let timeout_ns = self.timeout.as_nanos() as u64;
         let mut r = Reading {
+            wall_ns,
             // Verdicts only when every runnable chip has had its turn recently.
             trusted: lag < settle,
             settle,
@@ -222,7 +245,7 @@ impl Summariser {
                 live.push(i);
                 continue;
             };
-            if s.computing_since_ns.is_some() {
+            if self.busy(s, r.wall_ns) {
                 live.push(i);
             }
             for b in &s.blocked {
@@ -341,7 +364,7 @@ impl Summariser {
         if self.track[i]
             .status
             .as_ref()
-            .is_none_or(|s| !s.blocked.is_empty() || s.computing_since_ns.is_some())
+            .is_none_or(|s| !s.blocked.is_empty() || self.busy(s, r.wall_ns))
         {
             return None;
         }
@@ -351,7 +374,7 @@ impl Summariser {
             .is_some_and(|k| k.progress == fresh.progress);
         let root = unchanged
             && fresh.blocked.is_empty()
-            && fresh.computing_since_ns.is_none()
+            && !self.busy(&fresh, r.wall_ns)
             && (r.trusted || fresh.idle);
         root.then_some(fresh)
     }
@@ -529,6 +552,8 @@ impl Summariser {
 
 /// What one heartbeat read of the local chips (`Summariser::glance`, then `excuse`).
 struct Reading {
+    /// When it was read (wall clock, ns).
+    wall_ns: u64,
     /// Every runnable chip has had its turn recently: verdicts may be given.
     trusted: bool,
     /// A quarter of the timeout: quiet this long is waiting.

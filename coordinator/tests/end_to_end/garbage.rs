@@ -138,6 +138,7 @@ fn spec() -> JobSpec {
         heartbeat_ms: 100,
         recorder_entries: podsim_collectives::DEFAULT_RECORDER_ENTRIES,
         watchdog_ms: 2000,
+        busy_ms: podsim_job::DEFAULT_BUSY_MS,
         symmetric: false,
         trace: None,
         transport: Default::default(),
