@@ -813,6 +813,27 @@ def case_busy_rank_is_a_hang(args):
     return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
 
 
+def case_meta_dtypes_priced_by_bytes(args):
+    """Meta mode: a broadcast of bf16 and an all-reduce of int64 cost what float32 ones of the
+    same bytes cost: both had run as an all-gather, charging the group's size times the data
+    (4.5 s for a 0.5 GiB bf16 broadcast at 4,096 chips, summarised as an all-gather)."""
+    def program(broadcast, reduced):
+        return ("import torch, torch.distributed as dist\n"
+                "dist.init_process_group('nccl')\n"
+                "def sized(dt): return torch.zeros(2**27 // torch.empty(0, dtype=dt).element_size(), "
+                "dtype=dt, device='cuda')\n"
+                f"dist.broadcast(sized(torch.{broadcast}), src=0)\n"
+                f"dist.all_reduce(sized(torch.{reduced}))\n")
+    said = []
+    for broadcast, reduced in (("bfloat16", "int64"), ("float32", "float32")):
+        p, wall, report = run_inline(args, program(broadcast, reduced), "--topology", "16x16x16",
+                                     "--mode", "meta")
+        line = next((l for l in p.stdout.splitlines() if l.strip().startswith("rank 0:")), "")
+        said.append(line.strip())
+    ok = said[0] == said[1] and "broadcast x1" in said[0] and "all-reduce x1" in said[0]
+    return ok, f"bf16 and int64: {said[0]!r}; float32: {said[1]!r}"
+
+
 def case_verified_rank_fails_early(args):
     """Meta mode: a verified rank whose program fails before its process group (its arguments,
     an import) is a program error naming the rank and its exit, not a dead worker."""
@@ -1254,6 +1275,8 @@ def main():
         ("two groups of the same ranks are two communicators", lambda: case_same_ranks_two_groups(args)),
         ("a rank killed by SIGKILL is told as such", lambda: case_rank_killed_by_sigkill(args)),
         ("a rank busy for ever in its own code is a hang", lambda: case_busy_rank_is_a_hang(args)),
+        ("meta mode: collectives of any dtype are priced by their bytes",
+         lambda: case_meta_dtypes_priced_by_bytes(args)),
         ("meta mode: a verified rank failing before its process group is a program error",
          lambda: case_verified_rank_fails_early(args)),
         ("meta mode: a representative's exception beside shadows of other classes is its error",
