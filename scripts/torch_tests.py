@@ -834,6 +834,23 @@ def case_meta_dtypes_priced_by_bytes(args):
     return ok, f"bf16 and int64: {said[0]!r}; float32: {said[1]!r}"
 
 
+def case_rank_that_exits_early(args):
+    """A rank that exits 0 before its peers' last collective is told as a rank gone while
+    they wait, not as a chip whose program is stuck (a stuck kernel, a lock) at a line it
+    never ran."""
+    program = ("import sys, torch, torch.distributed as dist\n"
+               "dist.init_process_group('gloo')\n"
+               "x = torch.ones(4)\n"
+               "for i in range(5):\n"
+               "    if dist.get_rank() == 2 and i == 3: sys.exit(0)\n"
+               "    dist.all_reduce(x)\n")
+    p, wall, report = run_inline(args, program, "--topology", "2x2")
+    text = p.stdout + p.stderr
+    ok = (p.returncode == 3 and "its program ended (rank 2 exited with code 0)" in text
+          and "after 3 collectives" in text and "Python program is at" not in text)
+    return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
+
+
 def case_verified_rank_fails_early(args):
     """Meta mode: a verified rank whose program fails before its process group (its arguments,
     an import) is a program error naming the rank and its exit, not a dead worker."""
@@ -1275,6 +1292,7 @@ def main():
         ("two groups of the same ranks are two communicators", lambda: case_same_ranks_two_groups(args)),
         ("a rank killed by SIGKILL is told as such", lambda: case_rank_killed_by_sigkill(args)),
         ("a rank busy for ever in its own code is a hang", lambda: case_busy_rank_is_a_hang(args)),
+        ("a rank that exits early is told as gone", lambda: case_rank_that_exits_early(args)),
         ("meta mode: collectives of any dtype are priced by their bytes",
          lambda: case_meta_dtypes_priced_by_bytes(args)),
         ("meta mode: a verified rank failing before its process group is a program error",

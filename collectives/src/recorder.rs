@@ -119,6 +119,10 @@ pub struct ChipStatus {
     /// See [`Glance::idle`].
     #[serde(default)]
     pub idle: bool,
+    /// How the program driving the chip ended, once it has (a PyTorch rank that exited while
+    /// its peers still call collectives): a chip nobody drives any more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended: Option<String>,
 }
 
 #[derive(Debug)]
@@ -129,6 +133,7 @@ struct Inner {
     completed: u64,
     step: u64,
     host_stack: Vec<String>,
+    ended: Option<String>,
 }
 
 /// A chip's flight recorder.
@@ -183,6 +188,7 @@ impl FlightRecorder {
                 completed: 0,
                 step: 0,
                 host_stack: Vec::new(),
+                ended: None,
             }),
             progress: AtomicU64::new(0),
             sent: Default::default(),
@@ -299,6 +305,16 @@ impl FlightRecorder {
         self.lock().host_stack.clone()
     }
 
+    /// The program driving the chip ended, `how` (`exited with code 0`): its chip will make
+    /// no call again.
+    pub fn program_ended(&self, how: String) {
+        self.bump();
+        let mut g = self.lock();
+        g.ended = Some(how);
+        // Where it was last sampled is not where it ended: no line rather than a wrong one.
+        g.host_stack.clear();
+    }
+
     /// The executor woke the chip.
     pub(crate) fn set_runnable(&self) {
         self.run_state
@@ -379,6 +395,7 @@ impl FlightRecorder {
                 .collect(),
             pending,
             idle: self.idle(),
+            ended: g.ended.clone(),
         }
     }
 

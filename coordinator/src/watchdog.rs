@@ -634,6 +634,15 @@ impl Watchdog {
             seq: fp.map(|f| f.seq),
             op: fp.map(|f| f.op.to_string()),
             explanation: match root.status.computing_since_ns {
+                // Its program ended while its peers still call collectives with it.
+                _ if root.status.ended.is_some() => format!(
+                    "{}: its program ended ({}) at step {} after {} collectives, and {} on it{through} {what}: the ranks did not make the same calls (one left its loop early, or skipped a call).",
+                    self.describe_chip(chip, Some(worker)),
+                    root.status.ended.as_deref().unwrap_or_default(),
+                    root.status.step,
+                    root.status.completed,
+                    Self::describe_waiting(&waiting),
+                ),
                 // Past the workers' busy limit: its own work that long is the hang.
                 Some(since) => format!(
                     "{} has been busy in its program's own work for {:.0} s at step {} {what}, past the watchdog's busy limit ([watchdog] busy_timeout_s), and {} on it{through}: a loop that never ends, or host work longer than the limit.",

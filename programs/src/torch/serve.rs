@@ -497,6 +497,12 @@ fn finish(
         }
     }
     served.report.exit = exit.map(|e| e.to_string());
+    // Peers still waiting on this chip wait for a rank that is gone: said so in a diagnosis.
+    chip.recorder().program_ended(format!(
+        "rank {} {}",
+        chip.id(),
+        served.report.exit.as_deref().unwrap_or("ended")
+    ));
     served.report.virtual_ns = chip.clock();
     Ok(served.hand_on())
 }
