@@ -780,6 +780,16 @@ def case_same_ranks_two_groups(args):
     return ok, f"exit {p.returncode}, status {report.get('status')}, wall {wall:.1f} s: {text[-400:]}"
 
 
+def hang_told(args, program, flags, said, unsaid=(), most_s=None):
+    """`podsim run` of `program` (as text) with `flags` ends as a hang (exit 3) whose output
+    holds every text of `said` and none of `unsaid`, within `most_s` seconds if given."""
+    p, wall, report = run_inline(args, program, *flags)
+    text = p.stdout + p.stderr
+    ok = (p.returncode == 3 and all(s in text for s in said)
+          and not any(s in text for s in unsaid) and (most_s is None or wall < most_s))
+    return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
+
+
 def case_rank_killed_by_sigkill(args):
     """A rank killed by SIGKILL (the out-of-memory killer, kill -9) is told as such: the rank's
     stub set a handler for the signal it was to end by, which for SIGKILL raises, and the rank
@@ -789,11 +799,8 @@ def case_rank_killed_by_sigkill(args):
                "dist.barrier()\n"
                "if dist.get_rank() == 2: os.kill(os.getpid(), 9)\n"
                "dist.barrier()\n")
-    p, wall, report = run_inline(args, program, "--topology", "2x2")
-    text = p.stdout + p.stderr
-    ok = (p.returncode == 3 and "Rank 2 (pid" in text
-          and "was killed by signal 9 (SIGKILL" in text and "OSError" not in text)
-    return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
+    return hang_told(args, program, ["--topology", "2x2"],
+                     ["Rank 2 (pid", "was killed by signal 9 (SIGKILL"], ["OSError"])
 
 
 def case_busy_rank_is_a_hang(args):
@@ -805,12 +812,9 @@ def case_busy_rank_is_a_hang(args):
                "dist.barrier()\n"
                "while dist.get_rank() == 1: pass\n"
                "dist.barrier()\n")
-    p, wall, report = run_inline(args, program, "--topology", "2x2",
-                                 "--set", "watchdog.busy_timeout_s=3")
-    text = p.stdout + p.stderr
-    ok = (p.returncode == 3 and "busy in its program's own work" in text
-          and "Rank 1's Python program is at <string>:4" in text and wall < 30)
-    return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
+    return hang_told(args, program, ["--topology", "2x2", "--set", "watchdog.busy_timeout_s=3"],
+                     ["busy in its program's own work", "Rank 1's Python program is at <string>:4"],
+                     most_s=30)
 
 
 def case_meta_dtypes_priced_by_bytes(args):
@@ -844,11 +848,9 @@ def case_rank_that_exits_early(args):
                "for i in range(5):\n"
                "    if dist.get_rank() == 2 and i == 3: sys.exit(0)\n"
                "    dist.all_reduce(x)\n")
-    p, wall, report = run_inline(args, program, "--topology", "2x2")
-    text = p.stdout + p.stderr
-    ok = (p.returncode == 3 and "its program ended (rank 2 exited with code 0)" in text
-          and "after 3 collectives" in text and "Python program is at" not in text)
-    return ok, f"exit {p.returncode}, wall {wall:.1f} s: {text[-400:]}"
+    return hang_told(args, program, ["--topology", "2x2"],
+                     ["its program ended (rank 2 exited with code 0)", "after 3 collectives"],
+                     ["Python program is at"])
 
 
 def case_verified_rank_fails_early(args):
