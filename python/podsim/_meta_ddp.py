@@ -133,7 +133,10 @@ class _Bucket:
         for p in params:
             self.offsets.append(total)
             total += p.numel()
-        self.flat = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+        # Made from the parameter, not with `device="meta"`: a factory asked for the meta device
+        # by name is taken for the program's own meta tensor and not counted, and the C++
+        # reducer's buckets are in HBM (a gradient's size more than the parameters).
+        self.flat = params[0].new_empty(total)
         self.pending, self.works, self.future = len(params), [], None
 
     def view(self, position):
@@ -174,6 +177,9 @@ class Reducer:
         self._reset_backward()
 
     def _initialize_buckets(self, bucket_indices):
+        # The old buckets go first, as the C++ reducer clears its own before making new ones:
+        # both alive at once would peak a gradient's size above what the chip holds.
+        self.buckets = []
         self.buckets = [_Bucket([self.params[i] for i in b], list(b)) for b in bucket_indices]
         self.where = {i: (b, position) for b, bucket in enumerate(self.buckets)
                       for position, i in enumerate(bucket.indices)}
