@@ -252,11 +252,12 @@ fn external_mode_with_workers_started_by_hand() {
 
 #[test]
 fn a_worker_sent_to_a_server_that_is_not_podsims_says_so() {
-    // An HTTP/1 server (a wrong port, a proxy) answers every connection and closes it.
+    // An HTTP/1 server (a wrong port, a proxy) answers every connection and closes it, for as
+    // long as the test runs (the worker's client may connect several times).
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     std::thread::spawn(move || {
-        for stream in listener.incoming().flatten().take(4) {
+        for stream in listener.incoming().flatten() {
             let mut stream = stream;
             let mut buf = [0u8; 1024];
             let _ = std::io::Read::read(&mut stream, &mut buf);
