@@ -1153,6 +1153,7 @@ pub fn summary(report: &Report) -> String {
     }
     if let Some(t) = &report.torch {
         summarise_torch(&mut s, t);
+        s.push_str(&representatives_note(t, report.topology.chips));
     }
     if report.job.kind == "train" || report.job.kind == "torch" {
         s.push_str(&format!(
@@ -1307,6 +1308,24 @@ fn hbm_wait_note(ms: f64) -> String {
     }
 }
 
+/// Meta mode with ranks standing for others: which ran. A rank that would have run other
+/// code (a branch on its rank) did not, and nothing else tells the user so.
+fn representatives_note(t: &TorchRun, chips: u32) -> String {
+    let ran: Vec<u32> = t.ranks.iter().map(|r| r.rank).collect();
+    if ran.is_empty() || ran.len() as u64 >= u64::from(chips) {
+        return String::new();
+    }
+    let shown: Vec<String> = ran.iter().take(8).map(u32::to_string).collect();
+    format!(
+        "  ran {} of {chips} ranks ({}{}), each standing for the ranks alike on the torus: code \
+         only other ranks run (a branch on the rank) did not run; --verify-ranks N runs N more \
+         beside them, --verify-ranks 3,7 those ranks, and checks their calls\n",
+        ran.len(),
+        shown.join(", "),
+        if ran.len() > 8 { ", ..." } else { "" }
+    )
+}
+
 fn summarise_torch(s: &mut String, t: &TorchRun) {
     s.push_str(&format!("  {}\n", t.command.join(" ")));
     if !t.steps.is_empty() {
@@ -1454,6 +1473,31 @@ fn median(values: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_meta_run_of_representative_ranks_says_which_ran() {
+        let run = |ranks: &[u32]| TorchRun {
+            command: vec!["python".into()],
+            steps: Vec::new(),
+            ranks: ranks
+                .iter()
+                .map(|&rank| podsim_programs::RankReport {
+                    rank,
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        let note = representatives_note(&run(&[0]), 16);
+        assert!(
+            note.contains("ran 1 of 16 ranks (0)") && note.contains("--verify-ranks"),
+            "{note}"
+        );
+        assert_eq!(
+            representatives_note(&run(&[0, 1, 2, 3]), 4),
+            "",
+            "every rank ran"
+        );
+    }
 
     #[test]
     fn a_frame_in_a_package_or_the_standard_library_is_not_the_programs() {
