@@ -359,6 +359,7 @@ fn run_job(
     .map_err(CliError::Usage)?;
     // What a killed worker's ranks leave in sessions of their own comes here.
     podsim_links::procs::adopt_orphans();
+    let started = std::time::Instant::now();
     let rt = runtime()?;
     let mut spec = cfg.spec();
     let traced = traced_chips(cfg, trace, &mut spec)?;
@@ -398,6 +399,10 @@ fn run_job(
         report::add_failed_torch(&mut report, cfg, h);
     }
     report::add_recovery(&mut report, cfg, result.as_ref().ok(), restarts, refused);
+    if result.is_err() {
+        // A failed job has no finished attempt's wall time: the job's own, to its end.
+        report.wall_s = started.elapsed().as_secs_f64();
+    }
     // The summary first: a report that cannot be written (a full disk) still leaves the
     // job's outcome on the terminal, and the command then fails saying why.
     print!("{}", report::summary(&report));
