@@ -388,21 +388,7 @@ fn run_job(
         attempts.restarts,
         attempts.refused,
     );
-    let mut report = report::build(
-        cfg,
-        result
-            .as_ref()
-            .map_err(|e| (e.to_string(), roster.as_slice())),
-    );
-    if let Err(LaunchError::Hang(h)) = &result {
-        report::add_hang(&mut report, cfg, h);
-        report::add_failed_torch(&mut report, cfg, h);
-    }
-    report::add_recovery(&mut report, cfg, result.as_ref().ok(), restarts, refused);
-    if result.is_err() {
-        // A failed job has no finished attempt's wall time: the job's own, to its end.
-        report.wall_s = started.elapsed().as_secs_f64();
-    }
+    let report = job_report(cfg, &result, &roster, restarts, refused, started);
     // The summary first: a report that cannot be written (a full disk) still leaves the
     // job's outcome on the terminal, and the command then fails saying why.
     print!("{}", report::summary(&report));
@@ -428,6 +414,29 @@ fn run_job(
         }),
         Err(e) => Err(CliError::Job(e.to_string())),
     }
+}
+
+/// The report of a job whose attempts came to `result`: its diagnosis when it hung, its
+/// restarts, and, when it failed, its wall time from `started` to now (a failed job has no
+/// finished attempt's).
+fn job_report(
+    cfg: &JobConfig,
+    result: &Result<launch::Outcome, LaunchError>,
+    roster: &[launch::WorkerInfo],
+    restarts: Vec<podsim_coordinator::report::Restart>,
+    refused: Option<String>,
+    started: std::time::Instant,
+) -> report::Report {
+    let mut report = report::build(cfg, result.as_ref().map_err(|e| (e.to_string(), roster)));
+    if let Err(LaunchError::Hang(h)) = result {
+        report::add_hang(&mut report, cfg, h);
+        report::add_failed_torch(&mut report, cfg, h);
+    }
+    report::add_recovery(&mut report, cfg, result.as_ref().ok(), restarts, refused);
+    if result.is_err() {
+        report.wall_s = started.elapsed().as_secs_f64();
+    }
+    report
 }
 
 /// The chips whose timelines the job records (`spec.trace` is set to ask for them): those
