@@ -20,7 +20,7 @@ use crate::bits::{f32s_to_word, word_to_f32s};
 use crate::chip::{Call, Chip, Nanos};
 use crate::error::CollectiveError;
 use crate::fabric::Tag;
-use crate::fingerprint::{DType, Fingerprint, OpKind};
+use crate::fingerprint::{DType, Fingerprint, INSTANCE_SHIFT, OpKind};
 use crate::payload::Payload;
 use crate::reduce::ReduceOp;
 
@@ -42,9 +42,7 @@ pub struct Comm {
     pub instance: u32,
 }
 
-/// Where a communicator's instance sits in its fingerprints' group key: above the group id
-/// and the debug-exchange bit, below the point-to-point channel bit.
-const INSTANCE_SHIFT: u32 = podsim_topology::Group::ID_BITS + 1;
+/// The instances a key holds, between `INSTANCE_SHIFT` and the point-to-point channel bit.
 const INSTANCE_MASK: u32 = (1 << (63 - INSTANCE_SHIFT)) - 1;
 
 impl Comm {

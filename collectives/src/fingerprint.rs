@@ -141,6 +141,41 @@ impl Fingerprint {
     }
 }
 
+/// Where a communicator's instance sits in its fingerprints' group key (see `Comm::key`):
+/// above the group id and the debug-exchange bit, below the point-to-point channel bit.
+pub(crate) const INSTANCE_SHIFT: u32 = podsim_topology::Group::ID_BITS + 1;
+
+/// A group key as a reader knows the group: its axes (`{x,y}`) when it spans whole axes, its
+/// number when it holds parts of them (their spans are hashed into it), then which instance
+/// of a communicator over those chips it is, and a debug check's exchange.
+fn group_name(key: u64) -> String {
+    use podsim_topology::{Group, PodAxis};
+    let id = key & ((1 << Group::ID_BITS) - 1);
+    let mut name = match u8::try_from(id) {
+        Ok(mask) => {
+            let axes = [
+                PodAxis::Torus(0),
+                PodAxis::Torus(1),
+                PodAxis::Torus(2),
+                PodAxis::Slices,
+            ];
+            let group = (0..axes.len())
+                .filter(|&i| mask & (1 << i) != 0)
+                .fold(Group::of(&[]), |g, i| g.with(axes[i]));
+            group.to_string()
+        }
+        Err(_) => format!("#{id}"),
+    };
+    let instance = (key & !CHANNEL_BIT) >> INSTANCE_SHIFT;
+    if instance > 0 {
+        name.push_str(&format!(" (instance {instance})"));
+    }
+    if key >> Group::ID_BITS & 1 == 1 {
+        name.push_str(" (debug check)");
+    }
+    name
+}
+
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some((src, dst, tag)) = self.channel() {
@@ -163,7 +198,7 @@ impl fmt::Display for Fingerprint {
             "{}#{} on group {} ({} x {}",
             self.op,
             self.seq,
-            self.group,
+            group_name(self.group),
             self.count,
             self.dtype.name()
         )?;
@@ -171,5 +206,21 @@ impl fmt::Display for Fingerprint {
             write!(f, ", {r}")?;
         }
         f.write_str(")")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_group_key_reads_as_its_axes_instance_and_check() {
+        assert_eq!(group_name(0b011), "{x,y}");
+        assert_eq!(group_name(0b1100), "{z,dcn}");
+        assert_eq!(group_name(0b001 | 2 << INSTANCE_SHIFT), "{x} (instance 2)");
+        let verify = 1 << podsim_topology::Group::ID_BITS;
+        assert_eq!(group_name(0b111 | verify), "{x,y,z} (debug check)");
+        // A group of parts of axes: its spans are hashed into the id.
+        assert_eq!(group_name(0x0012_3401), "#1192961");
     }
 }
