@@ -878,6 +878,16 @@ def case_rank_that_exits_early(args):
                      ["Python program is at"])
 
 
+def case_data_mode_allocation_past_hbm(args):
+    """Data mode: an allocation past the chip's HBM (and past the host's memory) is the chip's
+    out of HBM, raised before it allocates - it failed as the host's allocator's error."""
+    program = ("import torch, torch.distributed as dist\n"
+               "dist.init_process_group('gloo')\n"
+               "x = torch.empty(int(60e9), dtype=torch.float32)\n")
+    return error_named(args, program, ["--topology", "2x2"],
+                       r"out of HBM: 0.00 GiB live and 223.52 GiB asked for on a v5p chip")
+
+
 def case_verified_rank_fails_early(args):
     """Meta mode: a verified rank whose program fails before its process group (its arguments,
     an import) is a program error naming the rank and its exit, not a dead worker."""
@@ -1322,6 +1332,7 @@ def main():
         ("a rank killed by SIGKILL is told as such", lambda: case_rank_killed_by_sigkill(args)),
         ("a rank busy for ever in its own code is a hang", lambda: case_busy_rank_is_a_hang(args)),
         ("a rank that exits early is told as gone", lambda: case_rank_that_exits_early(args)),
+        ("data mode: an allocation past HBM is out of HBM", lambda: case_data_mode_allocation_past_hbm(args)),
         ("meta mode: collectives of any dtype are priced by their bytes",
          lambda: case_meta_dtypes_priced_by_bytes(args)),
         ("meta mode: a verified rank failing before its process group is a program error",

@@ -7,6 +7,7 @@ parameters) are left to their own dispatch, so their local ops are counted once,
 shapes that really run on this chip.
 """
 
+import math
 import sys
 import weakref
 
@@ -162,6 +163,10 @@ class Compute(TorchDispatchMode):
                 # Other subclasses (fake tensors of sharding propagation, functional
                 # wrappers) run nothing on the chip: not counted.
                 return func(*args, **(kwargs or {}))
+        if not types and self.memory is not None and not self.paused:
+            # A factory asking for more than the chip has left fails before it allocates: past
+            # the host's memory too, it failed as the host's error, not the chip's.
+            self.memory.check_factory(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         if not types and _made_by_a_mode_below(out):
             # A factory (no tensor arguments) answered by a mode under this one: DTensor's
@@ -589,13 +594,35 @@ class Memory:
         self.peak_by_kind = dict(self.by_kind)
         return step
 
-    def _out_of_memory(self, func):
+    def check_factory(self, func, args, kwargs):
+        """Data mode: a factory (`torch.empty(size)`, `zeros`, `full`...) on the rank's device
+        that would take the live bytes past the chip's capacity raises now, before it
+        allocates. (Meta mode allocates nothing on the host; and a factory asked for the meta
+        device by name is the program's own meta tensor there, never counted.)"""
+        if self.device_type == "meta" or not self.capacity:
+            return
+        if not args or not isinstance(args[0], (list, tuple, torch.Size)):
+            return
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != self.device_type:
+            return
+        try:
+            elements = math.prod(int(d) for d in args[0])
+        except (TypeError, ValueError):
+            return  # symbolic sizes: counted when made
+        asked = elements * (kwargs.get("dtype") or torch.get_default_dtype()).itemsize
+        if self.total + asked > self.capacity:
+            self._out_of_memory(func, asked)
+
+    def _out_of_memory(self, func, asked=0):
         from .torch import _call_site
 
         capacity, self.capacity = self.capacity, 0  # raised once; what follows is the program's
         gib = 1 << 30
         kinds = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in self.by_kind.items())
+        asking = f" and {asked / gib:.2f} GiB asked for" if asked else ""
         raise torch.OutOfMemoryError(
-            f"podsim: out of HBM: {self.total / gib:.2f} GiB live on a {self.hardware} chip of "
-            f"{capacity / gib:.2f} GiB, at {func} ({_call_site() or 'an unknown line'}); {kinds}"
+            f"podsim: out of HBM: {self.total / gib:.2f} GiB live{asking} on a {self.hardware} "
+            f"chip of {capacity / gib:.2f} GiB, at {func} ({_call_site() or 'an unknown line'}); "
+            f"{kinds}"
         )
