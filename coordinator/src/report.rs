@@ -503,6 +503,11 @@ fn host_stack_of(recorders: &BTreeMap<u32, serde_json::Value>, chip: Option<u32>
 /// Fills `report.hang` from a diagnosed hang and writes the flight recorders into `dir`.
 pub fn add_hang(report: &mut Report, cfg: &JobConfig, h: &crate::launch::HangReport) {
     let f = &h.finding;
+    // How far the job got in virtual time: the latest collective a chip completed (the
+    // flight recorders keep each chip's last ones), not 0.
+    report.virtual_s = report
+        .virtual_s
+        .max(latest_completed_ns(&h.recorders) / 1e9);
     let mut files = Vec::new();
     for (worker, dump) in &h.recorders {
         let name = format!("flight-recorder-worker-{worker}.json");
@@ -1308,6 +1313,19 @@ fn hbm_wait_note(ms: f64) -> String {
     }
 }
 
+/// The latest virtual end of a collective any chip's flight recorder holds, ns.
+fn latest_completed_ns(recorders: &BTreeMap<u32, serde_json::Value>) -> f64 {
+    recorders
+        .values()
+        .filter_map(|dump| dump.as_array())
+        .flatten()
+        .filter_map(|chip| chip["entries"].as_array())
+        .flatten()
+        .filter_map(|entry| entry["virtual_end_ns"].as_f64())
+        .filter(|ns| ns.is_finite())
+        .fold(0.0, f64::max)
+}
+
 /// Meta mode with ranks standing for others: which ran. A rank that would have run other
 /// code (a branch on its rank) did not, and nothing else tells the user so.
 fn representatives_note(t: &TorchRun, chips: u32) -> String {
@@ -1473,6 +1491,18 @@ fn median(values: &[f64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hangs_virtual_time_is_the_latest_collective_a_recorder_holds() {
+        let dump = serde_json::json!([
+            {"entries": [{"virtual_end_ns": 7000.0}, {"virtual_end_ns": 14000.0}]},
+            {"entries": [{"virtual_end_ns": 9000.0}, {"state": "started"}]},
+            {"entries": []}
+        ]);
+        let recorders = BTreeMap::from([(0, dump), (1, serde_json::json!(null))]);
+        assert_eq!(latest_completed_ns(&recorders), 14000.0);
+        assert_eq!(latest_completed_ns(&BTreeMap::new()), 0.0);
+    }
 
     #[test]
     fn a_meta_run_of_representative_ranks_says_which_ran() {
