@@ -1535,7 +1535,7 @@ mod tests {
             "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py:3472 get_rank",
             "/usr/lib/python3.11/subprocess.py:2004 _try_wait",
             "<frozen importlib._bootstrap>:241 _call_with_frames_removed",
-            "/work/python/podsim/_meta.py:211 _site",
+            "/home/me/src/python/podsim/_meta.py:211 _site",
         ] {
             assert!(in_a_package(frame), "{frame}");
         }
