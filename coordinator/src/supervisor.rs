@@ -534,6 +534,19 @@ mod tests {
         }
     }
 
+    /// The kind of the first diagnosis `events` bring the supervisor to, if any.
+    fn first_finding<'a>(
+        s: &mut Supervisor,
+        events: impl Iterator<Item = Event<'a>>,
+    ) -> Option<HangKind> {
+        events
+            .map(|e| s.on(e))
+            .find(|d| *d != Decision::Continue)
+            .as_ref()
+            .and_then(kind)
+            .map(|k| k.0)
+    }
+
     fn kind(d: &Decision) -> Option<(HangKind, Option<u32>)> {
         match d {
             Decision::Diagnose(f) => Some((f.kind, f.worker)),
@@ -565,11 +578,8 @@ mod tests {
         assert!(pause_note(&s.watchdog).contains("did not run for 40.0 s"));
         // Silent for a timeout while the coordinator ticks: a frozen worker, as before.
         let later = (1..=6).map(|i| back + Duration::from_millis(500 * i));
-        let frozen = later
-            .map(|t| s.on(at(t)))
-            .find(|d| *d != Decision::Continue);
         assert_eq!(
-            frozen.as_ref().and_then(kind).map(|k| k.0),
+            first_finding(&mut s, later.map(at)),
             Some(HangKind::FrozenWorker)
         );
         // A coordinator slow on every tick (3 s, past the 2 s timeout and a tick) is
@@ -578,9 +588,8 @@ mod tests {
         s.on(Event::Message(0, ready()));
         s.on(Event::Message(1, ready()));
         let slow = (0..5).map(|i| t0 + Duration::from_secs(3 * i));
-        let judged = slow.map(|t| s.on(at(t))).find(|d| *d != Decision::Continue);
         assert_eq!(
-            judged.as_ref().and_then(kind).map(|k| k.0),
+            first_finding(&mut s, slow.map(at)),
             Some(HangKind::FrozenWorker)
         );
         // A pause that ended long before is no reason for a worker's end.
