@@ -467,7 +467,7 @@ fn describe_exit(status: std::process::ExitStatus) -> String {
     {
         use std::os::unix::process::ExitStatusExt;
         if let Some(sig) = status.signal() {
-            return crate::process_faults::killed_by(sig);
+            return podsim_links::procs::killed_by(sig);
         }
     }
     match status.code() {

@@ -6,20 +6,13 @@
 //! such mark, and nothing is inferred from it.
 
 use podsim_job::{FaultEvent, FaultKind, FaultSpec};
+use podsim_links::procs::killed_by;
 use podsim_programs::job::JobSpec;
 
 use crate::watchdog::{Finding, HangKind, STOPPED};
 
 /// SIGABRT, what `std::process::abort` (a crash fault) ends a process with.
 const SIGABRT: i32 = 6;
-
-/// How a worker process killed by signal `sig` is described (diagnoses quote it).
-pub fn killed_by(sig: i32) -> String {
-    match sig {
-        SIGABRT => "killed by signal 6 (SIGABRT: it aborted)".to_string(),
-        _ => format!("killed by signal {sig}"),
-    }
-}
 
 /// The crash or freeze fault `finding` shows fired, if no worker told of it (`told`): the
 /// one of that kind aimed at the finding's worker, not told of, whose `at_step` the job had

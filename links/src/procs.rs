@@ -358,6 +358,19 @@ pub fn kill_escaped() -> Vec<u32> {
     killed
 }
 
+/// How a process killed by signal `sig` is told, with the usual cause of the two that have
+/// one: SIGKILL, the kernel's out-of-memory killer's (or a `kill -9`); SIGABRT, an abort (what
+/// a crash fault does). Worker and rank exits alike.
+pub fn killed_by(sig: i32) -> String {
+    match sig {
+        libc::SIGKILL => {
+            "killed by signal 9 (SIGKILL: the host out of memory, or a kill -9)".into()
+        }
+        libc::SIGABRT => "killed by signal 6 (SIGABRT: it aborted)".into(),
+        _ => format!("killed by signal {sig}"),
+    }
+}
+
 /// The most processes this host lets the user start: the kernel's `pid_max`, or the soft
 /// `RLIMIT_NPROC` when lower and the user is not root (the kernel does not hold root to it);
 /// none when neither can be read.

@@ -50,11 +50,7 @@ impl RankExit {
 impl std::fmt::Display for RankExit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match (self.code, self.signal) {
-            // SIGKILL: what the kernel's out-of-memory killer sends, the usual cause.
-            (_, Some(9)) => f.write_str(
-                "was killed by signal 9 (SIGKILL: the host out of memory, or a kill -9)",
-            ),
-            (_, Some(s)) => write!(f, "was killed by signal {s}"),
+            (_, Some(s)) => write!(f, "was {}", podsim_links::procs::killed_by(s)),
             (Some(c), _) => write!(f, "exited with code {c}"),
             (None, None) => f.write_str("exited"),
         }
